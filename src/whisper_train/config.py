@@ -1,0 +1,330 @@
+"""Typed configuration for a training run, validated in one place.
+
+Four groups, each a dataclass whose fields carry their help text: `DataConfig`, `ModelConfig`,
+`MemoryConfig`, `TrainConfig`, gathered in `RunConfig`. The CLI turns every field into a flag
+(`--lora-r` for `lora_r`), a YAML file (`--config`) fills the same fields, flags override it, and
+`RunConfig.validate()` is the only place that rejects illegal combinations. The resolved
+configuration is written next to every saved model as `whisper-train.yaml`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from whisper_train.errors import UserError
+
+MODES = ("full", "lora", "freeze-encoder")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+SCHEDULERS = ("linear", "constant_with_warmup")
+OPTIMIZERS = ("adamw", "adamw-fused", "adamw8bit")
+TASKS = ("transcribe", "translate")
+# `on` is `full`; `every-N` checkpoints every Nth layer; `auto` picks from `--max-memory`.
+CHECKPOINT_POLICY = re.compile(r"^(off|on|full|encoder|auto|every-[1-9][0-9]*)$")
+
+
+def _help(text: str, **kwargs: Any) -> Any:
+    """A dataclass field whose metadata carries its CLI help."""
+    return field(metadata={"help": text}, **kwargs)
+
+
+@dataclass
+class DataConfig:
+    data: str | None = _help(
+        "Training data: an audiofolder (metadata.csv), a JSONL/CSV/TSV manifest, or another "
+        "layout that `check-data` recognises.",
+        default=None,
+    )
+    eval_data: str | None = _help(
+        "Held-out data in any accepted layout (default: a seeded split of --data).", default=None
+    )
+    data_format: str | None = _help("Force a layout instead of detecting it.", default=None)
+    eval_split: float = _help(
+        "Fraction of --data held out for evaluation when --eval-data is not given.", default=0.1
+    )
+    train_subset: int | None = _help("Use only the first N training utterances.", default=None)
+    eval_subset: int | None = _help("Use only the first N evaluation utterances.", default=None)
+    language: str | None = _help(
+        "Language of the speech (e.g. en, de); a per-row `language` column wins. "
+        "English-only checkpoints (*.en) accept only English.",
+        default=None,
+    )
+    task: str = _help("transcribe or translate (to English).", default="transcribe")
+    timestamps: bool = _help(
+        "Train with timestamp tokens where segment times are known.", default=False
+    )
+    strict: bool = _help(
+        "Stop on the first unusable clip instead of skipping and counting it.", default=False
+    )
+    spec_augment: bool = _help("SpecAugment (time and frequency masking).", default=False)
+    audio_augment: bool = _help(
+        "Waveform augmentation (noise, speed, gain), seeded by --seed.", default=False
+    )
+
+
+@dataclass
+class ModelConfig:
+    model: str = _help(
+        "A Hugging Face model folder or hub id, a CTranslate2/faster-whisper folder, a "
+        "whisper-train output folder, or the alias tiny.en.",
+        default="tiny.en",
+    )
+    mode: str = _help(
+        "full: train every weight; lora: low-rank adapters (peft); freeze-encoder: train the "
+        "decoder only.",
+        default="full",
+    )
+    lora_r: int = _help("LoRA rank.", default=32)
+    lora_alpha: int = _help("LoRA scaling numerator (scale = alpha / r).", default=64)
+    lora_dropout: float = _help("Dropout on the LoRA path.", default=0.05)
+    lora_targets: list[str] = _help(
+        "Comma-separated module names that get adapters.",
+        default_factory=lambda: ["q_proj", "v_proj"],
+    )
+    attn_implementation: str = _help("sdpa or eager attention.", default="sdpa")
+
+
+@dataclass
+class MemoryConfig:
+    gradient_checkpointing: str | None = _help(
+        "off | on | full | encoder | every-N | auto (default: full on a GPU, off on a CPU). "
+        "Always non-reentrant.",
+        default=None,
+    )
+    max_memory: str | None = _help(
+        "Device memory budget for --gradient-checkpointing auto, e.g. 4GB.", default=None
+    )
+    offload_activations: bool = _help(
+        "Keep checkpoint boundaries in host memory (CUDA; needs checkpointing).", default=False
+    )
+    precision: str = _help(
+        "auto (bf16 where supported, fp16 + loss scaling on older GPUs, fp32 on CPU), fp32, "
+        "bf16 or fp16.",
+        default="auto",
+    )
+    optim: str = _help("adamw, adamw-fused or adamw8bit (bitsandbytes).", default="adamw")
+    cache_encoder: bool | None = _help(
+        "Compute encoder outputs once and reuse them every epoch (default: on when the encoder "
+        "is frozen and audio is not augmented).",
+        default=None,
+    )
+    compile: bool = _help("torch.compile the model.", default=False)
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = _help("Where metrics, checkpoints and final/ go.", default="whisper-train-output")
+    epochs: float | None = _help("Passes over the training data (default 3).", default=None)
+    max_steps: int | None = _help("Optimizer steps; overrides --epochs.", default=None)
+    batch_size: int = _help("Utterances per micro-batch (per process).", default=8)
+    gradient_accumulation: int = _help("Micro-batches per optimizer step.", default=1)
+    learning_rate: float | None = _help(
+        "Peak learning rate (default 1e-5 for full, 1e-3 for lora, 3e-5 for freeze-encoder).",
+        default=None,
+    )
+    lr_scheduler: str = _help("linear or constant_with_warmup.", default="linear")
+    warmup_steps: int = _help("Linear warm-up steps.", default=0)
+    weight_decay: float = _help("AdamW weight decay.", default=0.0)
+    max_grad_norm: float = _help("Clip gradients to this global norm (0 disables).", default=1.0)
+    seed: int = _help("Seed for initialisation, data order, splits and augmentation.", default=42)
+    eval_steps: int | None = _help(
+        "Evaluate every N optimizer steps (default: only at the end).", default=None
+    )
+    only_train: bool = _help("Skip evaluation entirely.", default=False)
+    logging_steps: int = _help("Print the training loss every N optimizer steps.", default=1)
+    generation_max_length: int = _help("Longest transcript generated during evaluation.", default=225)
+    num_workers: int = _help("Data-loading worker processes.", default=0)
+
+
+GROUPS: dict[str, type] = {
+    "data": DataConfig,
+    "model": ModelConfig,
+    "memory": MemoryConfig,
+    "train": TrainConfig,
+}
+
+
+@dataclass
+class RunConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    # -- building -------------------------------------------------------------------------
+    @classmethod
+    def from_flat(cls, values: dict[str, Any]) -> RunConfig:
+        """Build from a flat {field_name: value} mapping (CLI flags); unknown keys are an error."""
+        config = cls()
+        config.update(values)
+        return config
+
+    def update(self, values: dict[str, Any], *, source: str = "flag") -> None:
+        """Set fields by flat name (`lora_r`) or nested group mapping (`{"model": {...}}`)."""
+        owners = field_owners()
+        for key, value in values.items():
+            key = key.replace("-", "_")
+            if key in GROUPS and isinstance(value, dict):
+                group = getattr(self, key)
+                for sub, sub_value in value.items():
+                    sub = sub.replace("-", "_")
+                    if sub not in {f.name for f in fields(group)}:
+                        raise UserError(f"{source}: unknown option '{key}.{sub}'; see `whisper-train train --help`")
+                    setattr(group, sub, _coerce(group, sub, sub_value, source))
+            elif key in owners:
+                group = getattr(self, owners[key])
+                setattr(group, key, _coerce(group, key, value, source))
+            else:
+                raise UserError(f"{source}: unknown option '{key}'; see `whisper-train train --help`")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> RunConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"--config {path}: no such file; pass a YAML file such as configs/lora.yaml")
+        try:
+            values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as exc:
+            raise UserError(f"--config {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        if not isinstance(values, dict):
+            raise UserError(f"--config {path}: expected a mapping of options, got {type(values).__name__}")
+        config = cls()
+        config.update(values, source=str(path))
+        return config
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in GROUPS}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    # -- the one place that validates -----------------------------------------------------
+    def validate(self) -> RunConfig:
+        """Reject illegal values and combinations with a message that names the flags."""
+        d, m, mem, t = self.data, self.model, self.memory, self.train
+        _one_of("--mode", m.mode, MODES)
+        _one_of("--task", d.task, TASKS)
+        _one_of("--precision", mem.precision, PRECISIONS)
+        _one_of("--optim", mem.optim, OPTIMIZERS)
+        _one_of("--lr-scheduler", t.lr_scheduler, SCHEDULERS)
+        _one_of("--attn-implementation", m.attn_implementation, ("sdpa", "eager"))
+        policy = mem.gradient_checkpointing
+        if policy is not None and not CHECKPOINT_POLICY.match(policy):
+            raise UserError(
+                f"--gradient-checkpointing {policy}: expected off, on, full, encoder, every-N "
+                "(e.g. every-2) or auto"
+            )
+        if policy == "auto" and not mem.max_memory:
+            raise UserError("--gradient-checkpointing auto needs --max-memory (e.g. --max-memory 4GB)")
+        if mem.max_memory is not None:
+            parse_bytes(mem.max_memory, flag="--max-memory")
+        if mem.offload_activations and policy in (None, "off"):
+            raise UserError(
+                "--offload-activations needs gradient checkpointing: add --gradient-checkpointing full"
+            )
+        if mem.cache_encoder and m.mode == "full":
+            raise UserError(
+                "--cache-encoder needs a frozen encoder: use --mode freeze-encoder, or drop --cache-encoder"
+            )
+        if mem.cache_encoder and (d.audio_augment or d.spec_augment):
+            raise UserError(
+                "--cache-encoder cannot be combined with --audio-augment/--spec-augment: augmented "
+                "audio changes the encoder output every epoch"
+            )
+        for flag, value in (
+            ("--batch-size", t.batch_size),
+            ("--gradient-accumulation", t.gradient_accumulation),
+            ("--lora-r", m.lora_r),
+            ("--logging-steps", t.logging_steps),
+            ("--generation-max-length", t.generation_max_length),
+        ):
+            if value < 1:
+                raise UserError(f"{flag} {value}: must be at least 1")
+        for flag, value in (("--max-steps", t.max_steps), ("--eval-steps", t.eval_steps),
+                            ("--train-subset", d.train_subset), ("--eval-subset", d.eval_subset)):
+            if value is not None and value < 1:
+                raise UserError(f"{flag} {value}: must be at least 1")
+        if t.epochs is not None and t.epochs <= 0:
+            raise UserError(f"--epochs {t.epochs}: must be positive")
+        if not 0.0 <= d.eval_split < 1.0:
+            raise UserError(f"--eval-split {d.eval_split}: must be in [0, 1)")
+        if t.learning_rate is not None and t.learning_rate <= 0:
+            raise UserError(f"--learning-rate {t.learning_rate}: must be positive")
+        if t.warmup_steps < 0 or t.num_workers < 0 or t.max_grad_norm < 0:
+            raise UserError("--warmup-steps, --num-workers and --max-grad-norm must not be negative")
+        if not m.lora_targets:
+            raise UserError("--lora-targets: name at least one module, e.g. q_proj,v_proj")
+        return self
+
+    # -- resolved defaults ---------------------------------------------------------------
+    @property
+    def learning_rate(self) -> float:
+        if self.train.learning_rate is not None:
+            return self.train.learning_rate
+        return {"full": 1e-5, "lora": 1e-3, "freeze-encoder": 3e-5}[self.model.mode]
+
+    @property
+    def cache_encoder(self) -> bool:
+        if self.memory.cache_encoder is not None:
+            return self.memory.cache_encoder
+        return self.model.mode == "freeze-encoder" and not (
+            self.data.audio_augment or self.data.spec_augment
+        )
+
+
+def field_owners() -> dict[str, str]:
+    """{field_name: group_name} for every option; names are unique across groups."""
+    owners: dict[str, str] = {}
+    for group_name, group_cls in GROUPS.items():
+        for f in fields(group_cls):
+            assert f.name not in owners, f"option {f.name} defined twice"
+            owners[f.name] = group_name
+    return owners
+
+
+def parse_bytes(text: str, *, flag: str = "size") -> int:
+    """'4GB' / '512MiB' / '1.5G' → bytes (decimal and binary suffixes are both taken as 2^30)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B?)\s*", text, flags=re.IGNORECASE)
+    if not match:
+        raise UserError(f"{flag} {text}: expected a size such as 4GB or 512MB")
+    number, unit = float(match.group(1)), match.group(2).upper()
+    return int(number * 1024 ** " KMGT".index(unit or " "))
+
+
+def _one_of(flag: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise UserError(f"{flag} {value}: expected one of {', '.join(allowed)}")
+
+
+def _coerce(group: Any, name: str, value: Any, source: str) -> Any:
+    """YAML and flags give strings, numbers, lists; make them the field's declared type."""
+    if value is None:
+        return None
+    annotation = str({f.name: f.type for f in fields(group)}[name])
+    try:
+        if annotation.startswith("list"):
+            if isinstance(value, str):
+                return [part.strip() for part in value.split(",") if part.strip()]
+            return [str(v) for v in value]
+        if annotation.startswith("bool"):
+            if isinstance(value, str):
+                lowered = value.lower()
+                if lowered not in ("true", "false", "yes", "no", "1", "0", "on", "off"):
+                    raise ValueError(value)
+                return lowered in ("true", "yes", "1", "on")
+            return bool(value)
+        if annotation.startswith("int"):
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return int(value)
+        if annotation.startswith("float"):
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        flag = "--" + name.replace("_", "-")
+        raise UserError(f"{source}: {flag} {value!r} is not a valid {annotation}") from None

@@ -41,3 +41,43 @@ def tiny_whisper_dir(tmp_path_factory) -> Path:
 def tiny_whisper():
     """A fresh seeded (model, processor) pair; dropout off so runs are comparable."""
     return make_tiny_whisper()
+
+
+def write_tone_dataset(folder: Path, n: int = 12, *, seed: int = 0, layout: str = "audiofolder") -> Path:
+    """Short tone clips at mixed sample rates with word-list transcripts (no synthesiser needed).
+
+    Each clip's pitch depends on its first word, so a model can learn something from the audio.
+    """
+    import numpy as np
+    import soundfile as sf
+
+    words = "alpha bravo charlie delta echo foxtrot golf hotel india juliet".split()
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(n):
+        sample_rate = (8000, 16000, 22050)[i % 3]
+        text = " ".join(rng.choice(words, 3))
+        pitch = 200 + 40 * words.index(text.split()[0])
+        t = np.arange(int(sample_rate * 1.2)) / sample_rate
+        audio = 0.2 * np.sin(2 * np.pi * pitch * t) + 0.01 * rng.standard_normal(t.size)
+        sf.write(folder / f"clip{i:03d}.wav", audio.astype(np.float32), sample_rate)
+        rows.append((f"clip{i:03d}.wav", text))
+    if layout == "audiofolder":
+        lines = ["file_name,transcription"] + [f"{name},{text}" for name, text in rows]
+        (folder / "metadata.csv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return folder
+    import json
+
+    manifest = folder / "manifest.jsonl"
+    manifest.write_text(
+        "".join(json.dumps({"audio": name, "text": text}) + "\n" for name, text in rows),
+        encoding="utf-8",
+    )
+    return manifest
+
+
+@pytest.fixture(scope="session")
+def tone_dataset(tmp_path_factory) -> Path:
+    """An audiofolder of 12 short tone clips with transcripts."""
+    return write_tone_dataset(tmp_path_factory.mktemp("tones"))

@@ -1,0 +1,66 @@
+"""Batching: pad labels per batch, mask what the model must not be trained to predict.
+
+A token sequence from `LabelEncoder.encode` runs from <|startoftranscript|> to <|endoftext|>:
+
+    tokens            SOT  <|en|>  <|transcribe|>  <|notimestamps|>  " Hello"  " world"  EOT
+    decoder_input_ids SOT  <|en|>  <|transcribe|>  <|notimestamps|>  " Hello"  " world"
+    labels            -100 -100    -100            " Hello"          " world"  EOT
+
+Position i of the decoder input predicts label i. The prefix (language, task, timestamp mode)
+is given at inference time, never predicted, so its labels are masked with -100 and carry no
+loss; padding is masked too. Labels are padded to the longest in the batch, not to 448.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from whisper_train.features import LogMel, Skipped
+
+IGNORE_INDEX = -100  # ignored by torch's cross-entropy
+
+
+class SpeechCollator:
+    """Items from `SpeechDataset` → a batch dict; `Skipped` items are dropped and reported.
+
+    The batch holds `decoder_input_ids`, `labels` (batch, max_len), `texts`, `indices`,
+    `skipped` (list of `Skipped`), and either `input_features` (batch, n_mels, n_frames), when
+    given a `LogMel`, or `encoder_hidden_states` (batch, 1500, d_model) from an encoder cache.
+    """
+
+    def __init__(self, pad_token_id: int, *, log_mel: LogMel | None = None, encoder_cache=None):
+        self.pad_token_id = pad_token_id
+        self.log_mel = log_mel
+        self.encoder_cache = encoder_cache
+
+    def __call__(self, items: Sequence[dict | Skipped]) -> dict:
+        skipped = [item for item in items if isinstance(item, Skipped)]
+        good = [item for item in items if not isinstance(item, Skipped)]
+        batch: dict = {"skipped": skipped, "size": len(good)}
+        if not good:
+            return batch
+        batch.update(self.pad_labels([item["tokens"] for item in good], [item["n_prefix"] for item in good]))
+        batch["texts"] = [item["text"] for item in good]
+        batch["indices"] = torch.tensor([item["index"] for item in good])
+        if self.encoder_cache is not None:
+            batch["encoder_hidden_states"] = self.encoder_cache.lookup(batch["indices"])
+        elif self.log_mel is not None:
+            batch["input_features"] = self.log_mel([item["audio"] for item in good])
+        else:
+            batch["audio"] = [item["audio"] for item in good]
+        return batch
+
+    def pad_labels(self, sequences: Sequence[list[int]], n_prefix: Sequence[int]) -> dict:
+        """Token sequences → right-padded `decoder_input_ids` and masked `labels`."""
+        width = max(len(tokens) for tokens in sequences) - 1
+        decoder_input_ids = torch.full((len(sequences), width), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(sequences), width), IGNORE_INDEX, dtype=torch.long)
+        for row, (tokens, prefix) in enumerate(zip(sequences, n_prefix, strict=True)):
+            tokens = torch.as_tensor(tokens, dtype=torch.long)
+            decoder_input_ids[row, : len(tokens) - 1] = tokens[:-1]
+            labels[row, : len(tokens) - 1] = tokens[1:]
+            # labels[j] is tokens[j + 1]: the prefix after SOT sits at labels[: prefix - 1].
+            labels[row, : prefix - 1] = IGNORE_INDEX
+        return {"decoder_input_ids": decoder_input_ids, "labels": labels}

@@ -1,0 +1,129 @@
+"""End to end through `whisper-train train` on a seeded tiny model: what a user gets on disk."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import transformers
+import yaml
+
+from conftest import write_tone_dataset
+from whisper_train.cli import main
+from whisper_train.config import RunConfig
+from whisper_train.train import train
+
+# Training loss after each of 3 optimizer steps on the seeded tiny model and tone dataset below
+# (full fine-tune, batch 4, lr 1e-3, seed 0, fp32 CPU). Regenerate with:
+#   .venv/bin/python -m pytest tests/test_train.py -k reference -s   (prints "losses: [...]")
+REFERENCE_LOSSES = [10.942263, 10.726703, 10.684584]
+
+
+def _run(tmp_path, tone_dataset, tiny_whisper_dir, **overrides):
+    config = RunConfig()
+    config.update({
+        "data": str(tone_dataset), "model": str(tiny_whisper_dir), "output_dir": str(tmp_path / "out"),
+        "max_steps": 3, "batch_size": 4, "learning_rate": 1e-3, "seed": 0, "eval_split": 0.25,
+        # A random model never says <|endoftext|>: cap generation so evaluation stays fast.
+        "generation_max_length": 8,
+        **overrides,
+    })
+    return train(config)
+
+
+def _losses(output_dir):
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row["loss"] for row in rows if "loss" in row], [row for row in rows if "wer" in row]
+
+
+def test_loss_matches_reference_and_metrics_are_written(tmp_path, tone_dataset, tiny_whisper_dir):
+    result = _run(tmp_path, tone_dataset, tiny_whisper_dir)
+    losses, evaluations = _losses(result.output_dir)
+    print("losses:", [round(x, 4) for x in losses])
+    assert result.steps == 3
+    np.testing.assert_allclose(losses, REFERENCE_LOSSES, rtol=1e-4)
+    assert losses[-1] < losses[0]  # it learns
+    # One evaluation at the end: validation loss and generate-based WER.
+    assert [row["step"] for row in evaluations] == [3]
+    assert math.isfinite(evaluations[0]["eval_loss"]) and 0 <= evaluations[0]["wer"]
+    assert result.train_examples == 9 and result.eval_examples == 3
+    assert (result.output_dir / "tensorboard").is_dir()
+
+
+def test_final_folder_loads_in_a_transformers_pipeline(tmp_path, tone_dataset, tiny_whisper_dir):
+    result = _run(tmp_path, tone_dataset, tiny_whisper_dir, only_train=True)
+    final = result.final_dir
+    saved = yaml.safe_load((final / "whisper-train.yaml").read_text())
+    assert saved["model"]["model"] == str(tiny_whisper_dir) and saved["train"]["max_steps"] == 3
+    asr = transformers.pipeline("automatic-speech-recognition", model=str(final), device="cpu")
+    out = asr(np.zeros(16000, dtype=np.float32), generate_kwargs={"max_new_tokens": 5})
+    assert isinstance(out["text"], str)
+    # The weights on disk are the trained ones, not the starting point.
+    trained = transformers.WhisperForConditionalGeneration.from_pretrained(final)
+    start = transformers.WhisperForConditionalGeneration.from_pretrained(tiny_whisper_dir)
+    assert not torch.equal(trained.proj_out.weight, start.proj_out.weight)
+    # The fixed sinusoidal positions stay frozen (transformers 5.x would train them).
+    torch.testing.assert_close(
+        trained.model.encoder.embed_positions.weight, start.model.encoder.embed_positions.weight,
+        rtol=0, atol=0,
+    )
+
+
+@pytest.mark.parametrize("mode", ["lora", "freeze-encoder"])
+def test_other_modes_train_only_what_they_should(tmp_path, tone_dataset, tiny_whisper_dir, mode):
+    result = _run(tmp_path, tone_dataset, tiny_whisper_dir, mode=mode, only_train=True)
+    trained = transformers.WhisperForConditionalGeneration.from_pretrained(result.final_dir)
+    start = transformers.WhisperForConditionalGeneration.from_pretrained(tiny_whisper_dir)
+    enc_same = all(
+        torch.equal(a, b) for a, b in zip(trained.model.encoder.parameters(), start.model.encoder.parameters())
+    )
+    dec_q = trained.model.decoder.layers[0].self_attn.q_proj.weight
+    assert not torch.equal(dec_q, start.model.decoder.layers[0].self_attn.q_proj.weight)
+    if mode == "freeze-encoder":
+        assert enc_same  # frozen encoder, cached outputs
+    else:
+        # LoRA merged into the full weights: q and v change, k (no adapter) does not.
+        assert not enc_same
+        assert torch.equal(
+            trained.model.decoder.layers[0].self_attn.k_proj.weight,
+            start.model.decoder.layers[0].self_attn.k_proj.weight,
+        )
+
+
+def test_encoder_cache_gives_the_uncached_loss_curve(tmp_path, tone_dataset, tiny_whisper_dir):
+    cached = _run(tmp_path / "a", tone_dataset, tiny_whisper_dir, mode="freeze-encoder", only_train=True)
+    uncached = _run(tmp_path / "b", tone_dataset, tiny_whisper_dir, mode="freeze-encoder", only_train=True,
+                    cache_encoder=False)
+    np.testing.assert_allclose(_losses(cached.output_dir)[0], _losses(uncached.output_dir)[0], rtol=1e-5)
+
+
+def test_seed_project_flags_work_as_written(tmp_path, tiny_whisper_dir):
+    """The issue's command line, with a local tiny model standing in for openai/whisper-small."""
+    data = write_tone_dataset(tmp_path / "data", n=5)
+    code = main([
+        "train", "--only-train", "--model", str(tiny_whisper_dir), "--batch-size", "1",
+        "--gradient-accumulation", "16", "--epochs", "3", "--train-subset", "20",
+        "--data", str(data), "--output-dir", str(tmp_path / "seed"),
+    ])
+    assert code == 0
+    losses, evaluations = _losses(tmp_path / "seed")
+    # --only-train keeps all 5 clips for training; 16 micro-batches per step: one (partial)
+    # accumulation per epoch still steps, so 3 epochs give 3 optimizer steps.
+    assert len(losses) == 3 and evaluations == []
+    assert (tmp_path / "seed" / "final" / "model.safetensors").exists()
+
+
+def test_yaml_config_is_filled_and_flags_override(tmp_path, tone_dataset, tiny_whisper_dir):
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump({
+        "data": {"data": str(tone_dataset)},
+        "model": {"model": str(tiny_whisper_dir), "mode": "freeze-encoder"},
+        "train": {"max_steps": 5, "batch_size": 4, "only_train": True, "output_dir": str(tmp_path / "y")},
+    }))
+    assert main(["train", "--config", str(config_file), "--max-steps", "2"]) == 0
+    saved = yaml.safe_load((tmp_path / "y" / "final" / "whisper-train.yaml").read_text())
+    assert saved["train"]["max_steps"] == 2 and saved["model"]["mode"] == "freeze-encoder"
+    assert len(_losses(tmp_path / "y")[0]) == 2

@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # bitsandbytes (imported by peft) warns on import about an optional CPU 4-bit kernel that
+    # whisper-train never uses; keep it from being the first line a user reads.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -186,6 +189,7 @@ def _quiet_libraries(verbose: bool) -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()  # "Loading weights" bars for every model load
     except ImportError:
         pass
 

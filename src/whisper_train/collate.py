@@ -44,7 +44,7 @@ class SpeechCollator:
         batch.update(self.pad_labels([item["tokens"] for item in good], [item["n_prefix"] for item in good]))
         batch["texts"] = [item["text"] for item in good]
         batch["indices"] = torch.tensor([item["index"] for item in good])
-        if self.encoder_cache is not None:
+        if self.encoder_cache is not None:  # the encoder already ran: no audio features needed
             batch["encoder_hidden_states"] = self.encoder_cache.lookup(batch["indices"])
         elif self.log_mel is not None:
             batch["input_features"] = self.log_mel([item["audio"] for item in good])

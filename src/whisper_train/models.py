@@ -61,6 +61,10 @@ def load_model(
 
 
 def is_multilingual(model) -> bool:
+    """English-only checkpoints (*.en) have no language or task tokens."""
+    declared = getattr(model.generation_config, "is_multilingual", None)
+    if declared is not None:
+        return bool(declared)
     return model.config.vocab_size > ENGLISH_ONLY_VOCAB
 
 

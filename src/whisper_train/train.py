@@ -129,16 +129,24 @@ def train(config: RunConfig) -> TrainResult:
 
         augmenter = WaveformAugmenter(seed=t.seed)
     train_set = SpeechDataset(datasets.train, label_encoder, augmenter=augmenter, seed=t.seed)
-    eval_loader = _loader(SpeechDataset(datasets.eval, label_encoder, seed=t.seed),
-                          SpeechCollator(pad_id, log_mel=log_mel), t.batch_size, t.num_workers, shuffle=False)
+    eval_set = SpeechDataset(datasets.eval, label_encoder, seed=t.seed)
 
-    encoder_cache = None
+    # A frozen encoder maps a clip to the same output every epoch and every evaluation:
+    # compute it once (for the evaluation set too) and train and evaluate the decoder alone.
+    train_cache = eval_cache = None
     if config.cache_encoder:
-        encoder_cache = _build_encoder_cache(model, train_set, log_mel, pad_id, config, accelerator, precision, output_dir)
+        train_cache = _build_encoder_cache(model, train_set, log_mel, pad_id, config, accelerator, precision,
+                                           output_dir / "encoder-cache" / "train")
+        if len(eval_set) and not t.only_train:
+            eval_cache = _build_encoder_cache(model, eval_set, log_mel, pad_id, config, accelerator, precision,
+                                              output_dir / "encoder-cache" / "eval")
     train_loader = _loader(
-        train_set,
-        SpeechCollator(pad_id, log_mel=None if encoder_cache else log_mel, encoder_cache=encoder_cache),
+        train_set, SpeechCollator(pad_id, log_mel=log_mel, encoder_cache=train_cache),
         t.batch_size, t.num_workers, shuffle=True, seed=t.seed,
+    )
+    eval_loader = _loader(
+        eval_set, SpeechCollator(pad_id, log_mel=log_mel, encoder_cache=eval_cache),
+        t.batch_size, t.num_workers, shuffle=False,
     )
 
     optimizer = memory.build_optimizer(
@@ -287,7 +295,7 @@ def prepare_datasets(config: RunConfig, label_encoder: LabelEncoder, *, max_labe
         eval_examples = eval_examples[: d.eval_subset]
 
     def count_tokens(example: Example) -> int:
-        return len(label_encoder.encode(example)[0]) - 1  # labels exclude the leading SOT
+        return label_encoder.count_tokens(example) - 1  # labels exclude the leading SOT
 
     kept_train, skipped = screen_examples(train_examples, count_tokens=count_tokens,
                                           max_label_tokens=max_label_tokens, strict=d.strict)
@@ -317,21 +325,21 @@ def save_final(model, processor, config: RunConfig, final_dir: Path) -> Path:
     return final_dir
 
 
-def _build_encoder_cache(model, train_set, log_mel, pad_id, config, accelerator, precision, output_dir):
+def _build_encoder_cache(model, dataset, log_mel, pad_id, config, accelerator, precision, spill_dir):
     unwrapped = model.get_base_model() if hasattr(model, "get_base_model") else model
     encoder = unwrapped.model.encoder.to(accelerator.device)
-    loader = _loader(train_set, SpeechCollator(pad_id, log_mel=log_mel), config.train.batch_size,
+    loader = _loader(dataset, SpeechCollator(pad_id, log_mel=log_mel), config.train.batch_size,
                      config.train.num_workers, shuffle=False)
     start = time.perf_counter()
-    with tqdm(total=len(train_set), desc="encoding (once)", unit="clip", leave=False,
+    with tqdm(total=len(dataset), desc=f"encoding {spill_dir.name} clips (once)", unit="clip", leave=False,
               disable=not accelerator.is_main_process) as bar:
         cache = EncoderCache.build(
-            encoder, loader, n_examples=len(train_set), device=accelerator.device,
+            encoder, loader, n_examples=len(dataset), device=accelerator.device,
             dtype=precision.dtype, autocast_dtype=precision.dtype if precision.dtype != torch.float32 else None,
-            spill_dir=output_dir, progress=bar,
+            spill_dir=spill_dir, progress=bar,
         )
-    _say(accelerator, f"encoder outputs cached for {int(cache.filled.sum())} clips in "
-         f"{time.perf_counter() - start:.1f} s; later epochs train the decoder only")
+    _say(accelerator, f"encoder outputs of {int(cache.filled.sum())} {spill_dir.name} clips cached in "
+         f"{time.perf_counter() - start:.1f} s")
     return cache
 
 

@@ -1,0 +1,432 @@
+"""`whisper-train check-data`: look at a dataset before spending GPU hours on it.
+
+Reads the data in any layout `whisper_train.data` accepts, opens every audio header (no
+decoding) and reports: clips, hours, a duration histogram, sample rates and channel counts,
+languages, and the problems that would cost a run: unreadable or missing audio, clips over
+Whisper's 30 s window, windows past the end of their file, empty labels, labels over the
+decoder's 448 tokens, the same audio twice (same file, or same bytes under two names), and
+characters a tokenizer handles badly (control characters, text that does not survive an
+encode/decode round trip). Duplicate transcripts and rare characters are reported as notes:
+common in real data ("yes", "no"), worth a look, no reason to stop.
+
+Exit codes for the CLI: 0 clean (notes allowed), 1 problems found under --strict (without it
+they are warnings and the exit is 0), 2 unusable input (the data cannot be read at all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import unicodedata
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import soundfile
+
+from whisper_train.audio import CHUNK_LENGTH
+from whisper_train.data import Example, load_examples
+
+MAX_LABEL_TOKENS = 448  # Whisper's decoder positions, prefix and <|endoftext|> included
+# The longest prefix is <|startoftranscript|><|lang|><|task|><|notimestamps|>; add <|endoftext|>.
+LABEL_OVERHEAD_TOKENS = 5
+# Without a tokenizer, labels are measured in characters: English BPE averages ~4 characters a
+# token, so 2 characters a token is a cautious bound for "probably over 448 tokens".
+CHARS_PER_TOKEN_ESTIMATE = 2
+HISTOGRAM_BIN_SECONDS = 2.5
+BAR_WIDTH = 40
+# A character used in this few rows of a dataset at least RARE_MIN_ROWS long is likely a typo.
+RARE_MAX_ROWS = 2
+RARE_MIN_ROWS = 50
+# Unicode categories that never belong in a transcript: control, format (zero-width joiners,
+# bidi marks), private use, surrogates, unassigned.
+BAD_CATEGORIES = {"Cc", "Cf", "Co", "Cs", "Cn"}
+LISTED_PER_KIND = 5  # rows named per problem kind in the text report
+
+PROBLEM_KINDS = {
+    "unreadable": "unreadable or missing audio",
+    "too_long": f"clips over {CHUNK_LENGTH} s",
+    "past_end": "windows past the end of the file",
+    "empty_label": "empty transcripts",
+    "long_label": f"labels over {MAX_LABEL_TOKENS} tokens",
+    "duplicate_audio": "the same audio twice",
+    "bad_characters": "characters the tokenizer handles badly",
+}
+NOTE_KINDS = {
+    "duplicate_text": "transcripts that occur more than once",
+    "rare_characters": "rare characters",
+}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing wrong (a problem) or worth a look (a note), tied to the row it came from."""
+
+    kind: str  # a key of PROBLEM_KINDS or NOTE_KINDS
+    origin: str  # "train.jsonl:12", or the audio path
+    detail: str = ""
+
+
+@dataclass
+class DataReport:
+    """Everything `check_data` found; `format_report` prints it, `to_dict` serialises it."""
+
+    path: str
+    clips: int = 0
+    total_seconds: float = 0.0
+    durations: list[float] = field(default_factory=list)  # seconds, one per readable clip
+    sample_rates: dict[int, int] = field(default_factory=dict)  # Hz → files
+    channels: dict[int, int] = field(default_factory=dict)  # channel count → files
+    languages: dict[str, int] = field(default_factory=dict)  # code (or "unspecified") → clips
+    tokenizer: str | None = None  # name of the tokenizer that measured labels, if any
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def hours(self) -> float:
+        return self.total_seconds / 3600
+
+    @property
+    def problems(self) -> list[Finding]:
+        return [f for f in self.findings if f.kind in PROBLEM_KINDS]
+
+    @property
+    def notes(self) -> list[Finding]:
+        return [f for f in self.findings if f.kind in NOTE_KINDS]
+
+    def counts(self) -> dict[str, int]:
+        """{kind: number of findings}, problems and notes alike."""
+        return dict(Counter(f.kind for f in self.findings))
+
+    def histogram(self, bin_seconds: float = HISTOGRAM_BIN_SECONDS) -> list[tuple[float, int]]:
+        """[(bin start in s, clips)] from 0 to the longest clip, empty bins included."""
+        if not self.durations:
+            return []
+        n_bins = int(max(self.durations) // bin_seconds) + 1
+        counts = Counter(int(seconds // bin_seconds) for seconds in self.durations)
+        return [(index * bin_seconds, counts.get(index, 0)) for index in range(n_bins)]
+
+    def to_dict(self) -> dict[str, Any]:
+        result = asdict(self)
+        result["durations"] = [round(seconds, 3) for seconds in self.durations]
+        result["hours"] = round(self.hours, 4)
+        result["histogram"] = [{"start_s": s, "clips": n} for s, n in self.histogram()]
+        result["problem_count"] = len(self.problems)
+        result["counts"] = self.counts()
+        return result
+
+
+def check_data(
+    path: str | Path,
+    *,
+    data_format: str | None = None,
+    model: Any = None,
+    strict: bool = False,
+) -> DataReport:
+    """Inspect the data at `path`; `model` is a Whisper tokenizer (or None: labels in chars).
+
+    Raises UserError when the data cannot be read at all (no such path, unknown layout, bad
+    rows). `strict` is accepted for symmetry with training; the report is the same, and
+    `run_check_data` turns its problems into the exit code.
+    """
+    del strict  # the report does not depend on it; the exit code does
+    examples = load_examples(path, data_format=data_format)
+    report = DataReport(path=str(path), clips=len(examples))
+    report.tokenizer = getattr(model, "name_or_path", None) or (
+        type(model).__name__ if model is not None else None
+    )
+    report.languages = dict(Counter(example.language or "unspecified" for example in examples))
+    _check_audio(examples, report)
+    _check_labels(examples, model, report)
+    _check_characters(examples, model, report)
+    return report
+
+
+# -- audio ----------------------------------------------------------------------------------
+def _check_audio(examples: Sequence[Example], report: DataReport) -> None:
+    headers: dict[str, soundfile._SoundFileInfo | str] = {}
+    for example in examples:
+        if example.audio not in headers:
+            headers[example.audio] = _read_header(example.audio)
+    for header in headers.values():
+        if not isinstance(header, str):
+            report.sample_rates[header.samplerate] = (
+                report.sample_rates.get(header.samplerate, 0) + 1
+            )
+            report.channels[header.channels] = report.channels.get(header.channels, 0) + 1
+
+    for example in examples:
+        origin = example.origin or example.audio
+        header = headers[example.audio]
+        if isinstance(header, str):
+            report.findings.append(Finding("unreadable", origin, f"{example.audio}: {header}"))
+            continue
+        file_seconds = header.frames / header.samplerate if header.samplerate else 0.0
+        start = example.start or 0.0
+        end = example.end if example.end is not None else file_seconds
+        if end > file_seconds + 0.05:  # headers and subtitle times round differently
+            report.findings.append(
+                Finding("past_end", origin, f"ends at {end:.2f} s, file is {file_seconds:.2f} s")
+            )
+        seconds = max(0.0, min(end, file_seconds) - start)
+        report.durations.append(seconds)
+        report.total_seconds += seconds
+        if seconds > CHUNK_LENGTH:
+            report.findings.append(Finding("too_long", origin, f"{seconds:.1f} s"))
+
+    _find_duplicate_audio(examples, headers, report)
+
+
+def _read_header(path: str) -> soundfile._SoundFileInfo | str:
+    """The file's header, or why there is none (a short reason)."""
+    if not Path(path).is_file():
+        return "file not found"
+    try:
+        return soundfile.info(path)
+    except (soundfile.LibsndfileError, RuntimeError, TypeError) as exc:
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return f"cannot decode ({first_line})"
+
+
+def _find_duplicate_audio(
+    examples: Sequence[Example], headers: dict[str, Any], report: DataReport
+) -> None:
+    """The same window listed twice, or files with identical bytes under different names."""
+    first_seen: dict[tuple[str, float | None, float | None], str] = {}
+    for example in examples:
+        key = (example.audio, example.start, example.end)
+        origin = example.origin or example.audio
+        if key in first_seen:
+            report.findings.append(
+                Finding("duplicate_audio", origin, f"same audio as {first_seen[key]}")
+            )
+        else:
+            first_seen[key] = origin
+
+    by_hash: dict[str, list[str]] = defaultdict(list)
+    for path, header in headers.items():
+        if not isinstance(header, str):
+            by_hash[_file_hash(path)].append(path)
+    for paths in by_hash.values():
+        for path in paths[1:]:
+            report.findings.append(Finding("duplicate_audio", path, f"same bytes as {paths[0]}"))
+
+
+def _file_hash(path: str) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# -- labels ---------------------------------------------------------------------------------
+def _check_labels(examples: Sequence[Example], tokenizer: Any, report: DataReport) -> None:
+    texts: dict[str, list[str]] = defaultdict(list)
+    for example in examples:
+        origin = example.origin or example.audio
+        text = example.text.strip()
+        if not text:
+            report.findings.append(Finding("empty_label", origin, example.audio))
+            continue
+        texts[" ".join(text.casefold().split())].append(origin)
+        if tokenizer is not None:
+            n_tokens = len(tokenizer.encode(" " + text, add_special_tokens=False))
+            n_tokens += LABEL_OVERHEAD_TOKENS
+            if n_tokens > MAX_LABEL_TOKENS:
+                report.findings.append(Finding("long_label", origin, f"{n_tokens} tokens"))
+        elif len(text) > MAX_LABEL_TOKENS * CHARS_PER_TOKEN_ESTIMATE:
+            report.findings.append(
+                Finding(
+                    "long_label", origin, f"{len(text)} characters (pass --model to count tokens)"
+                )
+            )
+    for text, origins in texts.items():
+        if len(origins) > 1:
+            shown = text if len(text) <= 40 else text[:37] + "..."
+            report.findings.append(
+                Finding(
+                    "duplicate_text",
+                    origins[0],
+                    f"{shown!r} x{len(origins)}: {', '.join(origins[1:4])}",
+                )
+            )
+
+
+def _check_characters(examples: Sequence[Example], tokenizer: Any, report: DataReport) -> None:
+    """Control/format characters, tokenizer round-trip failures, and characters used rarely."""
+    rows_with: dict[str, list[str]] = defaultdict(list)
+    for example in examples:
+        for char in set(example.text):
+            rows_with[char].append(example.origin or example.audio)
+    for char, origins in sorted(rows_with.items()):
+        name = _describe(char)
+        if unicodedata.category(char) in BAD_CATEGORIES:
+            report.findings.append(
+                Finding("bad_characters", origins[0], f"{name} in {len(origins)} rows")
+            )
+        elif tokenizer is not None and not _round_trips(tokenizer, char):
+            report.findings.append(
+                Finding("bad_characters", origins[0], f"{name} does not survive the tokenizer")
+            )
+        elif (
+            len(examples) >= RARE_MIN_ROWS
+            and len(origins) <= RARE_MAX_ROWS
+            and not (char.isascii() and char.isprintable())
+        ):
+            report.findings.append(
+                Finding("rare_characters", origins[0], f"{name} in {len(origins)} rows")
+            )
+
+
+def _describe(char: str) -> str:
+    label = unicodedata.name(char, f"U+{ord(char):04X}")
+    return f"{char!r} ({label})" if char.isprintable() else f"U+{ord(char):04X} ({label})"
+
+
+def _round_trips(tokenizer: Any, char: str) -> bool:
+    ids = tokenizer.encode(char, add_special_tokens=False)
+    return tokenizer.decode(ids) == char
+
+
+# -- text report ------------------------------------------------------------------------------
+def format_report(report: DataReport) -> str:
+    """A plain-text report: totals, histogram bars, formats, then problems and notes."""
+    lines = [
+        f"{report.path}: {report.clips} clips, {report.hours:.2f} h ({report.total_seconds:.1f} s)",
+    ]
+    if report.durations:
+        lines.append(
+            f"durations: min {min(report.durations):.1f} s, median "
+            f"{sorted(report.durations)[len(report.durations) // 2]:.1f} s, "
+            f"max {max(report.durations):.1f} s"
+        )
+        histogram = report.histogram()
+        peak = max(count for _, count in histogram)
+        for start, count in histogram:
+            bar = "#" * math.ceil(BAR_WIDTH * count / peak) if count else ""
+            lines.append(f"  {start:5.1f}-{start + HISTOGRAM_BIN_SECONDS:5.1f} s {count:6d} {bar}")
+    lines.append("sample rates: " + _counts(report.sample_rates, " Hz") + " (files)")
+    lines.append("channels: " + _counts(report.channels, "") + " (files)")
+    lines.append("languages: " + _counts(report.languages, ""))
+    lines.append(
+        f"labels measured with {report.tokenizer}"
+        if report.tokenizer
+        else "labels measured in characters (pass --model to count tokens)"
+    )
+
+    for title, kinds in (("problems", PROBLEM_KINDS), ("notes", NOTE_KINDS)):
+        found = [f for f in report.findings if f.kind in kinds]
+        lines.append(f"{len(found)} {title}" + (":" if found else ""))
+        for kind, description in kinds.items():
+            of_kind = [f for f in found if f.kind == kind]
+            if not of_kind:
+                continue
+            lines.append(f"  {len(of_kind)} {description}")
+            for finding in of_kind[:LISTED_PER_KIND]:
+                lines.append(f"    {finding.origin}: {finding.detail}")
+            if len(of_kind) > LISTED_PER_KIND:
+                lines.append(
+                    f"    ... and {len(of_kind) - LISTED_PER_KIND} more (--json lists all)"
+                )
+    return "\n".join(lines)
+
+
+def _counts(counts: dict[Any, int], unit: str) -> str:
+    if not counts:
+        return "none"
+    ordered = sorted(counts.items(), key=lambda item: (-item[1], str(item[0])))
+    return ", ".join(f"{key}{unit}: {count}" for key, count in ordered)
+
+
+def write_histogram_png(report: DataReport, path: str | Path) -> Path:
+    """Save the duration histogram as a PNG (matplotlib, no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers; must precede pyplot's import
+    import matplotlib.pyplot as plt
+
+    histogram = report.histogram()
+    figure, axes = plt.subplots(figsize=(7, 3.5))
+    axes.bar(
+        [start for start, _ in histogram],
+        [count for _, count in histogram],
+        width=HISTOGRAM_BIN_SECONDS,
+        align="edge",
+        edgecolor="black",
+    )
+    axes.axvline(CHUNK_LENGTH, color="red", linestyle="--", label=f"{CHUNK_LENGTH} s window")
+    axes.set_xlabel("clip duration (s)")
+    axes.set_ylabel("clips")
+    axes.set_title(f"{Path(report.path).name}: {report.clips} clips, {report.hours:.2f} h")
+    axes.legend()
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+# -- command line ---------------------------------------------------------------------------
+def add_check_data_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "check-data",
+        help="Report clips, hours, durations, formats and problems in a dataset.",
+        description=__doc__.split("\n\n")[0],
+    )
+    parser.add_argument("data", help="The data, in any layout `train --data` accepts.")
+    parser.add_argument(
+        "--data-format", default=None, help="Force a layout instead of detecting it."
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="Count label tokens with this model's tokenizer (folder, hub id or tiny.en).",
+    )
+    parser.add_argument(
+        "--strict", action="store_true", help="Exit with code 1 when any problem is found."
+    )
+    parser.add_argument("--json", action="store_true", help="Print the report as JSON.")
+    parser.add_argument("--png", default=None, metavar="FILE", help="Save the histogram here.")
+    parser.set_defaults(handler=run_check_data)
+    return parser
+
+
+def run_check_data(args: argparse.Namespace) -> int:
+    """0 clean (or problems without --strict), 1 problems under --strict; UserError → 2."""
+    tokenizer = load_tokenizer(args.model) if args.model else None
+    report = check_data(
+        args.data, data_format=args.data_format, model=tokenizer, strict=args.strict
+    )
+    if args.model:
+        report.tokenizer = f"--model {args.model}'s tokenizer"
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))
+    else:
+        print(format_report(report))
+    if args.png:
+        print(f"histogram written to {write_histogram_png(report, args.png)}")
+    if report.problems and args.strict:
+        return 1
+    return 0
+
+
+def load_tokenizer(spec: str) -> Any:
+    """The tokenizer of `--model` without loading its weights where the files allow it."""
+    from transformers import WhisperTokenizerFast
+
+    from whisper_train.models import load_model, resolve_alias
+
+    folder = Path(resolve_alias(spec)).expanduser()
+    if (folder / "final").is_dir():
+        folder = folder / "final"  # a whisper-train output folder
+    if (folder / "tokenizer_config.json").is_file():
+        return WhisperTokenizerFast.from_pretrained(str(folder))
+    if (folder / "tokenizer.json").is_file():  # a CTranslate2 folder: tokenizer.json alone
+        return WhisperTokenizerFast(
+            tokenizer_file=str(folder / "tokenizer.json"), pad_token="<|endoftext|>"
+        )
+    return load_model(spec)[1].tokenizer  # a hub id: the processor comes with the model

@@ -1,0 +1,235 @@
+"""Turn a transcript into the decoder token sequence Whisper was trained on.
+
+A label is a prefix, the text, and end-of-text:
+
+    <|startoftranscript|> [<|lang|> <|task|>] [<|notimestamps|>]  text tokens  <|endoftext|>
+
+English-only checkpoints (`*.en`) have no language or task token in their prefix. With
+timestamps the `<|notimestamps|>` token is dropped and every segment is wrapped in a pair of
+time tokens, `<|1.20|> Hello there<|2.48|>`, exactly as in Whisper's own training data. The
+prefix is not a prediction target: `encode()` returns its length so the collator can mask it
+with -100.
+
+Every special token is looked up by its string (`convert_tokens_to_ids`), never by a hard-coded
+id, so the same code serves tiny.en (sot 50257), multilingual checkpoints (sot 50258) and
+large-v3 (one more language, shifted ids).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING, Protocol
+
+from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE
+
+from whisper_train.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig, PreTrainedTokenizerBase
+
+TASKS = ("transcribe", "translate")
+# Whisper's time tokens step in 20 ms (one encoder position is 2 mel frames of 10 ms) and
+# cover one 30 s window: <|0.00|> ... <|30.00|>, 1501 tokens.
+TIME_PRECISION = 0.02
+MAX_SECONDS = 30.0
+N_TIME_TOKENS = round(MAX_SECONDS / TIME_PRECISION) + 1  # 1501
+
+
+class _HasText(Protocol):
+    """What `encode` needs from a `whisper_train.data.Example`."""
+
+    text: str
+    language: str | None
+    segments: tuple[tuple[float, float, str], ...]
+    origin: str
+
+
+def language_code(language: str | None) -> str | None:
+    """'en', 'english', 'German', '<|de|>' → 'en' / 'de'; None stays None.
+
+    Raises UserError for a language Whisper does not know, with the spellings it accepts.
+    """
+    if language is None:
+        return None
+    key = language.strip().lower().removeprefix("<|").removesuffix("|>")
+    if key in LANGUAGES:
+        return key
+    if key in TO_LANGUAGE_CODE:
+        return TO_LANGUAGE_CODE[key]
+    raise UserError(
+        f"language {language!r} is not one Whisper knows; use a code such as en, de, fr, zh "
+        f"or a name such as english, german (all {len(LANGUAGES)} codes: "
+        f"{', '.join(sorted(LANGUAGES))})"
+    )
+
+
+def _check_language_and_task(language: str | None, task: str, *, multilingual: bool) -> None:
+    """Refuse what an English-only checkpoint cannot learn; `language` is already a code."""
+    if task not in TASKS:
+        raise UserError(f"--task {task}: expected one of {', '.join(TASKS)}")
+    if multilingual:
+        return
+    if language not in (None, "en"):
+        raise UserError(
+            f"language {language!r} on an English-only checkpoint (*.en): it has no language "
+            "tokens and only writes English; use a multilingual checkpoint such as "
+            "openai/whisper-small instead of whisper-small.en"
+        )
+    if task == "translate":
+        raise UserError(
+            "--task translate on an English-only checkpoint (*.en): it cannot translate; use a "
+            "multilingual checkpoint such as openai/whisper-small, or --task transcribe"
+        )
+
+
+class LabelEncoder:
+    """Encodes examples into Whisper decoder labels for one model's tokenizer.
+
+    Args:
+        tokenizer: the model's Whisper tokenizer (slow or fast).
+        language: default language for rows without their own (`Example.language` wins).
+        task: "transcribe" or "translate".
+        timestamps: emit time tokens for examples whose `segments` are known.
+        multilingual: whether the checkpoint is multilingual (prefix carries language + task).
+        timestamp_probability: share of timestamped examples that get the timestamp form; the
+            rest get the plain form, so the model keeps both skills (Whisper was trained on a
+            mix; distil-whisper uses 50%).
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        language: str | None = None,
+        task: str = "transcribe",
+        timestamps: bool = False,
+        multilingual: bool,
+        timestamp_probability: float = 0.5,
+    ) -> None:
+        if not 0.0 <= timestamp_probability <= 1.0:
+            raise UserError(f"timestamp_probability {timestamp_probability}: must be in [0, 1]")
+        self.tokenizer = tokenizer
+        self.language = language_code(language)
+        self.task = task
+        self.timestamps = timestamps
+        self.multilingual = multilingual
+        self.timestamp_probability = timestamp_probability
+        _check_language_and_task(self.language, task, multilingual=multilingual)
+
+        self.sot_id = self._token_id("<|startoftranscript|>")
+        self.eot_id = self._token_id("<|endoftext|>")
+        self.no_timestamps_id = self._token_id("<|notimestamps|>")
+        self.task_id = self._token_id(f"<|{task}|>") if multilingual else None
+        # Some tokenizer files (tiny.en's among them) do not list the time tokens; they always
+        # follow <|notimestamps|> directly, which is also how transformers' generate finds them.
+        self.timestamp_begin_id = self._token_id("<|0.00|>", fallback=self.no_timestamps_id + 1)
+
+    # -- token ids ---------------------------------------------------------------------------
+    def _token_id(self, token: str, *, fallback: int | None = None) -> int:
+        """The id of a special token, or `fallback`; UserError if the tokenizer lacks it."""
+        token_id = self.tokenizer.convert_tokens_to_ids(token)
+        # An unknown token maps to the unknown id, which for Whisper is <|endoftext|> itself.
+        unknown = token_id is None or (
+            token_id == self.tokenizer.unk_token_id and token != self.tokenizer.unk_token
+        )
+        if not unknown:
+            return int(token_id)
+        if fallback is not None:
+            return fallback
+        raise UserError(
+            f"the tokenizer has no {token} token: this does not look like a Whisper tokenizer; "
+            "load the model's own processor (tokenizer.json and added_tokens.json)"
+        )
+
+    def time_token_id(self, seconds: float) -> int:
+        """The id of the time token nearest `seconds`, clamped to [0, 30] s."""
+        index = round(min(max(seconds, 0.0), MAX_SECONDS) / TIME_PRECISION)
+        return self.timestamp_begin_id + index
+
+    def prefix_ids(self, language: str | None = None, timestamps: bool = False) -> list[int]:
+        """The decoder prompt: [SOT] (+ [<|lang|>, <|task|>] if multilingual) (+ [<|notimestamps|>]).
+
+        `language` (a code or name) defaults to the encoder's language; a multilingual model
+        needs one.
+        """
+        code = language_code(language) or self.language
+        _check_language_and_task(code, self.task, multilingual=self.multilingual)
+        ids = [self.sot_id]
+        if self.multilingual:
+            if code is None:
+                raise UserError(
+                    "a multilingual checkpoint needs the language of the speech: pass "
+                    "--language (e.g. --language de) or add a `language` column to the data"
+                )
+            ids += [self._token_id(f"<|{code}|>"), self.task_id]
+        if not timestamps:
+            ids.append(self.no_timestamps_id)
+        return ids
+
+    def text_ids(self, text: str) -> list[int]:
+        """Tokens of one transcript, with the leading space the pretrained model writes."""
+        return self.tokenizer.encode(" " + text.strip(), add_special_tokens=False)
+
+    # -- labels ------------------------------------------------------------------------------
+    def encode(self, example: _HasText, rng: random.Random | None = None) -> tuple[list[int], int]:
+        """Label ids for one example, from <|startoftranscript|> to <|endoftext|> inclusive.
+
+        Returns `(ids, n_prefix)`: `ids[:n_prefix]` is the prompt (SOT included) that the loss
+        ignores. With timestamps on and segments known, the timestamp form is drawn with
+        probability `timestamp_probability` from `rng` (default: a fresh unseeded draw).
+        """
+        use_timestamps = self.timestamps and bool(example.segments)
+        if use_timestamps and self.timestamp_probability < 1.0:
+            draw = (rng or random).random()
+            use_timestamps = draw < self.timestamp_probability
+        return self._encode(example, timestamps=use_timestamps)
+
+    def count_tokens(self, example: _HasText) -> int:
+        """Length of the longest label `encode` may produce for `example` (for screening)."""
+        timestamps = self.timestamps and bool(example.segments)
+        return len(self._encode(example, timestamps=timestamps)[0])
+
+    def _encode(self, example: _HasText, *, timestamps: bool) -> tuple[list[int], int]:
+        prefix = self.prefix_ids(example.language, timestamps=timestamps)
+        body = self._timestamped_body(example) if timestamps else self.text_ids(example.text)
+        return prefix + body + [self.eot_id], len(prefix)
+
+    def _timestamped_body(self, example: _HasText) -> list[int]:
+        """`<|t0|> text <|t1|>` per segment; times are seconds from the start of the clip.
+
+        Subtitles often overlap by a few milliseconds; Whisper's time tokens never go back, so
+        a segment that starts before the previous one ended is moved to start where it ended.
+        """
+        body: list[int] = []
+        previous_end = 0.0
+        for start, end, text in sorted(example.segments):
+            start = max(start, previous_end)
+            end = max(end, start)
+            previous_end = end
+            body.append(self.time_token_id(start))
+            body += self.text_ids(text)
+            body.append(self.time_token_id(end))
+        return body
+
+
+def configure_generation(
+    generation_config: GenerationConfig,
+    *,
+    language: str | None,
+    task: str = "transcribe",
+    multilingual: bool,
+) -> GenerationConfig:
+    """Set `generation_config.language` / `.task` so `generate()` skips language detection.
+
+    English-only checkpoints get `None` for both (transformers refuses either on them), after
+    checking that the request makes sense there. Returns the same (mutated) config.
+    """
+    code = language_code(language)
+    _check_language_and_task(code, task, multilingual=multilingual)
+    if multilingual:
+        generation_config.language = code
+        generation_config.task = task
+    else:
+        generation_config.language = None
+        generation_config.task = None
+    return generation_config

@@ -1,0 +1,150 @@
+"""`check-data`: each kind of problem is found in a generated dataset, and the exit codes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+from tiny_models import english_tokenizer
+
+from whisper_train.checkdata import check_data, format_report, write_histogram_png
+from whisper_train.cli import main
+
+
+def write_wav(path: Path, seconds: float, *, rate: int = 16_000, channels: int = 1, hz=440.0):
+    t = np.arange(int(seconds * rate)) / rate
+    mono = 0.2 * np.sin(2 * np.pi * hz * t)
+    soundfile.write(path, np.stack([mono] * channels, axis=1) if channels > 1 else mono, rate)
+
+
+def write_manifest(folder: Path, rows: list[dict]) -> Path:
+    manifest = folder / "train.jsonl"
+    manifest.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return manifest
+
+
+@pytest.fixture
+def clean_data(tmp_path) -> Path:
+    tmp_path = tmp_path / "clean"
+    tmp_path.mkdir()
+    for index, seconds in enumerate([1.0, 2.0, 6.0]):
+        write_wav(tmp_path / f"clip{index}.wav", seconds, hz=300 + 100 * index)
+    return write_manifest(
+        tmp_path,
+        [
+            {"audio": "clip0.wav", "text": "one clip", "language": "en"},
+            {"audio": "clip1.wav", "text": "another clip", "language": "en"},
+            {"audio": "clip2.wav", "text": "a third", "language": "en"},
+        ],
+    )
+
+
+@pytest.fixture
+def messy_data(tmp_path) -> Path:
+    tmp_path = tmp_path / "messy"
+    tmp_path.mkdir()
+    write_wav(tmp_path / "good.wav", 1.0)
+    write_wav(tmp_path / "stereo44.wav", 2.0, rate=44_100, channels=2, hz=500)
+    write_wav(tmp_path / "long.wav", 31.0, hz=600)
+    shutil.copy(tmp_path / "good.wav", tmp_path / "good-copy.wav")
+    (tmp_path / "broken.wav").write_bytes(b"this is not audio at all")
+    write_wav(tmp_path / "quiet.wav", 1.5, hz=700)
+    write_wav(tmp_path / "cjk.wav", 3.0, hz=800)
+    write_wav(tmp_path / "bell.wav", 1.0, hz=900)
+    return write_manifest(
+        tmp_path,
+        [
+            {"audio": "good.wav", "text": "hello there"},  # line 1
+            {"audio": "stereo44.wav", "text": "Hello   there", "language": "de"},  # 2: dup text
+            {"audio": "long.wav", "text": "far too long"},  # 3
+            {"audio": "good-copy.wav", "text": "a copy"},  # 4: same bytes as good.wav
+            {"audio": "broken.wav", "text": "unreadable"},  # 5
+            {"audio": "missing.wav", "text": "not there"},  # 6
+            {"audio": "quiet.wav", "text": "   "},  # 7: empty label
+            {"audio": "good.wav", "text": "listed twice"},  # 8: same file again
+            {"audio": "bell.wav", "text": "bell\u0007 and zero\u200bwidth"},  # 9: control chars
+            {"audio": "cjk.wav", "text": "語" * 300},  # 10: short in characters, long in tokens
+        ],
+    )
+
+
+def found(report, kind: str) -> dict[str, str]:
+    """{origin: detail} of one kind; origins shortened to `train.jsonl:N` / the file name."""
+    return {Path(f.origin).name: f.detail for f in report.findings if f.kind == kind}
+
+
+def test_clean_data_reports_totals_formats_and_no_problems(clean_data):
+    report = check_data(clean_data)
+
+    assert report.clips == 3
+    assert report.total_seconds == pytest.approx(9.0, abs=0.01)
+    assert report.sample_rates == {16_000: 3} and report.channels == {1: 3}
+    assert report.languages == {"en": 3}
+    assert report.problems == [] and report.notes == []
+    assert [count for _, count in report.histogram()] == [2, 0, 1]  # 0-2.5, 2.5-5, 5-7.5 s
+    text = format_report(report)
+    assert "3 clips" in text and "0 problems" in text and "#" in text
+
+
+def test_each_kind_of_problem_is_found_in_its_row(messy_data):
+    report = check_data(messy_data, model=english_tokenizer())
+    name = messy_data.name
+
+    assert set(found(report, "unreadable")) == {f"{name}:5", f"{name}:6"}
+    assert "file not found" in found(report, "unreadable")[f"{name}:6"]
+    assert set(found(report, "too_long")) == {f"{name}:3"}
+    assert set(found(report, "empty_label")) == {f"{name}:7"}
+    duplicates = found(report, "duplicate_audio")
+    assert f"{name}:8" in duplicates  # good.wav listed twice
+    assert any(origin.endswith("good-copy.wav") for origin in duplicates)  # same bytes
+    assert len(duplicates) == 2
+    # Two control/format characters, both first seen in row 9.
+    bad = [f for f in report.findings if f.kind == "bad_characters"]
+    assert {Path(f.origin).name for f in bad} == {f"{name}:9"} and len(bad) == 2
+    assert set(found(report, "long_label")) == {f"{name}:10"}
+    # Notes, not problems: "hello there" and "Hello   there" are the same transcript.
+    assert set(found(report, "duplicate_text")) == {f"{name}:1"}
+    assert report.sample_rates == {16_000: 6, 44_100: 1} and report.channels == {1: 6, 2: 1}
+    assert report.languages == {"unspecified": 9, "de": 1}
+
+
+def test_without_a_tokenizer_labels_are_measured_in_characters(messy_data):
+    report = check_data(messy_data)
+    # 300 CJK characters are over 448 tokens, but only a tokenizer can tell.
+    assert found(report, "long_label") == {}
+    assert "pass --model" in format_report(report)
+
+
+def test_rare_characters_are_a_note_in_a_large_dataset(tmp_path):
+    write_wav(tmp_path / "long.wav", 60.0)
+    rows = [{"audio": "long.wav", "text": f"row {i}", "start": i, "end": i + 1} for i in range(59)]
+    rows[7]["text"] = "Stra\u00dfe"
+    report = check_data(write_manifest(tmp_path, rows), data_format="jsonl")
+
+    assert report.clips == 59 and report.problems == []
+    assert [f.detail.split()[0] for f in report.notes] == ["'ß'"]
+
+
+def test_exit_codes_json_and_png(messy_data, clean_data, tmp_path, capsys):
+    assert main(["check-data", str(clean_data), "--strict"]) == 0
+    assert main(["check-data", str(messy_data)]) == 0  # problems are warnings
+    capsys.readouterr()
+    assert main(["check-data", str(messy_data), "--strict", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["clips"] == 10 and report["counts"]["too_long"] == 1
+
+    png = tmp_path / "hist.png"
+    assert main(["check-data", str(clean_data), "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    assert main(["check-data", str(tmp_path / "nowhere.jsonl")]) == 2
+    assert "nowhere.jsonl" in capsys.readouterr().err
+
+
+def test_histogram_png_marks_the_30_s_window(clean_data, tmp_path):
+    path = write_histogram_png(check_data(clean_data), tmp_path / "h.png")
+    assert path.stat().st_size > 1000

@@ -11,7 +11,6 @@ from transformers import (
     WhisperFeatureExtractor,
     WhisperForConditionalGeneration,
     WhisperProcessor,
-    WhisperTokenizerFast,
 )
 
 SOT, EOT, NO_TIMESTAMPS = 50257, 50256, 50362
@@ -25,10 +24,10 @@ def tiny_en_dir() -> Path:
 
 
 def english_tokenizer() -> WhisperTokenizerFast:
-    tokenizer = WhisperTokenizerFast(
-        tokenizer_file=str(tiny_en_dir() / "tokenizer.json"), pad_token="<|endoftext|>"
-    )
-    return tokenizer
+    """OpenAI's English tokenizer with special and timestamp tokens registered as on the hub."""
+    from whisper_train.ct2 import load_tokenizer
+
+    return load_tokenizer(tiny_en_dir(), ENGLISH_VOCAB)
 
 
 def make_tiny_whisper(

@@ -287,7 +287,7 @@ def _timestamp_tokens() -> list[str]:
     return [f"<|{i * TIME_PRECISION:.2f}|>" for i in range(N_TIMESTAMPS)]
 
 
-def _load_tokenizer(model_dir: Path, vocab_size: int) -> WhisperTokenizerFast:
+def load_tokenizer(model_dir: Path, vocab_size: int) -> WhisperTokenizerFast:
     """The folder's tokenizer.json, with timestamp tokens appended when it lacks them.
 
     OpenAI's tokenizer.json (as faster-whisper ships it) stops at <|notimestamps|>, while the
@@ -410,7 +410,7 @@ def load_ct2_whisper(
     d_model, n_mels, _ = state["model.encoder.conv1.weight"].shape
     vocab_size = state["model.decoder.embed_tokens.weight"].shape[0]
     multilingual = vocab_size >= MULTILINGUAL_MIN_VOCAB
-    tokenizer = _load_tokenizer(model_dir, vocab_size)
+    tokenizer = load_tokenizer(model_dir, vocab_size)
     eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     sot = tokenizer.convert_tokens_to_ids("<|startoftranscript|>")
     generation_config = _generation_config(tokenizer, ct2_config, multilingual=multilingual)

@@ -1,3 +1,34 @@
-"""whisper-train: fine-tune OpenAI Whisper on your own recordings."""
+"""whisper-train: fine-tune OpenAI Whisper on your own recordings.
+
+The library entry points, for use without the CLI:
+
+    from whisper_train import prepare_model, LoraSettings   # checkpointing/LoRA/freezing
+    from whisper_train import load_model, RunConfig          # resolve --model; typed options
+    from whisper_train.train import train                    # the whole training run
+    from whisper_train import doctor                         # pre-flight checks
+
+They are imported on first use, so `import whisper_train` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "prepare_model": "whisper_train.memory",
+    "LoraSettings": "whisper_train.memory",
+    "load_model": "whisper_train.models",
+    "RunConfig": "whisper_train.config",
+    "UserError": "whisper_train.errors",
+}
+
+__all__ = [*_LAZY, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'whisper_train' has no attribute {name!r}")

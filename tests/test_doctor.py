@@ -1,0 +1,200 @@
+"""doctor.py: the pre-flight checks name the trigger that breaks a configuration, and pass ours."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from test_checkpointing_parity import LORA, pristine, tiny_batch
+
+from whisper_train import doctor
+from whisper_train.errors import UserError
+from whisper_train.memory import prepare_model
+
+
+def model_copy():
+    return copy.deepcopy(pristine("sdpa"))
+
+
+def by_id(report: doctor.DoctorReport) -> dict[str, doctor.Check]:
+    return {check.id: check for check in report.checks}
+
+
+def peft_first_then_reentrant():
+    """PEFT wrapped before checkpointing, checkpointing reentrant: the Unsloth/LoRA failure."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(model_copy(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    return model
+
+
+@pytest.mark.parametrize(
+    "mode,policy", [("full", "full"), ("lora", "full"), ("freeze-encoder", "every-2")]
+)
+def test_whisper_train_configurations_pass(mode, policy):
+    report = doctor.run(model_copy(), tiny_batch(), mode=mode, checkpointing=policy, lora=LORA)
+    assert report.ok, doctor.format_report(report)
+    checks = by_id(report)
+    assert checks["parity"].status == "pass"
+    assert "max abs difference 0;" in checks["parity"].message
+    assert checks["reentrant"].status == "pass"
+
+
+def test_lora_wrapped_first_under_reentrant_checkpointing_fails_with_t2():
+    report = doctor.run(peft_first_then_reentrant(), tiny_batch())
+    assert not report.ok
+    failed = {check.id: check.trigger for check in report.failed()}
+    assert failed["frozen-input"] == "T2" and failed["parity"] == "T2" and failed["peft"] == "T2"
+    assert "use_reentrant" in by_id(report)["parity"].remedy
+
+
+def test_doctor_leaves_the_callers_model_alone():
+    model = model_copy()
+    doctor.run(model, tiny_batch(), mode="lora", checkpointing="full", lora=LORA)
+    assert not hasattr(model, "peft_config") and not model.training
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_trainer_kwargs_without_use_reentrant_fall_back_to_reentrant_t9():
+    """{'preserve_rng_state': True} alone silently means reentrant on 4.x and 5.x."""
+    from transformers import Seq2SeqTrainingArguments
+
+    args = Seq2SeqTrainingArguments(
+        output_dir="unused",
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"preserve_rng_state": True},
+        report_to=[],
+        use_cpu=True,
+    )
+    report = doctor.run(model_copy(), tiny_batch(), trainer_args=args)
+    trainer = by_id(report)["trainer"]
+    assert (trainer.status, trainer.trigger) == ("fail", "T9")
+    assert "reentrant" in trainer.message and '"use_reentrant": False' in trainer.remedy
+
+
+def test_static_checks_refuse_a_known_failure_and_pass_ours():
+    with pytest.raises(UserError, match=r"\(T2\); use whisper_train.prepare_model"):
+        doctor.static_checks(peft_first_then_reentrant())
+    ours = prepare_model(model_copy(), mode="lora", checkpointing="full", lora=LORA)
+    checks = doctor.static_checks(ours)
+    assert all(check.status == "pass" for check in checks)
+
+
+def test_ddp_with_find_unused_and_reentrant_is_t3_and_layerdrop_without_it_is_t4():
+    reentrant = model_copy()
+    reentrant.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    ddp = {"world_size": 2, "find_unused_parameters": True}
+    check = by_id_static(reentrant, ddp=ddp)["ddp"]
+    assert (check.status, check.trigger) == ("fail", "T3")
+
+    layerdrop = prepare_model(model_copy(), mode="full", checkpointing="full")
+    layerdrop.config.decoder_layerdrop = 0.1
+    check = by_id_static(layerdrop, ddp={"world_size": 2, "find_unused_parameters": False})["ddp"]
+    assert (check.status, check.trigger) == ("fail", "T4")
+    check = by_id_static(layerdrop, ddp={"world_size": 1})["ddp"]
+    assert check.status == "pass"
+
+
+def by_id_static(model, **kwargs) -> dict[str, doctor.Check]:
+    return {check.id: check for check in doctor.static_checks(model, refuse=False, **kwargs)}
+
+
+def test_compile_with_reentrant_checkpointing_is_t6():
+    reentrant = model_copy()
+    reentrant.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert by_id_static(reentrant, compile=True)["compile"].status == "fail"
+    ours = prepare_model(model_copy(), mode="full", checkpointing="full")
+    check = by_id_static(ours, compile=True)["compile"]
+    assert (check.status, check.trigger) == ("warn", "T6")
+
+
+def test_forward_pre_hooks_on_checkpointed_layers_are_reported_where_they_replay():
+    model = prepare_model(model_copy(), mode="full", checkpointing="full")
+    model.model.decoder.layers[0].register_forward_pre_hook(lambda *args: None)
+    check = by_id_static(model)["hooks"]
+    if doctor.hooks_replay_on_recompute():
+        assert (check.status, check.trigger) == ("warn", "T8")
+    else:
+        assert check.status == "pass"
+
+
+def test_a_checkpoint_function_that_does_not_recompute_fails_parity():
+    """A replacement checkpoint function (T5) that silently keeps everything in memory."""
+    model = prepare_model(model_copy(), mode="full", checkpointing="full")
+    for layer in model.model.decoder.layers:
+        layer._gradient_checkpointing_func = lambda function, *args, **kwargs: function(*args)
+    report = doctor.run(model, tiny_batch())
+    checks = by_id(report)
+    assert checks["reentrant"].status == "warn" and checks["reentrant"].trigger == "T5"
+    assert checks["parity"].status == "fail" and "was not recomputed" in checks["parity"].message
+
+
+def test_report_formats():
+    report = doctor.run(peft_first_then_reentrant(), tiny_batch())
+    text = doctor.format_report(report)
+    assert "FAIL  frozen-input [T2]:" in text and "remedy: " in text
+    assert text.splitlines()[-1].endswith("check(s) failed")
+    as_json = json.loads(json.dumps(report.to_json()))
+    assert as_json["ok"] is False
+    assert {"id", "status", "message", "remedy"} <= set(as_json["checks"][0])
+
+
+def test_doctor_command_prints_json_and_exits_0_for_our_configuration(tiny_whisper_dir, capsys):
+    from whisper_train.cli import main
+
+    code = main(
+        [
+            "doctor",
+            "--model",
+            str(tiny_whisper_dir),
+            "--mode",
+            "lora",
+            "--gradient-checkpointing",
+            "full",
+            "--lora-r",
+            "4",
+            "--probe-batch-size",
+            "1",
+            "--json",
+        ]
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["ok"] is True
+    assert {c["id"]: c["status"] for c in out["checks"]}["parity"] == "pass"
+
+
+def test_doctor_command_exits_1_when_a_check_fails(tiny_whisper_dir, monkeypatch, capsys):
+    from whisper_train.cli import main
+
+    # A model whose layers come back reentrant, as a hand-made setup would.
+    real_prepare = doctor.prepare_model
+
+    def reentrant_prepare(model, **kwargs):
+        model = real_prepare(model, **kwargs)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        return model
+
+    monkeypatch.setattr(doctor, "prepare_model", reentrant_prepare)
+    code = main(
+        [
+            "doctor",
+            "--model",
+            str(tiny_whisper_dir),
+            "--mode",
+            "lora",
+            "--lora-r",
+            "4",
+            "--probe-batch-size",
+            "1",
+        ]
+    )
+    assert code == 1
+    assert "FAIL  parity [T2]" in capsys.readouterr().out
+
+
+def test_run_needs_labels():
+    with pytest.raises(UserError, match="labels"):
+        doctor.run(model_copy(), {"input_features": torch.zeros(1, 80, 100)})

@@ -1,0 +1,506 @@
+"""Honest evaluation: generate transcripts, normalise them, count word and character errors.
+
+WER here always comes from `model.generate` (greedy or beam search), never from the argmax of
+teacher-forced logits, which hides hallucination and looping. Figures are fractions (0.07 is
+7 %) everywhere in the library and the JSON report; the CLI prints percentages.
+
+Normalisers (`--normalizer`):
+  english  Whisper's EnglishTextNormalizer (spellings, numbers, contractions, punctuation);
+  basic    Whisper's BasicTextNormalizer (lower case, no punctuation), for other languages;
+  none     only whitespace is collapsed.
+The orthographic WER (raw text, case and punctuation count) is reported beside the normalised
+one, as distil-whisper does, because fine-tuning often changes style more than words.
+
+Empty references: an utterance whose reference is empty after normalisation has no words to
+get wrong, so every word of its hypothesis counts as an insertion (a model that "hears" speech
+in silence is penalised) and its own per-utterance WER is undefined (None). The corpus WER
+divides all errors by all reference words; if every reference is empty it is undefined and
+`score` raises UserError.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import jiwer
+import torch
+
+from whisper_train.errors import AudioError, UserError
+
+log = logging.getLogger(__name__)
+
+NORMALIZERS = ("english", "basic", "none")
+# Hallucination loops repeat a phrase; three words rarely repeat inside a real sentence.
+LOOP_NGRAM = 3
+
+Normalizer = Callable[[str], str]
+
+
+# -- normalisation --------------------------------------------------------------------------
+
+
+def _collapse_whitespace(text: str) -> str:
+    return " ".join(text.split())
+
+
+def get_normalizer(name: str | None = None, language: str | None = None) -> Normalizer:
+    """`english` | `basic` | `none` → text → normalised text (whitespace collapsed).
+
+    With no name: `english` for English (or an unknown language), `basic` otherwise.
+    """
+    if name is None:
+        name = "english" if language in (None, "en", "english") else "basic"
+    if name == "english":
+        from whisper_normalizer.english import EnglishTextNormalizer
+
+        english = EnglishTextNormalizer()
+        return lambda text: _collapse_whitespace(english(text))
+    if name == "basic":
+        from whisper_normalizer.basic import BasicTextNormalizer
+
+        basic = BasicTextNormalizer()
+        return lambda text: _collapse_whitespace(basic(text))
+    if name == "none":
+        return _collapse_whitespace
+    raise UserError(f"--normalizer {name}: expected one of {', '.join(NORMALIZERS)}")
+
+
+# -- scoring --------------------------------------------------------------------------------
+
+
+@dataclass
+class UtteranceScore:
+    """One utterance: raw and normalised texts and its word-error counts (normalised)."""
+
+    reference: str
+    hypothesis: str
+    normalized_reference: str
+    normalized_hypothesis: str
+    reference_words: int
+    substitutions: int
+    deletions: int
+    insertions: int
+    repeated_ngrams: int
+    wer: float | None  # None when the normalised reference is empty
+
+    @property
+    def errors(self) -> int:
+        return self.substitutions + self.deletions + self.insertions
+
+
+@dataclass
+class Scores:
+    """Corpus-level figures (fractions) and the per-utterance rows they were summed from."""
+
+    wer: float
+    cer: float
+    orthographic_wer: float
+    substitutions: int
+    deletions: int
+    insertions: int
+    reference_words: int
+    insertion_rate: float  # insertions / reference words: hallucinated words
+    repeated_ngram_rate: float  # repeated word 3-grams / all 3-grams in hypotheses: loops
+    empty_output_rate: float  # hypotheses that are empty after normalisation
+    n: int
+    rows: list[UtteranceScore] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        """Every corpus figure, without the rows."""
+        return {k: v for k, v in asdict(self).items() if k != "rows"}
+
+
+def _word_counts(reference: str, hypothesis: str) -> tuple[int, int, int, int]:
+    """(reference words, substitutions, deletions, insertions) for one utterance."""
+    if not reference:
+        return 0, 0, 0, len(hypothesis.split())
+    if not hypothesis:
+        n = len(reference.split())
+        return n, 0, n, 0
+    out = jiwer.process_words(reference, hypothesis)
+    n = out.hits + out.substitutions + out.deletions
+    return n, out.substitutions, out.deletions, out.insertions
+
+
+def _char_counts(reference: str, hypothesis: str) -> tuple[int, int]:
+    """(reference characters, character edits) for one utterance."""
+    if not reference:
+        return 0, len(hypothesis)
+    if not hypothesis:
+        return len(reference), len(reference)
+    out = jiwer.process_characters(reference, hypothesis)
+    return (
+        out.hits + out.substitutions + out.deletions,
+        out.substitutions + out.deletions + out.insertions,
+    )
+
+
+def _repeated_ngrams(words: Sequence[str], n: int = LOOP_NGRAM) -> tuple[int, int]:
+    """(n-grams that already occurred earlier in the same text, all n-grams)."""
+    seen: set[tuple[str, ...]] = set()
+    repeated = 0
+    grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
+    for gram in grams:
+        repeated += gram in seen
+        seen.add(gram)
+    return repeated, len(grams)
+
+
+def score(
+    references: Sequence[str],
+    hypotheses: Sequence[str],
+    *,
+    normalizer: Normalizer | str = "english",
+) -> Scores:
+    """WER, CER and hallucination figures of `hypotheses` against `references` (same order)."""
+    if len(references) != len(hypotheses):
+        raise ValueError(f"{len(references)} references but {len(hypotheses)} hypotheses")
+    normalize = get_normalizer(normalizer) if isinstance(normalizer, str) else normalizer
+    rows: list[UtteranceScore] = []
+    ref_chars = char_edits = ortho_words = ortho_errors = 0
+    repeated = ngrams = empty_outputs = 0
+    for reference, hypothesis in zip(references, hypotheses, strict=True):
+        norm_ref, norm_hyp = normalize(reference), normalize(hypothesis)
+        n_words, subs, dels, ins = _word_counts(norm_ref, norm_hyp)
+        n_chars, edits = _char_counts(norm_ref, norm_hyp)
+        ref_chars, char_edits = ref_chars + n_chars, char_edits + edits
+        o_words, o_subs, o_dels, o_ins = _word_counts(
+            _collapse_whitespace(reference), _collapse_whitespace(hypothesis)
+        )
+        ortho_words, ortho_errors = ortho_words + o_words, ortho_errors + o_subs + o_dels + o_ins
+        row_repeated, row_ngrams = _repeated_ngrams(norm_hyp.split())
+        repeated, ngrams = repeated + row_repeated, ngrams + row_ngrams
+        empty_outputs += not norm_hyp
+        rows.append(
+            UtteranceScore(
+                reference=reference,
+                hypothesis=hypothesis,
+                normalized_reference=norm_ref,
+                normalized_hypothesis=norm_hyp,
+                reference_words=n_words,
+                substitutions=subs,
+                deletions=dels,
+                insertions=ins,
+                repeated_ngrams=row_repeated,
+                wer=(subs + dels + ins) / n_words if n_words else None,
+            )
+        )
+    words = sum(row.reference_words for row in rows)
+    if words == 0:
+        raise UserError(
+            f"all {len(rows)} references are empty after normalisation, so WER is undefined; "
+            "check the transcripts in your data or pass --normalizer none"
+        )
+    subs, dels, ins = (
+        sum(getattr(r, k) for r in rows) for k in ("substitutions", "deletions", "insertions")
+    )
+    return Scores(
+        wer=(subs + dels + ins) / words,
+        cer=char_edits / ref_chars if ref_chars else 0.0,
+        orthographic_wer=ortho_errors / ortho_words if ortho_words else 0.0,
+        substitutions=subs,
+        deletions=dels,
+        insertions=ins,
+        reference_words=words,
+        insertion_rate=ins / words,
+        repeated_ngram_rate=repeated / ngrams if ngrams else 0.0,
+        empty_output_rate=empty_outputs / len(rows),
+        n=len(rows),
+        rows=rows,
+    )
+
+
+# -- generation -----------------------------------------------------------------------------
+
+
+def _first_parameter(model) -> torch.Tensor:
+    return next(p for p in model.parameters() if p.is_floating_point())
+
+
+@torch.inference_mode()
+def _generate_batch(
+    model, feature_extractor, batch: dict, *, max_length: int, num_beams: int
+) -> torch.Tensor:
+    weight = _first_parameter(model)
+    if "input_features" in batch:
+        inputs = {"input_features": batch["input_features"].to(weight.device, weight.dtype)}
+    elif "audio" in batch:
+        # A collator without a LogMel hands over waveforms: compute features where the model is.
+        from whisper_train.features import LogMel
+
+        features = LogMel(feature_extractor, device=weight.device)(batch["audio"])
+        inputs = {"input_features": features.to(weight.dtype)}
+    else:
+        # A batch from the encoder cache: the encoder already ran, skip it.
+        from transformers.modeling_outputs import BaseModelOutput
+
+        hidden = batch["encoder_hidden_states"].to(weight.device, weight.dtype)
+        inputs = {"encoder_outputs": BaseModelOutput(last_hidden_state=hidden)}
+    return model.generate(**inputs, max_length=max_length, num_beams=num_beams)
+
+
+def generate_texts(
+    model, processor, batches: Iterable[dict], *, max_length: int = 225, num_beams: int = 1
+) -> list[str]:
+    """Transcribe each batch with `model.generate` and return the texts, in batch order.
+
+    `batches` are dicts from `SpeechCollator`: `input_features` (batch, n_mels, 3000),
+    `encoder_hidden_states` (batch, 1500, d_model) from an encoder cache, or `audio` (a list of
+    16 kHz waveforms). Language and task come from
+    `model.generation_config`. Works for peft-wrapped models. The model is put in eval mode
+    (dropout off) and its training mode is restored afterwards.
+    """
+    was_training = model.training
+    model.eval()
+    texts: list[str] = []
+    try:
+        for batch in batches:
+            if not batch.get("size", 1):
+                continue  # every clip of this batch was skipped by the collator
+            ids = _generate_batch(
+                model,
+                processor.feature_extractor,
+                batch,
+                max_length=max_length,
+                num_beams=num_beams,
+            )
+            decoded = processor.batch_decode(ids, skip_special_tokens=True)
+            texts.extend(text.strip() for text in decoded)
+    finally:
+        model.train(was_training)
+    return texts
+
+
+# -- evaluating a list of examples ----------------------------------------------------------
+
+
+@dataclass
+class EvalReport:
+    """What `evaluate_examples` measured; `audio[i]` is the clip of `scores.rows[i]`."""
+
+    model: str
+    normalizer: str
+    language: str | None
+    scores: Scores
+    audio: list[str]
+    skipped: list[dict]  # {"audio", "reason"} for clips that could not be read
+    seconds: float
+
+    @property
+    def wer(self) -> float:
+        return self.scores.wer
+
+    @property
+    def cer(self) -> float:
+        return self.scores.cer
+
+
+def _feature_batches(examples, processor, batch_size: int, skipped: list[dict], kept: list):
+    """Examples → batches {"input_features": (batch, n_mels, 3000), "texts"}; bad clips skipped."""
+    from whisper_train.audio import load_audio
+    from whisper_train.features import LogMel
+
+    log_mel = LogMel(processor.feature_extractor)
+    for first in range(0, len(examples), batch_size):
+        clips, texts = [], []
+        for example in examples[first : first + batch_size]:
+            try:
+                clips.append(load_audio(example.audio, start=example.start, end=example.end))
+            except AudioError as exc:
+                skipped.append({"audio": example.audio, "reason": exc.reason})
+                continue
+            texts.append(example.text)
+            kept.append(example)
+        if clips:
+            yield {"input_features": log_mel(clips), "texts": texts, "size": len(clips)}
+
+
+def set_language(model, language: str | None, task: str | None = None) -> None:
+    """Point `generation_config` at `language`/`task` on multilingual models; None keeps the
+    checkpoint's own setting (or language detection when it has none).
+
+    English-only checkpoints take no language or task tokens (transformers refuses them).
+    """
+    config = model.generation_config
+    if not getattr(config, "is_multilingual", False):
+        return
+    if language is not None:
+        config.language = language
+    if task is not None:
+        config.task = task
+
+
+def evaluate_examples(
+    model,
+    processor,
+    examples: Sequence,
+    *,
+    batch_size: int = 8,
+    normalizer: str = "english",
+    language: str | None = None,
+    max_length: int = 225,
+    num_beams: int = 1,
+    model_name: str = "",
+    progress: bool = False,
+) -> EvalReport:
+    """Transcribe `examples` (whisper_train.data.Example) and score them against their text."""
+    from tqdm.auto import tqdm
+
+    started = time.perf_counter()
+    set_language(model, language)
+    skipped: list[dict] = []
+    kept: list = []
+    batches = _feature_batches(list(examples), processor, batch_size, skipped, kept)
+    total = -(-len(examples) // batch_size)
+    batches = tqdm(batches, total=total, desc="evaluate", unit="batch", disable=not progress)
+    hypotheses = generate_texts(
+        model, processor, batches, max_length=max_length, num_beams=num_beams
+    )
+    if not kept:
+        raise UserError(
+            f"none of the {len(examples)} clips could be read; run `whisper-train check-data`"
+        )
+    scores = score([e.text for e in kept], hypotheses, normalizer=get_normalizer(normalizer))
+    return EvalReport(
+        model=model_name,
+        normalizer=normalizer,
+        language=language,
+        scores=scores,
+        audio=[e.audio for e in kept],
+        skipped=skipped,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def report_to_dict(report: EvalReport) -> dict:
+    """The JSON report: top-level `wer`, `cer`, `n`, every corpus figure, then the utterances."""
+    utterances = []
+    for audio, row in zip(report.audio, report.scores.rows, strict=True):
+        utterance = {"audio": audio, **asdict(row), "errors": row.errors}
+        utterances.append(utterance)
+    return {
+        "model": report.model,
+        "normalizer": report.normalizer,
+        "language": report.language,
+        **report.scores.summary(),
+        "seconds": round(report.seconds, 3),
+        "skipped": report.skipped,
+        "utterances": utterances,
+    }
+
+
+def write_report_json(report: EvalReport, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        json.dumps(report_to_dict(report), indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
+    return path
+
+
+# -- CLI ------------------------------------------------------------------------------------
+
+
+def add_evaluate_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "evaluate",
+        help="Transcribe held-out data and report WER/CER (optionally against a baseline model).",
+        description="Generate transcripts for --data with --model and score them.",
+    )
+    parser.add_argument(
+        "--model", required=True, help="Model folder, hub id, run folder or tiny.en."
+    )
+    parser.add_argument("--data", required=True, help="Data in any layout `check-data` accepts.")
+    parser.add_argument("--data-format", default=None, help="Force a data layout.")
+    parser.add_argument("--output", default=None, help="Write the JSON report here (report.json).")
+    parser.add_argument(
+        "--normalizer",
+        choices=NORMALIZERS,
+        default=None,
+        help="Text normaliser before scoring (default: english for English, basic otherwise).",
+    )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help="Also evaluate this model; writes report.md and report.png beside the JSON.",
+    )
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--eval-subset", type=int, default=None, help="Use only the first N clips.")
+    parser.add_argument("--language", default=None, help="Language of the speech, e.g. en or de.")
+    parser.add_argument("--beam-size", type=int, default=1, help="1 is greedy decoding.")
+    parser.add_argument("--max-length", type=int, default=225, help="Longest transcript in tokens.")
+    parser.set_defaults(func=run_evaluate)
+    return parser
+
+
+def _print_scores(name: str, report: EvalReport) -> None:
+    s = report.scores
+    print(
+        f"{name}: WER {100 * s.wer:.2f}%  CER {100 * s.cer:.2f}%  "
+        f"(orthographic WER {100 * s.orthographic_wer:.2f}%, n={s.n}, "
+        f"normalizer {report.normalizer})"
+    )
+
+
+def run_evaluate(args: argparse.Namespace) -> int:
+    """`whisper-train evaluate`: prints WER/CER; writes report.json (+ .md/.png with --baseline)."""
+    from whisper_train.data import load_examples
+    from whisper_train.models import load_model
+
+    for flag, value in (
+        ("--batch-size", args.batch_size),
+        ("--beam-size", args.beam_size),
+        ("--max-length", args.max_length),
+    ):
+        if value < 1:
+            raise UserError(f"{flag} {value}: must be at least 1")
+    if args.eval_subset is not None and args.eval_subset < 1:
+        raise UserError(f"--eval-subset {args.eval_subset}: must be at least 1")
+    examples = load_examples(args.data, data_format=args.data_format)
+    if args.eval_subset:
+        examples = examples[: args.eval_subset]
+    if not examples:
+        raise UserError(f"--data {args.data}: no utterances found")
+    normalizer = args.normalizer or ("english" if args.language in (None, "en") else "basic")
+
+    def run(spec: str) -> EvalReport:
+        model, processor = load_model(spec)
+        if torch.cuda.is_available():
+            model = model.to("cuda")
+        return evaluate_examples(
+            model,
+            processor,
+            examples,
+            batch_size=args.batch_size,
+            normalizer=normalizer,
+            language=args.language,
+            max_length=args.max_length,
+            num_beams=args.beam_size,
+            model_name=spec,
+            progress=True,
+        )
+
+    report = run(args.model)
+    _print_scores(args.model, report)
+    output = Path(args.output) if args.output else (Path("report.json") if args.baseline else None)
+    if output is not None:
+        write_report_json(report, output)
+        print(f"wrote {output}")
+    if report.skipped:
+        print(f"skipped {len(report.skipped)} unreadable clip(s); see the JSON report")
+    if args.baseline:
+        from whisper_train.report import write_comparison
+
+        baseline = run(args.baseline)
+        _print_scores(f"baseline {args.baseline}", baseline)
+        write_report_json(baseline, output.with_name(output.stem + ".baseline.json"))
+        markdown, png = output.with_suffix(".md"), output.with_suffix(".png")
+        write_comparison(baseline, report, markdown_path=markdown, png_path=png)
+        print(f"wrote {markdown} and {png}")
+    return 0

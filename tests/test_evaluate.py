@@ -1,0 +1,212 @@
+"""Scoring, generation and the evaluate command (tiny seeded models; synthesised speech)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from whisper_train.data import Example
+from whisper_train.errors import UserError
+from whisper_train.evaluate import (
+    add_evaluate_parser,
+    evaluate_examples,
+    generate_texts,
+    get_normalizer,
+    score,
+    write_report_json,
+)
+from whisper_train.features import LogMel
+from whisper_train.report import write_curves_png
+
+# -- scoring --------------------------------------------------------------------------------
+
+
+def test_english_normaliser_ignores_case_punctuation_and_spelling():
+    scores = score(["Hello, Mr. Smith! It's colour."], ["hello mister smith it is color"])
+    assert scores.wer == 0.0
+    assert scores.cer == 0.0
+    # The raw text differs in case, punctuation and spelling: the orthographic WER shows it.
+    assert scores.orthographic_wer > 0.5
+
+
+def test_counts_substitutions_deletions_insertions():
+    scores = score(["the cat sat", "a b c d"], ["the cat sat on", "a x c"], normalizer="none")
+    assert (scores.substitutions, scores.deletions, scores.insertions) == (1, 1, 1)
+    assert scores.reference_words == 7
+    assert scores.wer == pytest.approx(3 / 7)
+    assert scores.insertion_rate == pytest.approx(1 / 7)
+    assert [row.errors for row in scores.rows] == [1, 2]
+    assert scores.rows[1].wer == pytest.approx(2 / 4)
+
+
+def test_empty_reference_counts_hypothesis_words_as_insertions():
+    scores = score(["", "hello world"], ["thank you", "hello world"], normalizer="english")
+    assert scores.rows[0].wer is None
+    assert scores.insertions == 2
+    assert scores.wer == pytest.approx(2 / 2)
+    with pytest.raises(UserError, match="empty after normalisation"):
+        score(["uh, um", ""], ["a", "b"])
+
+
+def test_loops_and_empty_outputs_are_measured():
+    looping = score(
+        ["go on", "stop here now", "yes"],
+        ["go on go on go on go on", "stop here now", ""],
+        normalizer="none",
+    )
+    clean = score(
+        ["go on", "stop here now", "yes"], ["go on", "stop here now", "yes"], normalizer="none"
+    )
+    assert looping.repeated_ngram_rate > 0.5
+    assert clean.repeated_ngram_rate == 0.0
+    assert looping.empty_output_rate == pytest.approx(1 / 3)
+    assert clean.empty_output_rate == 0.0
+
+
+def test_default_normaliser_depends_on_language():
+    assert get_normalizer(language="en")("Mr. Smith") == "mister smith"
+    assert get_normalizer(language="de")("Mr. Smith") == "mr smith"
+    assert get_normalizer("none")("  Mr.   Smith ") == "Mr. Smith"
+    with pytest.raises(UserError, match="--normalizer"):
+        get_normalizer("french")
+
+
+# -- generation -----------------------------------------------------------------------------
+
+
+def _batch(processor, seconds=(1.0, 2.0)):
+    rng = np.random.default_rng(0)
+    clips = [(0.1 * rng.standard_normal(int(16_000 * s))).astype(np.float32) for s in seconds]
+    return {
+        "input_features": LogMel(processor.feature_extractor)(clips),
+        "audio": clips,
+        "texts": ["a", "b"],
+    }
+
+
+def test_generate_texts_restores_training_mode_and_matches_plain_generate(tiny_whisper):
+    model, processor = tiny_whisper
+    batch = _batch(processor)
+    with torch.inference_mode():
+        expected = processor.batch_decode(
+            model.generate(input_features=batch["input_features"], max_length=20),
+            skip_special_tokens=True,
+        )
+    model.train()
+    texts = generate_texts(model, processor, [batch], max_length=20)
+    assert model.training, "generate_texts must give the model back in training mode"
+    assert texts == [text.strip() for text in expected]
+    assert len(texts) == 2
+
+
+def test_generate_texts_takes_waveforms_or_cached_encoder_outputs(tiny_whisper):
+    model, processor = tiny_whisper
+    batch = _batch(processor)
+    from_features = generate_texts(model, processor, [batch], max_length=20)
+    waveforms = {"audio": batch["audio"], "texts": batch["texts"]}
+    assert generate_texts(model, processor, [waveforms], max_length=20) == from_features
+    with torch.no_grad():
+        hidden = model.model.encoder(batch["input_features"]).last_hidden_state
+    cached = {"encoder_hidden_states": hidden, "texts": batch["texts"]}
+    assert generate_texts(model, processor, [cached], max_length=20) == from_features
+
+
+def test_generate_texts_works_on_a_peft_model(tiny_whisper):
+    from peft import LoraConfig, get_peft_model
+
+    model, processor = tiny_whisper
+    batch = _batch(processor)
+    base_texts = generate_texts(model, processor, [batch], max_length=20)
+    # Fresh LoRA adapters start as a no-op (B = 0): transcripts must not change.
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert generate_texts(peft_model, processor, [batch], max_length=20) == base_texts
+
+
+# -- evaluate_examples, the JSON report, the CLI -------------------------------------------
+
+
+def _write_clip(path, seconds, seed):
+    rng = np.random.default_rng(seed)
+    soundfile.write(
+        path, (0.1 * rng.standard_normal(int(16_000 * seconds))).astype(np.float32), 16_000
+    )
+    return str(path)
+
+
+def test_evaluate_examples_reports_every_clip_and_skips_unreadable(tiny_whisper, tmp_path):
+    model, processor = tiny_whisper
+    broken = tmp_path / "broken.wav"
+    broken.write_bytes(b"not audio at all")
+    examples = [
+        Example(audio=_write_clip(tmp_path / "a.wav", 1.0, 0), text="hello there"),
+        Example(audio=str(broken), text="never read"),
+        Example(audio=_write_clip(tmp_path / "b.wav", 1.5, 1), text="good morning"),
+    ]
+    report = evaluate_examples(model, processor, examples, batch_size=2, max_length=20)
+    assert report.scores.n == 2
+    assert [s["audio"] for s in report.skipped] == [str(broken)]
+    written = json.loads(write_report_json(report, tmp_path / "out" / "report.json").read_text())
+    assert written["n"] == 2
+    assert written["wer"] == pytest.approx(report.wer) and written["cer"] == pytest.approx(
+        report.cer
+    )
+    assert [u["reference"] for u in written["utterances"]] == ["hello there", "good morning"]
+    assert all({"hypothesis", "errors", "audio"} <= set(u) for u in written["utterances"])
+
+
+def test_evaluate_command_with_baseline_writes_comparison(tiny_whisper_dir, tmp_path):
+    from whisper_train.synth import synthesize
+
+    sentences = [
+        "the quick brown fox jumps over the lazy dog",
+        "open the door and turn on the light",
+    ]
+    manifest = tmp_path / "data.jsonl"
+    with manifest.open("w") as out:
+        for i, text in enumerate(sentences):
+            soundfile.write(tmp_path / f"s{i}.wav", synthesize(text), 16_000)
+            out.write(json.dumps({"audio": f"s{i}.wav", "text": text}) + "\n")
+    parser = argparse.ArgumentParser()
+    add_evaluate_parser(parser.add_subparsers())
+    report_json = tmp_path / "eval" / "report.json"
+    # The real tiny.en is "after", the random tiny model the "baseline": tiny.en must win.
+    args = parser.parse_args(
+        [
+            "evaluate",
+            "--model",
+            "tiny.en",
+            "--data",
+            str(manifest),
+            "--output",
+            str(report_json),
+            "--baseline",
+            str(tiny_whisper_dir),
+            "--max-length",
+            "40",
+        ]
+    )
+    assert args.func(args) == 0
+    after = json.loads(report_json.read_text())
+    before = json.loads((tmp_path / "eval" / "report.baseline.json").read_text())
+    assert after["wer"] < 0.35 < before["wer"]
+    markdown = (tmp_path / "eval" / "report.md").read_text()
+    assert "Got better" in markdown and "s0.wav" in markdown
+    assert (tmp_path / "eval" / "report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_curves_png_from_metrics_jsonl(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    lines = [
+        json.dumps({"step": s, "loss": 3.0 / s, "lr": 1e-5, "epoch": s / 10}) for s in range(1, 6)
+    ]
+    lines.append(json.dumps({"step": 5, "eval_loss": 0.9, "wer": 0.25}))
+    metrics.write_text("\n".join(lines) + '\n{"step": 6, "lo')  # a run still writing
+    png = write_curves_png(metrics, tmp_path / "curves.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(UserError, match="metrics"):
+        write_curves_png(tmp_path / "missing.jsonl", tmp_path / "x.png")

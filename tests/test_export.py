@@ -1,0 +1,145 @@
+"""Export: LoRA merge, Hugging Face and CTranslate2 output, and the parity check."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from transformers import WhisperForConditionalGeneration
+
+from whisper_train.errors import UserError
+from whisper_train.export import (
+    ExportParityError,
+    add_export_parser,
+    check_clips,
+    check_parity,
+    export_model,
+    greedy_transcripts,
+)
+from whisper_train.transcribe import TransformersBackend
+
+
+def _inputs(seed: int = 0):
+    """Fixed model inputs: features (1, 80, 3000) and a short decoder prefix."""
+    generator = torch.Generator().manual_seed(seed)
+    features = torch.randn(1, 80, 3000, generator=generator)
+    decoder_input_ids = torch.tensor([[50257, 50362, 440, 2068, 7426]])
+    return features, decoder_input_ids
+
+
+def test_lora_run_folder_exports_merged_weights_equal_to_base_plus_adapter(
+    tiny_whisper_dir, tmp_path
+):
+    from peft import LoraConfig, get_peft_model
+
+    base = WhisperForConditionalGeneration.from_pretrained(tiny_whisper_dir).eval()
+    # init_lora_weights=False: random A and B, so the adapter really changes the outputs.
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "fc1"], init_lora_weights=False
+    )
+    torch.manual_seed(0)
+    peft_model = get_peft_model(base, lora).eval()
+    run = tmp_path / "run"
+    peft_model.save_pretrained(run / "final")
+    adapter_config = run / "final" / "adapter_config.json"
+    settings = json.loads(adapter_config.read_text())
+    settings["base_model_name_or_path"] = str(tiny_whisper_dir)
+    adapter_config.write_text(json.dumps(settings))
+
+    result = export_model(str(run), format="hf", output=tmp_path / "merged", check=False)
+
+    assert result.merged_lora
+    saved = {p.name for p in (tmp_path / "merged").iterdir()}
+    assert {
+        "model.safetensors",
+        "generation_config.json",
+        "preprocessor_config.json",
+        "tokenizer.json",
+    } <= saved
+    assert "adapter_config.json" not in saved
+    merged = WhisperForConditionalGeneration.from_pretrained(tmp_path / "merged").eval()
+    features, decoder_input_ids = _inputs()
+    with torch.no_grad():
+        expected = peft_model(input_features=features, decoder_input_ids=decoder_input_ids).logits
+        plain = peft_model.get_base_model()
+        with peft_model.disable_adapter():
+            without_adapter = plain(
+                input_features=features, decoder_input_ids=decoder_input_ids
+            ).logits
+        got = merged(input_features=features, decoder_input_ids=decoder_input_ids).logits
+    # float32 merge: W + B·A·scale differs from the two-path sum only by rounding.
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert (without_adapter - expected).abs().max() > 1e-2, "the adapter must matter"
+
+
+def test_hf_to_ct2_round_trip_keeps_the_weights(tiny_whisper_dir, tmp_path):
+    from whisper_train.ct2 import load_ct2_whisper
+
+    source = WhisperForConditionalGeneration.from_pretrained(tiny_whisper_dir)
+    result = export_model(
+        str(tiny_whisper_dir),
+        format="ct2",
+        quantization="float32",
+        output=tmp_path / "ct2",
+        check=False,
+    )
+    assert (result.output / "model.bin").is_file()
+    assert (result.output / "preprocessor_config.json").is_file()
+    loaded, _ = load_ct2_whisper(result.output)
+    loaded_state = loaded.state_dict()
+    for name, tensor in source.state_dict().items():
+        torch.testing.assert_close(loaded_state[name], tensor, atol=1e-6, rtol=0, msg=name)
+
+
+def test_parity_check_passes_a_faithful_export_and_catches_a_broken_one():
+    from whisper_train.models import load_model
+
+    model, processor = load_model("tiny.en")
+    clips = check_clips(None, n_clips=2)  # synthesised sentences tiny.en gets right
+    references = [text for _, text in clips]
+    source = greedy_transcripts(TransformersBackend(model, processor), clips)
+    faithful = check_parity(references, source, list(source), quantization="float16")
+    assert faithful.passed and faithful.export_wer == faithful.source_wer
+    assert faithful.source_wer < 0.1, "tiny.en should understand these espeak-ng sentences"
+
+    with torch.no_grad():  # a conversion that dropped the encoder's input convolutions
+        model.model.encoder.conv1.weight.zero_()
+        model.model.encoder.conv2.weight.zero_()
+    broken = greedy_transcripts(TransformersBackend(model, processor), clips)
+    with pytest.raises(ExportParityError, match=r"WER \d+\.\d% exported vs \d+\.\d% source"):
+        check_parity(references, source, broken, quantization="int8")
+
+
+def test_export_command_ct2_int8_with_parity_check(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_export_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        [
+            "export",
+            "--model",
+            "tiny.en",
+            "--format",
+            "ct2",
+            "--quantization",
+            "int8",
+            "--output",
+            str(tmp_path / "int8"),
+            "--check-clips",
+            "2",
+        ]
+    )
+    assert args.func(args) == 0
+    assert "parity check passed" in capsys.readouterr().out
+    config = json.loads((tmp_path / "int8" / "generation_config.json").read_text())
+    assert config["no_timestamps_token_id"] == 50362
+
+
+def test_export_refuses_bad_requests(tiny_whisper_dir, tmp_path):
+    with pytest.raises(UserError, match="--format ct2"):
+        export_model(str(tiny_whisper_dir), format="hf", quantization="int8", output=tmp_path / "a")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("keep me")
+    with pytest.raises(UserError, match="not empty"):
+        export_model(str(tiny_whisper_dir), format="hf", output=tmp_path / "full")

@@ -139,6 +139,28 @@ class TrainConfig:
     logging_steps: int = _help("Print the training loss every N optimizer steps.", default=1)
     generation_max_length: int = _help("Longest transcript generated during evaluation.", default=225)
     num_workers: int = _help("Data-loading worker processes.", default=0)
+    save_steps: int | None = _help(
+        "Write OUTPUT/checkpoint-<step>/ every N optimizer steps (default: only when the run is "
+        "interrupted or stopped).",
+        default=None,
+    )
+    save_total_limit: int = _help(
+        "Keep the newest N checkpoints, plus the one with the best WER.", default=2
+    )
+    resume: str | None = _help(
+        "Continue a run: 'latest' (the newest checkpoint in --output-dir) or a checkpoint folder.",
+        default=None,
+    )
+    max_bad_steps: int = _help(
+        "Stop (with a checkpoint) after N optimizer steps in a row whose loss or gradient is NaN "
+        "or infinite; each such step is skipped.",
+        default=10,
+    )
+    nproc: int = _help(
+        "Data-parallel processes on this machine (one per GPU, or CPU processes with gloo). "
+        "--batch-size is per process: global batch = nproc x batch x accumulation.",
+        default=1,
+    )
 
 
 GROUPS: dict[str, type] = {
@@ -242,10 +264,14 @@ class RunConfig:
             ("--lora-r", m.lora_r),
             ("--logging-steps", t.logging_steps),
             ("--generation-max-length", t.generation_max_length),
+            ("--save-total-limit", t.save_total_limit),
+            ("--max-bad-steps", t.max_bad_steps),
+            ("--nproc", t.nproc),
         ):
             if value < 1:
                 raise UserError(f"{flag} {value}: must be at least 1")
         for flag, value in (("--max-steps", t.max_steps), ("--eval-steps", t.eval_steps),
+                            ("--save-steps", t.save_steps),
                             ("--train-subset", d.train_subset), ("--eval-subset", d.eval_subset)):
             if value is not None and value < 1:
                 raise UserError(f"{flag} {value}: must be at least 1")
@@ -257,6 +283,8 @@ class RunConfig:
             raise UserError(f"--learning-rate {t.learning_rate}: must be positive")
         if t.warmup_steps < 0 or t.num_workers < 0 or t.max_grad_norm < 0:
             raise UserError("--warmup-steps, --num-workers and --max-grad-norm must not be negative")
+        if t.resume is not None and not t.resume.strip():
+            raise UserError("--resume: pass 'latest' or a checkpoint folder")
         if not m.lora_targets:
             raise UserError("--lora-targets: name at least one module, e.g. q_proj,v_proj")
         return self

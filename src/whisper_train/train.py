@@ -12,8 +12,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,10 +29,16 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 from transformers.modeling_outputs import BaseModelOutput
 
-from whisper_train import memory
-from whisper_train.collate import SpeechCollator
+from whisper_train import checkpoints, memory
+from whisper_train.collate import IGNORE_INDEX, SpeechCollator
 from whisper_train.config import RunConfig
-from whisper_train.data import Example, load_examples, screen_examples, split_examples, summarize_skips
+from whisper_train.data import (
+    Example,
+    load_examples,
+    screen_examples,
+    split_examples,
+    summarize_skips,
+)
 from whisper_train.encoder_cache import EncoderCache
 from whisper_train.errors import UserError
 from whisper_train.evaluate import generate_texts, get_normalizer, score
@@ -38,6 +49,8 @@ from whisper_train.models import is_multilingual, load_model
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "whisper-train.yaml"
+METRICS_FILE = "metrics.jsonl"
+RESULT_FILE = "result.json"
 
 
 @dataclass
@@ -49,6 +62,7 @@ class TrainResult:
     eval_examples: int
     skipped_clips: int
     evaluations: list[dict] = field(default_factory=list)  # {"step", "eval_loss", "wer"}
+    skipped_steps: int = 0  # optimizer steps skipped for a NaN or infinite loss or gradient
 
     @property
     def final_wer(self) -> float | None:
@@ -62,21 +76,39 @@ class Datasets:
 
 
 def train(config: RunConfig) -> TrainResult:
+    """Fine-tune per `config`; with `--nproc N` (outside a launcher) re-launch as N processes."""
     config.validate()
     if not config.data.data:
         raise UserError("--data is required: a folder with metadata.csv, or a JSONL/CSV manifest")
     t = config.train
     output_dir = Path(t.output_dir)
     _check_output_dir(output_dir)
+    if t.nproc > 1 and not _inside_launcher():
+        return launch_data_parallel(config)
+    resume_from = checkpoints.resolve_resume(t.resume, output_dir) if t.resume else None
+    if resume_from is None and checkpoints.list_checkpoints(output_dir):
+        raise UserError(f"--output-dir {output_dir} holds checkpoints of an earlier run: add --resume latest "
+                        "to continue it, or choose another --output-dir")
 
     precision = memory.resolve_precision(config.memory.precision, _default_device())
+    # Non-reentrant checkpointing and no layerdrop: every parameter is used in every step, so DDP
+    # needs no unused-parameter search (which also breaks reentrant checkpointing, T3) and the
+    # graph is static. The handler is completed once the model's layerdrop is known.
+    ddp_kwargs = DistributedDataParallelKwargs(find_unused_parameters=False)
     accelerator = Accelerator(
         mixed_precision=precision.mixed_precision,
         gradient_accumulation_steps=t.gradient_accumulation,
-        # Non-reentrant checkpointing and no layerdrop: every parameter is used in every step,
-        # so DDP needs no unused-parameter search (which also breaks reentrant checkpointing).
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False)],
+        kwargs_handlers=[ddp_kwargs],
+        # The scheduler is stepped by hand once per optimizer step (not once per process, which
+        # is accelerate's default), so N processes follow the single-process LR schedule.
+        step_scheduler_with_optimizer=False,
+        # Without a GPU, processes started by a launcher talk through gloo on the CPU; accelerate
+        # does that only when told the run is on the CPU.
+        cpu=_inside_launcher() and not torch.cuda.is_available(),
     )
+    if t.nproc > 1 and accelerator.num_processes != t.nproc:
+        raise UserError(f"--nproc {t.nproc}: the launcher started {accelerator.num_processes} processes; "
+                        "drop --nproc when using accelerate launch or torchrun")
     set_seed(t.seed)
 
     # -- model and labels ------------------------------------------------------------------
@@ -97,6 +129,10 @@ def train(config: RunConfig) -> TrainResult:
 
         for key, value in spec_augment_overrides().items():
             setattr(model.config, key, value)
+    # Layerdrop skips layers at random, leaving parameters unused in a step (T4).
+    layerdrop = bool(model.config.encoder_layerdrop or model.config.decoder_layerdrop)
+    ddp_kwargs.find_unused_parameters = layerdrop
+    ddp_kwargs.static_graph = not layerdrop
 
     # -- data ------------------------------------------------------------------------------
     datasets = prepare_datasets(config, label_encoder, max_label_tokens=model.config.max_target_positions)
@@ -119,6 +155,12 @@ def train(config: RunConfig) -> TrainResult:
     )
     _say(accelerator, f"model: {config.model.model}, mode {config.model.mode}, checkpointing {checkpointing}, "
          f"precision {precision.mixed_precision}; {memory.trainable_parameter_summary(model)}")
+    # A checkpoint and the final model must fit: say so now, not after hours of training.
+    checkpoints.check_free_space(
+        output_dir,
+        checkpoints.estimate_checkpoint_bytes(model) + 4 * sum(p.numel() for p in model.parameters()),
+        what="a checkpoint and the final model",
+    )
 
     # -- loaders -----------------------------------------------------------------------------
     log_mel = LogMel(processor.feature_extractor)
@@ -140,9 +182,12 @@ def train(config: RunConfig) -> TrainResult:
         if len(eval_set) and not t.only_train:
             eval_cache = _build_encoder_cache(model, eval_set, log_mel, pad_id, config, accelerator, precision,
                                               output_dir / "encoder-cache" / "eval")
+    # The shuffling generator is re-seeded with (seed + epoch) at every epoch: the order of any
+    # epoch is known without replaying the ones before it, which is what resuming needs.
+    shuffle_generator = torch.Generator().manual_seed(t.seed)
     train_loader = _loader(
         train_set, SpeechCollator(pad_id, log_mel=log_mel, encoder_cache=train_cache),
-        t.batch_size, t.num_workers, shuffle=True, seed=t.seed,
+        t.batch_size, t.num_workers, shuffle=True, generator=shuffle_generator,
     )
     eval_loader = _loader(
         eval_set, SpeechCollator(pad_id, log_mel=log_mel, encoder_cache=eval_cache),
@@ -152,83 +197,164 @@ def train(config: RunConfig) -> TrainResult:
     optimizer = memory.build_optimizer(
         model, name=config.memory.optim, lr=config.learning_rate, weight_decay=t.weight_decay,
     )
+    # Prepare first: with N processes each one sees 1/N of the batches, and the number of
+    # optimizer steps per epoch must come from that sharded loader.
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    if config.memory.compile:
+        # After the DDP wrapper (as accelerate does): its hooks stay outside the compiled graph.
+        # Accelerator(dynamo_backend=) is not used: its setting is process-wide and kept from
+        # the first Accelerator, so a second run in the same process would silently not compile.
+        model = torch.compile(model)
     steps_per_epoch = max(1, math.ceil(len(train_loader) / t.gradient_accumulation))
     total_steps = t.max_steps or math.ceil((t.epochs or 3.0) * steps_per_epoch)
-    scheduler = get_scheduler(
+    scheduler = accelerator.prepare(get_scheduler(
         t.lr_scheduler, optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=total_steps
-    )
-    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, scheduler
-    )
+    ))
+
+    # -- resume: weights, optimiser, scheduler, random state, position in the data ------------
+    state = checkpoints.TrainerState(world_size=accelerator.num_processes)
+    if resume_from is not None:
+        state = checkpoints.load_checkpoint(resume_from, accelerator=accelerator, model=model,
+                                            optimizer=optimizer, scheduler=scheduler)
+        _say(accelerator, f"resuming from {resume_from} at step {state.step} "
+             f"(epoch {state.epoch}, {state.batches_in_epoch} batches into it)")
 
     # -- the loop ----------------------------------------------------------------------------
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / CONFIG_FILE).write_text(config.to_yaml(), encoding="utf-8")
+    if accelerator.is_main_process:
+        (output_dir / CONFIG_FILE).write_text(config.to_yaml(), encoding="utf-8")
+        if resume_from is not None:
+            checkpoints.truncate_metrics(output_dir / METRICS_FILE, state.step)
+        else:
+            (output_dir / METRICS_FILE).unlink(missing_ok=True)
     metrics = MetricsLog(output_dir, enabled=accelerator.is_main_process)
     table = ProgressTable(accelerator.is_main_process)
-    result = TrainResult(output_dir, None, 0, len(datasets.train), len(datasets.eval), 0)
+    result = TrainResult(output_dir, None, state.step, len(datasets.train), len(datasets.eval), 0,
+                         list(state.evaluations))
     normalizer = get_normalizer("english" if not multilingual or (config.data.language or "en") in ("en", "english") else "basic")
     evaluate = not t.only_train
 
-    progress = tqdm(total=total_steps, desc="training", unit="step", disable=not accelerator.is_main_process,
-                    dynamic_ncols=True, leave=False)
-    step, epoch, running_loss, running_batches = 0, 0, 0.0, 0
+    def save(reason: str) -> Path:
+        state.evaluations = result.evaluations
+        folder = checkpoints.save_checkpoint(
+            output_dir / f"{checkpoints.PREFIX}{state.step}", accelerator=accelerator, model=model,
+            optimizer=optimizer, scheduler=scheduler, state=state, config_yaml=config.to_yaml(),
+        )
+        if accelerator.is_main_process:
+            checkpoints.rotate_checkpoints(output_dir, keep_last=t.save_total_limit, evaluations=result.evaluations)
+        _say(accelerator, f"{reason}: saved {folder}")
+        return folder
+
+    progress = tqdm(total=total_steps, initial=state.step, desc="training", unit="step",
+                    disable=not accelerator.is_main_process, dynamic_ncols=True, leave=False)
+    stop = StopRequest(accelerator)
+    stop.install()
+    running_loss, running_batches = 0.0, 0
+    epoch, skip = state.epoch, state.batches_in_epoch
     model.train()
     start = time.perf_counter()
-    while step < total_steps:
-        train_set.set_epoch(epoch)
-        for batch in train_loader:
-            result.skipped_clips += len(batch["skipped"])
-            if not batch["size"]:
-                continue  # every clip in this micro-batch was unusable; already counted
-            with accelerator.accumulate(model):
-                loss = training_loss(model, batch)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and t.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                # Free the gradients as soon as they are used: no need for that memory any more.
-                optimizer.zero_grad(set_to_none=True)
-            running_loss += loss.detach().float().item()
-            running_batches += 1
-            if not accelerator.sync_gradients:
-                continue
-            step += 1
-            step_loss = running_loss / running_batches
-            running_loss, running_batches = 0.0, 0
-            metrics.write({"step": step, "loss": round(step_loss, 6), "lr": scheduler.get_last_lr()[0],
-                           "epoch": round(epoch + _epoch_fraction(step, steps_per_epoch, epoch), 4)})
-            table.last_train_loss = step_loss
-            progress.update(1)
-            progress.set_postfix(loss=f"{step_loss:.4f}")
-            if evaluate and t.eval_steps and step % t.eval_steps == 0 and step < total_steps:
-                result.evaluations.append(
-                    run_evaluation(model, eval_loader, processor, accelerator, normalizer, t.generation_max_length, step)
-                )
-                metrics.write(result.evaluations[-1])
-                table.row(result.evaluations[-1])
-                model.train()
-            if step >= total_steps:
-                break
-        epoch += 1
-    progress.close()
-    result.steps = step
+    try:
+        while state.step < total_steps:
+            train_set.set_epoch(epoch)
+            shuffle_generator.manual_seed(t.seed + epoch)
+            # Mid-epoch resume: the same order, minus the micro-batches already trained on.
+            batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+            state.epoch, state.batches_in_epoch = epoch, skip
+            for batch in batches:
+                state.batches_in_epoch += 1
+                state.skipped_clips += len(batch["skipped"])
+                if not batch["size"]:
+                    continue  # every clip in this micro-batch was unusable; already counted
+                with accelerator.accumulate(model):
+                    loss, reported_loss = data_parallel_loss(model, batch, accelerator)
+                    accelerator.backward(loss)
+                    running_loss += reported_loss
+                    running_batches += 1
+                    if not accelerator.sync_gradients:
+                        continue
+                    step_loss = running_loss / running_batches
+                    running_loss, running_batches = 0.0, 0
+                    grad_norm = accelerator.clip_grad_norm_(
+                        model.parameters(), t.max_grad_norm if t.max_grad_norm > 0 else math.inf
+                    )
+                    bad = not (math.isfinite(step_loss) and math.isfinite(float(grad_norm)))
+                    if accelerator.scaler is not None:
+                        optimizer.step()  # the fp16 scaler skips non-finite gradients and lowers its scale
+                        bad = bad or optimizer.step_was_skipped
+                    elif not bad:
+                        optimizer.step()
+                    if not bad:
+                        scheduler.step()
+                    # Free the gradients as soon as they are used: no need for that memory any more.
+                    optimizer.zero_grad(set_to_none=True)
+                state.step += 1
+                row = {"step": state.step, "loss": round(step_loss, 6) if not bad else None,
+                       "lr": scheduler.get_last_lr()[0], "grad_norm": _finite_or_none(grad_norm),
+                       "epoch": round(epoch + _epoch_fraction(state.step, steps_per_epoch, epoch), 4)}
+                if bad:
+                    state.skipped_steps += 1
+                    state.bad_steps_in_a_row += 1
+                    row["skipped"] = "non-finite loss or gradient"
+                else:
+                    state.bad_steps_in_a_row = 0
+                    table.last_train_loss = step_loss
+                metrics.write(row)
+                progress.update(1)
+                progress.set_postfix(loss=f"{step_loss:.4f}")
+                if state.bad_steps_in_a_row >= t.max_bad_steps:
+                    folder = save("too many bad steps")
+                    raise UserError(
+                        f"stopped at step {state.step}: {state.bad_steps_in_a_row} optimizer steps in a row had a "
+                        f"NaN or infinite loss or gradient and were skipped; {folder} holds the weights from "
+                        "before them. With fp16 this is usually overflow: try --precision bf16 or a lower "
+                        "--learning-rate, then add --resume latest"
+                    )
+                if evaluate and t.eval_steps and state.step % t.eval_steps == 0 and state.step < total_steps:
+                    result.evaluations.append(run_evaluation(
+                        model, eval_loader, processor, accelerator, normalizer, t.generation_max_length, state.step))
+                    metrics.write(result.evaluations[-1])
+                    table.row(result.evaluations[-1])
+                    model.train()
+                if stop.requested():
+                    folder = save("interrupted")
+                    _say(accelerator, f"to continue: {resume_command(output_dir / CONFIG_FILE, folder)}")
+                    raise TrainingInterrupted(stop.exit_code)
+                if t.save_steps and state.step % t.save_steps == 0 and state.step < total_steps:
+                    save("checkpoint")
+                if state.step >= total_steps:
+                    break
+            else:
+                epoch, skip = epoch + 1, 0
+    except BaseException:
+        metrics.close()
+        raise
+    finally:
+        stop.restore()
+        progress.close()
+    if t.save_steps:  # a checkpoint at the end too: a later --resume can train further
+        save("end of training")
+    result.steps = state.step
+    result.skipped_clips = state.skipped_clips
+    result.skipped_steps = state.skipped_steps
     elapsed = time.perf_counter() - start
 
     if evaluate:
         result.evaluations.append(
-            run_evaluation(model, eval_loader, processor, accelerator, normalizer, t.generation_max_length, step)
+            run_evaluation(model, eval_loader, processor, accelerator, normalizer, t.generation_max_length, state.step)
         )
         metrics.write(result.evaluations[-1])
         table.row(result.evaluations[-1])
     if result.skipped_clips:
         _say(accelerator, f"skipped {result.skipped_clips} clips that could not be decoded during training")
-    _say(accelerator, f"trained {step} steps in {elapsed:.1f} s")
+    if state.skipped_steps:
+        _say(accelerator, f"skipped {state.skipped_steps} optimizer steps with a NaN or infinite loss or gradient")
+    _say(accelerator, f"trained {state.step} steps in {elapsed:.1f} s")
 
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        result.final_dir = save_final(accelerator.unwrap_model(model), processor, config, output_dir / "final")
+        result.final_dir = save_final(accelerator.unwrap_model(model, keep_torch_compile=False), processor,
+                                      config, output_dir / "final")
+        _write_result(result)
         _say(accelerator, f"fine-tuned model: {result.final_dir}")
     metrics.close()
     accelerator.end_training()
@@ -257,26 +383,172 @@ def training_loss(model, batch: dict) -> torch.Tensor:
     return outputs.loss
 
 
+def data_parallel_loss(model, batch: dict, accelerator) -> tuple[torch.Tensor, float]:
+    """(loss to backpropagate, loss to report) for this process's share of the batch.
+
+    One process: the token-mean loss, unchanged. N processes: DDP averages the N gradients, so
+    each process's loss is rescaled to (its token-loss sum) x N / (tokens in the whole global
+    batch); the gradient is then that of the token-mean over the global batch, exactly what one
+    process computes on the same batch, however the tokens are spread over the processes.
+    """
+    loss = training_loss(model, batch)
+    if accelerator.num_processes == 1:
+        return loss, loss.detach().float().item()
+    n_tokens = (batch["labels"] != IGNORE_INDEX).sum().float()
+    local = torch.stack([loss.detach().float() * n_tokens, n_tokens])
+    loss_sum, total_tokens = accelerator.reduce(local, reduction="sum").tolist()
+    scale = accelerator.num_processes * n_tokens / max(total_tokens, 1.0)
+    return loss * scale, loss_sum / max(total_tokens, 1.0)
+
+
+class TrainingInterrupted(SystemExit):
+    """SIGINT or SIGTERM stopped the run after a checkpoint; exits 130 or 143 (128 + signal)."""
+
+
+class StopRequest:
+    """SIGINT / SIGTERM ask the loop to finish the step in progress, save and exit.
+
+    A second signal stops at once (KeyboardInterrupt). With several processes the request is
+    shared at every step (a max-reduce of one number), so all of them stop after the same step
+    even when the signal reached them at different moments.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+        self.signum = 0
+        self.previous: dict = {}
+
+    def install(self) -> None:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        for signum in self.SIGNALS:
+            self.previous[signum] = signal.signal(signum, self._handle)
+
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+        if self.accelerator.is_main_process:
+            print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+                  "(send it again to stop at once)", file=sys.stderr, flush=True)
+
+    def requested(self) -> bool:
+        if self.accelerator.num_processes > 1:
+            flag = torch.tensor([self.signum], device=self.accelerator.device)
+            self.signum = int(self.accelerator.reduce(flag, reduction="max").item())
+        return bool(self.signum)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def resume_command(config_file: Path, checkpoint: Path) -> str:
+    """The command line that continues from `checkpoint` (the saved config holds every option)."""
+    return f"whisper-train train --config {shlex.quote(str(config_file))} --resume {shlex.quote(str(checkpoint))}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Several processes: `--nproc N` re-launches this command through torch.distributed
+
+
+def _inside_launcher() -> bool:
+    """True in a process started by torchrun / accelerate launch (they set LOCAL_RANK)."""
+    return "LOCAL_RANK" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def launch_data_parallel(config: RunConfig) -> TrainResult:
+    """Run `whisper-train train` as `config.train.nproc` data-parallel processes on this machine.
+
+    The processes are started by torch.distributed's launcher (torchrun), which accelerate uses
+    underneath: one per GPU (NCCL), or CPU processes (gloo) where there is no GPU. If one process
+    dies, the launcher stops the others and this call raises instead of waiting.
+    """
+    n = config.train.nproc
+    if torch.cuda.is_available() and torch.cuda.device_count() < n:
+        raise UserError(f"--nproc {n}: only {torch.cuda.device_count()} GPU(s) visible; use --nproc "
+                        f"{torch.cuda.device_count()} or fewer")
+    output_dir = Path(config.train.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    launch_config = output_dir / "launch.yaml"
+    launch_config.write_text(config.to_yaml(), encoding="utf-8")
+    (output_dir / RESULT_FILE).unlink(missing_ok=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+               "-m", "whisper_train", "train", "--config", str(launch_config)]
+    env = dict(os.environ)
+    # Two processes on one CPU must not each take every core.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+    process = subprocess.Popen(command, env=env)
+    received = []
+
+    def forward(signum, frame):  # the workers save a checkpoint and exit; wait for them
+        received.append(signum)
+        process.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in StopRequest.SIGNALS}
+    try:
+        code = process.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if received:
+        raise TrainingInterrupted(128 + received[0])
+    if code != 0:
+        raise UserError(f"--nproc {n}: a training process failed (exit code {code}); its error is printed above")
+    return _read_result(output_dir)
+
+
+def _write_result(result: TrainResult) -> None:
+    values = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
+    (result.output_dir / RESULT_FILE).write_text(json.dumps(values, indent=1) + "\n", encoding="utf-8")
+
+
+def _read_result(output_dir: Path) -> TrainResult:
+    values = json.loads((output_dir / RESULT_FILE).read_text(encoding="utf-8"))
+    values["output_dir"] = Path(values["output_dir"])
+    values["final_dir"] = Path(values["final_dir"]) if values["final_dir"] else None
+    return TrainResult(**values)
+
+
+def _finite_or_none(value) -> float | None:
+    value = float(value)
+    return round(value, 6) if math.isfinite(value) else None
+
+
 @torch.no_grad()
 def run_evaluation(model, loader, processor, accelerator, normalizer, max_length: int, step: int) -> dict:
-    """Validation loss (teacher-forced) and WER of generated transcripts, gathered over ranks."""
+    """Validation loss (teacher-forced, mean over all label tokens) and WER of generated
+    transcripts, gathered over processes (each evaluates its share of the loader)."""
     was_training = model.training
     model.eval()
-    losses, references, hypotheses = [], [], []
+    loss_and_tokens = torch.zeros(2, device=accelerator.device)  # summed token losses, tokens
+    references, hypotheses = [], []
     unwrapped = accelerator.unwrap_model(model)
     for batch in loader:
         if not batch["size"]:
             continue
-        loss = training_loss(model, batch)
-        losses.append(accelerator.gather_for_metrics(loss.detach().float().reshape(1)))
+        n_tokens = (batch["labels"] != IGNORE_INDEX).sum().float()
+        loss_and_tokens += torch.stack([training_loss(model, batch).detach().float() * n_tokens, n_tokens])
         texts = generate_texts(unwrapped, processor, [batch], max_length=max_length)
         references.extend(accelerator.gather_for_metrics(batch["texts"], use_gather_object=True))
         hypotheses.extend(accelerator.gather_for_metrics(texts, use_gather_object=True))
     model.train(was_training)
-    if not losses:
+    if accelerator.num_processes > 1:
+        loss_and_tokens = accelerator.reduce(loss_and_tokens, reduction="sum")
+    loss_sum, n_tokens = loss_and_tokens.tolist()
+    if not references:
         return {"step": step, "eval_loss": float("nan"), "wer": float("nan")}
     scores = score(references, hypotheses, normalizer=normalizer)
-    return {"step": step, "eval_loss": round(torch.cat(losses).mean().item(), 6), "wer": round(scores.wer, 6)}
+    return {"step": step, "eval_loss": round(loss_sum / max(n_tokens, 1.0), 6), "wer": round(scores.wer, 6)}
 
 
 def prepare_datasets(config: RunConfig, label_encoder: LabelEncoder, *, max_label_tokens: int) -> Datasets:
@@ -343,8 +615,8 @@ def _build_encoder_cache(model, dataset, log_mel, pad_id, config, accelerator, p
     return cache
 
 
-def _loader(dataset, collator, batch_size: int, num_workers: int, *, shuffle: bool, seed: int = 0) -> DataLoader:
-    generator = torch.Generator().manual_seed(seed) if shuffle else None
+def _loader(dataset, collator, batch_size: int, num_workers: int, *, shuffle: bool,
+            generator: torch.Generator | None = None) -> DataLoader:
     return DataLoader(
         dataset, batch_size=batch_size, shuffle=shuffle, collate_fn=collator, num_workers=num_workers,
         generator=generator, persistent_workers=num_workers > 0,

@@ -1,0 +1,343 @@
+"""Training checkpoints: `OUTPUT/checkpoint-<step>/`, written atomically, loaded safely.
+
+A checkpoint holds everything needed to continue a run exactly where it stopped:
+
+    trainable.safetensors  the weights that train: all of them for full fine-tuning, the decoder
+                           for freeze-encoder, only the adapters for LoRA (the frozen rest is read
+                           from --model again on resume)
+    optimizer.pt           optimiser state (tensors and numbers only: loaded with weights_only)
+    scheduler.pt           learning-rate scheduler state
+    scaler.pt              fp16 loss-scaler state (fp16 runs only)
+    rng-<rank>.pt          Python, NumPy and torch random states of each process
+    trainer_state.json     step, epoch, batches consumed in the epoch, bad-step counters,
+                           evaluations so far, world size
+    whisper-train.yaml     the resolved configuration of the run
+
+Every file is written into `checkpoint-<step>.tmp/` and the folder is renamed when complete, so a
+crash or a full disk mid-write never leaves a checkpoint that looks usable and is not; a failed
+write removes the temporary folder and leaves the previous checkpoints untouched.
+
+Loading never runs code from the checkpoint: weights come from safetensors, and every `.pt` file
+is read with `torch.load(..., weights_only=True)`.
+
+DeepSpeed and FSDP shard the weights and the optimiser state across processes; under them the
+model, optimiser and scheduler are saved with `accelerator.save_state` instead (untested here:
+it needs GPUs), and `trainer_state.json` is written the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate.utils import DistributedType
+from safetensors.torch import load_file, save_file
+
+from whisper_train.errors import UserError
+
+PREFIX = "checkpoint-"
+STATE_FILE = "trainer_state.json"
+WEIGHTS_FILE = "trainable.safetensors"
+_NAME = re.compile(rf"^{PREFIX}(\d+)$")
+# Adam keeps two float32 moments per trainable weight, beside the weight itself.
+_ADAM_COPIES = 3
+
+
+@dataclass
+class TrainerState:
+    """Where a run stands; saved in every checkpoint as trainer_state.json."""
+
+    step: int = 0  # optimizer steps taken, skipped (bad) steps included
+    epoch: int = 0  # the epoch in progress
+    batches_in_epoch: int = 0  # micro-batches of this epoch already consumed (per process)
+    bad_steps_in_a_row: int = 0  # consecutive steps with a NaN/infinite loss or gradient
+    skipped_steps: int = 0  # all bad steps of the run
+    skipped_clips: int = 0  # clips that could not be decoded
+    world_size: int = 1  # processes that trained; resuming needs the same number
+    evaluations: list[dict] = field(default_factory=list)  # {"step", "eval_loss", "wer"}
+
+    @classmethod
+    def read(cls, folder: Path) -> TrainerState:
+        values = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+    def write(self, folder: Path) -> None:
+        (folder / STATE_FILE).write_text(
+            json.dumps(asdict(self), indent=1) + "\n", encoding="utf-8"
+        )
+
+
+# -- finding checkpoints ------------------------------------------------------------------
+
+
+def checkpoint_step(folder: Path) -> int | None:
+    match = _NAME.match(folder.name)
+    return int(match.group(1)) if match else None
+
+
+def list_checkpoints(output_dir: Path) -> list[Path]:
+    """Complete checkpoints in `output_dir`, oldest first (a `.tmp` folder never counts)."""
+    if not output_dir.is_dir():
+        return []
+    found = [
+        p
+        for p in output_dir.iterdir()
+        if checkpoint_step(p) is not None and (p / STATE_FILE).is_file()
+    ]
+    return sorted(found, key=checkpoint_step)
+
+
+def resolve_resume(resume: str, output_dir: Path) -> Path:
+    """`--resume latest` → the newest checkpoint in --output-dir; a path → that checkpoint
+    (or the newest one inside a run folder)."""
+    if resume == "latest":
+        found = list_checkpoints(output_dir)
+        if not found:
+            raise UserError(
+                f"--resume: no checkpoint-<step> folder in --output-dir {output_dir}; "
+                "pass --resume PATH to a checkpoint, or start without --resume"
+            )
+        return found[-1]
+    path = Path(resume)
+    if (path / STATE_FILE).is_file():
+        return path
+    found = list_checkpoints(path)
+    if found:
+        return found[-1]
+    raise UserError(
+        f"--resume {resume}: not a checkpoint folder (no {STATE_FILE}) and holds none; "
+        f"pass a checkpoint-<step> folder or 'latest'"
+    )
+
+
+# -- space ---------------------------------------------------------------------------------
+
+
+def estimate_checkpoint_bytes(model: torch.nn.Module) -> int:
+    """Bytes of one checkpoint: trainable weights and Adam's two moments, in float32."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return _ADAM_COPIES * 4 * trainable + (1 << 20)  # + RNG, scheduler, state: well under 1 MiB
+
+
+def check_free_space(output_dir: Path, needed: int, *, what: str) -> None:
+    """A clear error before training rather than a failure hours later."""
+    probe = output_dir if output_dir.exists() else next(p for p in output_dir.parents if p.exists())
+    free = shutil.disk_usage(probe).free
+    if free < needed:
+        raise UserError(
+            f"--output-dir {output_dir}: {_gb(free)} free, but {what} need about {_gb(needed)}; "
+            "free some space or choose another --output-dir"
+        )
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+# -- saving --------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    folder: Path, *, accelerator, model, optimizer, scheduler, state: TrainerState, config_yaml: str
+) -> Path:
+    """Write `folder` (OUTPUT/checkpoint-<step>) atomically. Every process must call this.
+
+    Raises UserError (on every process) when any process could not write; the previous
+    checkpoints are left as they were.
+    """
+    tmp = folder.with_name(folder.name + ".tmp")
+    main = accelerator.is_main_process
+    error = None
+    if main:
+        try:
+            _remove(tmp)
+            tmp.mkdir(parents=True)
+        except OSError as exc:
+            error = exc
+    accelerator.wait_for_everyone()
+    if error is None and tmp.is_dir():
+        try:
+            _write_contents(tmp, accelerator, model, optimizer, scheduler, state, config_yaml)
+        except OSError as exc:  # disk full, quota, permissions
+            error = exc
+    elif error is None:
+        error = OSError(f"{tmp} was not created")
+    # Every process must agree whether the write succeeded, or they would part ways here.
+    failed = torch.tensor([0 if error is None else 1], device=accelerator.device)
+    if accelerator.num_processes > 1:
+        failed = accelerator.reduce(failed, reduction="sum")
+    accelerator.wait_for_everyone()
+    if failed.item():
+        if main:
+            _remove(tmp, ignore_errors=True)
+        previous = list_checkpoints(folder.parent)
+        kept = (
+            f"the previous checkpoint {previous[-1]} is intact"
+            if previous
+            else "no earlier checkpoint"
+        )
+        reason = error.strerror or str(error) if error is not None else "another process failed"
+        raise UserError(
+            f"could not write checkpoint {folder} ({reason}); {kept}; "
+            "free some space or fix permissions, then resume with --resume latest"
+        )
+    if main:
+        if folder.exists():  # the same step saved again (a resumed run stopped at once)
+            old = folder.with_name(folder.name + ".old")
+            _remove(old)
+            folder.rename(old)
+            tmp.rename(folder)
+            _remove(old)
+        else:
+            tmp.rename(folder)
+    accelerator.wait_for_everyone()
+    return folder
+
+
+def _write_contents(
+    tmp: Path, accelerator, model, optimizer, scheduler, state, config_yaml
+) -> None:
+    # Each process keeps its own random state (dropout masks differ per process).
+    torch.save(_rng_state(), tmp / f"rng-{accelerator.process_index}.pt")
+    if _sharded(accelerator):
+        accelerator.save_state(str(tmp / "accelerate"), safe_serialization=True)
+    elif accelerator.is_main_process:
+        # Data-parallel replicas are identical: one copy of weights and optimiser state.
+        unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+        weights = {
+            n: p.detach().cpu().contiguous()
+            for n, p in unwrapped.named_parameters()
+            if p.requires_grad
+        }
+        save_file(weights, tmp / WEIGHTS_FILE)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        if accelerator.scaler is not None:
+            torch.save(accelerator.scaler.state_dict(), tmp / "scaler.pt")
+    if accelerator.is_main_process:
+        (tmp / "whisper-train.yaml").write_text(config_yaml, encoding="utf-8")
+        state.write(tmp)  # last: its presence marks the contents complete
+
+
+def rotate_checkpoints(output_dir: Path, *, keep_last: int, evaluations: list[dict]) -> None:
+    """Delete all but the newest `keep_last` checkpoints and the one with the best WER."""
+    found = list_checkpoints(output_dir)
+    keep = set(found[-keep_last:])
+    wer_at = {e["step"]: e["wer"] for e in evaluations if e.get("wer") == e.get("wer")}  # no NaN
+    scored = [p for p in found if checkpoint_step(p) in wer_at]
+    if scored:
+        keep.add(min(scored, key=lambda p: (wer_at[checkpoint_step(p)], -checkpoint_step(p))))
+    for folder in found:
+        if folder not in keep:
+            _remove(folder, ignore_errors=True)
+
+
+def best_checkpoint(output_dir: Path, evaluations: list[dict]) -> Path | None:
+    wer_at = {e["step"]: e["wer"] for e in evaluations if e.get("wer") == e.get("wer")}
+    scored = [p for p in list_checkpoints(output_dir) if checkpoint_step(p) in wer_at]
+    return min(scored, key=lambda p: wer_at[checkpoint_step(p)]) if scored else None
+
+
+# -- loading -------------------------------------------------------------------------------
+
+
+def load_checkpoint(folder: Path, *, accelerator, model, optimizer, scheduler) -> TrainerState:
+    """Restore weights, optimiser, scheduler, scaler and this process's random state.
+
+    Call after `accelerator.prepare` and after all other set-up, right before the loop: the
+    random state is restored last, so set-up that draws random numbers (LoRA initialisation)
+    does not shift it.
+    """
+    state = TrainerState.read(folder)
+    if state.world_size != accelerator.num_processes:
+        raise UserError(
+            f"--resume {folder}: saved by {state.world_size} process(es), this run has "
+            f"{accelerator.num_processes}; resume with --nproc {state.world_size}"
+        )
+    if _sharded(accelerator):
+        accelerator.load_state(str(folder / "accelerate"))
+    else:
+        _load_weights(folder, accelerator.unwrap_model(model, keep_torch_compile=False))
+        optimizer.load_state_dict(_load_pt(folder / "optimizer.pt"))
+        scheduler.load_state_dict(_load_pt(folder / "scheduler.pt"))
+        if accelerator.scaler is not None and (folder / "scaler.pt").is_file():
+            accelerator.scaler.load_state_dict(_load_pt(folder / "scaler.pt"))
+    _set_rng_state(_load_pt(folder / f"rng-{accelerator.process_index}.pt"))
+    return state
+
+
+def _load_weights(folder: Path, model: torch.nn.Module) -> None:
+    saved = load_file(folder / WEIGHTS_FILE)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if set(saved) != set(trainable):
+        raise UserError(
+            f"--resume {folder}: its weights do not match this model ({len(saved)} saved, "
+            f"{len(trainable)} trainable tensors); resume with the same --model, --mode and "
+            "--lora-* options"
+        )
+    with torch.no_grad():
+        for name, param in trainable.items():
+            if saved[name].shape != param.shape:
+                raise UserError(
+                    f"--resume {folder}: {name} has shape {tuple(saved[name].shape)}, "
+                    f"the model {tuple(param.shape)}; resume with the same --model"
+                )
+            param.copy_(saved[name])
+
+
+def _load_pt(path: Path):
+    if not path.is_file():
+        raise UserError(
+            f"--resume {path.parent}: {path.name} is missing; the checkpoint is incomplete"
+        )
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _sharded(accelerator) -> bool:
+    return accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
+
+
+def _rng_state() -> dict:
+    # NumPy's state holds an ndarray, which weights_only loading refuses: store it as a tensor.
+    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    kind, key, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, key.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def truncate_metrics(metrics_file: Path, step: int) -> None:
+    """Drop metrics lines past `step`, so a resumed run's file reads like one run."""
+    if not metrics_file.is_file():
+        return
+    kept = [
+        line
+        for line in metrics_file.read_text(encoding="utf-8").splitlines()
+        if line.strip() and json.loads(line).get("step", 0) <= step
+    ]
+    metrics_file.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+
+def _remove(path: Path, *, ignore_errors: bool = False) -> None:
+    if path.exists():
+        shutil.rmtree(path, ignore_errors=ignore_errors)

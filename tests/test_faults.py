@@ -1,0 +1,185 @@
+"""Runs that survive: NaN steps, a full disk, an unwritable folder, SIGINT and SIGTERM."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import namedtuple
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import whisper_train.checkpoints as checkpoints_module
+import whisper_train.train as train_module
+from whisper_train.cli import main
+from whisper_train.config import RunConfig
+from whisper_train.errors import UserError
+from whisper_train.train import train
+
+
+def _config(tmp_path, tone_dataset, tiny_whisper_dir, **overrides) -> RunConfig:
+    config = RunConfig()
+    config.update(
+        {
+            "data": str(tone_dataset),
+            "model": str(tiny_whisper_dir),
+            "output_dir": str(tmp_path / "out"),
+            "max_steps": 3,
+            "batch_size": 4,
+            "learning_rate": 1e-3,
+            "seed": 0,
+            "eval_split": 0.25,
+            "only_train": True,
+            **overrides,
+        }
+    )
+    return config
+
+
+def _rows(output_dir):
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _nan_on_calls(monkeypatch, bad_calls: set[int]) -> None:
+    """The training loss turns NaN on the given forward calls (as an fp16 overflow would)."""
+    real = train_module.training_loss
+    calls = {"n": 0}
+
+    def poisoned(model, batch):
+        calls["n"] += 1
+        loss = real(model, batch)
+        return loss * float("nan") if calls["n"] in bad_calls else loss
+
+    monkeypatch.setattr(train_module, "training_loss", poisoned)
+
+
+def test_a_nan_step_is_skipped_and_training_goes_on(
+    tmp_path, tone_dataset, tiny_whisper_dir, monkeypatch
+):
+    _nan_on_calls(monkeypatch, {2})
+    result = train(
+        _config(
+            tmp_path, tone_dataset, tiny_whisper_dir, max_steps=4, save_steps=1, save_total_limit=10
+        )
+    )
+    rows = _rows(result.output_dir)
+    assert result.steps == 4 and result.skipped_steps == 1
+    assert rows[1]["loss"] is None and "skipped" in rows[1]
+    assert all(row["loss"] is not None for i, row in enumerate(rows) if i != 1)
+    # The skipped step left the weights as they were; the next one changed them again.
+    out = result.output_dir
+    key = "model.decoder.layers.0.self_attn.q_proj.weight"
+    w = {s: load_file(out / f"checkpoint-{s}" / "trainable.safetensors")[key] for s in (1, 2, 3)}
+    assert torch.equal(w[1], w[2]) and not torch.equal(w[2], w[3])
+    assert all(torch.isfinite(t).all() for t in w.values())
+
+
+def test_too_many_bad_steps_stop_with_a_checkpoint_and_advice(
+    tmp_path, tone_dataset, tiny_whisper_dir, monkeypatch
+):
+    _nan_on_calls(monkeypatch, set(range(2, 100)))
+    with pytest.raises(UserError, match=r"3 optimizer steps in a row.*--precision bf16"):
+        train(_config(tmp_path, tone_dataset, tiny_whisper_dir, max_steps=50, max_bad_steps=3))
+    out = tmp_path / "out"
+    # Step 1 trained; steps 2-4 were skipped; the checkpoint holds step 1's (finite) weights.
+    assert [p.name for p in checkpoints_module.list_checkpoints(out)] == ["checkpoint-4"]
+    weights = load_file(out / "checkpoint-4" / "trainable.safetensors")
+    assert all(torch.isfinite(t).all() for t in weights.values())
+    assert [row["loss"] is None for row in _rows(out)] == [False, True, True, True]
+
+
+def test_full_disk_at_save_time_keeps_the_previous_checkpoint(
+    tmp_path, tone_dataset, tiny_whisper_dir, monkeypatch
+):
+    real_save = checkpoints_module.save_file
+    calls = {"n": 0}
+
+    def disk_fills_up(tensors, path, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoints_module, "save_file", disk_fills_up)
+    with pytest.raises(UserError, match=r"No space left.*checkpoint-1 is intact"):
+        train(_config(tmp_path, tone_dataset, tiny_whisper_dir, save_steps=1, save_total_limit=1))
+    out = tmp_path / "out"
+    assert [p.name for p in checkpoints_module.list_checkpoints(out)] == ["checkpoint-1"]
+    assert not list(out.glob("*.tmp"))
+    assert load_file(out / "checkpoint-1" / "trainable.safetensors")
+
+
+def test_too_little_free_space_is_refused_before_training(
+    tmp_path, tone_dataset, tiny_whisper_dir, monkeypatch
+):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(
+        checkpoints_module.shutil, "disk_usage", lambda path: usage(10**9, 10**9, 1000)
+    )
+    with pytest.raises(UserError, match=r"--output-dir .*1000|--output-dir .*free"):
+        train(_config(tmp_path, tone_dataset, tiny_whisper_dir))
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_an_output_dir_under_a_file_is_one_line_and_exit_2(tmp_path, tone_dataset, capsys):
+    (tmp_path / "taken").write_text("a file, not a folder")
+    code = main(
+        ["train", "--data", str(tone_dataset), "--output-dir", str(tmp_path / "taken" / "run")]
+    )
+    assert code == 2
+    assert "--output-dir" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_finishes_the_step_saves_and_prints_the_resume_command(
+    tmp_path, tone_dataset, tiny_whisper_dir, signum
+):
+    out = tmp_path / "out"
+    command = [
+        sys.executable,
+        "-m",
+        "whisper_train",
+        "train",
+        "--data",
+        str(tone_dataset),
+        "--model",
+        str(tiny_whisper_dir),
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        "100000",
+        "--batch-size",
+        "2",
+        "--only-train",
+        "--seed",
+        "0",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 150
+        metrics = out / "metrics.jsonl"
+        while not (metrics.is_file() and metrics.read_text().count("\n") >= 1):
+            assert process.poll() is None, process.communicate()[1][-2000:]
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.2)
+        process.send_signal(signum)
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 128 + signum, stderr[-2000:]
+    found = checkpoints_module.list_checkpoints(out)
+    assert len(found) == 1
+    step = checkpoints_module.TrainerState.read(found[0]).step
+    assert step >= 1 and [row["step"] for row in _rows(out)] == list(range(1, step + 1))
+    assert f"--resume {found[0]}" in stdout + stderr

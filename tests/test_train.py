@@ -127,3 +127,25 @@ def test_yaml_config_is_filled_and_flags_override(tmp_path, tone_dataset, tiny_w
     saved = yaml.safe_load((tmp_path / "y" / "final" / "whisper-train.yaml").read_text())
     assert saved["train"]["max_steps"] == 2 and saved["model"]["mode"] == "freeze-encoder"
     assert len(_losses(tmp_path / "y")[0]) == 2
+
+
+def test_baseline_row_curves_and_before_after_report(tmp_path, tone_dataset, tiny_whisper_dir):
+    result = _run(tmp_path, tone_dataset, tiny_whisper_dir, eval_at_start=True, compare_baseline=True,
+                  eval_steps=2)
+    _, evaluations = _losses(result.output_dir)
+    assert [row["step"] for row in evaluations] == [0, 2, 3]
+    assert evaluations[0]["eval_loss"] > evaluations[-1]["eval_loss"]  # training helped on held-out clips
+    for name in ("curves.png", "report.md", "report.png", "report.json", "report.baseline.json"):
+        assert (result.output_dir / name).stat().st_size > 0, name
+    report = json.loads((result.output_dir / "report.json").read_text())
+    assert report["n"] == result.eval_examples
+    assert str(tiny_whisper_dir) in (result.output_dir / "report.md").read_text()
+
+
+def test_bare_resume_flag_means_latest():
+    from whisper_train.cli import build_parser, config_from_args
+
+    args = build_parser().parse_args(["train", "--data", "d", "--resume"])
+    assert config_from_args(args).train.resume == "latest"
+    args = build_parser().parse_args(["train", "--data", "d", "--resume", "run/checkpoint-4"])
+    assert config_from_args(args).train.resume == "run/checkpoint-4"

@@ -43,6 +43,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, groups=tuple(GROUPS)) 
             if _is_bool(f.type):
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                    help=help_text)
+            elif "const" in f.metadata:  # a flag that may stand alone: --resume
+                group.add_argument(flag, metavar=_metavar(f.name), nargs="?", const=f.metadata["const"],
+                                   default=argparse.SUPPRESS, help=help_text)
             else:
                 group.add_argument(flag, metavar=_metavar(f.name), default=argparse.SUPPRESS, help=help_text)
 
@@ -99,8 +102,8 @@ def _add_demo_parser(subparsers) -> None:
     parser.add_argument("--output-dir", default="whisper-train-demo",
                         help="Holds the data, the metrics and the fine-tuned model in final/.")
     parser.add_argument("--model", default="tiny.en", help="Model to fine-tune [default: tiny.en].")
-    parser.add_argument("--train-utterances", type=int, default=160)
-    parser.add_argument("--eval-utterances", type=int, default=40)
+    parser.add_argument("--train-utterances", type=int, default=128)
+    parser.add_argument("--eval-utterances", type=int, default=32)
     parser.add_argument("--epochs", type=float, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(handler=_run_demo)

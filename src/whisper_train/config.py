@@ -136,6 +136,15 @@ class TrainConfig:
         "Evaluate every N optimizer steps (default: only at the end).", default=None
     )
     only_train: bool = _help("Skip evaluation entirely.", default=False)
+    eval_at_start: bool = _help(
+        "Evaluate once before the first step too: the starting point in the table and curves.",
+        default=False,
+    )
+    compare_baseline: bool = _help(
+        "At the end, evaluate the starting model and the fine-tuned one on the evaluation data "
+        "and write OUTPUT/report.md and report.png (utterances that got better and worse).",
+        default=False,
+    )
     logging_steps: int = _help("Print the training loss every N optimizer steps.", default=1)
     generation_max_length: int = _help("Longest transcript generated during evaluation.", default=225)
     num_workers: int = _help("Data-loading worker processes.", default=0)
@@ -147,9 +156,13 @@ class TrainConfig:
     save_total_limit: int = _help(
         "Keep the newest N checkpoints, plus the one with the best WER.", default=2
     )
-    resume: str | None = _help(
-        "Continue a run: 'latest' (the newest checkpoint in --output-dir) or a checkpoint folder.",
+    resume: str | None = field(
         default=None,
+        metadata={
+            "help": "Continue a run: 'latest' (the newest checkpoint in --output-dir; a bare "
+            "--resume means this) or a checkpoint folder.",
+            "const": "latest",  # the value of the bare flag
+        },
     )
     max_bad_steps: int = _help(
         "Stop (with a checkpoint) after N optimizer steps in a row whose loss or gradient is NaN "
@@ -252,6 +265,11 @@ class RunConfig:
         if mem.cache_encoder and m.mode == "full":
             raise UserError(
                 "--cache-encoder needs a frozen encoder: use --mode freeze-encoder, or drop --cache-encoder"
+            )
+        if t.only_train and (t.eval_at_start or t.compare_baseline or t.eval_steps):
+            raise UserError(
+                "--only-train skips evaluation: drop it, or drop --eval-steps/--eval-at-start/"
+                "--compare-baseline"
             )
         if mem.cache_encoder and (d.audio_augment or d.spec_augment):
             raise UserError(

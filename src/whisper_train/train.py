@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 from transformers.modeling_outputs import BaseModelOutput
 
-from whisper_train import checkpoints, memory
+from whisper_train import checkpoints, doctor, memory
 from whisper_train.collate import IGNORE_INDEX, SpeechCollator
 from whisper_train.config import RunConfig
 from whisper_train.data import (
@@ -43,7 +43,8 @@ from whisper_train.encoder_cache import EncoderCache
 from whisper_train.errors import UserError
 from whisper_train.evaluate import generate_texts, get_normalizer, score
 from whisper_train.features import LogMel, SpeechDataset
-from whisper_train.labels import LabelEncoder, configure_generation
+from whisper_train.labels import LabelEncoder, configure_generation, language_code
+from whisper_train.report import write_curves_png
 from whisper_train.models import is_multilingual, load_model
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,13 @@ def train(config: RunConfig) -> TrainResult:
     )
     _say(accelerator, f"model: {config.model.model}, mode {config.model.mode}, checkpointing {checkpointing}, "
          f"precision {precision.mixed_precision}; {memory.trainable_parameter_summary(model)}")
+    # The doctor's cheap checks: refuse, before step 1, a configuration known to fail (T1-T9).
+    doctor.static_checks(
+        model,
+        ddp={"world_size": accelerator.num_processes, "find_unused_parameters": ddp_kwargs.find_unused_parameters,
+             "static_graph": ddp_kwargs.static_graph},
+        compile=config.memory.compile,
+    )
     # A checkpoint and the final model must fit: say so now, not after hours of training.
     checkpoints.check_free_space(
         output_dir,
@@ -231,7 +239,8 @@ def train(config: RunConfig) -> TrainResult:
     table = ProgressTable(accelerator.is_main_process)
     result = TrainResult(output_dir, None, state.step, len(datasets.train), len(datasets.eval), 0,
                          list(state.evaluations))
-    normalizer = get_normalizer("english" if not multilingual or (config.data.language or "en") in ("en", "english") else "basic")
+    normalizer_name = "english" if not multilingual or language_code(config.data.language) in (None, "en") else "basic"
+    normalizer = get_normalizer(normalizer_name)
     evaluate = not t.only_train
 
     def save(reason: str) -> Path:
@@ -244,6 +253,12 @@ def train(config: RunConfig) -> TrainResult:
             checkpoints.rotate_checkpoints(output_dir, keep_last=t.save_total_limit, evaluations=result.evaluations)
         _say(accelerator, f"{reason}: saved {folder}")
         return folder
+
+    if evaluate and t.eval_at_start and resume_from is None:
+        result.evaluations.append(
+            run_evaluation(model, eval_loader, processor, accelerator, normalizer, t.generation_max_length, 0))
+        metrics.write(result.evaluations[-1])
+        table.row(result.evaluations[-1])
 
     progress = tqdm(total=total_steps, initial=state.step, desc="training", unit="step",
                     disable=not accelerator.is_main_process, dynamic_ncols=True, leave=False)
@@ -355,7 +370,10 @@ def train(config: RunConfig) -> TrainResult:
         result.final_dir = save_final(accelerator.unwrap_model(model, keep_torch_compile=False), processor,
                                       config, output_dir / "final")
         _write_result(result)
+        write_curves_png(output_dir / METRICS_FILE, output_dir / "curves.png")
         _say(accelerator, f"fine-tuned model: {result.final_dir}")
+        if t.compare_baseline and datasets.eval:
+            compare_with_baseline(config, result.final_dir, datasets.eval, output_dir, normalizer_name)
     metrics.close()
     accelerator.end_training()
     return result
@@ -363,6 +381,31 @@ def train(config: RunConfig) -> TrainResult:
 
 # ---------------------------------------------------------------------------------------------
 # Pieces of the loop
+
+
+def compare_with_baseline(config: RunConfig, final_dir: Path, examples: list[Example], output_dir: Path,
+                          normalizer: str) -> None:
+    """The starting model and the fine-tuned one on the same utterances: report.md / report.png."""
+    from whisper_train.evaluate import evaluate_examples, write_report_json
+    from whisper_train.report import write_comparison
+
+    reports = []
+    for spec in (config.model.model, str(final_dir)):
+        model, processor = load_model(spec, attn_implementation=config.model.attn_implementation)
+        if torch.cuda.is_available():
+            model = model.to("cuda")
+        configure_generation(model.generation_config, language=config.data.language, task=config.data.task,
+                             multilingual=is_multilingual(model))
+        reports.append(evaluate_examples(
+            model, processor, examples, batch_size=config.train.batch_size, normalizer=normalizer,
+            max_length=config.train.generation_max_length, model_name=spec,
+        ))
+    before, after = reports
+    write_report_json(after, output_dir / "report.json")
+    write_report_json(before, output_dir / "report.baseline.json")
+    write_comparison(before, after, markdown_path=output_dir / "report.md", png_path=output_dir / "report.png")
+    tqdm.write(f"baseline WER {100 * before.wer:.2f}% -> fine-tuned {100 * after.wer:.2f}%; "
+               f"see {output_dir / 'report.md'}")
 
 
 def training_loss(model, batch: dict) -> torch.Tensor:
@@ -702,5 +745,6 @@ class ProgressTable:
         if not self.header_printed:
             tqdm.write(f"{'Step':>6} | {'Training Loss':>13} | {'Validation Loss':>15} | {'WER':>7}")
             self.header_printed = True
-        tqdm.write(f"{evaluation['step']:>6} | {self.last_train_loss:>13.4f} | "
+        train_loss = "-" if math.isnan(self.last_train_loss) else f"{self.last_train_loss:.4f}"
+        tqdm.write(f"{evaluation['step']:>6} | {train_loss:>13} | "
                    f"{evaluation['eval_loss']:>15.4f} | {100 * evaluation['wer']:>6.2f}%")

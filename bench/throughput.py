@@ -1,0 +1,406 @@
+"""Training throughput: whisper-train's loop vs transformers' Seq2SeqTrainer (the blog recipe).
+
+    .venv/bin/python bench/throughput.py [--rounds 2] [--clips 32] [--batch-size 8]
+        [--d-model 128] [--layers 2] [--checkpointing off|full]
+
+Same random model (tests/tiny_models.py dimensions, saved once), same clips (the first --clips
+of ../shared/realspeech when present, else generated tones), same batch, fp32 on a CPU (bf16
+on CUDA), same checkpointing (non-reentrant in both: the Trainer gets
+`gradient_checkpointing_kwargs={"use_reentrant": False}`), AdamW, no evaluation.
+
+Two scenarios:
+  full            every weight trains; samples/s of the training loop. The Trainer's features
+                  are computed beforehand by `dataset.map` (the blog recipe); that time is
+                  shown separately and in the "incl. features" ratio.
+  freeze-encoder  whisper-train with its encoder cache (built once, before the loop) vs the
+                  Trainer with `model.freeze_encoder()`; seconds per epoch after the first.
+
+Each run is its own subprocess (`--worker`), and runs alternate (whisper-train, Trainer,
+whisper-train, ...). Times are CPU seconds of the worker process (`time.process_time`), not wall
+time: on a machine shared with other jobs wall time swung 6x between identical runs, CPU time
+does not (with --threads 1 there are no idle OpenMP threads spinning either). On CUDA, where
+the GPU does the work, wall time is used. On CUDA each
+worker also reports peak allocated memory and MFU (FLOP formula of notes/anchors.md; peak
+FLOP/s from --peak-tflops, default H100 SXM dense bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+REPO = Path(__file__).resolve().parents[1]
+REALSPEECH = REPO.parent / "shared" / "realspeech"
+
+
+def CLOCK() -> float:  # noqa: N802 - a constant-like alias for the clock every time uses
+    """CPU seconds of this process on a CPU run (robust to other jobs), wall time on CUDA."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        return time.perf_counter()
+    return time.process_time()
+
+
+# -- setup (parent process) -------------------------------------------------------------------
+
+
+def write_manifest(folder: Path, n_clips: int) -> Path:
+    """A JSONL manifest with absolute audio paths: real clips when available, else tones."""
+    rows = []
+    if (REALSPEECH / "manifest.jsonl").exists():
+        for line in (REALSPEECH / "manifest.jsonl").read_text().splitlines()[:n_clips]:
+            row = json.loads(line)
+            rows.append({"audio": str(REALSPEECH / row["audio"]), "text": row["text"]})
+    else:
+        sys.path.insert(0, str(REPO / "tests"))
+        from conftest import write_tone_dataset
+
+        tones = write_tone_dataset(folder / "tones", n=n_clips, layout="jsonl")
+        for line in tones.read_text().splitlines():
+            row = json.loads(line)
+            rows.append({"audio": str(tones.parent / row["audio"]), "text": row["text"]})
+    manifest = folder / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return manifest
+
+
+def save_model(folder: Path, d_model: int, layers: int) -> Path:
+    sys.path.insert(0, str(REPO / "tests"))
+    from tiny_models import make_tiny_whisper
+
+    model, processor = make_tiny_whisper(
+        d_model=d_model, encoder_layers=layers, decoder_layers=layers
+    )
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
+# -- workers (one subprocess per run) ---------------------------------------------------------
+
+
+def run_whisper_train(args) -> dict:
+    import torch
+
+    import whisper_train.train as train_module
+    from whisper_train.config import RunConfig
+    from whisper_train.train import train
+
+    if not torch.cuda.is_available():  # train() times its loop with time.perf_counter: make
+        clock = {name: getattr(time, name) for name in dir(time) if not name.startswith("_")}
+        train_module.time = types.SimpleNamespace(**{**clock, "perf_counter": CLOCK})  # CPU time
+    config = RunConfig()
+    config.update(
+        {
+            "data": args.manifest,
+            "model": args.model_dir,
+            "mode": args.scenario,
+            "gradient_checkpointing": args.checkpointing,
+            "precision": "auto",
+            "batch_size": args.batch_size,
+            "epochs": args.epochs,
+            "only_train": True,
+            "eval_split": 0.0,
+            "output_dir": str(Path(args.workdir) / f"wt-{time.time_ns()}"),
+            "max_grad_norm": 1.0,
+            "learning_rate": 1e-5,
+            "seed": 0,
+        }
+    )
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        result = train(config)
+    text = printed.getvalue()
+    # train() prints its loop time ("trained N steps in X s") and the cache build time.
+    loop_seconds = float(re.search(r"trained \d+ steps in ([0-9.]+) s", text).group(1))
+    cache = re.search(r"cached in ([0-9.]+) s", text)
+    samples = result.train_examples * args.epochs
+    out = {
+        "loop_s": loop_seconds,
+        "samples": samples,
+        "samples_per_s": samples / loop_seconds,
+        "epoch_s_after_first": loop_seconds / args.epochs,
+        "cache_s": float(cache.group(1)) if cache else 0.0,
+    }
+    if torch.cuda.is_available():
+        out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def run_seq2seq_trainer(args) -> dict:
+    import numpy as np
+    import torch
+    from datasets import Dataset
+    from transformers import (
+        Seq2SeqTrainer,
+        Seq2SeqTrainingArguments,
+        TrainerCallback,
+        WhisperForConditionalGeneration,
+        WhisperProcessor,
+    )
+
+    from whisper_train.audio import load_audio
+
+    processor = WhisperProcessor.from_pretrained(args.model_dir)
+    model = WhisperForConditionalGeneration.from_pretrained(args.model_dir)
+    model.model.encoder.embed_positions.requires_grad_(False)  # fixed sinusoids, as whisper-train
+    model.config.use_cache = False
+    if args.scenario == "freeze-encoder":
+        model.freeze_encoder()
+    rows = [json.loads(line) for line in Path(args.manifest).read_text().splitlines()]
+    # datasets.Audio needs torchcodec (not loadable here): decode with the same reader.
+    raw = Dataset.from_dict(
+        {"audio": [load_audio(r["audio"]) for r in rows], "sentence": [r["text"] for r in rows]}
+    )
+
+    def prepare(example):  # the blog's prepare_dataset: features and label ids per clip
+        audio = np.asarray(example["audio"], dtype=np.float32)
+        example["input_features"] = processor.feature_extractor(
+            audio, sampling_rate=16_000
+        ).input_features[0]
+        example["labels"] = processor.tokenizer(example["sentence"]).input_ids
+        return example
+
+    start = CLOCK()
+    dataset = raw.map(prepare, remove_columns=raw.column_names)
+    features_s = CLOCK() - start
+
+    def collate(features):  # the blog's data collator: pad features and labels separately
+        batch = processor.feature_extractor.pad(
+            [{"input_features": f["input_features"]} for f in features], return_tensors="pt"
+        )
+        labels_batch = processor.tokenizer.pad(
+            [{"input_ids": f["labels"]} for f in features], return_tensors="pt"
+        )
+        labels = labels_batch["input_ids"].masked_fill(labels_batch.attention_mask.ne(1), -100)
+        if (labels[:, 0] == model.config.decoder_start_token_id).all():
+            labels = labels[:, 1:]  # the model prepends the start token itself
+        batch["labels"] = labels
+        return batch
+
+    epoch_times: list[float] = []
+
+    loop_times: list[float] = []
+
+    class EpochTimer(TrainerCallback):
+        def on_train_begin(self, *_, **__):
+            self.train_start = CLOCK()
+
+        def on_train_end(self, *_, **__):
+            loop_times.append(CLOCK() - self.train_start)
+
+        def on_epoch_begin(self, *_, **__):
+            self.start = CLOCK()
+
+        def on_epoch_end(self, *_, **__):
+            epoch_times.append(CLOCK() - self.start)
+
+    on_cuda = torch.cuda.is_available()
+    training_args = Seq2SeqTrainingArguments(
+        output_dir=str(Path(args.workdir) / f"hf-{time.time_ns()}"),
+        per_device_train_batch_size=args.batch_size,
+        learning_rate=1e-5,
+        num_train_epochs=args.epochs,
+        gradient_checkpointing=args.checkpointing != "off",
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        bf16=on_cuda,
+        eval_strategy="no",
+        save_strategy="no",
+        report_to=[],
+        logging_steps=1000,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        max_grad_norm=1.0,
+        seed=0,
+        use_cpu=not on_cuda,
+        disable_tqdm=True,
+    )
+    trainer = Seq2SeqTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=dataset,
+        data_collator=collate,
+        callbacks=[EpochTimer()],
+    )
+    trainer.train()
+    samples = len(dataset) * args.epochs
+    out = {
+        "loop_s": loop_times[0],
+        "samples": samples,
+        "samples_per_s": samples / loop_times[0],
+        "features_s": features_s,
+        "epoch_s_after_first": statistics.mean(epoch_times[1:] or epoch_times),
+    }
+    if on_cuda:
+        out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+# -- driver ------------------------------------------------------------------------------------
+
+
+def worker(args) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    run = run_whisper_train if args.worker == "whisper-train" else run_seq2seq_trainer
+    result = run(args)
+    if torch.cuda.is_available():
+        from transformers import AutoConfig
+
+        from whisper_train.memory_plan import model_flops_per_sample
+
+        config = AutoConfig.from_pretrained(args.model_dir)
+        train_flops = 3 * model_flops_per_sample(config, label_tokens=32)
+        result["mfu"] = result["samples_per_s"] * train_flops / (args.peak_tflops * 1e12)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def launch(args, system: str, scenario: str, epochs: int) -> dict:
+    command = [
+        sys.executable,
+        __file__,
+        "--worker",
+        system,
+        "--scenario",
+        scenario,
+        "--epochs",
+        str(epochs),
+        "--manifest",
+        args.manifest,
+        "--model-dir",
+        args.model_dir,
+        "--workdir",
+        args.workdir,
+        "--batch-size",
+        str(args.batch_size),
+        "--checkpointing",
+        args.checkpointing,
+        "--threads",
+        str(args.threads),
+        "--peak-tflops",
+        str(args.peak_tflops),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    match = re.search(r"^RESULT (.*)$", done.stdout, flags=re.MULTILINE)
+    if not match:
+        sys.exit(f"{system} {scenario} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return json.loads(match.group(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--clips", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--checkpointing", default="off")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--full-epochs", type=int, default=1)
+    parser.add_argument("--freeze-epochs", type=int, default=3)
+    parser.add_argument("--scenarios", default="full,freeze-encoder")
+    parser.add_argument("--peak-tflops", type=float, default=989.0)
+    # worker-only arguments
+    parser.add_argument("--worker", choices=["whisper-train", "trainer"])
+    parser.add_argument("--scenario")
+    parser.add_argument("--epochs", type=int)
+    parser.add_argument("--manifest")
+    parser.add_argument("--model-dir")
+    parser.add_argument("--workdir")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        args.workdir = tmp
+        args.manifest = str(write_manifest(tmp_path, args.clips))
+        args.model_dir = str(save_model(tmp_path / "model", args.d_model, args.layers))
+        print(
+            f"machine: {platform.machine()}, {os.cpu_count()} CPUs, cuda "
+            f"{torch.cuda.is_available()}; model d_model {args.d_model}, {args.layers}+"
+            f"{args.layers} layers; {args.clips} clips "
+            f"({'realspeech' if REALSPEECH.exists() else 'tones'}), batch {args.batch_size}, "
+            f"checkpointing {args.checkpointing}, {args.rounds} alternating rounds"
+        )
+        medians: dict[tuple[str, str], float] = {}
+        for scenario in args.scenarios.split(","):
+            epochs = args.full_epochs if scenario == "full" else args.freeze_epochs
+            runs: dict[str, list[dict]] = {"whisper-train": [], "trainer": []}
+            for round_index in range(args.rounds):
+                for system in ("whisper-train", "trainer"):
+                    runs[system].append(launch(args, system, scenario, epochs))
+                    print(
+                        f"  {scenario} round {round_index + 1} {system}: "
+                        f"{json.dumps(runs[system][-1])}",
+                        flush=True,
+                    )
+            report(scenario, runs)
+            for system, results in runs.items():
+                medians[(scenario, system)] = statistics.median(
+                    run["epoch_s_after_first"] for run in results
+                )
+        if ("full", "trainer") in medians and ("freeze-encoder", "whisper-train") in medians:
+            # What a user switching from the blog's full fine-tuning to a cached frozen encoder
+            # gets per epoch (the same clips; full trains every weight, so not like for like).
+            ratio = medians[("full", "trainer")] / medians[("freeze-encoder", "whisper-train")]
+            print(
+                f"Seq2SeqTrainer full fine-tuning epoch / whisper-train freeze-encoder epoch "
+                f"(cached): {ratio:.2f}x"
+            )
+
+
+def report(scenario: str, runs: dict[str, list[dict]]) -> None:
+    def median(system: str, key: str) -> float:
+        return statistics.median(run[key] for run in runs[system])
+
+    if scenario == "full":
+        ours, theirs = median("whisper-train", "samples_per_s"), median("trainer", "samples_per_s")
+        features = median("trainer", "features_s")
+        samples = runs["trainer"][0]["samples"]
+        with_features = samples / (samples / theirs + features)
+        print(
+            f"{scenario}: whisper-train {ours:.2f} samples/s, Seq2SeqTrainer {theirs:.2f} "
+            f"samples/s (loop only, CPU time) -> {ours / theirs:.2f}x; Trainer incl. its dataset.map "
+            f"features ({features:.1f} s) {with_features:.2f} samples/s -> "
+            f"{ours / with_features:.2f}x"
+        )
+    else:
+        ours = median("whisper-train", "epoch_s_after_first")
+        theirs = median("trainer", "epoch_s_after_first")
+        cache = median("whisper-train", "cache_s")
+        print(
+            f"{scenario}: seconds per epoch after the first: whisper-train {ours:.2f} s "
+            f"(cache built once in {cache:.1f} s), Seq2SeqTrainer {theirs:.2f} s -> "
+            f"{theirs / ours:.2f}x"
+        )
+    for system in runs:
+        if "peak_gib" in runs[system][0]:
+            print(
+                f"  {system}: peak allocated {median(system, 'peak_gib'):.2f} GiB, "
+                f"MFU {100 * median(system, 'mfu'):.1f}%"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,583 @@
+"""What fits: an estimate of peak training memory, and the cheapest checkpointing that fits it.
+
+Out-of-memory is the first complaint of people fine-tuning Whisper (transformers #20348 and
+many more), and nothing tells them in advance what would fit. This module answers before the
+first step, in four terms:
+
+    weights      every parameter, float32 (the precision policy keeps master weights fp32)
+    gradients    one float32 gradient per trainable parameter
+    optimiser    AdamW: two float32 moments per trainable parameter (2x the trainable
+                 weights); bitsandbytes AdamW8bit: two uint8 moments (~0.5x)
+    activations  tensors autograd saves for backward, counted layer by layer below, plus a
+                 working set (the gradient of the logits, one checkpointed layer recomputed)
+
+Activations are counted the way autograd keeps them (one unique storage each, parameters
+excluded), for Whisper's layers as transformers implements them with sdpa attention:
+
+    encoder layer (n = 1500 positions, d = width, f = ffn width, h = heads), in elements:
+        residual input + residual after attention        2nd
+        LayerNorm mean and rstd (two norms)              4n
+        q, k, v, attention output, log-sum-exp           4nd + hn
+        inputs of linears whose weights train            nd (q/k/v share one), nd (out_proj),
+                                                         nd (fc1), nf (fc2)
+        fc1 output (the GELU's input)                    nf
+    decoder layer (T label tokens): the same with T, plus cross-attention, whose keys and
+    values span the encoder's 1500 positions (2 x 1500 x d per layer, whatever T is).
+    A LoRA adapter saves its dropout's output, the dropout mask and A's output
+    instead of the frozen linear's input.
+
+A checkpointed layer (non-reentrant) keeps only its inputs; `every-N` checkpoints layers 0, N,
+2N, ... of each stack; `encoder` only the encoder's. `probe_saved_bytes` measures the same
+quantity on the real model (saved-tensor hooks, unique storages), and `plan_checkpointing`
+uses one small probe batch to calibrate the count before choosing a policy.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from whisper_train.errors import UserError
+
+ENCODER_POSITIONS = 1500  # 3000 log-mel frames, halved by the stride-2 second convolution
+MEL_FRAMES = 3000  # 30 s at 100 frames/s
+POLICY_ORDER = ("off", "every-N", "encoder", "full")  # cheapest (fastest) first
+_EVERY_N = re.compile(r"^every-([1-9][0-9]*)$")
+_HALF_PRECISIONS = ("bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak device memory of one training step, in bytes, by term."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int  # saved for backward, summed over the batch
+    working: int  # transient at the peak: logits gradient, one recomputed layer, autocast copies
+    offloaded: int = 0  # activations kept in host memory instead (not part of `total`)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.working
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The checkpointing `plan_checkpointing` chose, and why (`table` is printable)."""
+
+    policy: str  # off | every-N | encoder | full: pass to memory.prepare_model(checkpointing=)
+    offload: bool  # keep checkpoint inputs in host memory (--offload-activations)
+    estimate_bytes: int
+    table: str
+    estimates: dict[str, MemoryEstimate] = field(default_factory=dict)
+
+
+# -- counting saved activations ---------------------------------------------------------------
+
+
+def estimate_memory(
+    model: nn.Module,
+    *,
+    policy: str = "off",
+    batch_size: int = 1,
+    label_tokens: int = 448,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    offload: bool = False,
+    activation_scale: float = 1.0,
+) -> MemoryEstimate:
+    """Peak training memory of `model` as prepared (frozen parts, LoRA) under `policy`.
+
+    `model` is a `WhisperForConditionalGeneration` or a peft model around one, already through
+    `memory.prepare_model` for its mode (the checkpointing flags on it are ignored: `policy`
+    decides). It may live on the meta device: only shapes and `requires_grad` are read.
+    `label_tokens` is the longest decoder input in a batch (labels are padded per batch).
+    `activation_scale` is the probe's correction (measured / counted), 1.0 without a probe.
+    """
+    half = precision in _HALF_PRECISIONS
+    params = list(model.parameters())
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    weights = sum(p.numel() * p.element_size() for p in params)
+    gradients = 4 * trainable
+    optimizer_bytes = {"adamw": 8, "adamw-fused": 8, "adamw8bit": 2}.get(optimizer)
+    if optimizer_bytes is None:
+        raise UserError(f"--optim {optimizer}: expected one of adamw, adamw-fused, adamw8bit")
+    per_sample = count_saved_bytes(model, policy=policy, label_tokens=label_tokens, half=half)
+    kept = per_sample["device"] * batch_size * activation_scale
+    offloaded = 0
+    if offload:  # checkpoint inputs go to host memory; the rest stays on the device
+        offloaded = int(per_sample["checkpoint_inputs"] * batch_size * activation_scale)
+        kept -= offloaded
+    # Autocast keeps a half-precision copy of each weight it casts for the whole step.
+    autocast_copies = 2 * sum(p.numel() for p in params if p.ndim >= 2) if half else 0
+    working = (per_sample["working"] * batch_size) + autocast_copies
+    return MemoryEstimate(
+        weights=weights,
+        gradients=gradients,
+        optimizer=optimizer_bytes * trainable,
+        activations=int(kept),
+        working=int(working),
+        offloaded=offloaded,
+    )
+
+
+def count_saved_bytes(
+    model: nn.Module, *, policy: str, label_tokens: int, half: bool = False
+) -> dict[str, int]:
+    """Bytes saved for backward for ONE sample, counted from the model's shapes.
+
+    Returns {"device": all saved bytes, "checkpoint_inputs": the part that checkpointed layers
+    keep (their inputs), "working": transient bytes at the peak}.
+    """
+    whisper = _whisper_of(model)
+    config = whisper.config
+    d, vocab = config.d_model, config.vocab_size
+    n_enc = config.max_source_positions  # encoder positions (1500 for real models)
+    n_frames = 2 * n_enc  # log-mel frames (3000)
+    n_dec = label_tokens
+    # Element sizes: the residual stream, LayerNorm statistics and the log-softmax stay float32
+    # under autocast; what feeds a linear layer, attention and GELU is the half-precision copy.
+    full_bytes, compute_bytes = 4, (2 if half else 4)
+    checkpointed = _checkpointed_layers(whisper, policy)
+
+    encoder = whisper.model.encoder
+    stem_trains = any(
+        p.requires_grad for m in (encoder.conv1, encoder.conv2) for p in m.parameters()
+    )
+    saved = 0
+    checkpoint_inputs = 0
+    largest_layer = 0
+    # peft's "input require grads" hook (registered when checkpointing is on before LoRA wraps
+    # the model) makes conv1's output require grad, so the stem's GELUs save their inputs.
+    stem_grad = stem_trains or bool(encoder.conv1._forward_hooks)
+    grad_path = stem_grad
+    if stem_trains:  # the input features, for the conv1 weight's gradient
+        saved += compute_bytes * config.num_mel_bins * n_frames
+    if stem_grad:  # conv1 output, GELU output, conv2 output
+        saved += compute_bytes * (2 * d * n_frames + d * n_enc)
+    for index, layer in enumerate(encoder.layers):
+        grad_path = grad_path or _trains(layer)
+        if not grad_path:
+            continue  # frozen and nothing below trains: no backward pass through this layer
+        inside = _layer_bytes(layer, n_enc, None, full_bytes, compute_bytes)
+        largest_layer = max(largest_layer, inside)
+        if ("encoder", index) in checkpointed:
+            saved += full_bytes * n_enc * d
+            checkpoint_inputs += full_bytes * n_enc * d
+        else:
+            saved += inside
+    encoder_output = full_bytes * n_enc * d
+    if grad_path:  # the final LayerNorm: its input (the last residual) and statistics
+        saved += full_bytes * (n_enc * d + 2 * n_enc)
+    # The encoder output is kept whenever the decoder's cross-attention trains or is checkpointed.
+    decoder = whisper.model.decoder
+    keeps_encoder_output = False
+    for index, layer in enumerate(decoder.layers):
+        inside = _layer_bytes(layer, n_dec, n_enc, full_bytes, compute_bytes)
+        largest_layer = max(largest_layer, inside)
+        if ("decoder", index) in checkpointed:
+            saved += full_bytes * n_dec * d
+            checkpoint_inputs += full_bytes * n_dec * d
+            keeps_encoder_output = True
+        else:
+            saved += inside
+            keeps_encoder_output = keeps_encoder_output or _saves_cross_input(layer)
+    if keeps_encoder_output:
+        saved += encoder_output
+    # Final LayerNorm (input and statistics), its output if the output head trains, log-softmax.
+    saved += full_bytes * (n_dec * d + 2 * n_dec)
+    if any(p.requires_grad for p in whisper.proj_out.parameters()):
+        saved += compute_bytes * n_dec * d
+    logits = 4 * n_dec * vocab
+    saved += logits
+    # At the peak of backward: the logits' gradient, and one checkpointed layer recomputed.
+    working = logits + (largest_layer if checkpointed else 0)
+    return {"device": saved, "checkpoint_inputs": checkpoint_inputs, "working": working}
+
+
+def _layer_bytes(layer: nn.Module, n: int, n_cross: int | None, full: int, compute: int) -> int:
+    """Bytes one encoder (n_cross None) or decoder layer saves for backward, per sample."""
+    attention = layer.self_attn
+    d = _linear(attention.q_proj).in_features
+    ffn = _linear(layer.fc1).out_features
+    heads = attention.num_heads
+    residuals = 2 if n_cross is None else 3
+    total = full * (residuals * n * d + 2 * residuals * n)  # LayerNorm inputs and mean/rstd
+    implementation = getattr(getattr(attention, "config", None), "_attn_implementation", "sdpa")
+    eager = implementation == "eager"
+    total += _attention_bytes(attention, n, None, heads, d, compute, eager)
+    if n_cross is not None:
+        total += _attention_bytes(layer.encoder_attn, n, n_cross, heads, d, compute, eager)
+    total += compute * n * ffn  # fc1 output, the GELU's input
+    total += _linear_input_bytes(layer.fc1, n * d, compute)
+    total += _linear_input_bytes(layer.fc2, n * ffn, compute)
+    return total
+
+
+def _attention_bytes(
+    attention: nn.Module, n_q: int, n_cross: int | None, heads: int, d: int, size: int, eager: bool
+) -> int:
+    """sdpa saves q, k, v, its output and log-sum-exp; plus the inputs of linears that train.
+
+    Eager attention keeps the softmax output instead: quadratic in positions (1500^2 x heads
+    per encoder layer), which is why whisper-train defaults to sdpa.
+
+    Self-attention (n_cross None): q, k and v read one tensor. Cross-attention: k and v read the
+    encoder output (n_cross positions), which is counted once for the whole decoder.
+    """
+    n_kv = n_q if n_cross is None else n_cross
+    if eager:  # q, k, v and the softmax output (heads x n_q x n_kv), not sdpa's output and LSE
+        total = size * (n_q * d + 2 * n_kv * d + heads * n_q * n_kv)
+    else:
+        total = size * (2 * n_q * d + 2 * n_kv * d) + 4 * heads * n_q
+    if n_cross is None:
+        total += _shared_input_bytes(
+            (attention.q_proj, attention.k_proj, attention.v_proj), n_q * d, size
+        )
+    else:
+        total += _linear_input_bytes(attention.q_proj, n_q * d, size)
+        total += _adapter_bytes(attention.k_proj, n_kv * d, size)
+        total += _adapter_bytes(attention.v_proj, n_kv * d, size)
+    total += _linear_input_bytes(attention.out_proj, n_q * d, size)
+    return total
+
+
+def _saves_cross_input(layer: nn.Module) -> bool:
+    """Does the layer's cross-attention keep the encoder output (its k/v projections' input)?"""
+    attention = layer.encoder_attn
+    return any(_input_needed(proj) for proj in (attention.k_proj, attention.v_proj))
+
+
+def _shared_input_bytes(linears: tuple[nn.Module, ...], elements: int, size: int) -> int:
+    """Several linears reading one tensor: it is stored once, adapters' copies each."""
+    shared = any(_input_needed(linear) for linear in linears)
+    return size * elements * shared + sum(_adapter_bytes(one, elements, size) for one in linears)
+
+
+def _linear_input_bytes(linear: nn.Module, elements: int, size: int) -> int:
+    return size * elements * _input_needed(linear) + _adapter_bytes(linear, elements, size)
+
+
+def _input_needed(linear: nn.Module) -> bool:
+    """The linear's own input is saved when its weight trains, or by a LoRA without dropout."""
+    base = _linear(linear)
+    if base.weight.requires_grad:
+        return True
+    return _lora_parts(linear) is not None and not _lora_parts(linear)[1]
+
+
+def _adapter_bytes(linear: nn.Module, elements: int, size: int) -> int:
+    """A LoRA adapter with dropout saves the dropout output, its mask and A's output."""
+    parts = _lora_parts(linear)
+    if parts is None:
+        return 0
+    rank, has_dropout = parts
+    rows = elements // _linear(linear).in_features
+    extra = size * rows * rank
+    if has_dropout:
+        # Dropout output, and its mask: float on a CPU (1 byte on CUDA; counted as float).
+        extra += 2 * size * elements
+    return extra
+
+
+def _lora_parts(linear: nn.Module) -> tuple[int, bool] | None:
+    """(rank, has dropout) of an active peft LoRA adapter on this linear, else None."""
+    lora_a = getattr(linear, "lora_A", None)
+    if not lora_a:
+        return None
+    name = next(iter(lora_a.keys()))
+    dropout = linear.lora_dropout[name]
+    return lora_a[name].out_features, not isinstance(dropout, nn.Identity)
+
+
+def _linear(module: nn.Module) -> nn.Linear:
+    return getattr(module, "base_layer", module)
+
+
+def _trains(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
+def _checkpointed_layers(whisper: nn.Module, policy: str) -> set[tuple[str, int]]:
+    """(stack, index) of the layers `memory.prepare_model` would checkpoint under `policy`.
+
+    Mirrors `memory._narrow_checkpointing`: never where no gradient reaches (a frozen encoder).
+    """
+    if policy == "off":
+        return set()
+    match = _EVERY_N.match(policy)
+    every = int(match.group(1)) if match else 1
+    if policy not in ("full", "on", "encoder") and not match:
+        raise UserError(f"--gradient-checkpointing {policy}: expected off, full, encoder, every-N")
+    chosen: set[tuple[str, int]] = set()
+    encoder = whisper.model.encoder
+    grad_below = _trains(encoder.conv1) or _trains(encoder.conv2)
+    for stack in ("encoder", "decoder"):
+        if stack == "decoder":
+            grad_below = grad_below or _trains(whisper.model.decoder.embed_tokens)
+        for index, layer in enumerate(getattr(whisper.model, stack).layers):
+            grad_below = grad_below or _trains(layer)
+            wanted = policy != "encoder" or stack == "encoder"
+            if wanted and grad_below and index % every == 0:
+                chosen.add((stack, index))
+    return chosen
+
+
+def _whisper_of(model: nn.Module) -> nn.Module:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not (hasattr(base, "model") and hasattr(base.model, "encoder")):
+        raise UserError(f"{type(base).__name__}: not a Whisper encoder-decoder model")
+    return base
+
+
+# -- measuring saved activations --------------------------------------------------------------
+
+
+def probe_saved_bytes(
+    model: nn.Module,
+    input_features: torch.Tensor,
+    decoder_input_ids: torch.Tensor,
+    *,
+    autocast_dtype: torch.dtype | None = None,
+) -> int:
+    """Measure the bytes kept for backward by one training forward pass of `model`.
+
+    Counts each storage once (views share one), leaves parameters out, and for checkpointed
+    layers counts the inputs their recompute keeps alive (inside a non-reentrant checkpoint
+    autograd saves nothing, so the saved-tensor hooks alone would miss them).
+    input_features: (batch, n_mels, 3000); decoder_input_ids: (batch, T).
+    """
+    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def remember(tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer and pointer not in parameter_storages:
+            kept.setdefault(pointer, storage.nbytes())
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        remember(tensor)
+        return tensor
+
+    def before_layer(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if getattr(module, "gradient_checkpointing", False) and module.training:
+            for value in (*args, *kwargs.values()):
+                if isinstance(value, torch.Tensor):
+                    remember(value)
+
+    whisper = _whisper_of(model)
+    layers = [*whisper.model.encoder.layers, *whisper.model.decoder.layers]
+    handles = [layer.register_forward_pre_hook(before_layer, with_kwargs=True) for layer in layers]
+    labels = decoder_input_ids.clone()
+    was_training = model.training
+    model.train()
+    try:
+        with (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+            torch.autocast(
+                input_features.device.type,
+                dtype=autocast_dtype or torch.float32,
+                enabled=autocast_dtype is not None,
+            ),
+        ):
+            loss = model(
+                input_features=input_features, decoder_input_ids=decoder_input_ids, labels=labels
+            ).loss
+        del loss  # the graph (and everything it saved) is freed without a backward pass
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    return sum(kept.values())
+
+
+@contextmanager
+def checkpointing_policy(model: nn.Module, policy: str) -> Iterator[None]:
+    """Temporarily set each layer's checkpointing flag as `policy` would (transformers >= 4.53).
+
+    The model must have checkpointing enabled (any policy) for a policy other than off to act;
+    `memory.prepare_model(..., checkpointing="full")` does that.
+    """
+    whisper = _whisper_of(model)
+    chosen = _checkpointed_layers(whisper, policy)
+    stacks = {"encoder": whisper.model.encoder.layers, "decoder": whisper.model.decoder.layers}
+    before = {}
+    for stack, layers in stacks.items():
+        for index, layer in enumerate(layers):
+            before[(stack, index)] = layer.gradient_checkpointing
+            layer.gradient_checkpointing = (stack, index) in chosen
+    try:
+        yield
+    finally:
+        for (stack, index), flag in before.items():
+            stacks[stack][index].gradient_checkpointing = flag
+
+
+def calibrate(model: nn.Module, *, label_tokens: int = 32, policy: str = "off") -> float:
+    """measured / counted saved bytes for one random sample under `policy` (default off).
+
+    One forward pass at batch 1 (full 3000-frame input), no backward, on the model's device.
+    1.0 for the layers this module counts; a model with other layers moves it. "off" sees
+    every layer's internals; "full" needs far less memory but only sees the layers' inputs.
+    """
+    whisper = _whisper_of(model)
+    device = next(model.parameters()).device
+    features = torch.randn(
+        1, whisper.config.num_mel_bins, 2 * whisper.config.max_source_positions, device=device
+    )
+    tokens = torch.full((1, label_tokens), whisper.config.decoder_start_token_id, device=device)
+    with checkpointing_policy(model, policy):
+        measured = probe_saved_bytes(model, features, tokens)
+    counted = count_saved_bytes(model, policy=policy, label_tokens=label_tokens)["device"]
+    return measured / counted
+
+
+# -- choosing a policy ------------------------------------------------------------------------
+
+
+def plan_checkpointing(
+    model: nn.Module,
+    *,
+    mode: str,
+    batch_size: int,
+    max_memory_bytes: int,
+    label_tokens: int = 448,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    every_n: int = 2,
+    probe: bool = True,
+) -> Plan:
+    """The cheapest of off → every-N → encoder → full → full + offload whose estimate fits.
+
+    `model` is prepared for `mode` (frozen parts, LoRA) by `memory.prepare_model`. With `probe`,
+    one batch-1 forward pass calibrates the activation count (`calibrate`). Raises UserError
+    naming --max-memory and the smallest budget that would fit when nothing does.
+    """
+    scale = _probe_scale(model, min(label_tokens, 32)) if probe else 1.0
+    candidates = [
+        ("off", False),
+        (f"every-{every_n}", False),
+        ("encoder", False),
+        ("full", False),
+        ("full", True),
+    ]
+    estimates: dict[str, MemoryEstimate] = {}
+    chosen: tuple[str, bool] | None = None
+    for policy, offload in candidates:
+        name = policy + (" + offload" if offload else "")
+        estimate = estimate_memory(
+            model,
+            policy=policy,
+            batch_size=batch_size,
+            label_tokens=label_tokens,
+            precision=precision,
+            optimizer=optimizer,
+            offload=offload,
+            activation_scale=scale,
+        )
+        estimates[name] = estimate
+        if chosen is None and estimate.total <= max_memory_bytes:
+            chosen = (policy, offload)
+    table = format_plan_table(
+        estimates,
+        chosen=chosen,
+        max_memory_bytes=max_memory_bytes,
+        header=f"mode {mode}, batch {batch_size}, labels <= {label_tokens} "
+        f"tokens, {precision}, {optimizer}, probe scale {scale:.2f}",
+    )
+    if chosen is None:
+        smallest = min(estimates.values(), key=lambda e: e.total)
+        raise UserError(
+            f"--max-memory {_gib(max_memory_bytes)}: nothing fits at batch {batch_size} (smallest: "
+            f"full checkpointing + offload needs {_gib(smallest.total)}); raise --max-memory, "
+            f"lower --batch-size, or use --mode lora / freeze-encoder / --optim adamw8bit"
+        )
+    name = chosen[0] + (" + offload" if chosen[1] else "")
+    return Plan(
+        policy=chosen[0],
+        offload=chosen[1],
+        estimate_bytes=estimates[name].total,
+        table=table,
+        estimates=estimates,
+    )
+
+
+def _probe_scale(model: nn.Module, label_tokens: int) -> float:
+    """`calibrate` without checkpointing, or with it where one sample's activations do not fit;
+    1.0 (the count alone) when neither fits or checkpointing is not enabled on the model."""
+    checkpointable = getattr(
+        _whisper_of(model).model.encoder.layers[0], "_gradient_checkpointing_func", None
+    )
+    for policy in ("off", "full") if checkpointable else ("off",):
+        try:
+            return calibrate(model, label_tokens=label_tokens, policy=policy)
+        except torch.OutOfMemoryError:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return 1.0
+
+
+def format_plan_table(
+    estimates: dict[str, MemoryEstimate],
+    *,
+    chosen: tuple[str, bool] | None,
+    max_memory_bytes: int,
+    header: str = "",
+) -> str:
+    """A fixed-width table, one row per policy, GiB per term; the chosen row is marked."""
+    chosen_name = None if chosen is None else chosen[0] + (" + offload" if chosen[1] else "")
+    lines = [f"memory plan ({header}); budget {_gib(max_memory_bytes)}"] if header else []
+    lines.append(
+        f"   {'policy':<17}{'weights':>9}{'grads':>9}{'optim':>9}{'activ.':>9}"
+        f"{'working':>9}{'total':>9}  fits"
+    )
+    for name, e in estimates.items():
+        fits = "yes" if e.total <= max_memory_bytes else "no"
+        marker = "->" if name == chosen_name else "  "
+        cells = (e.weights, e.gradients, e.optimizer, e.activations, e.working, e.total)
+        lines.append(
+            f"{marker} {name:<17}" + "".join(f"{c / 2**30:>9.2f}" for c in cells) + f"  {fits}"
+        )
+    lines.append(
+        "  (GiB; activations include the whole batch; working = logits gradient, one "
+        "recomputed layer, autocast weight copies)"
+    )
+    return "\n".join(lines)
+
+
+def _gib(n_bytes: float) -> str:
+    return f"{n_bytes / 2**30:.2f}GiB" if n_bytes >= 2**30 / 10 else f"{n_bytes / 2**20:.0f}MiB"
+
+
+def model_flops_per_sample(config, label_tokens: int) -> float:
+    """Forward FLOPs of one sample (2 per multiply-add), the formula in notes/anchors.md.
+
+    Training counts 3x this (forward + backward); recompute under checkpointing is not counted.
+    """
+    s, t, d = ENCODER_POSITIONS, label_tokens, config.d_model
+    encoder = config.encoder_layers * (24 * s * d**2 + 4 * s**2 * d)
+    convolutions = 2 * MEL_FRAMES * 3 * config.num_mel_bins * d + 2 * s * 3 * d**2
+    decoder = config.decoder_layers * (28 * t * d**2 + 4 * s * d**2 + 4 * t**2 * d + 4 * t * s * d)
+    head = 2 * t * d * config.vocab_size
+    return float(encoder + convolutions + decoder + head)
+
+
+__all__ = [
+    "MemoryEstimate",
+    "Plan",
+    "calibrate",
+    "checkpointing_policy",
+    "count_saved_bytes",
+    "estimate_memory",
+    "format_plan_table",
+    "model_flops_per_sample",
+    "plan_checkpointing",
+    "probe_saved_bytes",
+]

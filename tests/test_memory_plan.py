@@ -1,0 +1,121 @@
+"""The memory estimate matches what autograd really keeps, and the planner picks what fits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import make_tiny_whisper
+
+from whisper_train import memory, memory_plan
+from whisper_train.errors import UserError
+
+LABEL_TOKENS = 20
+POLICIES = ("off", "every-2", "encoder", "full")
+
+
+def _prepared(mode: str, **dims):
+    model, _ = make_tiny_whisper(**dims)
+    # Checkpointing enabled once (as training does); each policy then narrows the layer flags.
+    return memory.prepare_model(model, mode=mode, checkpointing="full")
+
+
+def _batch(model, batch_size: int, label_tokens: int = LABEL_TOKENS):
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(batch_size, model.config.num_mel_bins, 3000, generator=generator)
+    tokens = torch.randint(0, 50000, (batch_size, label_tokens), generator=generator)
+    return features, tokens
+
+
+@pytest.mark.parametrize(
+    "mode, attention",
+    [("full", "sdpa"), ("freeze-encoder", "sdpa"), ("lora", "sdpa"), ("full", "eager")],
+)
+def test_counted_activations_match_measured_saved_tensors_for_every_policy(mode, attention):
+    model = _prepared(mode, attn_implementation=attention)
+    features, tokens = _batch(model, batch_size=2)
+    measured = {}
+    policies = POLICIES if attention == "sdpa" else ("off", "full")
+    for policy in policies:
+        with memory_plan.checkpointing_policy(model, policy):
+            measured[policy] = memory_plan.probe_saved_bytes(model, features, tokens)
+        per_sample = memory_plan.count_saved_bytes(model, policy=policy, label_tokens=LABEL_TOKENS)
+        counted = 2 * per_sample["device"]
+        assert counted == pytest.approx(measured[policy], rel=0.15), policy
+    # The probe really saw checkpointing act: each stronger policy keeps less.
+    if mode != "freeze-encoder" and attention == "sdpa":  # a frozen encoder is never checkpointed
+        assert measured["off"] > measured["every-2"] > measured["encoder"] > measured["full"]
+    assert measured["full"] < measured["off"]
+
+
+def test_estimate_terms_follow_mode_and_optimizer():
+    full = _prepared("full")
+    frozen = _prepared("freeze-encoder")
+    adamw = memory_plan.estimate_memory(full, optimizer="adamw")
+    eight_bit = memory_plan.estimate_memory(full, optimizer="adamw8bit")
+    trainable = sum(p.numel() for p in full.parameters() if p.requires_grad)
+    assert adamw.gradients == 4 * trainable
+    assert adamw.optimizer == 2 * 4 * trainable  # two float32 moments
+    assert eight_bit.optimizer == adamw.optimizer // 4  # two uint8 moments
+    assert memory_plan.estimate_memory(frozen).optimizer < adamw.optimizer
+    # Activations grow linearly with the batch.
+    one = memory_plan.estimate_memory(full, batch_size=1).activations
+    four = memory_plan.estimate_memory(full, batch_size=4).activations
+    assert four == pytest.approx(4 * one, rel=1e-6)
+
+
+def test_probe_calibration_is_close_to_one_for_whisper_layers():
+    model = _prepared("full")
+    assert memory_plan.calibrate(model, label_tokens=16) == pytest.approx(1.0, abs=0.15)
+
+
+def test_planner_picks_off_when_the_budget_is_huge():
+    plan = memory_plan.plan_checkpointing(
+        _prepared("full"),
+        mode="full",
+        batch_size=4,
+        max_memory_bytes=64 * 2**30,
+        label_tokens=LABEL_TOKENS,
+    )
+    assert (plan.policy, plan.offload) == ("off", False)
+    assert "-> off" in plan.table
+
+
+def test_planner_checkpoints_everything_when_the_budget_is_tight():
+    model = _prepared("full")
+    kwargs = dict(batch_size=4, label_tokens=LABEL_TOKENS)
+    full = memory_plan.estimate_memory(model, policy="full", **kwargs).total
+    encoder_only = memory_plan.estimate_memory(model, policy="encoder", **kwargs).total
+    budget = (full + encoder_only) // 2  # fits full checkpointing, not encoder-only
+    plan = memory_plan.plan_checkpointing(
+        model, mode="full", max_memory_bytes=budget, probe=False, **kwargs
+    )
+    assert plan.policy == "full" and plan.estimate_bytes <= budget
+    # And what training would really keep under that policy fits the budget too.
+    features, tokens = _batch(model, batch_size=4)
+    with memory_plan.checkpointing_policy(model, plan.policy):
+        saved = memory_plan.probe_saved_bytes(model, features, tokens)
+    fixed = plan.estimates["full"]
+    assert fixed.weights + fixed.gradients + fixed.optimizer + saved <= budget
+
+
+def test_planner_refuses_when_nothing_fits_and_says_what_would():
+    with pytest.raises(UserError) as caught:
+        memory_plan.plan_checkpointing(
+            _prepared("full"),
+            mode="full",
+            batch_size=2,
+            max_memory_bytes=2**20,
+            label_tokens=LABEL_TOKENS,
+            probe=False,
+        )
+    message = str(caught.value)
+    assert "--max-memory" in message and "needs" in message and "--batch-size" in message
+    assert "\n" not in message
+
+
+def test_flop_formula_matches_the_published_figure_for_whisper_small():
+    from transformers import WhisperConfig
+
+    small = WhisperConfig(d_model=768, encoder_layers=12, decoder_layers=12, vocab_size=51865)
+    # anchors.md: ~1.2 TFLOP per training sample at T = 64 (3 x forward)
+    assert 3 * memory_plan.model_flops_per_sample(small, 64) == pytest.approx(1.2e12, rel=0.1)

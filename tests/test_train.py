@@ -149,3 +149,21 @@ def test_bare_resume_flag_means_latest():
     assert config_from_args(args).train.resume == "latest"
     args = build_parser().parse_args(["train", "--data", "d", "--resume", "run/checkpoint-4"])
     assert config_from_args(args).train.resume == "run/checkpoint-4"
+
+
+def test_auto_checkpointing_plans_within_the_budget_and_grouping_trains(tmp_path, tone_dataset, tiny_whisper_dir,
+                                                                       capsys):
+    result = _run(tmp_path, tone_dataset, tiny_whisper_dir, gradient_checkpointing="auto", max_memory="64GB",
+                  group_by_length=True, only_train=True)
+    out = capsys.readouterr().out + capsys.readouterr().err
+    assert result.steps == 3
+    # A budget far above the need: the planner keeps checkpointing off (no recompute cost).
+    assert "checkpointing off" in out
+
+
+def test_auto_checkpointing_refuses_an_impossible_budget(tmp_path, tone_dataset, tiny_whisper_dir):
+    from whisper_train.errors import UserError
+
+    with pytest.raises(UserError, match="--max-memory"):
+        _run(tmp_path, tone_dataset, tiny_whisper_dir, gradient_checkpointing="auto", max_memory="1MB",
+             only_train=True)

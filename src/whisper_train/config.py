@@ -148,6 +148,10 @@ class TrainConfig:
     logging_steps: int = _help("Print the training loss every N optimizer steps.", default=1)
     generation_max_length: int = _help("Longest transcript generated during evaluation.", default=225)
     num_workers: int = _help("Data-loading worker processes.", default=0)
+    group_by_length: bool = _help(
+        "Batch utterances of similar label length together (less padding), in a seeded order.",
+        default=False,
+    )
     save_steps: int | None = _help(
         "Write OUTPUT/checkpoint-<step>/ every N optimizer steps (default: only when the run is "
         "interrupted or stopped).",

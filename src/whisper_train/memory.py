@@ -14,8 +14,8 @@ The order inside `prepare_model` matters and is fixed here:
   4. narrow checkpointing to the policy, and switch it off where nothing below a layer trains
      (a frozen encoder has no backward pass, so recomputing it only costs time).
 
-Room left for issue 7: `auto` checkpointing from a memory budget and activation offload are
-resolved to a plain policy by `resolve_checkpointing` for now.
+`--gradient-checkpointing auto` is decided here too (`prepare_model_within_budget`), from the
+estimate in `memory_plan.py`; so is activation offload (`activation_offload`).
 """
 
 from __future__ import annotations
@@ -104,11 +104,53 @@ def prepare_model(
 def resolve_checkpointing(policy: str | None, device: torch.device) -> str:
     """The policy to pass to `prepare_model`: None → full on CUDA, off elsewhere; on → full.
 
-    `auto` (issue 7: choose from `--max-memory`) resolves like None until it is implemented.
+    `auto` stays `auto`: it is chosen by `prepare_model_within_budget` once the model, the
+    batch size and the longest label are known.
     """
-    if policy is None or policy == "auto":
+    if policy is None:
         return "full" if torch.device(device).type == "cuda" else "off"
+    if policy == "auto":
+        return "auto"
     return _normalise_policy(policy)
+
+
+def prepare_model_within_budget(
+    model: nn.Module,
+    *,
+    mode: str,
+    lora: LoraSettings | None,
+    batch_size: int,
+    max_memory_bytes: int,
+    label_tokens: int,
+    precision: str,
+    optimizer: str,
+) -> tuple[nn.Module, Any]:
+    """`--gradient-checkpointing auto`: the cheapest policy whose estimated peak fits.
+
+    The model is prepared once with full checkpointing (so frozen parts, adapters and peft's
+    hooks are what training will see), the planner measures one batch-1 forward pass to
+    calibrate its estimate, and the model is narrowed to the chosen policy. Returns the model
+    and the `memory_plan.Plan` (its `table` says what was considered and why).
+    """
+    from whisper_train.memory_plan import plan_checkpointing
+
+    model = prepare_model(model, mode=mode, checkpointing="full", lora=lora)
+    plan = plan_checkpointing(
+        model, mode=mode, batch_size=batch_size, max_memory_bytes=max_memory_bytes,
+        label_tokens=label_tokens, precision=precision, optimizer=optimizer,
+    )
+    return prepare_model(model, mode=mode, checkpointing=plan.policy, lora=lora), plan
+
+
+def activation_offload(enabled: bool, device: torch.device):
+    """Keep the tensors saved for backward (with checkpointing: the layer inputs) in pinned host
+    memory during the forward pass, and bring them back for backward. On a CPU they already are
+    in host memory, so this is a no-op there."""
+    import contextlib
+
+    if not enabled or torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=True)
 
 
 def _normalise_policy(policy: str) -> str:

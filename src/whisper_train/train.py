@@ -31,7 +31,7 @@ from transformers.modeling_outputs import BaseModelOutput
 
 from whisper_train import checkpoints, doctor, memory
 from whisper_train.collate import IGNORE_INDEX, SpeechCollator
-from whisper_train.config import RunConfig
+from whisper_train.config import RunConfig, parse_bytes
 from whisper_train.data import (
     Example,
     load_examples,
@@ -45,6 +45,7 @@ from whisper_train.evaluate import generate_texts, get_normalizer, score
 from whisper_train.features import LogMel, SpeechDataset
 from whisper_train.labels import LabelEncoder, configure_generation, language_code
 from whisper_train.report import write_curves_png
+from whisper_train.sampling import LengthGroupedBatchSampler
 from whisper_train.models import is_multilingual, load_model
 
 log = logging.getLogger(__name__)
@@ -141,19 +142,27 @@ def train(config: RunConfig) -> TrainResult:
 
     # -- model preparation: freezing, LoRA and checkpointing, in that one place --------------
     checkpointing = memory.resolve_checkpointing(config.memory.gradient_checkpointing, accelerator.device)
-    model = memory.prepare_model(
-        model,
-        mode=config.model.mode,
-        checkpointing=checkpointing,
-        lora=memory.LoraSettings(
-            r=config.model.lora_r,
-            alpha=config.model.lora_alpha,
-            dropout=config.model.lora_dropout,
-            targets=list(config.model.lora_targets),
+    lora = memory.LoraSettings(
+        r=config.model.lora_r, alpha=config.model.lora_alpha, dropout=config.model.lora_dropout,
+        targets=list(config.model.lora_targets),
+    ) if config.model.mode == "lora" else None
+    offload = config.memory.offload_activations
+    if checkpointing == "auto":
+        model, plan = memory.prepare_model_within_budget(
+            model, mode=config.model.mode, lora=lora, batch_size=t.batch_size,
+            max_memory_bytes=parse_bytes(config.memory.max_memory, flag="--max-memory"),
+            label_tokens=max(label_encoder.count_tokens(e) for e in datasets.train),
+            precision={"no": "fp32"}.get(precision.mixed_precision, precision.mixed_precision),
+            optimizer=config.memory.optim,
         )
-        if config.model.mode == "lora"
-        else None,
-    )
+        checkpointing, offload = plan.policy, offload or plan.offload
+        _say(accelerator, plan.table)
+    else:
+        model = memory.prepare_model(model, mode=config.model.mode, checkpointing=checkpointing, lora=lora)
+    if offload:
+        checkpointing += " + activation offload"
+        if accelerator.device.type != "cuda":
+            _say(accelerator, "note: on a CPU, activations already live in host memory; offload does nothing")
     _say(accelerator, f"model: {config.model.model}, mode {config.model.mode}, checkpointing {checkpointing}, "
          f"precision {precision.mixed_precision}; {memory.trainable_parameter_summary(model)}")
     # The doctor's cheap checks: refuse, before step 1, a configuration known to fail (T1-T9).
@@ -193,10 +202,17 @@ def train(config: RunConfig) -> TrainResult:
     # The shuffling generator is re-seeded with (seed + epoch) at every epoch: the order of any
     # epoch is known without replaying the ones before it, which is what resuming needs.
     shuffle_generator = torch.Generator().manual_seed(t.seed)
-    train_loader = _loader(
-        train_set, SpeechCollator(pad_id, log_mel=log_mel, encoder_cache=train_cache),
-        t.batch_size, t.num_workers, shuffle=True, generator=shuffle_generator,
-    )
+    train_collator = SpeechCollator(pad_id, log_mel=log_mel, encoder_cache=train_cache)
+    length_sampler = None
+    if t.group_by_length:
+        length_sampler = LengthGroupedBatchSampler(
+            [label_encoder.count_tokens(e) for e in datasets.train], t.batch_size, seed=t.seed
+        )
+        train_loader = DataLoader(train_set, batch_sampler=length_sampler, collate_fn=train_collator,
+                                  num_workers=t.num_workers, persistent_workers=t.num_workers > 0)
+    else:
+        train_loader = _loader(train_set, train_collator, t.batch_size, t.num_workers, shuffle=True,
+                               generator=shuffle_generator)
     eval_loader = _loader(
         eval_set, SpeechCollator(pad_id, log_mel=log_mel, encoder_cache=eval_cache),
         t.batch_size, t.num_workers, shuffle=False,
@@ -272,6 +288,8 @@ def train(config: RunConfig) -> TrainResult:
         while state.step < total_steps:
             train_set.set_epoch(epoch)
             shuffle_generator.manual_seed(t.seed + epoch)
+            if length_sampler is not None:
+                length_sampler.set_epoch(epoch)
             # Mid-epoch resume: the same order, minus the micro-batches already trained on.
             batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
             state.epoch, state.batches_in_epoch = epoch, skip
@@ -281,7 +299,8 @@ def train(config: RunConfig) -> TrainResult:
                 if not batch["size"]:
                     continue  # every clip in this micro-batch was unusable; already counted
                 with accelerator.accumulate(model):
-                    loss, reported_loss = data_parallel_loss(model, batch, accelerator)
+                    with memory.activation_offload(offload, accelerator.device):
+                        loss, reported_loss = data_parallel_loss(model, batch, accelerator)
                     accelerator.backward(loss)
                     running_loss += reported_loss
                     running_batches += 1

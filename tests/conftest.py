@@ -43,7 +43,9 @@ def tiny_whisper():
     return make_tiny_whisper()
 
 
-def write_tone_dataset(folder: Path, n: int = 12, *, seed: int = 0, layout: str = "audiofolder") -> Path:
+def write_tone_dataset(
+    folder: Path, n: int = 12, *, seed: int = 0, layout: str = "audiofolder"
+) -> Path:
     """Short tone clips at mixed sample rates with word-list transcripts (no synthesiser needed).
 
     Each clip's pitch depends on its first word, so a model can learn something from the audio.
@@ -51,7 +53,18 @@ def write_tone_dataset(folder: Path, n: int = 12, *, seed: int = 0, layout: str 
     import numpy as np
     import soundfile as sf
 
-    words = "alpha bravo charlie delta echo foxtrot golf hotel india juliet".split()
+    words = [
+        "alpha",
+        "bravo",
+        "charlie",
+        "delta",
+        "echo",
+        "foxtrot",
+        "golf",
+        "hotel",
+        "india",
+        "juliet",
+    ]
     rng = np.random.default_rng(seed)
     folder.mkdir(parents=True, exist_ok=True)
     rows = []

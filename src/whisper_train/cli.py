@@ -30,7 +30,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, groups=tuple(GROUPS)) 
 
     Defaults are suppressed so that only flags the user typed override `--config FILE.yaml`.
     """
-    parser.add_argument("--config", metavar="FILE.yaml", help="Options from a YAML file; flags override it.")
+    parser.add_argument(
+        "--config", metavar="FILE.yaml", help="Options from a YAML file; flags override it."
+    )
     for group_name in groups:
         group = parser.add_argument_group(f"{group_name} options")
         for f in fields(GROUPS[group_name]):
@@ -41,13 +43,25 @@ def add_config_arguments(parser: argparse.ArgumentParser, groups=tuple(GROUPS)) 
                 shown = ",".join(default) if isinstance(default, list) else default
                 help_text += f" [default: {shown}]"
             if _is_bool(f.type):
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                                   help=help_text)
+                group.add_argument(
+                    flag,
+                    action=argparse.BooleanOptionalAction,
+                    default=argparse.SUPPRESS,
+                    help=help_text,
+                )
             elif "const" in f.metadata:  # a flag that may stand alone: --resume
-                group.add_argument(flag, metavar=_metavar(f.name), nargs="?", const=f.metadata["const"],
-                                   default=argparse.SUPPRESS, help=help_text)
+                group.add_argument(
+                    flag,
+                    metavar=_metavar(f.name),
+                    nargs="?",
+                    const=f.metadata["const"],
+                    default=argparse.SUPPRESS,
+                    help=help_text,
+                )
             else:
-                group.add_argument(flag, metavar=_metavar(f.name), default=argparse.SUPPRESS, help=help_text)
+                group.add_argument(
+                    flag, metavar=_metavar(f.name), default=argparse.SUPPRESS, help=help_text
+                )
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -76,7 +90,8 @@ def _metavar(name: str) -> str:
 
 def _add_train_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "train", help="Fine-tune a Whisper model on your data.",
+        "train",
+        help="Fine-tune a Whisper model on your data.",
         description="Fine-tune Whisper (full, LoRA or frozen encoder) with non-reentrant gradient "
         "checkpointing, evaluate with generate-based WER, and save OUTPUT/final/.",
     )
@@ -95,12 +110,16 @@ def _run_train(args: argparse.Namespace) -> int:
 
 def _add_demo_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "demo", help="Offline end-to-end demo: synthesise speech, fine-tune tiny.en, compare WER.",
+        "demo",
+        help="Offline end-to-end demo: synthesise speech, fine-tune tiny.en, compare WER.",
         description="Synthesise a small English dataset, evaluate tiny.en on held-out utterances, "
         "fine-tune it, evaluate again and print both WERs. Runs offline in a few minutes on a CPU.",
     )
-    parser.add_argument("--output-dir", default="whisper-train-demo",
-                        help="Holds the data, the metrics and the fine-tuned model in final/.")
+    parser.add_argument(
+        "--output-dir",
+        default="whisper-train-demo",
+        help="Holds the data, the metrics and the fine-tuned model in final/.",
+    )
     parser.add_argument("--model", default="tiny.en", help="Model to fine-tune [default: tiny.en].")
     parser.add_argument("--train-utterances", type=int, default=128)
     parser.add_argument("--eval-utterances", type=int, default=32)
@@ -113,8 +132,12 @@ def _run_demo(args: argparse.Namespace) -> int:
     from whisper_train.demo import run_demo
 
     run_demo(
-        output_dir=args.output_dir, model=args.model, train_utterances=args.train_utterances,
-        eval_utterances=args.eval_utterances, epochs=args.epochs, seed=args.seed,
+        output_dir=args.output_dir,
+        model=args.model,
+        train_utterances=args.train_utterances,
+        eval_utterances=args.eval_utterances,
+        epochs=args.epochs,
+        seed=args.seed,
     )
     return 0
 

@@ -41,7 +41,9 @@ class SpeechCollator:
         batch: dict = {"skipped": skipped, "size": len(good)}
         if not good:
             return batch
-        batch.update(self.pad_labels([item["tokens"] for item in good], [item["n_prefix"] for item in good]))
+        batch.update(
+            self.pad_labels([item["tokens"] for item in good], [item["n_prefix"] for item in good])
+        )
         batch["texts"] = [item["text"] for item in good]
         batch["indices"] = torch.tensor([item["index"] for item in good])
         if self.encoder_cache is not None:  # the encoder already ran: no audio features needed

@@ -118,7 +118,9 @@ class MemoryConfig:
 
 @dataclass
 class TrainConfig:
-    output_dir: str = _help("Where metrics, checkpoints and final/ go.", default="whisper-train-output")
+    output_dir: str = _help(
+        "Where metrics, checkpoints and final/ go.", default="whisper-train-output"
+    )
     epochs: float | None = _help("Passes over the training data (default 3).", default=None)
     max_steps: int | None = _help("Optimizer steps; overrides --epochs.", default=None)
     batch_size: int = _help("Utterances per micro-batch (per process).", default=8)
@@ -146,7 +148,9 @@ class TrainConfig:
         default=False,
     )
     logging_steps: int = _help("Print the training loss every N optimizer steps.", default=1)
-    generation_max_length: int = _help("Longest transcript generated during evaluation.", default=225)
+    generation_max_length: int = _help(
+        "Longest transcript generated during evaluation.", default=225
+    )
     num_workers: int = _help("Data-loading worker processes.", default=0)
     group_by_length: bool = _help(
         "Batch utterances of similar label length together (less padding), in a seeded order.",
@@ -213,25 +217,35 @@ class RunConfig:
                 for sub, sub_value in value.items():
                     sub = sub.replace("-", "_")
                     if sub not in {f.name for f in fields(group)}:
-                        raise UserError(f"{source}: unknown option '{key}.{sub}'; see `whisper-train train --help`")
+                        raise UserError(
+                            f"{source}: unknown option '{key}.{sub}'; see `whisper-train train --help`"
+                        )
                     setattr(group, sub, _coerce(group, sub, sub_value, source))
             elif key in owners:
                 group = getattr(self, owners[key])
                 setattr(group, key, _coerce(group, key, value, source))
             else:
-                raise UserError(f"{source}: unknown option '{key}'; see `whisper-train train --help`")
+                raise UserError(
+                    f"{source}: unknown option '{key}'; see `whisper-train train --help`"
+                )
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> RunConfig:
         path = Path(path)
         if not path.is_file():
-            raise UserError(f"--config {path}: no such file; pass a YAML file such as configs/lora.yaml")
+            raise UserError(
+                f"--config {path}: no such file; pass a YAML file such as configs/lora.yaml"
+            )
         try:
             values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as exc:
-            raise UserError(f"--config {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+            raise UserError(
+                f"--config {path}: not valid YAML ({str(exc).splitlines()[0]})"
+            ) from None
         if not isinstance(values, dict):
-            raise UserError(f"--config {path}: expected a mapping of options, got {type(values).__name__}")
+            raise UserError(
+                f"--config {path}: expected a mapping of options, got {type(values).__name__}"
+            )
         config = cls()
         config.update(values, source=str(path))
         return config
@@ -259,7 +273,9 @@ class RunConfig:
                 "(e.g. every-2) or auto"
             )
         if policy == "auto" and not mem.max_memory:
-            raise UserError("--gradient-checkpointing auto needs --max-memory (e.g. --max-memory 4GB)")
+            raise UserError(
+                "--gradient-checkpointing auto needs --max-memory (e.g. --max-memory 4GB)"
+            )
         if mem.max_memory is not None:
             parse_bytes(mem.max_memory, flag="--max-memory")
         if mem.offload_activations and policy in (None, "off"):
@@ -292,9 +308,13 @@ class RunConfig:
         ):
             if value < 1:
                 raise UserError(f"{flag} {value}: must be at least 1")
-        for flag, value in (("--max-steps", t.max_steps), ("--eval-steps", t.eval_steps),
-                            ("--save-steps", t.save_steps),
-                            ("--train-subset", d.train_subset), ("--eval-subset", d.eval_subset)):
+        for flag, value in (
+            ("--max-steps", t.max_steps),
+            ("--eval-steps", t.eval_steps),
+            ("--save-steps", t.save_steps),
+            ("--train-subset", d.train_subset),
+            ("--eval-subset", d.eval_subset),
+        ):
             if value is not None and value < 1:
                 raise UserError(f"{flag} {value}: must be at least 1")
         if t.epochs is not None and t.epochs <= 0:
@@ -304,7 +324,9 @@ class RunConfig:
         if t.learning_rate is not None and t.learning_rate <= 0:
             raise UserError(f"--learning-rate {t.learning_rate}: must be positive")
         if t.warmup_steps < 0 or t.num_workers < 0 or t.max_grad_norm < 0:
-            raise UserError("--warmup-steps, --num-workers and --max-grad-norm must not be negative")
+            raise UserError(
+                "--warmup-steps, --num-workers and --max-grad-norm must not be negative"
+            )
         if t.resume is not None and not t.resume.strip():
             raise UserError("--resume: pass 'latest' or a checkpoint folder")
         if not m.lora_targets:

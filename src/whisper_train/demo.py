@@ -34,22 +34,38 @@ def run_demo(
 
     output_dir = Path(output_dir)
     started = time.perf_counter()
-    train_dir = _synthesised(make_speech_dataset, output_dir / "data" / "train", train_utterances, seed)
-    eval_dir = _synthesised(make_speech_dataset, output_dir / "data" / "eval", eval_utterances, seed + 1)
+    train_dir = _synthesised(
+        make_speech_dataset, output_dir / "data" / "train", train_utterances, seed
+    )
+    eval_dir = _synthesised(
+        make_speech_dataset, output_dir / "data" / "eval", eval_utterances, seed + 1
+    )
 
     config = RunConfig()
-    config.update({
-        "data": str(train_dir), "eval_data": str(eval_dir), "model": model,
-        "mode": "freeze-encoder", "epochs": epochs, "batch_size": 8, "learning_rate": 1e-4,
-        "warmup_steps": 10, "eval_steps": max(1, int(epochs * train_utterances / 8 / 4)),
-        # The "before" row: the same cached encoder outputs, the same generate-based WER.
-        "eval_at_start": True, "output_dir": str(output_dir), "seed": seed,
-    })
+    config.update(
+        {
+            "data": str(train_dir),
+            "eval_data": str(eval_dir),
+            "model": model,
+            "mode": "freeze-encoder",
+            "epochs": epochs,
+            "batch_size": 8,
+            "learning_rate": 1e-4,
+            "warmup_steps": 10,
+            "eval_steps": max(1, int(epochs * train_utterances / 8 / 4)),
+            # The "before" row: the same cached encoder outputs, the same generate-based WER.
+            "eval_at_start": True,
+            "output_dir": str(output_dir),
+            "seed": seed,
+        }
+    )
     result = train(config)
     before, after = result.evaluations[0]["wer"], result.final_wer
     elapsed = time.perf_counter() - started
     print()
-    print(f"WER before fine-tuning: {100 * before:6.2f}%   ({model}, {eval_utterances} held-out utterances)")
+    print(
+        f"WER before fine-tuning: {100 * before:6.2f}%   ({model}, {eval_utterances} held-out utterances)"
+    )
     print(f"WER after fine-tuning:  {100 * after:6.2f}%   ({result.steps} steps, decoder only)")
     print(f"fine-tuned model: {result.final_dir}   (whole demo: {elapsed / 60:.1f} min)")
     print(f"try it: whisper-train evaluate --model {result.final_dir} --data {eval_dir}")

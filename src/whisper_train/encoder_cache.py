@@ -53,11 +53,15 @@ class EncoderCache:
                 continue
             features = batch["input_features"].to(device)
             with torch.autocast(
-                device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None
+                device.type,
+                dtype=autocast_dtype or torch.float32,
+                enabled=autocast_dtype is not None,
             ):
                 hidden = encoder(features).last_hidden_state.to(dtype).cpu()
             if states is None:
-                states = cls._allocate(n_examples, hidden.shape[1:], dtype, spill_dir, max_in_memory_bytes)
+                states = cls._allocate(
+                    n_examples, hidden.shape[1:], dtype, spill_dir, max_in_memory_bytes
+                )
             index = batch["indices"]
             if isinstance(states, np.memmap):
                 states[index.numpy()] = hidden.float().numpy().astype(states.dtype)

@@ -83,7 +83,9 @@ class SpeechDataset(Dataset):
     batch by the collator or on the accelerator, which is far cheaper than per clip.
     """
 
-    def __init__(self, examples: Sequence[Example], label_encoder, *, augmenter=None, seed: int = 0):
+    def __init__(
+        self, examples: Sequence[Example], label_encoder, *, augmenter=None, seed: int = 0
+    ):
         self.examples = list(examples)
         self.label_encoder = label_encoder
         self.augmenter = augmenter

@@ -136,8 +136,13 @@ def prepare_model_within_budget(
 
     model = prepare_model(model, mode=mode, checkpointing="full", lora=lora)
     plan = plan_checkpointing(
-        model, mode=mode, batch_size=batch_size, max_memory_bytes=max_memory_bytes,
-        label_tokens=label_tokens, precision=precision, optimizer=optimizer,
+        model,
+        mode=mode,
+        batch_size=batch_size,
+        max_memory_bytes=max_memory_bytes,
+        label_tokens=label_tokens,
+        precision=precision,
+        optimizer=optimizer,
     )
     return prepare_model(model, mode=mode, checkpointing=plan.policy, lora=lora), plan
 

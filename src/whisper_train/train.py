@@ -44,9 +44,9 @@ from whisper_train.errors import UserError
 from whisper_train.evaluate import generate_texts, get_normalizer, score
 from whisper_train.features import LogMel, SpeechDataset
 from whisper_train.labels import LabelEncoder, configure_generation, language_code
+from whisper_train.models import is_multilingual, load_model
 from whisper_train.report import write_curves_png
 from whisper_train.sampling import LengthGroupedBatchSampler
-from whisper_train.models import is_multilingual, load_model
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,10 @@ def train(config: RunConfig) -> TrainResult:
         return launch_data_parallel(config)
     resume_from = checkpoints.resolve_resume(t.resume, output_dir) if t.resume else None
     if resume_from is None and checkpoints.list_checkpoints(output_dir):
-        raise UserError(f"--output-dir {output_dir} holds checkpoints of an earlier run: add --resume latest "
-                        "to continue it, or choose another --output-dir")
+        raise UserError(
+            f"--output-dir {output_dir} holds checkpoints of an earlier run: add --resume latest "
+            "to continue it, or choose another --output-dir"
+        )
 
     precision = memory.resolve_precision(config.memory.precision, _default_device())
     # Non-reentrant checkpointing and no layerdrop: every parameter is used in every step, so DDP
@@ -109,12 +111,16 @@ def train(config: RunConfig) -> TrainResult:
         cpu=_inside_launcher() and not torch.cuda.is_available(),
     )
     if t.nproc > 1 and accelerator.num_processes != t.nproc:
-        raise UserError(f"--nproc {t.nproc}: the launcher started {accelerator.num_processes} processes; "
-                        "drop --nproc when using accelerate launch or torchrun")
+        raise UserError(
+            f"--nproc {t.nproc}: the launcher started {accelerator.num_processes} processes; "
+            "drop --nproc when using accelerate launch or torchrun"
+        )
     set_seed(t.seed)
 
     # -- model and labels ------------------------------------------------------------------
-    model, processor = load_model(config.model.model, attn_implementation=config.model.attn_implementation)
+    model, processor = load_model(
+        config.model.model, attn_implementation=config.model.attn_implementation
+    )
     multilingual = is_multilingual(model)
     label_encoder = LabelEncoder(
         processor.tokenizer,
@@ -124,7 +130,10 @@ def train(config: RunConfig) -> TrainResult:
         multilingual=multilingual,
     )
     configure_generation(
-        model.generation_config, language=config.data.language, task=config.data.task, multilingual=multilingual
+        model.generation_config,
+        language=config.data.language,
+        task=config.data.task,
+        multilingual=multilingual,
     )
     if config.data.spec_augment:
         from whisper_train.augment import spec_augment_overrides
@@ -137,19 +146,35 @@ def train(config: RunConfig) -> TrainResult:
     ddp_kwargs.static_graph = not layerdrop
 
     # -- data ------------------------------------------------------------------------------
-    datasets = prepare_datasets(config, label_encoder, max_label_tokens=model.config.max_target_positions)
-    _say(accelerator, f"data: {len(datasets.train)} training and {len(datasets.eval)} evaluation utterances")
+    datasets = prepare_datasets(
+        config, label_encoder, max_label_tokens=model.config.max_target_positions
+    )
+    _say(
+        accelerator,
+        f"data: {len(datasets.train)} training and {len(datasets.eval)} evaluation utterances",
+    )
 
     # -- model preparation: freezing, LoRA and checkpointing, in that one place --------------
-    checkpointing = memory.resolve_checkpointing(config.memory.gradient_checkpointing, accelerator.device)
-    lora = memory.LoraSettings(
-        r=config.model.lora_r, alpha=config.model.lora_alpha, dropout=config.model.lora_dropout,
-        targets=list(config.model.lora_targets),
-    ) if config.model.mode == "lora" else None
+    checkpointing = memory.resolve_checkpointing(
+        config.memory.gradient_checkpointing, accelerator.device
+    )
+    lora = (
+        memory.LoraSettings(
+            r=config.model.lora_r,
+            alpha=config.model.lora_alpha,
+            dropout=config.model.lora_dropout,
+            targets=list(config.model.lora_targets),
+        )
+        if config.model.mode == "lora"
+        else None
+    )
     offload = config.memory.offload_activations
     if checkpointing == "auto":
         model, plan = memory.prepare_model_within_budget(
-            model, mode=config.model.mode, lora=lora, batch_size=t.batch_size,
+            model,
+            mode=config.model.mode,
+            lora=lora,
+            batch_size=t.batch_size,
             max_memory_bytes=parse_bytes(config.memory.max_memory, flag="--max-memory"),
             label_tokens=max(label_encoder.count_tokens(e) for e in datasets.train),
             precision={"no": "fp32"}.get(precision.mixed_precision, precision.mixed_precision),
@@ -158,24 +183,36 @@ def train(config: RunConfig) -> TrainResult:
         checkpointing, offload = plan.policy, offload or plan.offload
         _say(accelerator, plan.table)
     else:
-        model = memory.prepare_model(model, mode=config.model.mode, checkpointing=checkpointing, lora=lora)
+        model = memory.prepare_model(
+            model, mode=config.model.mode, checkpointing=checkpointing, lora=lora
+        )
     if offload:
         checkpointing += " + activation offload"
         if accelerator.device.type != "cuda":
-            _say(accelerator, "note: on a CPU, activations already live in host memory; offload does nothing")
-    _say(accelerator, f"model: {config.model.model}, mode {config.model.mode}, checkpointing {checkpointing}, "
-         f"precision {precision.mixed_precision}; {memory.trainable_parameter_summary(model)}")
+            _say(
+                accelerator,
+                "note: on a CPU, activations already live in host memory; offload does nothing",
+            )
+    _say(
+        accelerator,
+        f"model: {config.model.model}, mode {config.model.mode}, checkpointing {checkpointing}, "
+        f"precision {precision.mixed_precision}; {memory.trainable_parameter_summary(model)}",
+    )
     # The doctor's cheap checks: refuse, before step 1, a configuration known to fail (T1-T9).
     doctor.static_checks(
         model,
-        ddp={"world_size": accelerator.num_processes, "find_unused_parameters": ddp_kwargs.find_unused_parameters,
-             "static_graph": ddp_kwargs.static_graph},
+        ddp={
+            "world_size": accelerator.num_processes,
+            "find_unused_parameters": ddp_kwargs.find_unused_parameters,
+            "static_graph": ddp_kwargs.static_graph,
+        },
         compile=config.memory.compile,
     )
     # A checkpoint and the final model must fit: say so now, not after hours of training.
     checkpoints.check_free_space(
         output_dir,
-        checkpoints.estimate_checkpoint_bytes(model) + 4 * sum(p.numel() for p in model.parameters()),
+        checkpoints.estimate_checkpoint_bytes(model)
+        + 4 * sum(p.numel() for p in model.parameters()),
         what="a checkpoint and the final model",
     )
 
@@ -194,11 +231,27 @@ def train(config: RunConfig) -> TrainResult:
     # compute it once (for the evaluation set too) and train and evaluate the decoder alone.
     train_cache = eval_cache = None
     if config.cache_encoder:
-        train_cache = _build_encoder_cache(model, train_set, log_mel, pad_id, config, accelerator, precision,
-                                           output_dir / "encoder-cache" / "train")
+        train_cache = _build_encoder_cache(
+            model,
+            train_set,
+            log_mel,
+            pad_id,
+            config,
+            accelerator,
+            precision,
+            output_dir / "encoder-cache" / "train",
+        )
         if len(eval_set) and not t.only_train:
-            eval_cache = _build_encoder_cache(model, eval_set, log_mel, pad_id, config, accelerator, precision,
-                                              output_dir / "encoder-cache" / "eval")
+            eval_cache = _build_encoder_cache(
+                model,
+                eval_set,
+                log_mel,
+                pad_id,
+                config,
+                accelerator,
+                precision,
+                output_dir / "encoder-cache" / "eval",
+            )
     # The shuffling generator is re-seeded with (seed + epoch) at every epoch: the order of any
     # epoch is known without replaying the ones before it, which is what resuming needs.
     shuffle_generator = torch.Generator().manual_seed(t.seed)
@@ -208,22 +261,41 @@ def train(config: RunConfig) -> TrainResult:
         length_sampler = LengthGroupedBatchSampler(
             [label_encoder.count_tokens(e) for e in datasets.train], t.batch_size, seed=t.seed
         )
-        train_loader = DataLoader(train_set, batch_sampler=length_sampler, collate_fn=train_collator,
-                                  num_workers=t.num_workers, persistent_workers=t.num_workers > 0)
+        train_loader = DataLoader(
+            train_set,
+            batch_sampler=length_sampler,
+            collate_fn=train_collator,
+            num_workers=t.num_workers,
+            persistent_workers=t.num_workers > 0,
+        )
     else:
-        train_loader = _loader(train_set, train_collator, t.batch_size, t.num_workers, shuffle=True,
-                               generator=shuffle_generator)
+        train_loader = _loader(
+            train_set,
+            train_collator,
+            t.batch_size,
+            t.num_workers,
+            shuffle=True,
+            generator=shuffle_generator,
+        )
     eval_loader = _loader(
-        eval_set, SpeechCollator(pad_id, log_mel=log_mel, encoder_cache=eval_cache),
-        t.batch_size, t.num_workers, shuffle=False,
+        eval_set,
+        SpeechCollator(pad_id, log_mel=log_mel, encoder_cache=eval_cache),
+        t.batch_size,
+        t.num_workers,
+        shuffle=False,
     )
 
     optimizer = memory.build_optimizer(
-        model, name=config.memory.optim, lr=config.learning_rate, weight_decay=t.weight_decay,
+        model,
+        name=config.memory.optim,
+        lr=config.learning_rate,
+        weight_decay=t.weight_decay,
     )
     # Prepare first: with N processes each one sees 1/N of the batches, and the number of
     # optimizer steps per epoch must come from that sharded loader.
-    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader
+    )
     if config.memory.compile:
         # After the DDP wrapper (as accelerate does): its hooks stay outside the compiled graph.
         # Accelerator(dynamo_backend=) is not used: its setting is process-wide and kept from
@@ -231,17 +303,30 @@ def train(config: RunConfig) -> TrainResult:
         model = torch.compile(model)
     steps_per_epoch = max(1, math.ceil(len(train_loader) / t.gradient_accumulation))
     total_steps = t.max_steps or math.ceil((t.epochs or 3.0) * steps_per_epoch)
-    scheduler = accelerator.prepare(get_scheduler(
-        t.lr_scheduler, optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=total_steps
-    ))
+    scheduler = accelerator.prepare(
+        get_scheduler(
+            t.lr_scheduler,
+            optimizer,
+            num_warmup_steps=t.warmup_steps,
+            num_training_steps=total_steps,
+        )
+    )
 
     # -- resume: weights, optimiser, scheduler, random state, position in the data ------------
     state = checkpoints.TrainerState(world_size=accelerator.num_processes)
     if resume_from is not None:
-        state = checkpoints.load_checkpoint(resume_from, accelerator=accelerator, model=model,
-                                            optimizer=optimizer, scheduler=scheduler)
-        _say(accelerator, f"resuming from {resume_from} at step {state.step} "
-             f"(epoch {state.epoch}, {state.batches_in_epoch} batches into it)")
+        state = checkpoints.load_checkpoint(
+            resume_from,
+            accelerator=accelerator,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+        )
+        _say(
+            accelerator,
+            f"resuming from {resume_from} at step {state.step} "
+            f"(epoch {state.epoch}, {state.batches_in_epoch} batches into it)",
+        )
 
     # -- the loop ----------------------------------------------------------------------------
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -253,31 +338,59 @@ def train(config: RunConfig) -> TrainResult:
             (output_dir / METRICS_FILE).unlink(missing_ok=True)
     metrics = MetricsLog(output_dir, enabled=accelerator.is_main_process)
     table = ProgressTable(accelerator.is_main_process)
-    result = TrainResult(output_dir, None, state.step, len(datasets.train), len(datasets.eval), 0,
-                         list(state.evaluations))
-    normalizer_name = "english" if not multilingual or language_code(config.data.language) in (None, "en") else "basic"
+    result = TrainResult(
+        output_dir,
+        None,
+        state.step,
+        len(datasets.train),
+        len(datasets.eval),
+        0,
+        list(state.evaluations),
+    )
+    normalizer_name = (
+        "english"
+        if not multilingual or language_code(config.data.language) in (None, "en")
+        else "basic"
+    )
     normalizer = get_normalizer(normalizer_name)
     evaluate = not t.only_train
 
     def save(reason: str) -> Path:
         state.evaluations = result.evaluations
         folder = checkpoints.save_checkpoint(
-            output_dir / f"{checkpoints.PREFIX}{state.step}", accelerator=accelerator, model=model,
-            optimizer=optimizer, scheduler=scheduler, state=state, config_yaml=config.to_yaml(),
+            output_dir / f"{checkpoints.PREFIX}{state.step}",
+            accelerator=accelerator,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            state=state,
+            config_yaml=config.to_yaml(),
         )
         if accelerator.is_main_process:
-            checkpoints.rotate_checkpoints(output_dir, keep_last=t.save_total_limit, evaluations=result.evaluations)
+            checkpoints.rotate_checkpoints(
+                output_dir, keep_last=t.save_total_limit, evaluations=result.evaluations
+            )
         _say(accelerator, f"{reason}: saved {folder}")
         return folder
 
     if evaluate and t.eval_at_start and resume_from is None:
         result.evaluations.append(
-            run_evaluation(model, eval_loader, processor, accelerator, normalizer, t.generation_max_length, 0))
+            run_evaluation(
+                model, eval_loader, processor, accelerator, normalizer, t.generation_max_length, 0
+            )
+        )
         metrics.write(result.evaluations[-1])
         table.row(result.evaluations[-1])
 
-    progress = tqdm(total=total_steps, initial=state.step, desc="training", unit="step",
-                    disable=not accelerator.is_main_process, dynamic_ncols=True, leave=False)
+    progress = tqdm(
+        total=total_steps,
+        initial=state.step,
+        desc="training",
+        unit="step",
+        disable=not accelerator.is_main_process,
+        dynamic_ncols=True,
+        leave=False,
+    )
     stop = StopRequest(accelerator)
     stop.install()
     running_loss, running_batches = 0.0, 0
@@ -322,9 +435,13 @@ def train(config: RunConfig) -> TrainResult:
                     # Free the gradients as soon as they are used: no need for that memory any more.
                     optimizer.zero_grad(set_to_none=True)
                 state.step += 1
-                row = {"step": state.step, "loss": round(step_loss, 6) if not bad else None,
-                       "lr": scheduler.get_last_lr()[0], "grad_norm": _finite_or_none(grad_norm),
-                       "epoch": round(epoch + _epoch_fraction(state.step, steps_per_epoch, epoch), 4)}
+                row = {
+                    "step": state.step,
+                    "loss": round(step_loss, 6) if not bad else None,
+                    "lr": scheduler.get_last_lr()[0],
+                    "grad_norm": _finite_or_none(grad_norm),
+                    "epoch": round(epoch + _epoch_fraction(state.step, steps_per_epoch, epoch), 4),
+                }
                 if bad:
                     state.skipped_steps += 1
                     state.bad_steps_in_a_row += 1
@@ -343,15 +460,32 @@ def train(config: RunConfig) -> TrainResult:
                         "before them. With fp16 this is usually overflow: try --precision bf16 or a lower "
                         "--learning-rate, then add --resume latest"
                     )
-                if evaluate and t.eval_steps and state.step % t.eval_steps == 0 and state.step < total_steps:
-                    result.evaluations.append(run_evaluation(
-                        model, eval_loader, processor, accelerator, normalizer, t.generation_max_length, state.step))
+                if (
+                    evaluate
+                    and t.eval_steps
+                    and state.step % t.eval_steps == 0
+                    and state.step < total_steps
+                ):
+                    result.evaluations.append(
+                        run_evaluation(
+                            model,
+                            eval_loader,
+                            processor,
+                            accelerator,
+                            normalizer,
+                            t.generation_max_length,
+                            state.step,
+                        )
+                    )
                     metrics.write(result.evaluations[-1])
                     table.row(result.evaluations[-1])
                     model.train()
                 if stop.requested():
                     folder = save("interrupted")
-                    _say(accelerator, f"to continue: {resume_command(output_dir / CONFIG_FILE, folder)}")
+                    _say(
+                        accelerator,
+                        f"to continue: {resume_command(output_dir / CONFIG_FILE, folder)}",
+                    )
                     raise TrainingInterrupted(stop.exit_code)
                 if t.save_steps and state.step % t.save_steps == 0 and state.step < total_steps:
                     save("checkpoint")
@@ -374,25 +508,45 @@ def train(config: RunConfig) -> TrainResult:
 
     if evaluate:
         result.evaluations.append(
-            run_evaluation(model, eval_loader, processor, accelerator, normalizer, t.generation_max_length, state.step)
+            run_evaluation(
+                model,
+                eval_loader,
+                processor,
+                accelerator,
+                normalizer,
+                t.generation_max_length,
+                state.step,
+            )
         )
         metrics.write(result.evaluations[-1])
         table.row(result.evaluations[-1])
     if result.skipped_clips:
-        _say(accelerator, f"skipped {result.skipped_clips} clips that could not be decoded during training")
+        _say(
+            accelerator,
+            f"skipped {result.skipped_clips} clips that could not be decoded during training",
+        )
     if state.skipped_steps:
-        _say(accelerator, f"skipped {state.skipped_steps} optimizer steps with a NaN or infinite loss or gradient")
+        _say(
+            accelerator,
+            f"skipped {state.skipped_steps} optimizer steps with a NaN or infinite loss or gradient",
+        )
     _say(accelerator, f"trained {state.step} steps in {elapsed:.1f} s")
 
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        result.final_dir = save_final(accelerator.unwrap_model(model, keep_torch_compile=False), processor,
-                                      config, output_dir / "final")
+        result.final_dir = save_final(
+            accelerator.unwrap_model(model, keep_torch_compile=False),
+            processor,
+            config,
+            output_dir / "final",
+        )
         _write_result(result)
         write_curves_png(output_dir / METRICS_FILE, output_dir / "curves.png")
         _say(accelerator, f"fine-tuned model: {result.final_dir}")
         if t.compare_baseline and datasets.eval:
-            compare_with_baseline(config, result.final_dir, datasets.eval, output_dir, normalizer_name)
+            compare_with_baseline(
+                config, result.final_dir, datasets.eval, output_dir, normalizer_name
+            )
     metrics.close()
     accelerator.end_training()
     return result
@@ -402,8 +556,9 @@ def train(config: RunConfig) -> TrainResult:
 # Pieces of the loop
 
 
-def compare_with_baseline(config: RunConfig, final_dir: Path, examples: list[Example], output_dir: Path,
-                          normalizer: str) -> None:
+def compare_with_baseline(
+    config: RunConfig, final_dir: Path, examples: list[Example], output_dir: Path, normalizer: str
+) -> None:
     """The starting model and the fine-tuned one on the same utterances: report.md / report.png."""
     from whisper_train.evaluate import evaluate_examples, write_report_json
     from whisper_train.report import write_comparison
@@ -413,18 +568,33 @@ def compare_with_baseline(config: RunConfig, final_dir: Path, examples: list[Exa
         model, processor = load_model(spec, attn_implementation=config.model.attn_implementation)
         if torch.cuda.is_available():
             model = model.to("cuda")
-        configure_generation(model.generation_config, language=config.data.language, task=config.data.task,
-                             multilingual=is_multilingual(model))
-        reports.append(evaluate_examples(
-            model, processor, examples, batch_size=config.train.batch_size, normalizer=normalizer,
-            max_length=config.train.generation_max_length, model_name=spec,
-        ))
+        configure_generation(
+            model.generation_config,
+            language=config.data.language,
+            task=config.data.task,
+            multilingual=is_multilingual(model),
+        )
+        reports.append(
+            evaluate_examples(
+                model,
+                processor,
+                examples,
+                batch_size=config.train.batch_size,
+                normalizer=normalizer,
+                max_length=config.train.generation_max_length,
+                model_name=spec,
+            )
+        )
     before, after = reports
     write_report_json(after, output_dir / "report.json")
     write_report_json(before, output_dir / "report.baseline.json")
-    write_comparison(before, after, markdown_path=output_dir / "report.md", png_path=output_dir / "report.png")
-    tqdm.write(f"baseline WER {100 * before.wer:.2f}% -> fine-tuned {100 * after.wer:.2f}%; "
-               f"see {output_dir / 'report.md'}")
+    write_comparison(
+        before, after, markdown_path=output_dir / "report.md", png_path=output_dir / "report.png"
+    )
+    tqdm.write(
+        f"baseline WER {100 * before.wer:.2f}% -> fine-tuned {100 * after.wer:.2f}%; "
+        f"see {output_dir / 'report.md'}"
+    )
 
 
 def training_loss(model, batch: dict) -> torch.Tensor:
@@ -500,8 +670,12 @@ class StopRequest:
             raise KeyboardInterrupt
         self.signum = signum
         if self.accelerator.is_main_process:
-            print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
-                  "(send it again to stop at once)", file=sys.stderr, flush=True)
+            print(
+                f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+                "(send it again to stop at once)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def requested(self) -> bool:
         if self.accelerator.num_processes > 1:
@@ -537,15 +711,27 @@ def launch_data_parallel(config: RunConfig) -> TrainResult:
     """
     n = config.train.nproc
     if torch.cuda.is_available() and torch.cuda.device_count() < n:
-        raise UserError(f"--nproc {n}: only {torch.cuda.device_count()} GPU(s) visible; use --nproc "
-                        f"{torch.cuda.device_count()} or fewer")
+        raise UserError(
+            f"--nproc {n}: only {torch.cuda.device_count()} GPU(s) visible; use --nproc "
+            f"{torch.cuda.device_count()} or fewer"
+        )
     output_dir = Path(config.train.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     launch_config = output_dir / "launch.yaml"
     launch_config.write_text(config.to_yaml(), encoding="utf-8")
     (output_dir / RESULT_FILE).unlink(missing_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-               "-m", "whisper_train", "train", "--config", str(launch_config)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={n}",
+        "-m",
+        "whisper_train",
+        "train",
+        "--config",
+        str(launch_config),
+    ]
     env = dict(os.environ)
     # Two processes on one CPU must not each take every core.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
@@ -565,13 +751,17 @@ def launch_data_parallel(config: RunConfig) -> TrainResult:
     if received:
         raise TrainingInterrupted(128 + received[0])
     if code != 0:
-        raise UserError(f"--nproc {n}: a training process failed (exit code {code}); its error is printed above")
+        raise UserError(
+            f"--nproc {n}: a training process failed (exit code {code}); its error is printed above"
+        )
     return _read_result(output_dir)
 
 
 def _write_result(result: TrainResult) -> None:
     values = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
-    (result.output_dir / RESULT_FILE).write_text(json.dumps(values, indent=1) + "\n", encoding="utf-8")
+    (result.output_dir / RESULT_FILE).write_text(
+        json.dumps(values, indent=1) + "\n", encoding="utf-8"
+    )
 
 
 def _read_result(output_dir: Path) -> TrainResult:
@@ -587,7 +777,9 @@ def _finite_or_none(value) -> float | None:
 
 
 @torch.no_grad()
-def run_evaluation(model, loader, processor, accelerator, normalizer, max_length: int, step: int) -> dict:
+def run_evaluation(
+    model, loader, processor, accelerator, normalizer, max_length: int, step: int
+) -> dict:
     """Validation loss (teacher-forced, mean over all label tokens) and WER of generated
     transcripts, gathered over processes (each evaluates its share of the loader)."""
     was_training = model.training
@@ -599,7 +791,9 @@ def run_evaluation(model, loader, processor, accelerator, normalizer, max_length
         if not batch["size"]:
             continue
         n_tokens = (batch["labels"] != IGNORE_INDEX).sum().float()
-        loss_and_tokens += torch.stack([training_loss(model, batch).detach().float() * n_tokens, n_tokens])
+        loss_and_tokens += torch.stack(
+            [training_loss(model, batch).detach().float() * n_tokens, n_tokens]
+        )
         texts = generate_texts(unwrapped, processor, [batch], max_length=max_length)
         references.extend(accelerator.gather_for_metrics(batch["texts"], use_gather_object=True))
         hypotheses.extend(accelerator.gather_for_metrics(texts, use_gather_object=True))
@@ -610,15 +804,24 @@ def run_evaluation(model, loader, processor, accelerator, normalizer, max_length
     if not references:
         return {"step": step, "eval_loss": float("nan"), "wer": float("nan")}
     scores = score(references, hypotheses, normalizer=normalizer)
-    return {"step": step, "eval_loss": round(loss_sum / max(n_tokens, 1.0), 6), "wer": round(scores.wer, 6)}
+    return {
+        "step": step,
+        "eval_loss": round(loss_sum / max(n_tokens, 1.0), 6),
+        "wer": round(scores.wer, 6),
+    }
 
 
-def prepare_datasets(config: RunConfig, label_encoder: LabelEncoder, *, max_label_tokens: int) -> Datasets:
+def prepare_datasets(
+    config: RunConfig, label_encoder: LabelEncoder, *, max_label_tokens: int
+) -> Datasets:
     """Read, split, subset and screen the data; report what was skipped and why."""
     d = config.data
     examples = load_examples(d.data, data_format=d.data_format)
     if d.eval_data:
-        train_examples, eval_examples = examples, load_examples(d.eval_data, data_format=d.data_format)
+        train_examples, eval_examples = (
+            examples,
+            load_examples(d.eval_data, data_format=d.data_format),
+        )
     elif config.train.only_train or d.eval_split == 0:
         train_examples, eval_examples = examples, []
     else:
@@ -631,15 +834,22 @@ def prepare_datasets(config: RunConfig, label_encoder: LabelEncoder, *, max_labe
     def count_tokens(example: Example) -> int:
         return label_encoder.count_tokens(example) - 1  # labels exclude the leading SOT
 
-    kept_train, skipped = screen_examples(train_examples, count_tokens=count_tokens,
-                                          max_label_tokens=max_label_tokens, strict=d.strict)
-    kept_eval, skipped_eval = screen_examples(eval_examples, count_tokens=count_tokens,
-                                              max_label_tokens=max_label_tokens, strict=d.strict)
+    kept_train, skipped = screen_examples(
+        train_examples,
+        count_tokens=count_tokens,
+        max_label_tokens=max_label_tokens,
+        strict=d.strict,
+    )
+    kept_eval, skipped_eval = screen_examples(
+        eval_examples, count_tokens=count_tokens, max_label_tokens=max_label_tokens, strict=d.strict
+    )
     if skipped or skipped_eval:
         log.warning(summarize_skips(skipped + skipped_eval))
     if not kept_train:
-        raise UserError(f"--data {d.data}: no usable training utterances after screening; "
-                        "run `whisper-train check-data` on it to see why")
+        raise UserError(
+            f"--data {d.data}: no usable training utterances after screening; "
+            "run `whisper-train check-data` on it to see why"
+        )
     return Datasets(kept_train, kept_eval)
 
 
@@ -659,29 +869,61 @@ def save_final(model, processor, config: RunConfig, final_dir: Path) -> Path:
     return final_dir
 
 
-def _build_encoder_cache(model, dataset, log_mel, pad_id, config, accelerator, precision, spill_dir):
+def _build_encoder_cache(
+    model, dataset, log_mel, pad_id, config, accelerator, precision, spill_dir
+):
     unwrapped = model.get_base_model() if hasattr(model, "get_base_model") else model
     encoder = unwrapped.model.encoder.to(accelerator.device)
-    loader = _loader(dataset, SpeechCollator(pad_id, log_mel=log_mel), config.train.batch_size,
-                     config.train.num_workers, shuffle=False)
+    loader = _loader(
+        dataset,
+        SpeechCollator(pad_id, log_mel=log_mel),
+        config.train.batch_size,
+        config.train.num_workers,
+        shuffle=False,
+    )
     start = time.perf_counter()
-    with tqdm(total=len(dataset), desc=f"encoding {spill_dir.name} clips (once)", unit="clip", leave=False,
-              disable=not accelerator.is_main_process) as bar:
+    with tqdm(
+        total=len(dataset),
+        desc=f"encoding {spill_dir.name} clips (once)",
+        unit="clip",
+        leave=False,
+        disable=not accelerator.is_main_process,
+    ) as bar:
         cache = EncoderCache.build(
-            encoder, loader, n_examples=len(dataset), device=accelerator.device,
-            dtype=precision.dtype, autocast_dtype=precision.dtype if precision.dtype != torch.float32 else None,
-            spill_dir=spill_dir, progress=bar,
+            encoder,
+            loader,
+            n_examples=len(dataset),
+            device=accelerator.device,
+            dtype=precision.dtype,
+            autocast_dtype=precision.dtype if precision.dtype != torch.float32 else None,
+            spill_dir=spill_dir,
+            progress=bar,
         )
-    _say(accelerator, f"encoder outputs of {int(cache.filled.sum())} {spill_dir.name} clips cached in "
-         f"{time.perf_counter() - start:.1f} s")
+    _say(
+        accelerator,
+        f"encoder outputs of {int(cache.filled.sum())} {spill_dir.name} clips cached in "
+        f"{time.perf_counter() - start:.1f} s",
+    )
     return cache
 
 
-def _loader(dataset, collator, batch_size: int, num_workers: int, *, shuffle: bool,
-            generator: torch.Generator | None = None) -> DataLoader:
+def _loader(
+    dataset,
+    collator,
+    batch_size: int,
+    num_workers: int,
+    *,
+    shuffle: bool,
+    generator: torch.Generator | None = None,
+) -> DataLoader:
     return DataLoader(
-        dataset, batch_size=batch_size, shuffle=shuffle, collate_fn=collator, num_workers=num_workers,
-        generator=generator, persistent_workers=num_workers > 0,
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        collate_fn=collator,
+        num_workers=num_workers,
+        generator=generator,
+        persistent_workers=num_workers > 0,
         prefetch_factor=4 if num_workers > 0 else None,
     )
 
@@ -695,13 +937,19 @@ def _default_device() -> torch.device:
 
 
 def _check_output_dir(output_dir: Path) -> None:
-    probe = output_dir if output_dir.exists() else next((p for p in output_dir.parents if p.exists()), Path("."))
+    probe = (
+        output_dir
+        if output_dir.exists()
+        else next((p for p in output_dir.parents if p.exists()), Path("."))
+    )
     if probe.exists() and not probe.is_dir():
         raise UserError(f"--output-dir {output_dir}: {probe} is a file; choose a folder path")
     import os
 
     if not os.access(probe, os.W_OK):
-        raise UserError(f"--output-dir {output_dir}: {probe} is not writable; choose another folder")
+        raise UserError(
+            f"--output-dir {output_dir}: {probe} is not writable; choose another folder"
+        )
 
 
 def _remove(path: Path) -> None:
@@ -741,7 +989,11 @@ class MetricsLog:
         if self.writer is not None:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self.writer.add_scalar(f"{'eval' if key in ('eval_loss', 'wer') else 'train'}/{key}", value, row["step"])
+                    self.writer.add_scalar(
+                        f"{'eval' if key in ('eval_loss', 'wer') else 'train'}/{key}",
+                        value,
+                        row["step"],
+                    )
 
     def close(self) -> None:
         if self.file:
@@ -762,8 +1014,12 @@ class ProgressTable:
         if not self.enabled:
             return
         if not self.header_printed:
-            tqdm.write(f"{'Step':>6} | {'Training Loss':>13} | {'Validation Loss':>15} | {'WER':>7}")
+            tqdm.write(
+                f"{'Step':>6} | {'Training Loss':>13} | {'Validation Loss':>15} | {'WER':>7}"
+            )
             self.header_printed = True
         train_loss = "-" if math.isnan(self.last_train_loss) else f"{self.last_train_loss:.4f}"
-        tqdm.write(f"{evaluation['step']:>6} | {train_loss:>13} | "
-                   f"{evaluation['eval_loss']:>15.4f} | {100 * evaluation['wer']:>6.2f}%")
+        tqdm.write(
+            f"{evaluation['step']:>6} | {train_loss:>13} | "
+            f"{evaluation['eval_loss']:>15.4f} | {100 * evaluation['wer']:>6.2f}%"
+        )

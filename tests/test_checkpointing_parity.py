@@ -16,11 +16,17 @@ import re
 
 import pytest
 import torch
-from tiny_models import EOT, make_tiny_whisper
+from tiny_models import EOT, SOT, make_tiny_whisper
 from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
 
 from whisper_train.doctor import hooks_replay_on_recompute
-from whisper_train.memory import LoraSettings, build_optimizer, checkpointing_state, prepare_model
+from whisper_train.memory import (
+    LoraSettings,
+    build_optimizer,
+    checkpointing_state,
+    prepare_model,
+    training_loss,
+)
 
 pytestmark = pytest.mark.compat
 
@@ -53,11 +59,14 @@ def short_tiny_whisper(
 
 
 def tiny_batch(seed: int = 0, n_mels: int = 80) -> dict[str, torch.Tensor]:
-    """Two utterances: log-mel features (2, n_mels, N_FRAMES) and labels (2, 5), one padded."""
+    """Two utterances: log-mel features (2, n_mels, N_FRAMES), labels (2, 5), one padded, and
+    the decoder inputs (the labels shifted right behind SOT), as `SpeechCollator` makes them."""
     generator = torch.Generator().manual_seed(seed)
     features = torch.randn(2, n_mels, N_FRAMES, generator=generator)
     labels = torch.tensor([[1000, 2000, 3000, 4000, EOT], [400, 500, EOT, -100, -100]])
-    return {"input_features": features, "labels": labels}
+    decoder_input_ids = torch.cat([torch.full((2, 1), SOT), labels[:, :-1]], dim=1)
+    decoder_input_ids[decoder_input_ids == -100] = EOT
+    return {"input_features": features, "decoder_input_ids": decoder_input_ids, "labels": labels}
 
 
 @functools.cache
@@ -117,7 +126,7 @@ def backward_once(model: torch.nn.Module, batch) -> dict:
                 layer.register_forward_hook(functools.partial(count, "post", key)),
                 layer.fc1.register_forward_hook(functools.partial(count, "inner", key)),
             ]
-    loss = model(**batch).loss
+    loss = training_loss(model, batch)  # what training runs: the loss is recomputed too
     loss.backward()
     for handle in handles:
         handle.remove()

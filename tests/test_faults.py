@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import json
 import os
 import signal
 import subprocess
@@ -13,37 +12,14 @@ from collections import namedtuple
 
 import pytest
 import torch
+from conftest import metric_rows
 from safetensors.torch import load_file
 
 import whisper_train.checkpoints as checkpoints_module
 import whisper_train.train as train_module
 from whisper_train.cli import main
-from whisper_train.config import RunConfig
 from whisper_train.errors import UserError
 from whisper_train.train import train
-
-
-def _config(tmp_path, tone_dataset, tiny_whisper_dir, **overrides) -> RunConfig:
-    config = RunConfig()
-    config.update(
-        {
-            "data": str(tone_dataset),
-            "model": str(tiny_whisper_dir),
-            "output_dir": str(tmp_path / "out"),
-            "max_steps": 3,
-            "batch_size": 4,
-            "learning_rate": 1e-3,
-            "seed": 0,
-            "eval_split": 0.25,
-            "only_train": True,
-            **overrides,
-        }
-    )
-    return config
-
-
-def _rows(output_dir):
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _nan_on_calls(monkeypatch, bad_calls: set[int]) -> None:
@@ -59,16 +35,10 @@ def _nan_on_calls(monkeypatch, bad_calls: set[int]) -> None:
     monkeypatch.setattr(train_module, "training_loss", poisoned)
 
 
-def test_a_nan_step_is_skipped_and_training_goes_on(
-    tmp_path, tone_dataset, tiny_whisper_dir, monkeypatch
-):
+def test_a_nan_step_is_skipped_and_training_goes_on(tiny_run_config, monkeypatch):
     _nan_on_calls(monkeypatch, {2})
-    result = train(
-        _config(
-            tmp_path, tone_dataset, tiny_whisper_dir, max_steps=4, save_steps=1, save_total_limit=10
-        )
-    )
-    rows = _rows(result.output_dir)
+    result = train(tiny_run_config(max_steps=4, save_steps=1, save_total_limit=10))
+    rows = metric_rows(result.output_dir)
     assert result.steps == 4 and result.skipped_steps == 1
     assert rows[1]["loss"] is None and "skipped" in rows[1]
     assert all(row["loss"] is not None for i, row in enumerate(rows) if i != 1)
@@ -81,21 +51,21 @@ def test_a_nan_step_is_skipped_and_training_goes_on(
 
 
 def test_too_many_bad_steps_stop_with_a_checkpoint_and_advice(
-    tmp_path, tone_dataset, tiny_whisper_dir, monkeypatch
+    tmp_path, tiny_run_config, monkeypatch
 ):
     _nan_on_calls(monkeypatch, set(range(2, 100)))
     with pytest.raises(UserError, match=r"3 optimizer steps in a row.*--precision bf16"):
-        train(_config(tmp_path, tone_dataset, tiny_whisper_dir, max_steps=50, max_bad_steps=3))
+        train(tiny_run_config(max_steps=50, max_bad_steps=3))
     out = tmp_path / "out"
     # Step 1 trained; steps 2-4 were skipped; the checkpoint holds step 1's (finite) weights.
     assert [p.name for p in checkpoints_module.list_checkpoints(out)] == ["checkpoint-4"]
     weights = load_file(out / "checkpoint-4" / "trainable.safetensors")
     assert all(torch.isfinite(t).all() for t in weights.values())
-    assert [row["loss"] is None for row in _rows(out)] == [False, True, True, True]
+    assert [row["loss"] is None for row in metric_rows(out)] == [False, True, True, True]
 
 
 def test_full_disk_at_save_time_keeps_the_previous_checkpoint(
-    tmp_path, tone_dataset, tiny_whisper_dir, monkeypatch
+    tmp_path, tiny_run_config, monkeypatch
 ):
     real_save = checkpoints_module.save_file
     calls = {"n": 0}
@@ -108,22 +78,20 @@ def test_full_disk_at_save_time_keeps_the_previous_checkpoint(
 
     monkeypatch.setattr(checkpoints_module, "save_file", disk_fills_up)
     with pytest.raises(UserError, match=r"No space left.*checkpoint-1 is intact"):
-        train(_config(tmp_path, tone_dataset, tiny_whisper_dir, save_steps=1, save_total_limit=1))
+        train(tiny_run_config(save_steps=1, save_total_limit=1))
     out = tmp_path / "out"
     assert [p.name for p in checkpoints_module.list_checkpoints(out)] == ["checkpoint-1"]
     assert not list(out.glob("*.tmp"))
     assert load_file(out / "checkpoint-1" / "trainable.safetensors")
 
 
-def test_too_little_free_space_is_refused_before_training(
-    tmp_path, tone_dataset, tiny_whisper_dir, monkeypatch
-):
+def test_too_little_free_space_is_refused_before_training(tmp_path, tiny_run_config, monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(
         checkpoints_module.shutil, "disk_usage", lambda path: usage(10**9, 10**9, 1000)
     )
     with pytest.raises(UserError, match=r"--output-dir .*1000|--output-dir .*free"):
-        train(_config(tmp_path, tone_dataset, tiny_whisper_dir))
+        train(tiny_run_config())
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
@@ -181,5 +149,5 @@ def test_a_signal_finishes_the_step_saves_and_prints_the_resume_command(
     found = checkpoints_module.list_checkpoints(out)
     assert len(found) == 1
     step = checkpoints_module.TrainerState.read(found[0]).step
-    assert step >= 1 and [row["step"] for row in _rows(out)] == list(range(1, step + 1))
+    assert step >= 1 and [row["step"] for row in metric_rows(out)] == list(range(1, step + 1))
     assert f"--resume {found[0]}" in stdout + stderr

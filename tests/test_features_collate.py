@@ -26,6 +26,36 @@ def test_batched_log_mel_matches_whisper_feature_extractor():
         assert np.abs(ours - expected).max() <= 1e-3
 
 
+def test_log_mel_skips_silence_without_changing_a_number():
+    """Frames after a clip's last non-zero sample skip the STFT; their values must still be the
+    extractor's, at every boundary: audio ending on, just before and just after a frame edge,
+    trailing digital silence inside the clip, a nearly full window, one sample, all zeros and
+    a clip too quiet to reach the 80 dB floor."""
+    rng = np.random.default_rng(1)
+
+    def noise(n, scale=0.3):
+        return (scale * rng.standard_normal(n)).astype(np.float32)
+
+    clips = [
+        noise(160 * 50),  # ends on a frame centre
+        noise(160 * 50 - 1),
+        noise(160 * 50 + 201),  # one sample past a window's half width
+        np.concatenate([noise(16_000), np.zeros(32_000, np.float32)]),  # silence inside the clip
+        noise(30 * 16_000 - 150),  # the last frames see audio through the reflection
+        noise(1),
+        np.zeros(16_000, np.float32),
+        noise(16_000, scale=1e-7),  # quieter than the 1e-10 power floor
+    ]
+    extractor = WhisperFeatureExtractor(feature_size=80)
+    expected = extractor(clips, sampling_rate=16_000, return_tensors="np").input_features
+    log_mel = LogMel(extractor)
+    from_clips = log_mel(clips).numpy()
+    from_tensor = log_mel(log_mel.pad(clips)).numpy()
+    for row, clip in enumerate(clips):
+        assert np.abs(from_clips[row] - expected[row]).max() <= 1e-4, f"clip {row} ({len(clip)})"
+    np.testing.assert_array_equal(from_tensor, from_clips)
+
+
 def test_collator_masks_prefix_and_padding(tiny_whisper):
     _, processor = tiny_whisper
     tokenizer = processor.tokenizer

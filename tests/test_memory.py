@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from test_checkpointing_parity import pristine
+from test_checkpointing_parity import LORA, pristine, tiny_batch
 
 from whisper_train.errors import UserError
 from whisper_train.memory import (
@@ -19,6 +19,7 @@ from whisper_train.memory import (
     resolve_checkpointing,
     resolve_precision,
     trainable_parameter_summary,
+    training_loss,
 )
 
 CPU = torch.device("cpu")
@@ -166,3 +167,76 @@ def test_trainable_parameter_summary_counts_what_trains():
     n_lora = sum(p.numel() for n, p in prepared.named_parameters() if "lora_" in n)
     summary = trainable_parameter_summary(prepared)
     assert f"trainable parameters: {n_lora:,} of" in summary and f"lora {n_lora:,}" in summary
+
+
+# -- the loss: no full-vocabulary logits ----------------------------------------------------
+
+
+def _gradients(model) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.mark.parametrize("policy", ["off", "full"])
+@pytest.mark.parametrize("mode", ["full", "lora", "freeze-encoder"])
+def test_training_loss_equals_the_models_own_loss_and_gradients(mode, policy, monkeypatch):
+    """Logits only at label positions, in chunks (3 tokens here, so the 8 labels take three),
+    recomputed in backward when checkpointing is on: the same loss and gradients as the
+    model's full-vocabulary cross-entropy, up to float summation order."""
+    import whisper_train.memory as memory
+
+    monkeypatch.setattr(memory, "LOSS_CHUNK_TOKENS", 3)
+    model = prepare_model(fresh_model(), mode=mode, checkpointing=policy, lora=LORA).train()
+    with torch.no_grad():  # non-zero adapters, so that every LoRA matrix gets a gradient
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.05)
+    batch = tiny_batch()
+    ours = training_loss(model, batch)
+    ours.backward()
+    our_grads = _gradients(model)
+    theirs = model(**batch).loss
+    theirs.backward()
+    their_grads = _gradients(model)
+
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    assert our_grads.keys() == their_grads.keys() == trainable(model)
+    for name, grad in our_grads.items():
+        torch.testing.assert_close(grad, their_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_training_loss_from_cached_encoder_outputs_equals_the_loss_from_audio():
+    model = prepare_model(fresh_model(), mode="freeze-encoder").train()
+    batch = tiny_batch()
+    with torch.no_grad():
+        encoded = model.model.encoder(batch["input_features"]).last_hidden_state
+    cached = {k: v for k, v in batch.items() if k != "input_features"}
+    cached["encoder_hidden_states"] = encoded
+    torch.testing.assert_close(training_loss(model, cached), training_loss(model, batch))
+
+
+@pytest.mark.parametrize("policy", ["off", "full"])
+def test_checkpointed_loss_keeps_no_full_vocabulary_tensor_for_backward(policy):
+    """With checkpointing on, the largest tensor a decoder keeps otherwise, the log-softmax over
+    the 51,865-token vocabulary at every label token, is recomputed in backward instead."""
+    model = prepare_model(fresh_model(), mode="full", checkpointing=policy).train()
+    vocab = model.config.vocab_size
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved_shapes = {}  # storage → shape: log_softmax and nll_loss save the same tensor
+
+    def pack(tensor):
+        storage = tensor.untyped_storage().data_ptr()
+        if storage not in parameters:
+            saved_shapes[storage] = tuple(tensor.shape)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = training_loss(model, tiny_batch())
+    vocabulary_sized = [s for s in saved_shapes.values() if s and s[-1] == vocab]
+    if policy == "off":  # the contrast that shows the probe sees it: kept, one row per label
+        assert vocabulary_sized == [(8, vocab)]
+    else:
+        assert vocabulary_sized == []
+    loss.backward()  # and backward still runs: the chunks are recomputed
+    assert model.proj_out.weight.grad is not None

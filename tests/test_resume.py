@@ -2,41 +2,15 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+from conftest import metric_rows
 from safetensors.torch import load_file
 
 import whisper_train.train as train_module
 from whisper_train import checkpoints
-from whisper_train.config import RunConfig
 from whisper_train.errors import UserError
 from whisper_train.train import train
-
-
-def _config(tmp_path, tone_dataset, tiny_whisper_dir, **overrides) -> RunConfig:
-    config = RunConfig()
-    config.update(
-        {
-            # 12 clips, 3 held out: 9 training clips, 3 micro-batches of 4 per epoch.
-            "data": str(tone_dataset),
-            "model": str(tiny_whisper_dir),
-            "output_dir": str(tmp_path / "out"),
-            "max_steps": 5,
-            "batch_size": 4,
-            "learning_rate": 1e-3,
-            "seed": 0,
-            "eval_split": 0.25,
-            "only_train": True,
-            **overrides,
-        }
-    )
-    return config
-
-
-def _metric_rows(output_dir):
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _crash_on_call(monkeypatch, n: int) -> None:
@@ -55,15 +29,15 @@ def _crash_on_call(monkeypatch, n: int) -> None:
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_crashed_run_resumes_with_the_uninterrupted_loss_sequence(
-    tmp_path, tone_dataset, tiny_whisper_dir, monkeypatch, mode
+    tmp_path, tiny_run_config, monkeypatch, mode
 ):
     # LoRA has dropout on the adapter path: equal losses also need the random state restored.
-    reference = train(_config(tmp_path / "ref", tone_dataset, tiny_whisper_dir, mode=mode))
-    reference_rows = _metric_rows(reference.output_dir)
-
-    config = _config(
-        tmp_path, tone_dataset, tiny_whisper_dir, mode=mode, save_steps=1, save_total_limit=1
+    reference = train(
+        tiny_run_config(output_dir=str(tmp_path / "ref" / "out"), max_steps=5, mode=mode)
     )
+    reference_rows = metric_rows(reference.output_dir)
+
+    config = tiny_run_config(max_steps=5, mode=mode, save_steps=1, save_total_limit=1)
     with monkeypatch.context() as patch:
         _crash_on_call(patch, 3)  # dies during step 3, after checkpoint-2 (mid-epoch: 1 batch left)
         with pytest.raises(RuntimeError, match="simulated crash"):
@@ -82,30 +56,21 @@ def test_crashed_run_resumes_with_the_uninterrupted_loss_sequence(
     resumed = train(config)
     assert resumed.steps == 5
     # The file reads like one run: the same rows, losses equal to the last bit.
-    assert _metric_rows(out) == reference_rows
+    assert metric_rows(out) == reference_rows
     assert [row["step"] for row in reference_rows] == [1, 2, 3, 4, 5]
 
 
 def test_resume_refuses_a_different_mode_and_a_fresh_run_refuses_old_checkpoints(
-    tmp_path, tone_dataset, tiny_whisper_dir
+    tmp_path, tiny_run_config
 ):
-    train(_config(tmp_path, tone_dataset, tiny_whisper_dir, max_steps=1, save_steps=1))
+    train(tiny_run_config(max_steps=1, save_steps=1))
     assert (tmp_path / "out" / "checkpoint-1" / "trainer_state.json").is_file()
     with pytest.raises(UserError, match="--resume"):
-        train(_config(tmp_path, tone_dataset, tiny_whisper_dir, max_steps=2))
+        train(tiny_run_config(max_steps=2))
     with pytest.raises(UserError, match="same --model, --mode"):
-        train(
-            _config(
-                tmp_path,
-                tone_dataset,
-                tiny_whisper_dir,
-                max_steps=2,
-                resume="latest",
-                mode="freeze-encoder",
-            )
-        )
+        train(tiny_run_config(max_steps=2, resume="latest", mode="freeze-encoder"))
     with pytest.raises(UserError, match="not a checkpoint folder"):
-        train(_config(tmp_path, tone_dataset, tiny_whisper_dir, resume=str(tmp_path / "nowhere")))
+        train(tiny_run_config(resume=str(tmp_path / "nowhere")))
 
 
 def test_rotation_keeps_the_newest_and_the_best_wer(tmp_path):
@@ -129,8 +94,8 @@ def test_rotation_keeps_the_newest_and_the_best_wer(tmp_path):
     assert checkpoints.resolve_resume("latest", tmp_path).name == "checkpoint-5"
 
 
-def test_checkpoint_state_loads_with_weights_only(tmp_path, tone_dataset, tiny_whisper_dir):
-    train(_config(tmp_path, tone_dataset, tiny_whisper_dir, max_steps=1, save_steps=1))
+def test_checkpoint_state_loads_with_weights_only(tmp_path, tiny_run_config):
+    train(tiny_run_config(max_steps=1, save_steps=1))
     folder = tmp_path / "out" / "checkpoint-1"
     for name in ("optimizer.pt", "scheduler.pt", "rng-0.pt"):
         assert torch.load(folder / name, weights_only=True)  # no pickled code needed

@@ -10,45 +10,24 @@ import pytest
 import torch
 import transformers
 import yaml
-from conftest import write_tone_dataset
+from conftest import metric_rows, write_tone_dataset
 
 from whisper_train.cli import main
-from whisper_train.config import RunConfig
 from whisper_train.train import train
 
-# Training loss after each of 3 optimizer steps on the seeded tiny model and tone dataset below
-# (full fine-tune, batch 4, lr 1e-3, seed 0, fp32 CPU). Regenerate with:
+# Training loss after each of 3 optimizer steps of conftest's tiny_run_config on the seeded tiny
+# model and tone dataset (full fine-tune, batch 4, lr 1e-3, seed 0, fp32 CPU). Regenerate with:
 #   .venv/bin/python -m pytest tests/test_train.py -k reference -s   (prints "losses: [...]")
 REFERENCE_LOSSES = [10.942263, 10.726703, 10.684584]
 
 
-def _run(tmp_path, tone_dataset, tiny_whisper_dir, **overrides):
-    config = RunConfig()
-    config.update(
-        {
-            "data": str(tone_dataset),
-            "model": str(tiny_whisper_dir),
-            "output_dir": str(tmp_path / "out"),
-            "max_steps": 3,
-            "batch_size": 4,
-            "learning_rate": 1e-3,
-            "seed": 0,
-            "eval_split": 0.25,
-            # A random model never says <|endoftext|>: cap generation so evaluation stays fast.
-            "generation_max_length": 8,
-            **overrides,
-        }
-    )
-    return train(config)
-
-
 def _losses(output_dir):
-    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(output_dir)
     return [row["loss"] for row in rows if "loss" in row], [row for row in rows if "wer" in row]
 
 
-def test_loss_matches_reference_and_metrics_are_written(tmp_path, tone_dataset, tiny_whisper_dir):
-    result = _run(tmp_path, tone_dataset, tiny_whisper_dir)
+def test_loss_matches_reference_and_metrics_are_written(tiny_run_config):
+    result = train(tiny_run_config(only_train=False))
     losses, evaluations = _losses(result.output_dir)
     print("losses:", [round(x, 4) for x in losses])
     assert result.steps == 3
@@ -61,8 +40,8 @@ def test_loss_matches_reference_and_metrics_are_written(tmp_path, tone_dataset, 
     assert (result.output_dir / "tensorboard").is_dir()
 
 
-def test_final_folder_loads_in_a_transformers_pipeline(tmp_path, tone_dataset, tiny_whisper_dir):
-    result = _run(tmp_path, tone_dataset, tiny_whisper_dir, only_train=True)
+def test_final_folder_loads_in_a_transformers_pipeline(tiny_run_config, tiny_whisper_dir):
+    result = train(tiny_run_config())
     final = result.final_dir
     saved = yaml.safe_load((final / "whisper-train.yaml").read_text())
     assert saved["model"]["model"] == str(tiny_whisper_dir) and saved["train"]["max_steps"] == 3
@@ -83,8 +62,8 @@ def test_final_folder_loads_in_a_transformers_pipeline(tmp_path, tone_dataset, t
 
 
 @pytest.mark.parametrize("mode", ["lora", "freeze-encoder"])
-def test_other_modes_train_only_what_they_should(tmp_path, tone_dataset, tiny_whisper_dir, mode):
-    result = _run(tmp_path, tone_dataset, tiny_whisper_dir, mode=mode, only_train=True)
+def test_other_modes_train_only_what_they_should(tiny_run_config, tiny_whisper_dir, mode):
+    result = train(tiny_run_config(mode=mode))
     trained = transformers.WhisperForConditionalGeneration.from_pretrained(result.final_dir)
     start = transformers.WhisperForConditionalGeneration.from_pretrained(tiny_whisper_dir)
     enc_same = all(
@@ -106,17 +85,12 @@ def test_other_modes_train_only_what_they_should(tmp_path, tone_dataset, tiny_wh
         )
 
 
-def test_encoder_cache_gives_the_uncached_loss_curve(tmp_path, tone_dataset, tiny_whisper_dir):
-    cached = _run(
-        tmp_path / "a", tone_dataset, tiny_whisper_dir, mode="freeze-encoder", only_train=True
-    )
-    uncached = _run(
-        tmp_path / "b",
-        tone_dataset,
-        tiny_whisper_dir,
-        mode="freeze-encoder",
-        only_train=True,
-        cache_encoder=False,
+def test_encoder_cache_gives_the_uncached_loss_curve(tmp_path, tiny_run_config):
+    cached = train(tiny_run_config(output_dir=str(tmp_path / "cached"), mode="freeze-encoder"))
+    uncached = train(
+        tiny_run_config(
+            output_dir=str(tmp_path / "uncached"), mode="freeze-encoder", cache_encoder=False
+        )
     )
     np.testing.assert_allclose(
         _losses(cached.output_dir)[0], _losses(uncached.output_dir)[0], rtol=1e-5
@@ -176,14 +150,9 @@ def test_yaml_config_is_filled_and_flags_override(tmp_path, tone_dataset, tiny_w
     assert len(_losses(tmp_path / "y")[0]) == 2
 
 
-def test_baseline_row_curves_and_before_after_report(tmp_path, tone_dataset, tiny_whisper_dir):
-    result = _run(
-        tmp_path,
-        tone_dataset,
-        tiny_whisper_dir,
-        eval_at_start=True,
-        compare_baseline=True,
-        eval_steps=2,
+def test_baseline_row_curves_and_before_after_report(tiny_run_config, tiny_whisper_dir):
+    result = train(
+        tiny_run_config(only_train=False, eval_at_start=True, compare_baseline=True, eval_steps=2)
     )
     _, evaluations = _losses(result.output_dir)
     assert [row["step"] for row in evaluations] == [0, 2, 3]
@@ -206,17 +175,9 @@ def test_bare_resume_flag_means_latest():
     assert config_from_args(args).train.resume == "run/checkpoint-4"
 
 
-def test_auto_checkpointing_plans_within_the_budget_and_grouping_trains(
-    tmp_path, tone_dataset, tiny_whisper_dir, capsys
-):
-    result = _run(
-        tmp_path,
-        tone_dataset,
-        tiny_whisper_dir,
-        gradient_checkpointing="auto",
-        max_memory="64GB",
-        group_by_length=True,
-        only_train=True,
+def test_auto_checkpointing_plans_within_the_budget_and_grouping_trains(tiny_run_config, capsys):
+    result = train(
+        tiny_run_config(gradient_checkpointing="auto", max_memory="64GB", group_by_length=True)
     )
     out = capsys.readouterr().out + capsys.readouterr().err
     assert result.steps == 3
@@ -224,15 +185,8 @@ def test_auto_checkpointing_plans_within_the_budget_and_grouping_trains(
     assert "checkpointing off" in out
 
 
-def test_auto_checkpointing_refuses_an_impossible_budget(tmp_path, tone_dataset, tiny_whisper_dir):
+def test_auto_checkpointing_refuses_an_impossible_budget(tiny_run_config):
     from whisper_train.errors import UserError
 
     with pytest.raises(UserError, match="--max-memory"):
-        _run(
-            tmp_path,
-            tone_dataset,
-            tiny_whisper_dir,
-            gradient_checkpointing="auto",
-            max_memory="1MB",
-            only_train=True,
-        )
+        train(tiny_run_config(gradient_checkpointing="auto", max_memory="1MB"))

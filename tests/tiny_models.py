@@ -30,18 +30,24 @@ def english_tokenizer():
     return load_tokenizer(tiny_en_dir(), ENGLISH_VOCAB)
 
 
-def make_tiny_whisper(
+def tiny_whisper_config(
     *,
-    seed: int = 0,
+    vocab_size: int,
+    end_of_text_id: int,
+    start_of_transcript_id: int,
     d_model: int = 64,
     encoder_layers: int = 2,
     decoder_layers: int = 2,
-    attn_implementation: str = "sdpa",
+    max_source_positions: int = 1500,
     **config_overrides,
-) -> tuple[WhisperForConditionalGeneration, WhisperProcessor]:
-    """A random English-only Whisper with the real tokenizer; dropout and layerdrop off."""
-    config = WhisperConfig(
-        vocab_size=ENGLISH_VOCAB,
+) -> WhisperConfig:
+    """A tiny Whisper architecture for a vocabulary with the given special-token ids.
+
+    Dropout and layerdrop are off so that seeded runs repeat exactly. `max_source_positions` is
+    50 per second of audio window (1500 for Whisper's 30 s).
+    """
+    return WhisperConfig(
+        vocab_size=vocab_size,
         num_mel_bins=80,
         d_model=d_model,
         encoder_layers=encoder_layers,
@@ -50,20 +56,33 @@ def make_tiny_whisper(
         decoder_attention_heads=4,
         encoder_ffn_dim=2 * d_model,
         decoder_ffn_dim=2 * d_model,
-        max_source_positions=1500,
+        max_source_positions=max_source_positions,
         max_target_positions=448,
         dropout=0.0,
         attention_dropout=0.0,
         activation_dropout=0.0,
         encoder_layerdrop=0.0,
         decoder_layerdrop=0.0,
-        pad_token_id=EOT,
-        bos_token_id=EOT,
-        eos_token_id=EOT,
-        decoder_start_token_id=SOT,
+        pad_token_id=end_of_text_id,
+        bos_token_id=end_of_text_id,
+        eos_token_id=end_of_text_id,
+        decoder_start_token_id=start_of_transcript_id,
         suppress_tokens=[],
-        begin_suppress_tokens=[220, EOT],
+        begin_suppress_tokens=[220, end_of_text_id],
         **config_overrides,
+    )
+
+
+def make_tiny_whisper(
+    *, seed: int = 0, attn_implementation: str = "sdpa", **architecture
+) -> tuple[WhisperForConditionalGeneration, WhisperProcessor]:
+    """A random English-only Whisper with the real tokenizer; dropout and layerdrop off.
+
+    `architecture` (d_model, encoder_layers, any WhisperConfig field) goes to
+    `tiny_whisper_config`.
+    """
+    config = tiny_whisper_config(
+        vocab_size=ENGLISH_VOCAB, end_of_text_id=EOT, start_of_transcript_id=SOT, **architecture
     )
     torch.manual_seed(seed)
     model = WhisperForConditionalGeneration(config)

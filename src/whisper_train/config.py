@@ -306,17 +306,16 @@ class RunConfig:
             ("--max-bad-steps", t.max_bad_steps),
             ("--nproc", t.nproc),
         ):
-            if value < 1:
-                raise UserError(f"{flag} {value}: must be at least 1")
-        for flag, value in (
+            require_positive(flag, value)
+        for flag, value in (  # these may also be left unset (None)
             ("--max-steps", t.max_steps),
             ("--eval-steps", t.eval_steps),
             ("--save-steps", t.save_steps),
             ("--train-subset", d.train_subset),
             ("--eval-subset", d.eval_subset),
         ):
-            if value is not None and value < 1:
-                raise UserError(f"{flag} {value}: must be at least 1")
+            if value is not None:
+                require_positive(flag, value)
         if t.epochs is not None and t.epochs <= 0:
             raise UserError(f"--epochs {t.epochs}: must be positive")
         if not 0.0 <= d.eval_split < 1.0:
@@ -366,6 +365,17 @@ def parse_bytes(text: str, *, flag: str = "size") -> int:
         raise UserError(f"{flag} {text}: expected a size such as 4GB or 512MB")
     number, unit = float(match.group(1)), match.group(2).upper()
     return int(number * 1024 ** " KMGT".index(unit or " "))
+
+
+def require_positive(flag: str, value: int, *, alternative: str | None = None) -> None:
+    """Reject a count below 1 with a one-line error that names the flag and the remedy.
+
+    `--batch-size 0: must be at least 1`; an `alternative` such as "use --no-check" adds
+    `(or use --no-check)`.
+    """
+    if value < 1:
+        remedy = f" (or {alternative})" if alternative else ""
+        raise UserError(f"{flag} {value}: must be at least 1{remedy}")
 
 
 def _one_of(flag: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -31,6 +31,7 @@ from pathlib import Path
 import jiwer
 import torch
 
+from whisper_train.config import require_positive
 from whisper_train.errors import AudioError, UserError
 
 log = logging.getLogger(__name__)
@@ -453,15 +454,11 @@ def run_evaluate(args: argparse.Namespace) -> int:
     from whisper_train.data import load_examples
     from whisper_train.models import load_model
 
-    for flag, value in (
-        ("--batch-size", args.batch_size),
-        ("--beam-size", args.beam_size),
-        ("--max-length", args.max_length),
-    ):
-        if value < 1:
-            raise UserError(f"{flag} {value}: must be at least 1")
-    if args.eval_subset is not None and args.eval_subset < 1:
-        raise UserError(f"--eval-subset {args.eval_subset}: must be at least 1")
+    require_positive("--batch-size", args.batch_size)
+    require_positive("--beam-size", args.beam_size)
+    require_positive("--max-length", args.max_length)
+    if args.eval_subset is not None:
+        require_positive("--eval-subset", args.eval_subset)
     examples = load_examples(args.data, data_format=args.data_format)
     if args.eval_subset:
         examples = examples[: args.eval_subset]

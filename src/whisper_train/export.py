@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import yaml
 
+from whisper_train.config import require_positive
 from whisper_train.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -247,8 +248,8 @@ def export_model(
             f"--quantization {quantization} needs --format ct2; Hugging Face exports take "
             "float32 or float16"
         )
-    if check and n_check_clips < 1:
-        raise UserError(f"--check-clips {n_check_clips}: must be at least 1 (or use --no-check)")
+    if check:
+        require_positive("--check-clips", n_check_clips, alternative="use --no-check")
     output = Path(output)
     if output.exists() and any(output.iterdir()):
         raise UserError(f"--output {output} is not empty: choose a new folder or delete it")

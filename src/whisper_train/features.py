@@ -1,8 +1,8 @@
 """From examples to model inputs: batched log-mel features and the training dataset.
 
-Whisper's log-mel spectrogram (`WhisperFeatureExtractor`) is computed here in one batched torch
-call instead of one numpy call per clip: the same numbers (max abs difference ~1e-5 on log-mel),
-several times faster on a CPU, and it runs on the GPU when handed a GPU tensor.
+Whisper's log-mel spectrogram (`WhisperFeatureExtractor`) is computed here with torch, skipping
+the STFT of the silence that pads every clip to 30 s: the same numbers (max abs difference ~1e-5
+on log-mel), several times faster on a CPU, and on the GPU when training runs there.
 """
 
 from __future__ import annotations
@@ -24,16 +24,25 @@ log = logging.getLogger(__name__)
 
 
 class LogMel:
-    """Batched Whisper log-mel features matching a `WhisperFeatureExtractor`.
+    """Whisper log-mel features, equal to a `WhisperFeatureExtractor`'s (max abs diff ~1e-5).
 
     Audio is zero-padded (or cut) to the extractor's window, `n_samples` (30 s x 16 kHz =
-    480,000 samples), giving `n_samples // hop_length` frames (3000).
+    480,000 samples), giving `n_samples // hop_length` frames (3000). Two things make this
+    faster than the extractor without changing a number:
+
+    - Padding is silence, and silence has a known spectrogram: a frame whose 25 ms window lies
+      wholly after a clip's last non-zero sample has zero power, so its log-mel is the floor
+      value. Only the frames that see audio go through the STFT (a 5 s clip: 1/6 of them).
+    - On a CPU, clips go through the STFT one at a time and no 30 s padded copy is made: one
+      clip's spectrum (~5 MB) stays in cache where a batch's does not. On a GPU the batch is
+      one call, padding and all.
     """
 
     def __init__(self, feature_extractor, device: torch.device | str | None = None):
         self.n_fft = feature_extractor.n_fft  # 400 samples = 25 ms
         self.hop_length = feature_extractor.hop_length  # 160 samples = 10 ms
         self.n_samples = feature_extractor.n_samples  # chunk_length * 16 kHz
+        self.n_frames = self.n_samples // self.hop_length
         self.device = torch.device(device or "cpu")
         self.window = torch.hann_window(self.n_fft, device=self.device)
         # (n_freq=201, n_mels) in the extractor; stored transposed for mel = filters @ power.
@@ -52,20 +61,62 @@ class LogMel:
     @torch.no_grad()
     def __call__(self, audio: torch.Tensor | Sequence[np.ndarray]) -> torch.Tensor:
         """(batch, n_samples) waveforms (or a list of clips) → (batch, n_mels, n_frames)."""
-        if not isinstance(audio, torch.Tensor):
-            audio = self.pad(audio)
-        audio = audio.to(self.device, torch.float32)
-        stft = torch.stft(
-            audio, self.n_fft, self.hop_length, window=self.window, return_complex=True
-        )
-        stft = stft[..., :-1]  # drop the last frame, as Whisper does
-        # |z|^2 without the square root inside abs(): the same values, half the time.
-        power = stft.real.square() + stft.imag.square()
-        log_spec = torch.clamp(self.mel_filters @ power, min=1e-10).log10()
+        n_mels = self.mel_filters.shape[0]
+        if self.device.type != "cpu":
+            if not isinstance(audio, torch.Tensor):
+                audio = self.pad(audio)
+            audio = audio.to(self.device, torch.float32)
+            features = torch.empty(len(audio), n_mels, self.n_frames, device=self.device)
+            return self._log_mel_into(features, audio, self.n_frames)
+        features = torch.empty(len(audio), n_mels, self.n_frames)
+        for row, clip in enumerate(audio):
+            clip = torch.as_tensor(clip[: self.n_samples], dtype=torch.float32)
+            n_active = self._frames_with_audio(_audio_end(clip.numpy()))
+            self._log_mel_into(features[row : row + 1], clip[None], n_active)
+        return features
+
+    def _frames_with_audio(self, end: int) -> int:
+        """How many leading frames see a sample before `end`; every later frame is silence.
+
+        Frame t is centred on sample t * hop and sees [t*hop - n_fft/2, t*hop + n_fft/2).
+        """
+        if end == 0:
+            return 0
+        return min(self.n_frames, -(-(end + self.n_fft // 2) // self.hop_length))
+
+    def _log_mel_into(self, out: torch.Tensor, audio: torch.Tensor, n_active: int) -> torch.Tensor:
+        """Log-mel of (batch, samples) waveforms into `out` (batch, n_mels, n_frames), with the
+        STFT run on the first `n_active` frames only: the rest are silence."""
+        # log10 of the mel power clamped at 1e-10: what a silent frame comes to.
+        out.fill_(-10.0)
+        if n_active > 0:
+            # Samples for frames [0, n_active): the last one ends before (n_active - 1) * hop +
+            # n_fft / 2, so the STFT's reflection at the right-hand end never reaches them.
+            n_samples = min(self.n_samples, (n_active - 1) * self.hop_length + self.n_fft)
+            audio = audio[:, :n_samples]
+            audio = torch.nn.functional.pad(audio, (0, n_samples - audio.shape[1]))
+            stft = torch.stft(
+                audio, self.n_fft, self.hop_length, window=self.window, return_complex=True
+            )
+            # Whisper drops the STFT's last frame (3001 → 3000); n_active <= n_frames does too.
+            stft = stft[..., :n_active]
+            # |z|^2 without the square root inside abs(): the same values, half the time.
+            power = stft.real.square() + stft.imag.square()
+            out[..., :n_active] = torch.clamp(self.mel_filters @ power, min=1e-10).log10()
         # Dynamic range of 80 dB below each clip's loudest bin, then scale to about [-1, 1].
-        peak = log_spec.amax(dim=(1, 2), keepdim=True)
-        log_spec = torch.maximum(log_spec, peak - 8.0)
-        return (log_spec + 4.0) / 4.0
+        peak = out.amax(dim=(1, 2), keepdim=True)
+        torch.maximum(out, peak - 8.0, out=out)
+        return out.add_(4.0).div_(4.0)
+
+
+def _audio_end(samples: np.ndarray, block: int = 16_000) -> int:
+    """One past the last non-zero sample (0 for silence), scanning back one second at a time:
+    trailing padding can be long, and this allocates no index array for the whole clip."""
+    for stop in range(len(samples), 0, -block):
+        nonzero = np.flatnonzero(samples[max(0, stop - block) : stop])
+        if len(nonzero):
+            return max(0, stop - block) + int(nonzero[-1]) + 1
+    return 0
 
 
 @dataclass

@@ -15,11 +15,13 @@ The order inside `prepare_model` matters and is fixed here:
      (a frozen encoder has no backward pass, so recomputing it only costs time).
 
 `--gradient-checkpointing auto` is decided here too (`prepare_model_within_budget`), from the
-estimate in `memory_plan.py`; so is activation offload (`activation_offload`).
+estimate in `memory_plan.py`; so is activation offload (`activation_offload`), and how the loss
+is computed without the full-vocabulary logits (`training_loss`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from collections.abc import Iterable, Iterator
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from whisper_train.collate import IGNORE_INDEX
 from whisper_train.errors import UserError
 
 MODES = ("full", "lora", "freeze-encoder")
@@ -263,6 +266,95 @@ def _narrow_checkpointing(whisper: nn.Module, policy: str) -> None:
         if not per_layer:
             stack = whisper.model.encoder if stack_name == "encoder" else whisper.model.decoder
             stack.gradient_checkpointing = wanted_stack and grad_below
+
+
+# -- the loss ------------------------------------------------------------------------------
+
+# Label tokens whose logits exist at once. 51,866 logits a token: 256 tokens are 53 MB in fp32,
+# where a batch of 16 x 448-token labels would be 1.5 GB, kept until backward.
+LOSS_CHUNK_TOKENS = 256
+
+
+def training_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    """Teacher-forced cross-entropy, the mean over label tokens, without full-vocabulary logits.
+
+    `batch` holds `decoder_input_ids`, `labels` (-100 where there is no loss) and either
+    `input_features` or `encoder_hidden_states` (cached encoder outputs). The model's own
+    forward runs (through any DDP, compile or peft wrapper, so gradients synchronise) with its
+    output projection left out; the logits are then computed only where a label is, not for
+    the prompt prefix or padding, `LOSS_CHUNK_TOKENS` at a time. With checkpointing on, each
+    chunk's logits are recomputed in backward instead of kept: the log-softmax of every label
+    token is the largest tensor a decoder keeps otherwise.
+    """
+    whisper = _whisper_of(_unwrapped(model))
+    inputs = {"decoder_input_ids": batch["decoder_input_ids"]}
+    if "encoder_hidden_states" in batch:
+        from transformers.modeling_outputs import BaseModelOutput
+
+        hidden = batch["encoder_hidden_states"].to(whisper.proj_out.weight.dtype)
+        inputs["encoder_outputs"] = BaseModelOutput(last_hidden_state=hidden)
+    else:
+        inputs["input_features"] = batch["input_features"]
+    with _projection_deferred(whisper):
+        decoder_states = model(**inputs).logits  # (batch, T, d_model): hidden states here
+    labels = batch["labels"].to(decoder_states.device)
+    keep = labels != IGNORE_INDEX
+    states, targets = decoder_states[keep], labels[keep]
+    if len(targets) == 0:  # nothing to learn; a zero that still reaches every parameter
+        return decoder_states.sum() * 0.0
+    recompute = torch.is_grad_enabled() and _checkpointing_on(whisper)
+    weight = whisper.proj_out.weight
+    total = states.new_zeros((), dtype=torch.float32)
+    for start in range(0, len(targets), LOSS_CHUNK_TOKENS):
+        chunk = slice(start, start + LOSS_CHUNK_TOKENS)
+        if recompute:
+            total = total + torch.utils.checkpoint.checkpoint(
+                _summed_cross_entropy, states[chunk], weight, targets[chunk], use_reentrant=False
+            )
+        else:
+            total = total + _summed_cross_entropy(states[chunk], weight, targets[chunk])
+    return total / len(targets)
+
+
+def _summed_cross_entropy(
+    states: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    logits = torch.nn.functional.linear(states, weight)  # half precision under autocast
+    return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum")
+
+
+@contextlib.contextmanager
+def _projection_deferred(whisper: nn.Module) -> Iterator[None]:
+    """Inside, the model's `logits` output is the decoder's hidden states: the output projection
+    (`proj_out`, tied to the token embedding) passes its input through. Only this instance's
+    forward is shadowed: weights, state dict and tying are untouched."""
+    projection = whisper.proj_out
+    projection.forward = _pass_through
+    try:
+        yield
+    finally:
+        del projection.forward
+
+
+def _pass_through(hidden: torch.Tensor) -> torch.Tensor:
+    return hidden
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside DDP (`.module`) and torch.compile (`._orig_mod`) wrappers."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def _checkpointing_on(whisper: nn.Module) -> bool:
+    """Whether any layer (transformers >= 4.53) or stack (older) recomputes in backward."""
+    stacks = (whisper.model.encoder, whisper.model.decoder)
+    if _per_layer_checkpointing(whisper):
+        return any(layer.gradient_checkpointing for stack in stacks for layer in stack.layers)
+    return any(getattr(stack, "gradient_checkpointing", False) for stack in stacks)
 
 
 # -- what is checkpointed and how -----------------------------------------------------------

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from whisper_train.errors import UserError
+from whisper_train.memory import LOSS_CHUNK_TOKENS, training_loss
 
 ENCODER_POSITIONS = 1500  # 3000 log-mel frames, halved by the stride-2 second convolution
 MEL_FRAMES = 3000  # 30 s at 100 frames/s
@@ -190,14 +191,18 @@ def count_saved_bytes(
             keeps_encoder_output = keeps_encoder_output or _saves_cross_input(layer)
     if keeps_encoder_output:
         saved += encoder_output
-    # Final LayerNorm (input and statistics), its output if the output head trains, log-softmax.
+    # The loss (memory.training_loss): the final LayerNorm's input and statistics, and the
+    # label positions picked out of its output.
     saved += full_bytes * (n_dec * d + 2 * n_dec)
-    if any(p.requires_grad for p in whisper.proj_out.parameters()):
-        saved += compute_bytes * n_dec * d
-    logits = 4 * n_dec * vocab
-    saved += logits
-    # At the peak of backward: the logits' gradient, and one checkpointed layer recomputed.
-    working = logits + (largest_layer if checkpointed else 0)
+    logits = 4 * min(n_dec, LOSS_CHUNK_TOKENS) * vocab  # one chunk's
+    if checkpointed:  # chunks keep their inputs; their logits are recomputed in backward
+        saved += full_bytes * n_dec * d
+        working = logits + largest_layer  # plus one checkpointed layer recomputed
+    else:  # the output head's input if it trains, and every chunk's log-softmax
+        if any(p.requires_grad for p in whisper.proj_out.parameters()):
+            saved += compute_bytes * n_dec * d
+        saved += 4 * n_dec * vocab
+        working = logits
     return {"device": saved, "checkpoint_inputs": checkpoint_inputs, "working": working}
 
 
@@ -375,7 +380,11 @@ def probe_saved_bytes(
     whisper = _whisper_of(model)
     layers = [*whisper.model.encoder.layers, *whisper.model.decoder.layers]
     handles = [layer.register_forward_pre_hook(before_layer, with_kwargs=True) for layer in layers]
-    labels = decoder_input_ids.clone()
+    batch = {
+        "input_features": input_features,
+        "decoder_input_ids": decoder_input_ids,
+        "labels": decoder_input_ids.clone(),
+    }
     was_training = model.training
     model.train()
     try:
@@ -387,9 +396,7 @@ def probe_saved_bytes(
                 enabled=autocast_dtype is not None,
             ),
         ):
-            loss = model(
-                input_features=input_features, decoder_input_ids=decoder_input_ids, labels=labels
-            ).loss
+            loss = training_loss(model, batch)  # the loss training computes
         del loss  # the graph (and everything it saved) is freed without a backward pass
     finally:
         for handle in handles:

@@ -27,7 +27,6 @@ from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
-from transformers.modeling_outputs import BaseModelOutput
 
 from whisper_train import checkpoints, doctor, memory
 from whisper_train.collate import IGNORE_INDEX, SpeechCollator
@@ -44,6 +43,7 @@ from whisper_train.errors import UserError
 from whisper_train.evaluate import generate_texts, get_normalizer, score
 from whisper_train.features import LogMel, SpeechDataset
 from whisper_train.labels import LabelEncoder, configure_generation, language_code
+from whisper_train.memory import training_loss
 from whisper_train.models import is_multilingual, load_model
 from whisper_train.report import write_curves_png
 from whisper_train.sampling import LengthGroupedBatchSampler
@@ -581,24 +581,6 @@ def compare_with_baseline(
         f"baseline WER {100 * before.wer:.2f}% -> fine-tuned {100 * after.wer:.2f}%; "
         f"see {output_dir / 'report.md'}"
     )
-
-
-def training_loss(model, batch: dict) -> torch.Tensor:
-    """Teacher-forced cross-entropy over unmasked label tokens (mean over tokens)."""
-    if "encoder_hidden_states" in batch:
-        hidden = batch["encoder_hidden_states"].to(next(model.parameters()).dtype)
-        outputs = model(
-            encoder_outputs=BaseModelOutput(last_hidden_state=hidden),
-            decoder_input_ids=batch["decoder_input_ids"],
-            labels=batch["labels"],
-        )
-    else:
-        outputs = model(
-            input_features=batch["input_features"],
-            decoder_input_ids=batch["decoder_input_ids"],
-            labels=batch["labels"],
-        )
-    return outputs.loss
 
 
 def data_parallel_loss(model, batch: dict, accelerator) -> tuple[torch.Tensor, float]:

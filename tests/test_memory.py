@@ -206,6 +206,22 @@ def test_training_loss_equals_the_models_own_loss_and_gradients(mode, policy, mo
         torch.testing.assert_close(grad, their_grads[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_adapters_on_the_output_head_keep_their_gradient():
+    """LoRA on proj_out changes the logits: the loss must come from the model, not the bare
+    weight, or the head's adapters would silently get no gradient."""
+    settings = LoraSettings(r=4, alpha=8, dropout=0.0, targets=("q_proj", "proj_out"))
+    model = prepare_model(fresh_model(), mode="lora", lora=settings).train()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.05)
+    batch = tiny_batch()
+    torch.testing.assert_close(training_loss(model, batch), model(**batch).loss)
+    training_loss(model, batch).backward()
+    head = [p.grad for n, p in model.named_parameters() if "proj_out.lora" in n]
+    assert head and all(grad is not None and grad.abs().sum() > 0 for grad in head)
+
+
 def test_training_loss_from_cached_encoder_outputs_equals_the_loss_from_audio():
     model = prepare_model(fresh_model(), mode="freeze-encoder").train()
     batch = tiny_batch()

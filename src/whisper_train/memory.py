@@ -295,6 +295,9 @@ def training_loss(model: nn.Module, batch: dict) -> torch.Tensor:
         inputs["encoder_outputs"] = BaseModelOutput(last_hidden_state=hidden)
     else:
         inputs["input_features"] = batch["input_features"]
+    if type(whisper.proj_out) is not nn.Linear:
+        # Adapters on the output head (peft wraps it): only the model knows its logits.
+        return model(**inputs, labels=batch["labels"]).loss
     with _projection_deferred(whisper):
         decoder_states = model(**inputs).logits  # (batch, T, d_model): hidden states here
     labels = batch["labels"].to(decoder_states.device)

@@ -75,7 +75,7 @@ def prepare_model(
         raise UserError(
             f"--mode {mode}: the model is already wrapped with PEFT adapters; use --mode lora"
         )
-    whisper = _whisper_of(model)
+    whisper = whisper_of(model)
 
     # 1. Freezing. The encoder's positions are fixed sinusoids; transformers 5.x from_pretrained
     # leaves them trainable, so full fine-tuning would otherwise drift them.
@@ -177,7 +177,7 @@ def _is_peft_model(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
-def _whisper_of(model: nn.Module) -> nn.Module:
+def whisper_of(model: nn.Module) -> nn.Module:
     """The `WhisperForConditionalGeneration` inside `model` (itself, or under a peft wrapper)."""
     base = model.get_base_model() if _is_peft_model(model) else model
     if not (hasattr(base, "model") and hasattr(base.model, "encoder")):
@@ -286,7 +286,7 @@ def training_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     chunk's logits are recomputed in backward instead of kept: the log-softmax of every label
     token is the largest tensor a decoder keeps otherwise.
     """
-    whisper = _whisper_of(_unwrapped(model))
+    whisper = whisper_of(_unwrapped(model))
     inputs = {"decoder_input_ids": batch["decoder_input_ids"]}
     if "encoder_hidden_states" in batch:
         from transformers.modeling_outputs import BaseModelOutput

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from whisper_train.errors import UserError
-from whisper_train.memory import LOSS_CHUNK_TOKENS, training_loss
+from whisper_train.memory import LOSS_CHUNK_TOKENS, training_loss, whisper_of
 
 ENCODER_POSITIONS = 1500  # 3000 log-mel frames, halved by the stride-2 second convolution
 MEL_FRAMES = 3000  # 30 s at 100 frames/s
@@ -136,7 +136,7 @@ def count_saved_bytes(
     Returns {"device": all saved bytes, "checkpoint_inputs": the part that checkpointed layers
     keep (their inputs), "working": transient bytes at the peak}.
     """
-    whisper = _whisper_of(model)
+    whisper = whisper_of(model)
     config = whisper.config
     d, vocab = config.d_model, config.vocab_size
     n_enc = config.max_source_positions  # encoder positions (1500 for real models)
@@ -334,13 +334,6 @@ def _checkpointed_layers(whisper: nn.Module, policy: str) -> set[tuple[str, int]
     return chosen
 
 
-def _whisper_of(model: nn.Module) -> nn.Module:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if not (hasattr(base, "model") and hasattr(base.model, "encoder")):
-        raise UserError(f"{type(base).__name__}: not a Whisper encoder-decoder model")
-    return base
-
-
 # -- measuring saved activations --------------------------------------------------------------
 
 
@@ -377,7 +370,7 @@ def probe_saved_bytes(
                 if isinstance(value, torch.Tensor):
                     remember(value)
 
-    whisper = _whisper_of(model)
+    whisper = whisper_of(model)
     layers = [*whisper.model.encoder.layers, *whisper.model.decoder.layers]
     handles = [layer.register_forward_pre_hook(before_layer, with_kwargs=True) for layer in layers]
     batch = {
@@ -412,7 +405,7 @@ def checkpointing_policy(model: nn.Module, policy: str) -> Iterator[None]:
     The model must have checkpointing enabled (any policy) for a policy other than off to act;
     `memory.prepare_model(..., checkpointing="full")` does that.
     """
-    whisper = _whisper_of(model)
+    whisper = whisper_of(model)
     chosen = _checkpointed_layers(whisper, policy)
     stacks = {"encoder": whisper.model.encoder.layers, "decoder": whisper.model.decoder.layers}
     before = {}
@@ -434,7 +427,7 @@ def calibrate(model: nn.Module, *, label_tokens: int = 32, policy: str = "off") 
     1.0 for the layers this module counts; a model with other layers moves it. "off" sees
     every layer's internals; "full" needs far less memory but only sees the layers' inputs.
     """
-    whisper = _whisper_of(model)
+    whisper = whisper_of(model)
     device = next(model.parameters()).device
     features = torch.randn(
         1, whisper.config.num_mel_bins, 2 * whisper.config.max_source_positions, device=device
@@ -520,7 +513,7 @@ def _probe_scale(model: nn.Module, label_tokens: int) -> float:
     """`calibrate` without checkpointing, or with it where one sample's activations do not fit;
     1.0 (the count alone) when neither fits or checkpointing is not enabled on the model."""
     checkpointable = getattr(
-        _whisper_of(model).model.encoder.layers[0], "_gradient_checkpointing_func", None
+        whisper_of(model).model.encoder.layers[0], "_gradient_checkpointing_func", None
     )
     for policy in ("off", "full") if checkpointable else ("off",):
         try:

@@ -307,7 +307,8 @@ def training_loss(model: nn.Module, batch: dict) -> torch.Tensor:
         return decoder_states.sum() * 0.0
     recompute = torch.is_grad_enabled() and _checkpointing_on(whisper)
     weight = whisper.proj_out.weight
-    total = states.new_zeros((), dtype=torch.float32)
+    # Summed in float32 at least (16-bit logits under autocast); a float64 model stays float64.
+    total = states.new_zeros((), dtype=torch.promote_types(states.dtype, torch.float32))
     for start in range(0, len(targets), LOSS_CHUNK_TOKENS):
         chunk = slice(start, start + LOSS_CHUNK_TOKENS)
         if recompute:
@@ -323,7 +324,8 @@ def _summed_cross_entropy(
     states: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
 ) -> torch.Tensor:
     logits = torch.nn.functional.linear(states, weight)  # half precision under autocast
-    return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum")
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
 
 
 @contextlib.contextmanager

@@ -85,7 +85,11 @@ def test_clean_data_reports_totals_formats_and_no_problems(clean_data):
     assert report.sample_rates == {16_000: 3} and report.channels == {1: 3}
     assert report.languages == {"en": 3}
     assert report.problems == [] and report.notes == []
-    assert [count for _, count in report.histogram()] == [2, 0, 1]  # 0-2.5, 2.5-5, 5-7.5 s
+    # 1, 2 and 6 s: ten half-second bins from 1 to 6 s.
+    histogram = report.histogram()
+    assert [(start, end) for start, end, _ in histogram][:2] == [(1.0, 1.5), (1.5, 2.0)]
+    assert histogram[-1][1] == 6.0 and len(histogram) == 10
+    assert [count for _, _, count in histogram] == [1, 0, 1, 0, 0, 0, 0, 0, 0, 1]
     text = format_report(report)
     assert "3 clips" in text and "0 problems" in text and "#" in text
 
@@ -148,3 +152,74 @@ def test_exit_codes_json_and_png(messy_data, clean_data, tmp_path, capsys):
 def test_histogram_png_marks_the_30_s_window(clean_data, tmp_path):
     path = write_histogram_png(check_data(clean_data), tmp_path / "h.png")
     assert path.stat().st_size > 1000
+
+
+def test_histogram_bins_suit_the_durations(tmp_path):
+    """One-second clips are not lumped into one wide bin; bins span the data in round widths."""
+    for index, seconds in enumerate([0.8, 0.9, 1.0, 1.0, 1.1, 1.3]):
+        write_wav(tmp_path / f"c{index}.wav", seconds, hz=300 + 50 * index)
+    rows = [{"audio": f"c{index}.wav", "text": f"clip {index}"} for index in range(6)]
+    report = check_data(write_manifest(tmp_path, rows))
+
+    histogram = report.histogram()
+    assert [(start, end) for start, end, _ in histogram] == [
+        (0.8, 0.9),
+        (0.9, 1.0),
+        (1.0, 1.1),
+        (1.1, 1.2),
+        (1.2, 1.3),
+    ]
+    assert [count for _, _, count in histogram] == [1, 1, 2, 1, 1]  # the last bin holds 1.3 s
+    text = format_report(report)
+    assert "  1.0-1.1 s      2 ####" in text
+    as_json = report.to_dict()["histogram"]
+    assert as_json[2] == {"start_s": 1.0, "end_s": 1.1, "clips": 2}
+
+
+@pytest.mark.parametrize(
+    "shortest,longest", [(1.0, 1.0), (0.3, 29.7), (1.0, 31.0), (2.0, 3600.0), (0.0, 0.0)]
+)
+def test_histogram_edges_are_round_few_and_cover_the_data(shortest, longest):
+    from whisper_train.checkdata import histogram_edges
+
+    edges = histogram_edges(shortest, longest)
+    widths = np.diff(edges)
+    assert 1 <= len(widths) <= 13 and np.allclose(widths, widths[0])
+    # The data lies inside, and no bin at either end is past it.
+    assert edges[0] <= shortest < edges[1] and edges[-1] >= longest
+    assert len(widths) == 1 or edges[-2] < longest
+    mantissa = widths[0] / 10 ** np.floor(np.log10(widths[0]))
+    assert any(np.isclose(mantissa, m) for m in (1, 2, 2.5, 5))
+
+
+def test_label_lengths_in_tokens_are_reported_with_a_model(messy_data, tmp_path, capsys):
+    report = check_data(messy_data, model=english_tokenizer())
+    summary = report.label_summary()
+    # Nine non-empty labels: eight short ones and 300 CJK characters (over 448 tokens).
+    assert len(report.label_tokens) == 9
+    # "hello there": 2 tokens + the 5 of prefix and <|endoftext|>; 語 is 2 tokens (+ a space).
+    assert summary == {"min": 7, "median": 7, "max": 606, "over_limit": 1, "limit": 448}
+    text = format_report(report)
+    assert (
+        f"min {summary['min']}, median {summary['median']:g}, max {summary['max']} tokens" in text
+    )
+    assert "1 over 448" in text
+
+    # The command line says the same, in text and in JSON.
+    tokenizer_dir = tmp_path / "tok"
+    english_tokenizer().save_pretrained(tokenizer_dir)
+    assert main(["check-data", str(messy_data), "--model", str(tokenizer_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"tokenizer: min {summary['min']}, median" in out and "1 over 448" in out
+    assert main(["check-data", str(messy_data), "--model", str(tokenizer_dir), "--json"]) == 0
+    as_json = json.loads(capsys.readouterr().out)
+    assert as_json["label_token_summary"] == summary
+    assert sorted(as_json["label_tokens"]) == sorted(report.label_tokens)
+
+
+def test_without_a_model_no_token_figures_are_claimed(clean_data):
+    report = check_data(clean_data)
+    assert report.label_summary() is None and report.to_dict()["label_token_summary"] is None
+    text = format_report(report)
+    assert "labels measured in characters (pass --model" in text
+    assert text.count("median") == 1  # the durations' only

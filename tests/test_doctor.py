@@ -43,6 +43,56 @@ def test_whisper_train_configurations_pass(mode, policy):
     assert checks["reentrant"].status == "pass"
 
 
+def test_lora_report_explains_the_zero_gradients_of_lora_a():
+    """LoRA B starts at zero, so A's gradient is zero at step 0: reported as by design."""
+    report = doctor.run(model_copy(), tiny_batch(), mode="lora", checkpointing="full", lora=LORA)
+    parity = by_id(report)["parity"]
+    assert parity.status == "pass", parity.message
+    # q_proj and v_proj in 2 encoder self-attentions and 2 decoder self- and cross-attentions,
+    # each an A and a B matrix: 24 tensors, the 12 A matrices with a zero gradient.
+    assert parity.message.startswith("all 24 trainable tensors get a gradient, 12 non-zero;")
+    assert "the other 12 are LoRA A matrices" in parity.message
+    assert "LoRA B starts at zero" in parity.message
+
+
+def test_lora_with_a_trained_b_needs_no_explanation():
+    model = prepare_model(model_copy(), mode="lora", checkpointing="full", lora=LORA)
+    torch.manual_seed(1)
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter, std=0.01)  # as after some training steps
+    parity = by_id(doctor.run(model, tiny_batch()))["parity"]
+    assert parity.status == "pass"
+    assert parity.message.startswith("all 24 trainable tensors get a gradient, 24 non-zero;")
+    assert "LoRA" not in parity.message
+
+
+def test_a_zero_gradient_lora_does_not_explain_fails():
+    """A cut-off path (fc2 zeroed: fc1 and the layer norm before it learn nothing) is not
+    LoRA's doing."""
+    model = prepare_model(model_copy(), mode="full", checkpointing="full")
+    with torch.no_grad():
+        model.model.decoder.layers[1].fc2.weight.zero_()
+    report = doctor.run(model, tiny_batch())
+    parity = by_id(report)["parity"]
+    assert not report.ok and parity.status == "fail"
+    assert parity.message.startswith("4 trainable tensors get an all-zero gradient (e.g. ")
+    assert "decoder.layers.1.fc1." in parity.message
+
+
+def test_a_trainable_parameter_without_any_gradient_fails():
+    """None, not zero: the loss never reaches it, with or without checkpointing."""
+    model = prepare_model(model_copy(), mode="full", checkpointing="full")
+    model.model.decoder.unused_scale = torch.nn.Parameter(torch.ones(4))
+    report = doctor.run(model, tiny_batch())
+    parity = by_id(report)["parity"]
+    assert not report.ok and parity.status == "fail"
+    assert parity.message == (
+        "1 trainable parameters get no gradient, with or without checkpointing "
+        "(e.g. model.decoder.unused_scale): the loss does not depend on them"
+    )
+
+
 def test_lora_wrapped_first_under_reentrant_checkpointing_fails_with_t2():
     report = doctor.run(peft_first_then_reentrant(), tiny_batch())
     assert not report.ok
@@ -163,7 +213,8 @@ def test_doctor_command_prints_json_and_exits_0_for_our_configuration(tiny_whisp
     )
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["ok"] is True
-    assert {c["id"]: c["status"] for c in out["checks"]}["parity"] == "pass"
+    parity = {c["id"]: c for c in out["checks"]}["parity"]
+    assert parity["status"] == "pass" and "LoRA B starts at zero" in parity["message"]
 
 
 def test_doctor_command_exits_1_when_a_check_fails(tiny_whisper_dir, monkeypatch, capsys):

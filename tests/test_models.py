@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -26,9 +28,98 @@ def test_run_folder_resolves_to_its_final_model(tmp_path, tiny_whisper_dir):
     assert torch.equal(model.proj_out.weight, reference.proj_out.weight)
 
 
-def test_hub_id_offline_is_one_clear_error():
-    with pytest.raises(UserError, match=r"--model openai/whisper-nonexistent-xyz: could not load"):
+def hub_answers(monkeypatch, error: Exception | None) -> list[str]:
+    """Make every download transformers asks huggingface_hub for raise `error` (what the hub
+    library raises when the hub is down or has no such repository); returns the ids asked for."""
+    import transformers.utils.hub
+
+    asked: list[str] = []
+
+    def download(repo_id, *args, **kwargs):
+        asked.append(repo_id)
+        raise error
+
+    monkeypatch.setattr(transformers.utils.hub, "hf_hub_download", download)
+    monkeypatch.setattr(transformers.utils.hub, "snapshot_download", download)
+    return asked
+
+
+def http_error(kind, status: int):
+    from huggingface_hub.utils import httpx
+
+    request = httpx.Request("HEAD", "https://huggingface.co/runs/nope/resolve/main/config.json")
+    return kind(f"{status} Client Error", response=httpx.Response(status, request=request))
+
+
+def test_a_missing_folder_that_could_be_a_hub_id_says_both_when_the_hub_is_unreachable(
+    monkeypatch, tmp_path
+):
+    from huggingface_hub import constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    # What huggingface_hub raises when a look-up gets no answer and nothing is cached.
+    unreachable = LocalEntryNotFoundError("An error happened while trying to locate the file")
+    unreachable.__cause__ = ConnectionError("[Errno -2] Name or service not known")
+    asked = hub_answers(monkeypatch, unreachable)
+
+    with pytest.raises(UserError) as caught:
+        load_model("runs/nope")
+    message = str(caught.value)
+    assert message.startswith(f"--model runs/nope: no such folder (looked in {tmp_path})")
+    assert "tried as a hub id, the model hub could not be reached;" in message
+    assert "\n" not in message and "HF_HUB_OFFLINE" not in message
+    assert set(asked) == {"runs/nope"}
+
+
+def test_a_missing_folder_that_could_be_a_hub_id_says_both_when_the_hub_has_no_such_model(
+    monkeypatch,
+):
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    hub_answers(monkeypatch, http_error(RepositoryNotFoundError, 404))
+    with pytest.raises(UserError, match=r"^--model runs/nope: no such folder .*") as caught:
+        load_model("runs/nope")
+    assert "tried as a hub id, the model hub has no model runs/nope;" in str(caught.value)
+
+
+def test_hub_id_in_offline_mode_names_the_setting():
+    """conftest sets HF_HUB_OFFLINE, as a user's sandbox might: the real call, no fakes."""
+    with pytest.raises(UserError) as caught:
         load_model("openai/whisper-nonexistent-xyz")
+    message = str(caught.value)
+    assert message.startswith("--model openai/whisper-nonexistent-xyz: no such folder")
+    assert "could not be reached (HF_HUB_OFFLINE is set)" in message
+
+
+@pytest.mark.parametrize(
+    "spec", ["./runs/nope", "/abs/path/nope", "../nope", "a/b/c", "model.bin", "~/nope-xyz"]
+)
+def test_a_missing_path_that_cannot_be_a_hub_id_is_only_a_missing_folder(monkeypatch, spec):
+    asked = hub_answers(monkeypatch, AssertionError("the hub must not be asked"))
+    with pytest.raises(UserError, match=rf"^--model {re.escape(spec)}: no such folder") as caught:
+        load_model(spec)
+    assert "hub id," not in str(caught.value) and asked == []
+
+
+def test_a_hub_id_still_loads_from_the_hub(monkeypatch, tmp_path, tiny_whisper_dir):
+    """A real user's `--model openai/whisper-small`: served here from a huggingface_hub cache
+    (the layout a download leaves), through the same transformers calls as a download."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    repo = tmp_path / "hub" / "models--openai--whisper-small"
+    shutil.copytree(tiny_whisper_dir, repo / "snapshots" / "0123abc")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+
+    model, processor = load_model("openai/whisper-small")
+    reference, _ = load_model(str(tiny_whisper_dir))
+    assert torch.equal(model.proj_out.weight, reference.proj_out.weight)
+    assert processor.tokenizer.pad_token == "<|endoftext|>"
 
 
 def test_non_whisper_config_is_refused(tmp_path):

@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import json
 import math
+import statistics
 import unicodedata
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import soundfile
 
 from whisper_train.audio import CHUNK_LENGTH
@@ -37,7 +39,12 @@ LABEL_OVERHEAD_TOKENS = 5
 # Without a tokenizer, labels are measured in characters: English BPE averages ~4 characters a
 # token, so 2 characters a token is a cautious bound for "probably over 448 tokens".
 CHARS_PER_TOKEN_ESTIMATE = 2
-HISTOGRAM_BIN_SECONDS = 2.5
+# Histogram bins: round widths (1, 2, 2.5 or 5 times a power of ten) spanning the data, at most
+# HISTOGRAM_MAX_BINS of them; bins are sized as if the data spanned at least
+# HISTOGRAM_MIN_SPAN_SECONDS, so they are never narrower than a tenth of a second (finer bins
+# only scatter clips of the same length over several bars).
+HISTOGRAM_MAX_BINS = 12
+HISTOGRAM_MIN_SPAN_SECONDS = 1.0
 BAR_WIDTH = 40
 # A character used in this few rows of a dataset at least RARE_MIN_ROWS long is likely a typo.
 RARE_MAX_ROWS = 2
@@ -83,6 +90,8 @@ class DataReport:
     channels: dict[int, int] = field(default_factory=dict)  # channel count → files
     languages: dict[str, int] = field(default_factory=dict)  # code (or "unspecified") → clips
     tokenizer: str | None = None  # name of the tokenizer that measured labels, if any
+    # Tokens per non-empty label, prefix and <|endoftext|> included; empty without a tokenizer.
+    label_tokens: list[int] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
 
     @property
@@ -101,22 +110,58 @@ class DataReport:
         """{kind: number of findings}, problems and notes alike."""
         return dict(Counter(f.kind for f in self.findings))
 
-    def histogram(self, bin_seconds: float = HISTOGRAM_BIN_SECONDS) -> list[tuple[float, int]]:
-        """[(bin start in s, clips)] from 0 to the longest clip, empty bins included."""
+    def histogram(self) -> list[tuple[float, float, int]]:
+        """[(bin start in s, bin end in s, clips)] over the shortest to the longest clip, in at
+        most HISTOGRAM_MAX_BINS bins of a round width; empty bins inside the range included."""
         if not self.durations:
             return []
-        n_bins = int(max(self.durations) // bin_seconds) + 1
-        counts = Counter(int(seconds // bin_seconds) for seconds in self.durations)
-        return [(index * bin_seconds, counts.get(index, 0)) for index in range(n_bins)]
+        edges = histogram_edges(min(self.durations), max(self.durations))
+        counts, _ = np.histogram(self.durations, bins=edges)
+        return [
+            (float(start), float(end), int(count))
+            for start, end, count in zip(edges[:-1], edges[1:], counts, strict=True)
+        ]
+
+    def label_summary(self) -> dict[str, Any] | None:
+        """Label lengths in tokens (min, median, max, how many over the decoder's limit), or
+        None when no tokenizer measured them."""
+        if not self.label_tokens:
+            return None
+        return {
+            "min": min(self.label_tokens),
+            "median": statistics.median(self.label_tokens),
+            "max": max(self.label_tokens),
+            "over_limit": sum(n > MAX_LABEL_TOKENS for n in self.label_tokens),
+            "limit": MAX_LABEL_TOKENS,
+        }
 
     def to_dict(self) -> dict[str, Any]:
         result = asdict(self)
         result["durations"] = [round(seconds, 3) for seconds in self.durations]
         result["hours"] = round(self.hours, 4)
-        result["histogram"] = [{"start_s": s, "clips": n} for s, n in self.histogram()]
+        result["histogram"] = [
+            {"start_s": round(start, 6), "end_s": round(end, 6), "clips": n}
+            for start, end, n in self.histogram()
+        ]
+        result["label_token_summary"] = self.label_summary()
         result["problem_count"] = len(self.problems)
         result["counts"] = self.counts()
         return result
+
+
+def histogram_edges(shortest: float, longest: float) -> np.ndarray:
+    """Bin edges of a round width from at or below `shortest` to at or above `longest`."""
+    from matplotlib.ticker import MaxNLocator  # the axis-tick rule: round steps, bounded count
+
+    high = max(longest, shortest + HISTOGRAM_MIN_SPAN_SECONDS)
+    locator = MaxNLocator(nbins=HISTOGRAM_MAX_BINS, steps=[1, 2, 2.5, 5, 10])
+    ticks = locator.tick_values(shortest, high)
+    ticks = np.round(ticks, 9)  # 0.30000000000000004 → 0.3, so a clip of 0.3 s starts a bin
+    # The locator may add ticks beyond the data (and the minimum span adds more): keep one edge
+    # at or outside each end; numpy's last bin includes its right edge.
+    first = max(i for i, tick in enumerate(ticks) if tick <= shortest)
+    last = min(i for i, tick in enumerate(ticks) if tick >= longest and i > first)
+    return ticks[first : last + 1]
 
 
 def check_data(
@@ -236,6 +281,7 @@ def _check_labels(examples: Sequence[Example], tokenizer: Any, report: DataRepor
         if tokenizer is not None:
             n_tokens = len(tokenizer.encode(" " + text, add_special_tokens=False))
             n_tokens += LABEL_OVERHEAD_TOKENS
+            report.label_tokens.append(n_tokens)
             if n_tokens > MAX_LABEL_TOKENS:
                 report.findings.append(Finding("long_label", origin, f"{n_tokens} tokens"))
         elif len(text) > MAX_LABEL_TOKENS * CHARS_PER_TOKEN_ESTIMATE:
@@ -305,18 +351,18 @@ def format_report(report: DataReport) -> str:
             f"max {max(report.durations):.1f} s"
         )
         histogram = report.histogram()
-        peak = max(count for _, count in histogram)
-        for start, count in histogram:
+        peak = max(count for _, _, count in histogram)
+        # As many decimals as the bin width needs (0.1 → 1, 2.5 → 1, 50 → 0), aligned.
+        decimals = max(len(f"{end:g}".partition(".")[2]) for _, end, _ in histogram)
+        width = len(f"{histogram[-1][1]:.{decimals}f}")
+        for start, end, count in histogram:
             bar = "#" * math.ceil(BAR_WIDTH * count / peak) if count else ""
-            lines.append(f"  {start:5.1f}-{start + HISTOGRAM_BIN_SECONDS:5.1f} s {count:6d} {bar}")
+            span = f"{start:{width}.{decimals}f}-{end:{width}.{decimals}f} s"
+            lines.append(f"  {span} {count:6d} {bar}")
     lines.append("sample rates: " + _counts(report.sample_rates, " Hz") + " (files)")
     lines.append("channels: " + _counts(report.channels, "") + " (files)")
     lines.append("languages: " + _counts(report.languages, ""))
-    lines.append(
-        f"labels measured with {report.tokenizer}"
-        if report.tokenizer
-        else "labels measured in characters (pass --model to count tokens)"
-    )
+    lines.append(_label_line(report))
 
     for title, kinds in (("problems", PROBLEM_KINDS), ("notes", NOTE_KINDS)):
         found = [f for f in report.findings if f.kind in kinds]
@@ -333,6 +379,19 @@ def format_report(report: DataReport) -> str:
                     f"    ... and {len(of_kind) - LISTED_PER_KIND} more (--json lists all)"
                 )
     return "\n".join(lines)
+
+
+def _label_line(report: DataReport) -> str:
+    if not report.tokenizer:
+        return "labels measured in characters (pass --model to count tokens)"
+    summary = report.label_summary()
+    if summary is None:
+        return f"labels measured with {report.tokenizer}: no non-empty labels"
+    return (
+        f"labels measured with {report.tokenizer}: min {summary['min']}, median "
+        f"{summary['median']:g}, max {summary['max']} tokens (prefix and <|endoftext|> "
+        f"included), {summary['over_limit']} over {MAX_LABEL_TOKENS}"
+    )
 
 
 def _counts(counts: dict[Any, int], unit: str) -> str:
@@ -352,9 +411,9 @@ def write_histogram_png(report: DataReport, path: str | Path) -> Path:
     histogram = report.histogram()
     figure, axes = plt.subplots(figsize=(7, 3.5))
     axes.bar(
-        [start for start, _ in histogram],
-        [count for _, count in histogram],
-        width=HISTOGRAM_BIN_SECONDS,
+        [start for start, _, _ in histogram],
+        [count for _, _, count in histogram],
+        width=[end - start for start, end, _ in histogram],
         align="edge",
         edgecolor="black",
     )

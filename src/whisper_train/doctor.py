@@ -686,7 +686,16 @@ def _compare(model, reference, state, probe: _Probe) -> Check:
             NON_REENTRANT_REMEDY,
             "T2",
         )
-    nonzero = {n for n, p in trained.items() if p.grad is not None and p.grad.abs().sum() > 0}
+    unreached = [n for n, p in trained.items() if p.grad is None]
+    if unreached:
+        return Check(
+            "parity",
+            "fail",
+            f"{len(unreached)} trainable parameters get no gradient, with or without "
+            f"checkpointing (e.g. {unreached[0]}): the loss does not depend on them",
+            "freeze them (requires_grad=False), or check that the forward pass uses them",
+        )
+    nonzero = {n for n, p in trained.items() if p.grad.abs().sum() > 0}
     ref_nonzero = {
         n
         for n, p in ref_params.items()
@@ -727,15 +736,52 @@ def _compare(model, reference, state, probe: _Probe) -> Check:
             "the model must be in training mode; check the checkpoint function",
             "T5",
         )
+    # LoRA B starts at zero, so at step 0 the gradient reaching every A matrix is zero (it is
+    # B's transpose times the upstream gradient): expected, and non-zero after one update.
+    zero = sorted(set(trained) - nonzero)
+    lora_a = _lora_a_behind_zero_b(model)
+    unexplained = [n for n in zero if n not in lora_a]
+    if unexplained:
+        return Check(
+            "parity",
+            "fail",
+            f"{len(unexplained)} trainable tensors get an all-zero gradient (e.g. "
+            f"{unexplained[0]}), with or without checkpointing",
+            "freeze them (requires_grad=False), or check what cuts them off from the loss",
+        )
     recomputed = (
         f"{len(state['modules'])} layers recomputed" if state["enabled"] else "checkpointing off"
+    )
+    explained = (
+        f"; the other {len(zero)} are LoRA A matrices, zero at step 0 by design because LoRA B "
+        "starts at zero"
+        if zero
+        else ""
     )
     return Check(
         "parity",
         "pass",
-        f"{len(nonzero)} of {len(trained)} trainable tensors get a non-zero gradient, "
-        f"as without checkpointing; max abs difference {max_diff:.3g}; {recomputed}",
+        f"all {len(trained)} trainable tensors get a gradient, {len(nonzero)} non-zero"
+        f"{explained}; the same as without checkpointing; max abs difference {max_diff:.3g}; "
+        f"{recomputed}",
     )
+
+
+def _lora_a_behind_zero_b(model: nn.Module) -> set[str]:
+    """Names of the LoRA A weights whose B partner is all zero (PEFT's initialisation)."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return set()
+    names = {id(p): n for n, p in model.named_parameters()}
+    found = set()
+    for module in model.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        for adapter, b in module.lora_B.items():
+            if adapter in module.lora_A and not any(w.any() for w in b.parameters()):
+                found.update(names[id(w)] for w in module.lora_A[adapter].parameters())
+    return found
 
 
 def _check_stale_graph(model: nn.Module) -> Check:

@@ -8,6 +8,8 @@ Accepted, in this order:
   3. a Hugging Face model folder (config.json + weights + processor files);
   4. a CTranslate2 / faster-whisper folder (model.bin + config.json + tokenizer.json);
   5. a hub id such as openai/whisper-small, when the hub is reachable.
+A value that looks like a path but exists nowhere is reported as a missing folder, not sent to
+the hub; `runs/nope` reads as a path and as a hub id, so its error says what both attempts found.
 The model comes back in float32 (master weights; mixed precision is the training loop's job).
 """
 
@@ -25,6 +27,7 @@ from whisper_train.errors import UserError
 
 log = logging.getLogger(__name__)
 
+# A loose `owner/name` pattern (export.py uses it); load_model asks `could_be_hub_id`.
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 ENGLISH_ONLY_VOCAB = 51864  # multilingual checkpoints have 51865 (large-v3: 51866)
 
@@ -45,15 +48,16 @@ def load_model(
 ) -> tuple[WhisperForConditionalGeneration, WhisperProcessor]:
     """`--model` → (model in float32, processor). Raises UserError for anything unusable."""
     resolved = resolve_alias(spec)
-    path = Path(resolved).expanduser()
+    path = _expand(resolved)
     if path.exists():
         model, processor = _load_local(path, spec, attn_implementation)
-    elif HUB_ID.match(resolved):
-        model, processor = _load_hub(resolved, attn_implementation)
+    elif could_be_hub_id(resolved):
+        model, processor = _load_hub(resolved, spec, attn_implementation)
     else:
         raise UserError(
-            f"--model {spec}: no such folder; pass a Hugging Face or CTranslate2 model folder, "
-            "a hub id such as openai/whisper-small, or tiny.en"
+            f"--model {spec}: no such folder{_looked_in(path)}; pass a Hugging Face or "
+            "CTranslate2 model folder, a whisper-train output folder, a hub id such as "
+            "openai/whisper-small, or tiny.en"
         )
     if any(p.dtype != torch.float32 for p in model.parameters()):
         model = model.float()
@@ -86,17 +90,100 @@ def _load_local(path: Path, spec: str, attn_implementation: str):
     )
 
 
-def _load_hub(hub_id: str, attn_implementation: str):
+def could_be_hub_id(spec: str) -> bool:
+    """Exactly `owner/name` in the hub's characters (huggingface_hub's own rules).
+
+    Whisper checkpoints all live under an owner, so a bare name is not tried; `./x`, `/x/y`,
+    `../x`, `a/b/c`, `~/x` and `model.bin` can only be paths.
+    """
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if spec.count("/") != 1:
+        return False
     try:
-        return _from_pretrained(hub_id, hub_id, attn_implementation)
+        validate_repo_id(spec)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _expand(spec: str) -> Path:
+    try:
+        return Path(spec).expanduser()
+    except RuntimeError:  # `~someone/x` for an unknown user: a folder that is not there
+        return Path(spec)
+
+
+def _looked_in(path: Path) -> str:
+    """Where a relative path was looked for: the current folder is often not the one meant."""
+    return "" if path.is_absolute() else f" (looked in {Path.cwd()})"
+
+
+def _load_hub(hub_id: str, spec: str, attn_implementation: str):
+    """Load a hub id; `hub_id` was no local folder either, so a failure reports both."""
+    try:
+        return _from_pretrained(hub_id, spec, attn_implementation)
     except UserError:
         raise
     except OSError as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        tried = f"--model {spec}: no such folder{_looked_in(Path(hub_id))}, and tried as a hub id"
+        cause = _hub_failure(exc)
+        if cause == "not found":
+            raise UserError(
+                f"{tried}, the model hub has no model {hub_id}; check the folder path or the hub "
+                "id (e.g. openai/whisper-small)"
+            ) from None
+        if cause == "unreachable":
+            raise UserError(
+                f"{tried}, the model hub could not be reached{_offline_note()}; check the folder "
+                f"path, or {_how_to_download()} (later runs use the local cache)"
+            ) from None
         raise UserError(
-            f"--model {hub_id}: could not load it from the model hub ({first_line[:160]}); "
-            "check the id and your connection, or pass a local model folder or tiny.en"
+            f"{tried}, the model hub refused it ({_first_line(exc)[:160]}); check the folder "
+            "path, or the hub id and your access to it (`hf auth login`)"
         ) from None
+
+
+def _hub_failure(exc: BaseException) -> str:
+    """Why the hub load failed: "not found", "unreachable" or "other", read from the
+    huggingface_hub error that transformers wraps in an OSError (it is in the cause chain)."""
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+    )
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        # A gated repository exists: it needs a token, not another id.
+        if isinstance(seen, RepositoryNotFoundError) and not isinstance(seen, GatedRepoError):
+            return "not found"
+        # huggingface_hub raises LocalEntryNotFoundError when the hub did not answer (offline
+        # mode, DNS, timeout) and nothing is cached; connection errors are its cause.
+        if isinstance(seen, (LocalEntryNotFoundError, OfflineModeIsEnabled)):
+            return "unreachable"
+        seen = seen.__cause__ or seen.__context__
+    return "other"
+
+
+def _offline_note() -> str:
+    from huggingface_hub import constants
+
+    return " (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else ""
+
+
+def _how_to_download() -> str:
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "unset HF_HUB_OFFLINE and connect to download it"
+    return "connect to download it"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _from_pretrained(source: str, spec: str, attn_implementation: str):

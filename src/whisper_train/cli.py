@@ -121,10 +121,19 @@ def _add_demo_parser(subparsers) -> None:
         help="Holds the data, the metrics and the fine-tuned model in final/.",
     )
     parser.add_argument("--model", default="tiny.en", help="Model to fine-tune [default: tiny.en].")
-    parser.add_argument("--train-utterances", type=int, default=128)
-    parser.add_argument("--eval-utterances", type=int, default=32)
-    parser.add_argument("--epochs", type=float, default=4)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--train-utterances", type=int, default=128, help="Synthesised utterances to train on."
+    )
+    parser.add_argument(
+        "--eval-utterances",
+        type=int,
+        default=32,
+        help="Held-out utterances scored before and after fine-tuning.",
+    )
+    parser.add_argument("--epochs", type=float, default=4, help="Passes over the training set.")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="Seeds the synthesised data and training."
+    )
     parser.set_defaults(handler=_run_demo)
 
 
@@ -177,7 +186,26 @@ def build_parser() -> argparse.ArgumentParser:
             if sub.get_default("handler") is None:  # the module's run function handles it
                 sub.set_defaults(handler=getattr(module, run_name))
     _add_demo_parser(subparsers)
+    for sub in subparsers.choices.values():
+        _document_options(sub)
     return parser
+
+
+def _document_options(parser: argparse.ArgumentParser) -> None:
+    """Every command's options read alike: a placeholder named like the flag's last word
+    (`--batch-size SIZE`) and the default at the end of the help text."""
+    for action in parser._actions:
+        if not action.option_strings or action.help in (None, argparse.SUPPRESS):
+            continue
+        takes_value = action.nargs != 0
+        if takes_value and action.metavar is None and action.choices is None:
+            action.metavar = _metavar(action.dest)
+        shown = action.default
+        if shown in (None, False, [], "", argparse.SUPPRESS) or "[default:" in action.help:
+            continue
+        if isinstance(shown, (list, tuple)):
+            shown = ",".join(map(str, shown))
+        action.help = f"{action.help} [default: {str(shown).replace('%', '%%')}]"
 
 
 def main(argv: list[str] | None = None) -> int:

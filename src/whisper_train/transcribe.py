@@ -456,7 +456,12 @@ def add_transcribe_parser(subparsers) -> argparse.ArgumentParser:
         default="tiny.en",
         help="CTranslate2 folder (fast path), Hugging Face folder, hub id, run folder, tiny.en.",
     )
-    parser.add_argument("--format", choices=FORMATS, default="txt")
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="txt",
+        help="txt: the text; srt/vtt: subtitles with timestamps; json: the text and timed segments.",
+    )
     parser.add_argument(
         "--output-dir",
         default=None,

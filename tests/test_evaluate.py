@@ -210,3 +210,69 @@ def test_curves_png_from_metrics_jsonl(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(UserError, match="metrics"):
         write_curves_png(tmp_path / "missing.jsonl", tmp_path / "x.png")
+
+
+def _evaluate_argv(model, data, *extra) -> list[str]:
+    return [
+        "evaluate",
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--eval-subset",
+        "2",
+        "--max-length",
+        "4",
+        *extra,
+    ]
+
+
+def test_evaluate_refuses_to_replace_a_report_unless_overwrite(
+    tiny_whisper_dir, tone_dataset, tmp_path, capsys
+):
+    from whisper_train.cli import main
+
+    report = tmp_path / "report.json"
+    report.write_text('{"wer": 0.05, "note": "last week"}')
+    argv = _evaluate_argv(tiny_whisper_dir, tone_dataset, "--output", str(report))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert str(report) in err and "--overwrite" in err and "Traceback" not in err
+    assert report.read_text() == '{"wer": 0.05, "note": "last week"}'
+
+    assert main([*argv, "--overwrite"]) == 0
+    assert json.loads(report.read_text())["n"] == 2
+    captured = capsys.readouterr()
+    assert f"wrote report.json to {tmp_path}" in captured.out
+    assert "\r" not in captured.out + captured.err  # not a terminal: no progress bar
+
+
+def test_evaluate_puts_a_comparison_of_a_run_into_the_run_folder(
+    tiny_whisper_dir, tone_dataset, tmp_path, capsys, monkeypatch
+):
+    import shutil
+
+    from whisper_train.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_whisper_dir, run / "final")
+    (run / "whisper-train.yaml").write_text("model: {}\n")
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    names = ["report.json", "report.baseline.json", "report.md", "report.png"]
+
+    for model in (run, run / "final"):  # the run folder, or its final model
+        argv = _evaluate_argv(model, tone_dataset, "--baseline", str(tiny_whisper_dir))
+        assert main([*argv, "--overwrite"]) == 0
+        assert sorted(p.name for p in (run / "evaluation").iterdir()) == sorted(names)
+        assert list(elsewhere.iterdir()) == []  # nothing silently in the current folder
+        assert f"to {(run / 'evaluation').resolve()}" in capsys.readouterr().out
+    assert main(argv) == 2  # and a second comparison does not silently replace the first
+    assert "--overwrite" in capsys.readouterr().err
+
+    # Not a run folder: the current folder, and the line says which one.
+    argv = _evaluate_argv(tiny_whisper_dir, tone_dataset, "--baseline", str(tiny_whisper_dir))
+    assert main(argv) == 0
+    assert sorted(p.name for p in elsewhere.iterdir()) == sorted(names)
+    assert f"to {elsewhere.resolve()}" in capsys.readouterr().out

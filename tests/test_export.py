@@ -143,3 +143,101 @@ def test_export_refuses_bad_requests(tiny_whisper_dir, tmp_path):
     (tmp_path / "full" / "x").write_text("keep me")
     with pytest.raises(UserError, match="not empty"):
         export_model(str(tiny_whisper_dir), format="hf", output=tmp_path / "full")
+
+
+def _hashes(folder):
+    import hashlib
+
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_ct2_default_quantization_follows_the_target_device(
+    tiny_whisper_dir, tmp_path, monkeypatch, caplog
+):
+    import whisper_train.export as export_module
+
+    caplog.set_level("INFO", logger="whisper_train.export")
+    # --device defaults to this machine.
+    monkeypatch.setattr(export_module.torch.cuda, "is_available", lambda: False)
+    assert export_module.default_device() == "cpu"
+    monkeypatch.setattr(export_module.torch.cuda, "is_available", lambda: True)
+    assert export_module.default_device() == "cuda"
+    monkeypatch.undo()
+
+    # A CPU target gets float32: CTranslate2 would convert float16 on every CPU load.
+    cpu = export_model(
+        str(tiny_whisper_dir), format="ct2", device="cpu", output=tmp_path / "c", check=False
+    )
+    assert cpu.quantization == "float32"
+    (chosen,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("quant")]
+    assert "float32" in chosen and "--device cpu" in chosen and "--quantization" in chosen
+    # A GPU target gets float16 (half the bytes); an explicit --quantization still wins.
+    gpu = export_model(
+        str(tiny_whisper_dir), format="ct2", device="cuda", output=tmp_path / "g", check=False
+    )
+    assert gpu.quantization == "float16"
+    assert (gpu.output / "model.bin").stat().st_size < 0.6 * (
+        cpu.output / "model.bin"
+    ).stat().st_size
+    explicit = export_model(
+        str(tiny_whisper_dir),
+        format="ct2",
+        device="cpu",
+        quantization="float16",
+        output=tmp_path / "e",
+        check=False,
+    )
+    assert explicit.quantization == "float16"
+
+
+def test_export_over_an_earlier_export_is_refused_unless_overwrite(
+    tiny_whisper_dir, tmp_path, capsys
+):
+    from whisper_train.cli import main
+
+    out = tmp_path / "export"
+    argv = ["export", "--model", str(tiny_whisper_dir), "--output", str(out), "--no-check"]
+    assert main(argv) == 0
+    before = _hashes(out)
+    capsys.readouterr()
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--overwrite" in err and str(out) in err and "Traceback" not in err
+    assert _hashes(out) == before
+
+    assert main([*argv, "--overwrite"]) == 0
+    (aside,) = tmp_path.glob("export.old-*")
+    assert _hashes(aside) == before  # the earlier export, moved whole
+    assert (out / "model.safetensors").is_file()
+
+    # Re-exporting an export over itself would move away the model it reads.
+    again = ["export", "--model", str(out), "--output", str(out), "--no-check", "--overwrite"]
+    assert main(again) == 2
+    assert "new folder" in capsys.readouterr().err
+    assert len(list(tmp_path.glob("export.old-*"))) == 1
+
+    # A folder of other files is never moved, even with --overwrite.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    assert (
+        main(
+            [
+                "export",
+                "--model",
+                str(tiny_whisper_dir),
+                "--output",
+                str(mine),
+                "--no-check",
+                "--overwrite",
+            ]
+        )
+        == 2
+    )
+    assert "other files" in capsys.readouterr().err
+    assert [p.name for p in mine.iterdir()] == ["thesis.tex"]

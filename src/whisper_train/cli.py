@@ -118,7 +118,7 @@ def _add_demo_parser(subparsers) -> None:
     parser.add_argument(
         "--output-dir",
         default="whisper-train-demo",
-        help="Holds the data, the metrics and the fine-tuned model in final/.",
+        help="Holds the synthesised data/ and the training run/ (its model in run/final/).",
     )
     parser.add_argument("--model", default="tiny.en", help="Model to fine-tune [default: tiny.en].")
     parser.add_argument(

@@ -147,7 +147,12 @@ class TrainConfig:
         "and write OUTPUT/report.md and report.png (utterances that got better and worse).",
         default=False,
     )
-    logging_steps: int = _help("Print the training loss every N optimizer steps.", default=1)
+    logging_steps: int = _help(
+        "Report the training loss averaged over the last N optimizer steps, every N steps: in "
+        "the progress bar on a terminal, else (a log file, CI) as one plain line with step/total, "
+        "loss and learning rate. metrics.jsonl always gets every step.",
+        default=1,
+    )
     generation_max_length: int = _help(
         "Longest transcript generated during evaluation.", default=225
     )
@@ -171,6 +176,13 @@ class TrainConfig:
             "--resume means this) or a checkpoint folder.",
             "const": "latest",  # the value of the bare flag
         },
+    )
+    overwrite: bool = _help(
+        "Start afresh in an --output-dir that holds an earlier run: its whisper-train files "
+        "(final/, checkpoints, metrics, reports) are moved, not deleted, into a new folder "
+        "OUTPUT.old-<date>-<time> beside it; other files stay where they are. Off by default: "
+        "such a folder is refused.",
+        default=False,
     )
     max_bad_steps: int = _help(
         "Stop (with a checkpoint) after N optimizer steps in a row whose loss or gradient is NaN "
@@ -328,6 +340,11 @@ class RunConfig:
             )
         if t.resume is not None and not t.resume.strip():
             raise UserError("--resume: pass 'latest' or a checkpoint folder")
+        if t.resume is not None and t.overwrite:
+            raise UserError(
+                "--resume continues the run in --output-dir and --overwrite moves it aside: "
+                "drop one of them"
+            )
         if not m.lora_targets:
             raise UserError("--lora-targets: name at least one module, e.g. q_proj,v_proj")
         return self

@@ -7,6 +7,10 @@
    once and reused every epoch and every evaluation, which is what makes this fit in minutes on
    two CPU cores. The first evaluation runs before step 1 (WER before).
 3. Evaluate along the way and at the end (WER after); say where the fine-tuned model is.
+
+Everything lands in one folder: `data/` (synthesised once, reused by the next demo) and `run/`
+(the training run; a second demo moves the first's aside to `run.old-<time>`, as
+`train --overwrite` does, so nothing is lost).
 """
 
 from __future__ import annotations
@@ -55,7 +59,8 @@ def run_demo(
             "eval_steps": max(1, int(epochs * train_utterances / 8 / 4)),
             # The "before" row: the same cached encoder outputs, the same generate-based WER.
             "eval_at_start": True,
-            "output_dir": str(output_dir),
+            "output_dir": str(output_dir / "run"),
+            "overwrite": True,
             "seed": seed,
         }
     )

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -41,6 +42,15 @@ NORMALIZERS = ("english", "basic", "none")
 LOOP_NGRAM = 3
 
 Normalizer = Callable[[str], str]
+
+
+def progress_bars_wanted() -> bool:
+    """Progress bars only on a terminal: in a log file or CI output their \r redraws pile up
+    into one long unreadable line."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without it, or closed
+        return False
 
 
 # -- normalisation --------------------------------------------------------------------------
@@ -359,7 +369,8 @@ def evaluate_examples(
     kept: list = []
     batches = _feature_batches(list(examples), processor, batch_size, skipped, kept)
     total = -(-len(examples) // batch_size)
-    batches = tqdm(batches, total=total, desc="evaluate", unit="batch", disable=not progress)
+    show_bar = progress and progress_bars_wanted()
+    batches = tqdm(batches, total=total, desc="evaluate", unit="batch", disable=not show_bar)
     hypotheses = generate_texts(
         model, processor, batches, max_length=max_length, num_beams=num_beams
     )
@@ -419,7 +430,19 @@ def add_evaluate_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("--data", required=True, help="Data in any layout `check-data` accepts.")
     parser.add_argument("--data-format", default=None, help="Force a data layout.")
-    parser.add_argument("--output", default=None, help="Write the JSON report here (report.json).")
+    parser.add_argument(
+        "--output",
+        default=None,
+        help="Write the JSON report to this file (a folder gets report.json); --baseline adds "
+        "report.baseline.json, report.md and report.png beside it. Default: none without "
+        "--baseline; with it, RUN/evaluation/report.json when --model is a whisper-train run "
+        "folder (RUN or RUN/final), else ./report.json.",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="Replace report files that already exist at --output (off by default: refused).",
+    )
     parser.add_argument(
         "--normalizer",
         choices=NORMALIZERS,
@@ -431,11 +454,23 @@ def add_evaluate_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         help="Also evaluate this model; writes report.md and report.png beside the JSON.",
     )
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--eval-subset", type=int, default=None, help="Use only the first N clips.")
-    parser.add_argument("--language", default=None, help="Language of the speech, e.g. en or de.")
-    parser.add_argument("--beam-size", type=int, default=1, help="1 is greedy decoding.")
-    parser.add_argument("--max-length", type=int, default=225, help="Longest transcript in tokens.")
+    parser.add_argument(
+        "--batch-size", type=int, default=8, help="Clips per generate call [default: 8]."
+    )
+    parser.add_argument(
+        "--eval-subset", type=int, default=None, help="Use only the first N clips (default: all)."
+    )
+    parser.add_argument(
+        "--language",
+        default=None,
+        help="Language of the speech, e.g. en or de (default: the model's).",
+    )
+    parser.add_argument(
+        "--beam-size", type=int, default=1, help="1 is greedy decoding [default: 1]."
+    )
+    parser.add_argument(
+        "--max-length", type=int, default=225, help="Longest transcript in tokens [default: 225]."
+    )
     parser.set_defaults(func=run_evaluate)
     return parser
 
@@ -447,6 +482,34 @@ def _print_scores(name: str, report: EvalReport) -> None:
         f"(orthographic WER {100 * s.orthographic_wer:.2f}%, n={s.n}, "
         f"normalizer {report.normalizer})"
     )
+
+
+def report_paths(args: argparse.Namespace) -> list[Path]:
+    """The report files this evaluation writes: [report.json, (baseline .json, .md, .png)].
+
+    Without --output, a comparison (--baseline) goes into the run folder of --model when it is
+    one (RUN/evaluation/, beside the model it describes), else into the current folder.
+    """
+    from whisper_train.checkpoints import EVALUATION_DIR, REPORT_FILES, run_folder_of
+    from whisper_train.models import resolve_alias
+
+    if args.output:
+        output = Path(args.output)
+        if output.is_dir() or args.output.endswith(("/", "\\")):
+            output = output / REPORT_FILES[0]
+    elif args.baseline:
+        run = run_folder_of(Path(resolve_alias(args.model)).expanduser())
+        output = (run / EVALUATION_DIR if run else Path.cwd()) / REPORT_FILES[0]
+    else:
+        return []
+    if not args.baseline:
+        return [output]
+    return [
+        output,
+        output.with_name(output.stem + ".baseline.json"),
+        output.with_suffix(".md"),
+        output.with_suffix(".png"),
+    ]
 
 
 def run_evaluate(args: argparse.Namespace) -> int:
@@ -465,6 +528,15 @@ def run_evaluate(args: argparse.Namespace) -> int:
     if not examples:
         raise UserError(f"--data {args.data}: no utterances found")
     normalizer = args.normalizer or ("english" if args.language in (None, "en") else "basic")
+    # Refuse before the (long) transcription, not after it.
+    paths = report_paths(args)
+    existing = [path for path in paths if path.exists()]
+    if existing and not getattr(args, "overwrite", False):
+        flag = f"--output {args.output}" if args.output else "the default report location"
+        raise UserError(
+            f"{flag}: {existing[0]} already exists; add --overwrite to replace it, or pass "
+            "another --output"
+        )
 
     def run(spec: str) -> EvalReport:
         model, processor = load_model(spec)
@@ -485,19 +557,20 @@ def run_evaluate(args: argparse.Namespace) -> int:
 
     report = run(args.model)
     _print_scores(args.model, report)
-    output = Path(args.output) if args.output else (Path("report.json") if args.baseline else None)
-    if output is not None:
-        write_report_json(report, output)
-        print(f"wrote {output}")
     if report.skipped:
-        print(f"skipped {len(report.skipped)} unreadable clip(s); see the JSON report")
+        where = "see the JSON report" if paths else "--output FILE.json lists them"
+        print(f"skipped {len(report.skipped)} unreadable clip(s); {where}")
+    if not paths:
+        return 0
+    write_report_json(report, paths[0])
     if args.baseline:
         from whisper_train.report import write_comparison
 
         baseline = run(args.baseline)
         _print_scores(f"baseline {args.baseline}", baseline)
-        write_report_json(baseline, output.with_name(output.stem + ".baseline.json"))
-        markdown, png = output.with_suffix(".md"), output.with_suffix(".png")
+        _, baseline_json, markdown, png = paths
+        write_report_json(baseline, baseline_json)
         write_comparison(baseline, report, markdown_path=markdown, png_path=png)
-        print(f"wrote {markdown} and {png}")
+    # One line that says where every file went: the default may be a folder the user never named.
+    print(f"wrote {', '.join(p.name for p in paths)} to {paths[0].parent.resolve()}")
     return 0

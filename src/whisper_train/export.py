@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("hf", "ct2")
 EXPORT_QUANTIZATIONS = ("float32", "float16", "int8", "int8_float16")
+DEVICES = ("cpu", "cuda")
 # Allowed WER loss of the export, in absolute points (fractions), by weight precision.
 FLOAT_WER_TOLERANCE = 0.01
 INT8_WER_TOLERANCE = 0.03
@@ -73,6 +74,31 @@ class ExportResult:
     quantization: str
     merged_lora: bool
     parity: ParityCheck | None
+    moved_aside: Path | None = None  # where --overwrite put the earlier export
+
+
+def default_device() -> str:
+    """Where the export will run when --device is not given: this machine."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_quantization(format: str, device: str) -> tuple[str, str]:
+    """(quantization, why) when --quantization is not given.
+
+    hf: float32, the precision transformers loads by default. ct2 on cuda: float16, half the
+    size at no measurable WER cost. ct2 on cpu: float32. CTranslate2 has no fast float16 on
+    CPUs, so a float16 model is converted to float32 (with a warning) on every load anyway.
+    int8 is faster-whisper's usual CPU choice and smaller still, but it changes the weights;
+    the default stays exact (the parity check then holds it to 1 point) and int8 is one flag.
+    """
+    if format == "hf":
+        return "float32", "the default for --format hf"
+    if device == "cuda":
+        return "float16", "the default for --device cuda"
+    return "float32", (
+        "the default for --device cpu, where CTranslate2 would convert float16 to float32 on "
+        "every load; --quantization int8 is smaller and faster on a CPU"
+    )
 
 
 # -- loading and merging --------------------------------------------------------------------
@@ -228,17 +254,26 @@ def export_model(
     check_data: str | None = None,
     check: bool = True,
     n_check_clips: int = CHECK_CLIPS,
+    device: str | None = None,
+    overwrite: bool = False,
 ) -> ExportResult:
     """Merge (LoRA), save as `format` into `output`, then run the parity check.
 
-    `quantization` None means float32 for `hf` and float16 for `ct2`; `hf` takes only float32
-    or float16 (int8 is a CTranslate2 compute type).
+    `quantization` None picks one from `format` and `device` (where the export will run; None
+    means this machine): see `default_quantization`. `hf` takes only float32 or float16 (int8
+    is a CTranslate2 compute type). An `output` that is not empty is refused unless
+    `overwrite`, which moves it aside to `<output>.old-<date>-<time>` (an earlier export only).
     """
     from whisper_train.transcribe import TransformersBackend, load_backend
 
     if format not in FORMATS:
         raise UserError(f"--format {format}: expected one of {', '.join(FORMATS)}")
-    quantization = quantization or ("float32" if format == "hf" else "float16")
+    device = device or default_device()
+    if device not in DEVICES:
+        raise UserError(f"--device {device}: expected one of {', '.join(DEVICES)}")
+    if quantization is None:
+        quantization, why = default_quantization(format, device)
+        log.info("quantization %s: %s (pass --quantization to choose)", quantization, why)
     if quantization not in EXPORT_QUANTIZATIONS:
         raise UserError(
             f"--quantization {quantization}: expected one of {', '.join(EXPORT_QUANTIZATIONS)}"
@@ -251,8 +286,16 @@ def export_model(
     if check:
         require_positive("--check-clips", n_check_clips, alternative="use --no-check")
     output = Path(output)
-    if output.exists() and any(output.iterdir()):
-        raise UserError(f"--output {output} is not empty: choose a new folder or delete it")
+    if overwrite:  # moving --output aside must not take the model to export with it
+        from whisper_train.models import resolve_alias
+
+        source = Path(resolve_alias(model_spec)).expanduser().resolve()
+        if source == output.resolve() or output.resolve() in source.parents:
+            raise UserError(
+                f"--model {model_spec} is inside --output {output}, which --overwrite would "
+                "move aside; export to a new folder"
+            )
+    moved_aside = _clear_output(output, overwrite=overwrite)
 
     model, processor, merged = load_for_export(model_spec)
     if torch.cuda.is_available():
@@ -283,7 +326,38 @@ def export_model(
             greedy_transcripts(load_backend(str(output)), clips),
             quantization=quantization,
         )
-    return ExportResult(output, format, quantization, merged, parity)
+    return ExportResult(output, format, quantization, merged, parity, moved_aside)
+
+
+def _clear_output(output: Path, *, overwrite: bool) -> Path | None:
+    """Refuse a non-empty --output; with `overwrite`, move an earlier export aside (never a
+    folder of other files: --output /home/me must not take the user's files with it)."""
+    if output.exists() and not output.is_dir():
+        raise UserError(f"--output {output} is a file: choose a folder path for the export")
+    if not output.exists() or not any(output.iterdir()):
+        return None
+    if not overwrite:
+        raise UserError(
+            f"--output {output} is not empty: add --overwrite to move it aside to "
+            f"{output.name}.old-<date>-<time>, or choose a new folder"
+        )
+    if not (output / "config.json").is_file():  # every hf and ct2 export has one
+        raise UserError(
+            f"--output {output}: --overwrite replaces only an earlier export (config.json), and "
+            "this folder holds other files; choose a new folder"
+        )
+    from whisper_train.checkpoints import aside_path
+
+    aside = aside_path(output)
+    try:
+        output.rename(aside)
+    except OSError as exc:
+        raise UserError(
+            f"--overwrite: could not move {output} aside to {aside} ({exc.strerror or exc}); "
+            "move or delete it yourself, or choose a new --output"
+        ) from None
+    log.info("--overwrite: moved the earlier export %s to %s", output, aside)
+    return aside
 
 
 # -- CLI ------------------------------------------------------------------------------------
@@ -296,13 +370,32 @@ def add_export_parser(subparsers) -> argparse.ArgumentParser:
         description="Export a model or a whisper-train run folder; ends with a WER parity check.",
     )
     parser.add_argument("--model", required=True, help="Run folder (OUTPUT), model folder or spec.")
-    parser.add_argument("--format", choices=FORMATS, default="hf")
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="hf",
+        help="hf (transformers) or ct2 (CTranslate2 / faster-whisper) [default: hf].",
+    )
     parser.add_argument("--output", required=True, help="New folder for the exported model.")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="If --output holds an earlier export, move it aside to OUTPUT.old-<date>-<time> "
+        "(nothing is deleted) instead of refusing (off by default).",
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default=None,
+        help="Where the export will run; picks the default --quantization "
+        "(default: cuda if this machine has a GPU, else cpu).",
+    )
     parser.add_argument(
         "--quantization",
         choices=EXPORT_QUANTIZATIONS,
         default=None,
-        help="Weight precision (default: float32 for hf, float16 for ct2; int8* only for ct2).",
+        help="Weight precision (default: float32 for hf; for ct2 float16 with --device cuda, "
+        "float32 with --device cpu; int8* only for ct2).",
     )
     parser.add_argument(
         "--check-data",
@@ -310,7 +403,10 @@ def add_export_parser(subparsers) -> argparse.ArgumentParser:
         help="Clips with transcripts for the parity check (default: synthesised sentences).",
     )
     parser.add_argument(
-        "--check-clips", type=int, default=CHECK_CLIPS, help="Clips in the parity check."
+        "--check-clips",
+        type=int,
+        default=CHECK_CLIPS,
+        help=f"Clips in the parity check [default: {CHECK_CLIPS}].",
     )
     parser.add_argument("--no-check", action="store_true", help="Skip the parity check.")
     parser.set_defaults(func=run_export)
@@ -328,6 +424,8 @@ def run_export(args: argparse.Namespace) -> int:
             check_data=args.check_data,
             check=not args.no_check,
             n_check_clips=args.check_clips,
+            device=args.device,
+            overwrite=args.overwrite,
         )
     except ExportParityError as exc:
         print(f"error: {exc}")

@@ -40,19 +40,22 @@ from whisper_train.data import (
 )
 from whisper_train.encoder_cache import EncoderCache
 from whisper_train.errors import UserError
-from whisper_train.evaluate import generate_texts, get_normalizer, score
+from whisper_train.evaluate import generate_texts, get_normalizer, progress_bars_wanted, score
 from whisper_train.features import LogMel, SpeechDataset
 from whisper_train.labels import LabelEncoder, configure_generation, language_code
 from whisper_train.memory import training_loss
-from whisper_train.models import is_multilingual, load_model
+from whisper_train.models import is_multilingual, load_model, resolve_alias
 from whisper_train.report import write_curves_png
 from whisper_train.sampling import LengthGroupedBatchSampler
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILE = "whisper-train.yaml"
-METRICS_FILE = "metrics.jsonl"
-RESULT_FILE = "result.json"
+CONFIG_FILE = checkpoints.CONFIG_FILE
+METRICS_FILE = checkpoints.METRICS_FILE
+RESULT_FILE = checkpoints.RESULT_FILE
+# Set by `--nproc N` for its worker processes: the parent already checked (and, with
+# --overwrite, cleared) this output folder, so the workers must not refuse their own run.
+_CLAIMED_ENV = "WHISPER_TRAIN_CLAIMED_OUTPUT_DIR"
 
 
 @dataclass
@@ -85,14 +88,11 @@ def train(config: RunConfig) -> TrainResult:
     t = config.train
     output_dir = Path(t.output_dir)
     _check_output_dir(output_dir)
+    if os.environ.get(_CLAIMED_ENV) != str(output_dir.resolve()):
+        claim_output_dir(config)
     if t.nproc > 1 and not _inside_launcher():
         return launch_data_parallel(config)
     resume_from = checkpoints.resolve_resume(t.resume, output_dir) if t.resume else None
-    if resume_from is None and checkpoints.list_checkpoints(output_dir):
-        raise UserError(
-            f"--output-dir {output_dir} holds checkpoints of an earlier run: add --resume latest "
-            "to continue it, or choose another --output-dir"
-        )
 
     precision = memory.resolve_precision(config.memory.precision, _default_device())
     # Non-reentrant checkpointing and no layerdrop: every parameter is used in every step, so DDP
@@ -177,7 +177,7 @@ def train(config: RunConfig) -> TrainResult:
             batch_size=t.batch_size,
             max_memory_bytes=parse_bytes(config.memory.max_memory, flag="--max-memory"),
             label_tokens=max(label_encoder.count_tokens(e) for e in datasets.train),
-            precision={"no": "fp32"}.get(precision.mixed_precision, precision.mixed_precision),
+            precision=_precision_name(precision),
             optimizer=config.memory.optim,
         )
         checkpointing, offload = plan.policy, offload or plan.offload
@@ -196,7 +196,7 @@ def train(config: RunConfig) -> TrainResult:
     _say(
         accelerator,
         f"model: {config.model.model}, mode {config.model.mode}, checkpointing {checkpointing}, "
-        f"precision {precision.mixed_precision}; {memory.trainable_parameter_summary(model)}",
+        f"precision {_precision_name(precision)}; {memory.trainable_parameter_summary(model)}",
     )
     # The doctor's cheap checks: refuse, before step 1, a configuration known to fail (T1-T9).
     doctor.static_checks(
@@ -239,7 +239,7 @@ def train(config: RunConfig) -> TrainResult:
             config,
             accelerator,
             precision,
-            output_dir / "encoder-cache" / "train",
+            output_dir / checkpoints.ENCODER_CACHE_DIR / "train",
         )
         if len(eval_set) and not t.only_train:
             eval_cache = _build_encoder_cache(
@@ -250,7 +250,7 @@ def train(config: RunConfig) -> TrainResult:
                 config,
                 accelerator,
                 precision,
-                output_dir / "encoder-cache" / "eval",
+                output_dir / checkpoints.ENCODER_CACHE_DIR / "eval",
             )
     # The shuffling generator is re-seeded with (seed + epoch) at every epoch: the order of any
     # epoch is known without replaying the ones before it, which is what resuming needs.
@@ -393,15 +393,19 @@ def train(config: RunConfig) -> TrainResult:
     if evaluate and t.eval_at_start and resume_from is None:
         evaluate_now(0)
 
+    # A bar only on a terminal: in a log file its \r redraws pile up into one unreadable line.
+    # Elsewhere every --logging-steps steps get one plain line instead.
+    show_bar = accelerator.is_main_process and progress_bars_wanted()
     progress = tqdm(
         total=total_steps,
         initial=state.step,
         desc="training",
         unit="step",
-        disable=not accelerator.is_main_process,
+        disable=not show_bar,
         dynamic_ncols=True,
         leave=False,
     )
+    logged_losses: list[float] = []  # finite step losses since the last report
     stop = StopRequest(accelerator)
     stop.install()
     running_loss, running_batches = 0.0, 0
@@ -462,7 +466,17 @@ def train(config: RunConfig) -> TrainResult:
                     table.last_train_loss = step_loss
                 metrics.write(row)
                 progress.update(1)
-                progress.set_postfix(loss=f"{step_loss:.4f}")
+                if not bad:
+                    logged_losses.append(step_loss)
+                if state.step % t.logging_steps == 0 or state.step >= total_steps:
+                    mean_loss = (
+                        sum(logged_losses) / len(logged_losses) if logged_losses else math.nan
+                    )
+                    logged_losses.clear()
+                    if show_bar:
+                        progress.set_postfix(loss=f"{mean_loss:.4f}")
+                    elif accelerator.is_main_process:
+                        tqdm.write(step_line(state.step, total_steps, mean_loss, row["lr"]))
                 if state.bad_steps_in_a_row >= t.max_bad_steps:
                     folder = save("too many bad steps")
                     raise UserError(
@@ -524,10 +538,10 @@ def train(config: RunConfig) -> TrainResult:
             accelerator.unwrap_model(model, keep_torch_compile=False),
             processor,
             config,
-            output_dir / "final",
+            output_dir / checkpoints.FINAL_DIR,
         )
         _write_result(result)
-        write_curves_png(output_dir / METRICS_FILE, output_dir / "curves.png")
+        write_curves_png(output_dir / METRICS_FILE, output_dir / checkpoints.CURVES_FILE)
         _say(accelerator, f"fine-tuned model: {result.final_dir}")
         if t.compare_baseline and datasets.eval:
             compare_with_baseline(
@@ -572,14 +586,12 @@ def compare_with_baseline(
             )
         )
     before, after = reports
-    write_report_json(after, output_dir / "report.json")
-    write_report_json(before, output_dir / "report.baseline.json")
-    write_comparison(
-        before, after, markdown_path=output_dir / "report.md", png_path=output_dir / "report.png"
-    )
+    json_file, baseline_file, markdown, png = (output_dir / n for n in checkpoints.REPORT_FILES)
+    write_report_json(after, json_file)
+    write_report_json(before, baseline_file)
+    write_comparison(before, after, markdown_path=markdown, png_path=png)
     tqdm.write(
-        f"baseline WER {100 * before.wer:.2f}% -> fine-tuned {100 * after.wer:.2f}%; "
-        f"see {output_dir / 'report.md'}"
+        f"baseline WER {100 * before.wer:.2f}% -> fine-tuned {100 * after.wer:.2f}%; see {markdown}"
     )
 
 
@@ -685,7 +697,7 @@ def launch_data_parallel(config: RunConfig) -> TrainResult:
         )
     output_dir = Path(config.train.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    launch_config = output_dir / "launch.yaml"
+    launch_config = output_dir / checkpoints.LAUNCH_FILE
     launch_config.write_text(config.to_yaml(), encoding="utf-8")
     (output_dir / RESULT_FILE).unlink(missing_ok=True)
     command = [
@@ -701,6 +713,7 @@ def launch_data_parallel(config: RunConfig) -> TrainResult:
         str(launch_config),
     ]
     env = dict(os.environ)
+    env[_CLAIMED_ENV] = str(output_dir.resolve())
     # Two processes on one CPU must not each take every core.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
     process = subprocess.Popen(command, env=env)
@@ -855,7 +868,7 @@ def _build_encoder_cache(
         desc=f"encoding {spill_dir.name} clips (once)",
         unit="clip",
         leave=False,
-        disable=not accelerator.is_main_process,
+        disable=not (accelerator.is_main_process and progress_bars_wanted()),
     ) as bar:
         cache = EncoderCache.build(
             encoder,
@@ -904,6 +917,65 @@ def _default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _precision_name(precision: memory.Precision) -> str:
+    """The --precision name of a resolved precision (accelerate calls fp32 "no")."""
+    return {"no": "fp32"}.get(precision.mixed_precision, precision.mixed_precision)
+
+
+def step_line(step: int, total: int, loss: float, lr: float) -> str:
+    """The plain progress line for logs: `step 20/300  loss 1.2345  lr 1.00e-05`."""
+    shown = "-" if math.isnan(loss) else f"{loss:.4f}"  # every step of the window was skipped
+    return f"step {step}/{total}  loss {shown}  lr {lr:.2e}"
+
+
+def claim_output_dir(config: RunConfig) -> None:
+    """Refuse to train over an earlier run in --output-dir unless told to --resume or
+    --overwrite it; with --overwrite, move its whisper-train files aside first.
+
+    Call once per run, before anything is written: before `--nproc` re-launches the command
+    (its workers skip this), and, under an outside launcher, in every process before they meet
+    (each sees the folder as it was; only the first moves anything).
+    """
+    t = config.train
+    output_dir = Path(t.output_dir)
+    entries = checkpoints.run_entries(output_dir)
+    if not entries:
+        return  # a new, empty, or someone else's folder: their files are left alone
+    if t.resume:
+        resume_from = checkpoints.resolve_resume(t.resume, output_dir)
+        if resume_from.parent.resolve() != output_dir.resolve():
+            raise UserError(
+                f"--resume {t.resume}: that checkpoint is not in --output-dir {output_dir}, which "
+                "holds another run that resuming would replace; choose an empty --output-dir"
+            )
+        return
+    names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in entries[:4])
+    names += ", ..." if len(entries) > 4 else ""
+    if not t.overwrite:
+        continuing = (
+            "add --resume latest to continue it"
+            if checkpoints.list_checkpoints(output_dir)
+            else "it has no checkpoint to --resume from"
+        )
+        raise UserError(
+            f"--output-dir {output_dir} holds an earlier run ({names}); {continuing}, add "
+            "--overwrite to move it aside and start afresh, or choose another --output-dir"
+        )
+    # Fine-tuning the earlier run's own model further: moving it aside first would lose it.
+    model_path = Path(resolve_alias(config.model.model)).expanduser().resolve()
+    moved = [entry.resolve() for entry in entries]
+    if model_path == output_dir.resolve() or any(
+        model_path == entry or entry in model_path.parents for entry in moved
+    ):
+        raise UserError(
+            f"--model {config.model.model} is part of the run in --output-dir {output_dir}, "
+            "which --overwrite would move aside; train into another --output-dir"
+        )
+    if int(os.environ.get("RANK", "0")) == 0:
+        aside = checkpoints.move_aside(output_dir, entries)
+        tqdm.write(f"--overwrite: moved the earlier run's files ({names}) to {aside}")
+
+
 def _check_output_dir(output_dir: Path) -> None:
     probe = (
         output_dir
@@ -912,8 +984,6 @@ def _check_output_dir(output_dir: Path) -> None:
     )
     if probe.exists() and not probe.is_dir():
         raise UserError(f"--output-dir {output_dir}: {probe} is a file; choose a folder path")
-    import os
-
     if not os.access(probe, os.W_OK):
         raise UserError(
             f"--output-dir {output_dir}: {probe} is not writable; choose another folder"
@@ -941,11 +1011,11 @@ class MetricsLog:
         self.writer = None
         if not enabled:
             return
-        self.file = (output_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        self.file = (output_dir / METRICS_FILE).open("a", encoding="utf-8")
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
+            self.writer = SummaryWriter(log_dir=str(output_dir / checkpoints.TENSORBOARD_DIR))
         except ImportError:  # tensorboard is a dependency, but never fail a run over logging
             self.writer = None
 

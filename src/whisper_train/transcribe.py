@@ -420,7 +420,10 @@ def transcribe_paths(
         output_dir = Path(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
     results = []
-    bar = tqdm(recordings, desc="transcribe", unit="file", disable=not progress)
+    from whisper_train.evaluate import progress_bars_wanted
+
+    show_bar = progress and progress_bars_wanted()
+    bar = tqdm(recordings, desc="transcribe", unit="file", disable=not show_bar)
     for entry in bar:
         transcript = Transcript(source=entry.path, name=entry.name)
         if entry.problem:

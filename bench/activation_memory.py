@@ -8,8 +8,8 @@ Randomly initialised models with the published dimensions (no download). For eac
 
     measured   saved-tensor hooks on one training forward pass, unique storages, parameters
                excluded, plus the inputs that checkpointed layers keep for their recompute
-               (`whisper_train.memory_plan.probe_saved_bytes`)
-    counted    the planner's count from the model's shapes (`memory_plan.count_saved_bytes`)
+               (`whisper_train.memory.plan.probe_saved_bytes`)
+    counted    the planner's count from the model's shapes (`memory.plan.count_saved_bytes`)
 
 Sizes larger than --measure-up-to are counted only, and measured at their full width with
 2 encoder + 2 decoder layers (`*-2L` rows) so that the per-layer count is still checked without
@@ -29,7 +29,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import WhisperConfig, WhisperForConditionalGeneration  # noqa: E402
 
-from whisper_train import memory, memory_plan  # noqa: E402
+from whisper_train import memory  # noqa: E402
+from whisper_train.memory import plan as planner  # noqa: E402
 
 # (d_model, encoder layers, decoder layers, heads, mel bins, vocabulary) from the model cards
 SIZES = {
@@ -128,13 +129,13 @@ def main() -> None:
             tokens = torch.full((1, args.label_tokens), 50258, device=features.device)
             off = None
             for policy in POLICIES:
-                counted = memory_plan.count_saved_bytes(
+                counted = planner.count_saved_bytes(
                     model, policy=policy, label_tokens=args.label_tokens
                 )["device"]
                 measured = peak = None
                 if measure:
-                    with memory_plan.checkpointing_policy(model, policy):
-                        measured = memory_plan.probe_saved_bytes(model, features, tokens)
+                    with memory.checkpointing_policy(model, policy):
+                        measured = planner.probe_saved_bytes(model, features, tokens)
                         if device == "cuda":
                             peak = peak_step_bytes(model, features, tokens)
                 reference = measured if measure else counted

@@ -1,9 +1,10 @@
 """Training throughput: whisper-train's loop vs transformers' Seq2SeqTrainer (the blog recipe).
 
     .venv/bin/python bench/throughput.py [--rounds 2] [--clips 32] [--batch-size 8]
-        [--d-model 128] [--layers 2] [--checkpointing off|full]
+        [--d-model 128] [--layers 2 | --model tiny.en] [--checkpointing off|full]
 
-Same random model (tests/tiny_models.py dimensions, saved once), same clips (the first --clips
+Same model (a random one of tests/tiny_models.py dimensions, or with --model any model
+whisper-train reads, such as the real tiny.en; saved once as a Hugging Face folder), same clips (the first --clips
 of ../shared/realspeech when present, else generated tones), same batch, fp32 on a CPU (bf16
 on CUDA), same checkpointing (non-reentrant in both: the Trainer gets
 `gradient_checkpointing_kwargs={"use_reentrant": False}`), AdamW, no evaluation.
@@ -80,13 +81,20 @@ def write_manifest(folder: Path, n_clips: int) -> Path:
     return manifest
 
 
-def save_model(folder: Path, d_model: int, layers: int) -> Path:
-    sys.path.insert(0, str(REPO / "tests"))
-    from tiny_models import make_tiny_whisper
+def save_model(folder: Path, d_model: int, layers: int, spec: str | None) -> Path:
+    """The benchmark's model as a Hugging Face folder both systems load: `spec` read by
+    whisper-train (a folder, a hub id, tiny.en), else a random tiny model of these sizes."""
+    if spec:
+        from whisper_train.models import load_model
 
-    model, processor = make_tiny_whisper(
-        d_model=d_model, encoder_layers=layers, decoder_layers=layers
-    )
+        model, processor = load_model(spec)
+    else:
+        sys.path.insert(0, str(REPO / "tests"))
+        from tiny_models import make_tiny_whisper
+
+        model, processor = make_tiny_whisper(
+            d_model=d_model, encoder_layers=layers, decoder_layers=layers
+        )
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
     return folder
@@ -98,13 +106,16 @@ def save_model(folder: Path, d_model: int, layers: int) -> Path:
 def run_whisper_train(args) -> dict:
     import torch
 
-    import whisper_train.train as train_module
     from whisper_train.config import RunConfig
     from whisper_train.train import train
 
-    if not torch.cuda.is_available():  # train() times its loop with time.perf_counter: make
+    try:  # the module whose loop prints "trained N steps in X s" (train.py before the recipe)
+        import whisper_train.recipe as loop_module
+    except ImportError:
+        import whisper_train.train as loop_module
+    if not torch.cuda.is_available():  # the loop is timed with time.perf_counter: make that
         clock = {name: getattr(time, name) for name in dir(time) if not name.startswith("_")}
-        train_module.time = types.SimpleNamespace(**{**clock, "perf_counter": CLOCK})  # CPU time
+        loop_module.time = types.SimpleNamespace(**{**clock, "perf_counter": CLOCK})  # CPU time
     config = RunConfig()
     config.update(
         {
@@ -264,7 +275,7 @@ def worker(args) -> None:
     if torch.cuda.is_available():
         from transformers import AutoConfig
 
-        from whisper_train.memory_plan import model_flops_per_sample
+        from whisper_train.memory.plan import model_flops_per_sample
 
         config = AutoConfig.from_pretrained(args.model_dir)
         train_flops = 3 * model_flops_per_sample(config, label_tokens=32)
@@ -311,6 +322,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--model", default=None, help="e.g. tiny.en, instead of a random model")
     parser.add_argument("--checkpointing", default="off")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--full-epochs", type=int, default=1)
@@ -335,11 +347,11 @@ def main() -> None:
         tmp_path = Path(tmp)
         args.workdir = tmp
         args.manifest = str(write_manifest(tmp_path, args.clips))
-        args.model_dir = str(save_model(tmp_path / "model", args.d_model, args.layers))
+        args.model_dir = str(save_model(tmp_path / "model", args.d_model, args.layers, args.model))
+        shape = args.model or f"random, d_model {args.d_model}, {args.layers}+{args.layers} layers"
         print(
             f"machine: {platform.machine()}, {os.cpu_count()} CPUs, cuda "
-            f"{torch.cuda.is_available()}; model d_model {args.d_model}, {args.layers}+"
-            f"{args.layers} layers; {args.clips} clips "
+            f"{torch.cuda.is_available()}; model {shape}; {args.clips} clips "
             f"({'realspeech' if REALSPEECH.exists() else 'tones'}), batch {args.batch_size}, "
             f"checkpointing {args.checkpointing}, {args.rounds} alternating rounds"
         )

@@ -5,7 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import soundfile as sf
 
 from whisper_train.cli import main
 
@@ -20,139 +22,72 @@ def _one_line_error(capsys, argv) -> str:
     return errors[0]
 
 
-def test_missing_model_path(capsys, tmp_path, tone_dataset):
-    line = _one_line_error(
-        capsys,
-        [
-            "train",
-            "--model",
-            str(tmp_path / "nope"),
-            "--data",
-            str(tone_dataset),
-            "--output-dir",
-            str(tmp_path / "o"),
-        ],
-    )
-    assert str(tmp_path / "nope") in line and "no such folder" in line
+# A bad --model or --data for `train`: each case builds its inputs in tmp_path (given the tiny
+# model and the tone dataset for the other of the two) and returns (--model, --data, further
+# flags, what the one error line must contain).
 
 
-def test_model_folder_with_neither_format(capsys, tmp_path, tone_dataset):
+def _missing_model_path(tmp_path, model, data):
+    return tmp_path / "nope", data, [], [str(tmp_path / "nope"), "no such folder"]
+
+
+def _model_folder_with_neither_format(tmp_path, model, data):
     (tmp_path / "empty-model").mkdir()
-    line = _one_line_error(
-        capsys,
-        [
-            "train",
-            "--model",
-            str(tmp_path / "empty-model"),
-            "--data",
-            str(tone_dataset),
-            "--output-dir",
-            str(tmp_path / "o"),
-        ],
-    )
-    assert "neither" in line and "CTranslate2" in line
+    return tmp_path / "empty-model", data, [], ["neither", "CTranslate2"]
 
 
-def test_missing_data_path(capsys, tmp_path, tiny_whisper_dir):
-    line = _one_line_error(
-        capsys,
-        [
-            "train",
-            "--model",
-            str(tiny_whisper_dir),
-            "--data",
-            str(tmp_path / "nodata"),
-            "--output-dir",
-            str(tmp_path / "o"),
-        ],
-    )
-    assert str(tmp_path / "nodata") in line
+def _missing_data_path(tmp_path, model, data):
+    return model, tmp_path / "nodata", [], [str(tmp_path / "nodata")]
 
 
-def test_data_folder_with_no_layout(capsys, tmp_path, tiny_whisper_dir):
+def _data_folder_with_no_layout(tmp_path, model, data):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "notes.txt").write_text("hello")
-    line = _one_line_error(
-        capsys,
-        [
-            "train",
-            "--model",
-            str(tiny_whisper_dir),
-            "--data",
-            str(tmp_path / "d"),
-            "--output-dir",
-            str(tmp_path / "o"),
-        ],
-    )
-    assert "metadata.csv" in line
+    return model, tmp_path / "d", [], ["metadata.csv"]
 
 
-def test_manifest_without_text_column(capsys, tmp_path, tiny_whisper_dir):
+def _manifest_without_text_column(tmp_path, model, data):
     manifest = tmp_path / "m.csv"
     manifest.write_text("audio,speaker\nx.wav,1\n")
-    line = _one_line_error(
-        capsys,
-        [
-            "train",
-            "--model",
-            str(tiny_whisper_dir),
-            "--data",
-            str(manifest),
-            "--output-dir",
-            str(tmp_path / "o"),
-        ],
-    )
-    assert "text" in line and "speaker" in line  # names what it found and what it accepts
+    return model, manifest, [], ["text", "speaker"]  # what it found and what it accepts
 
 
-def test_empty_after_screening(capsys, tmp_path, tiny_whisper_dir):
-    import numpy as np
-    import soundfile as sf
-
+def _empty_after_screening(tmp_path, model, data):
     folder = tmp_path / "long"
     folder.mkdir()
     sf.write(folder / "a.wav", np.zeros(16_000 * 31, dtype=np.float32), 16_000)  # over 30 s
     (folder / "metadata.csv").write_text("file_name,text\na.wav,too long\n")
-    line = _one_line_error(
-        capsys,
-        [
-            "train",
-            "--model",
-            str(tiny_whisper_dir),
-            "--data",
-            str(folder),
-            "--output-dir",
-            str(tmp_path / "o"),
-            "--only-train",
-        ],
-    )
-    assert "no usable training utterances" in line and "check-data" in line
+    return model, folder, ["--only-train"], ["no usable training utterances", "check-data"]
 
 
-def test_strict_turns_a_skip_into_an_error(capsys, tmp_path, tiny_whisper_dir):
-    import numpy as np
-    import soundfile as sf
-
+def _strict_turns_a_skip_into_an_error(tmp_path, model, data):
     folder = tmp_path / "mixed"
     folder.mkdir()
     sf.write(folder / "ok.wav", np.zeros(16_000, dtype=np.float32), 16_000)
     (folder / "bad.wav").write_bytes(b"garbage")
     (folder / "metadata.csv").write_text("file_name,text\nok.wav,fine\nbad.wav,broken\n")
-    line = _one_line_error(
-        capsys,
-        [
-            "train",
-            "--model",
-            str(tiny_whisper_dir),
-            "--data",
-            str(folder),
-            "--output-dir",
-            str(tmp_path / "o"),
-            "--only-train",
-            "--strict",
-        ],
-    )
-    assert "bad.wav" in line
+    return model, folder, ["--only-train", "--strict"], ["bad.wav"]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        _missing_model_path,
+        _model_folder_with_neither_format,
+        _missing_data_path,
+        _data_folder_with_no_layout,
+        _manifest_without_text_column,
+        _empty_after_screening,
+        _strict_turns_a_skip_into_an_error,
+    ],
+    ids=lambda case: case.__name__.lstrip("_"),
+)
+def test_bad_model_or_data_is_named(capsys, tmp_path, tiny_whisper_dir, tone_dataset, case):
+    model, data, flags, expected = case(tmp_path, tiny_whisper_dir, tone_dataset)
+    argv = ["train", "--model", str(model), "--data", str(data)]
+    line = _one_line_error(capsys, [*argv, "--output-dir", str(tmp_path / "o"), *flags])
+    for fragment in expected:
+        assert fragment in line
 
 
 @pytest.mark.parametrize(

@@ -10,13 +10,14 @@ import pytest
 import soundfile
 import torch
 
+from whisper_train.commands import evaluate as evaluate_command
 from whisper_train.data import Example
 from whisper_train.errors import UserError
 from whisper_train.evaluate import (
-    add_evaluate_parser,
     evaluate_examples,
     generate_texts,
     get_normalizer,
+    report_paths,
     score,
     write_report_json,
 )
@@ -172,7 +173,7 @@ def test_evaluate_command_with_baseline_writes_comparison(tiny_whisper_dir, tmp_
             soundfile.write(tmp_path / f"s{i}.wav", synthesize(text), 16_000)
             out.write(json.dumps({"audio": f"s{i}.wav", "text": text}) + "\n")
     parser = argparse.ArgumentParser()
-    add_evaluate_parser(parser.add_subparsers())
+    evaluate_command.add_parser(parser.add_subparsers())
     report_json = tmp_path / "eval" / "report.json"
     # The real tiny.en is "after", the random tiny model the "baseline": tiny.en must win.
     args = parser.parse_args(
@@ -190,7 +191,7 @@ def test_evaluate_command_with_baseline_writes_comparison(tiny_whisper_dir, tmp_
             "40",
         ]
     )
-    assert args.func(args) == 0
+    assert args.handler(args) == 0
     after = json.loads(report_json.read_text())
     before = json.loads((tmp_path / "eval" / "report.baseline.json").read_text())
     assert after["wer"] < 0.35 < before["wer"]
@@ -210,6 +211,21 @@ def test_curves_png_from_metrics_jsonl(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(UserError, match="metrics"):
         write_curves_png(tmp_path / "missing.jsonl", tmp_path / "x.png")
+
+
+def test_report_paths_follow_output_baseline_and_the_run_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    names = ["report.json", "report.baseline.json", "report.md", "report.png"]
+    assert report_paths("some-model") == []  # nothing asked for: nothing written
+    assert report_paths("m", output=tmp_path / "r.json") == [tmp_path / "r.json"]
+    assert report_paths("m", output=f"{tmp_path}/new/") == [tmp_path / "new" / "report.json"]
+    beside = report_paths("m", output=tmp_path / "r.json", baseline="b")
+    assert [p.name for p in beside] == ["r.json", "r.baseline.json", "r.md", "r.png"]
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    in_run = report_paths(str(run), baseline="b")
+    assert [p.name for p in in_run] == names and {p.parent for p in in_run} == {run / "evaluation"}
+    assert report_paths("not-a-run", baseline="b")[0] == tmp_path / "report.json"
 
 
 def _evaluate_argv(model, data, *extra) -> list[str]:

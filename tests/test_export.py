@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import WhisperForConditionalGeneration
 
+from whisper_train.commands import export as export_command
 from whisper_train.errors import UserError
 from whisper_train.export import (
     ExportParityError,
-    add_export_parser,
     check_clips,
     check_parity,
     export_model,
@@ -114,7 +114,7 @@ def test_parity_check_passes_a_faithful_export_and_catches_a_broken_one():
 
 def test_export_command_ct2_int8_with_parity_check(tmp_path, capsys):
     parser = argparse.ArgumentParser()
-    add_export_parser(parser.add_subparsers())
+    export_command.add_parser(parser.add_subparsers())
     args = parser.parse_args(
         [
             "export",
@@ -130,7 +130,7 @@ def test_export_command_ct2_int8_with_parity_check(tmp_path, capsys):
             "2",
         ]
     )
-    assert args.func(args) == 0
+    assert args.handler(args) == 0
     assert "parity check passed" in capsys.readouterr().out
     config = json.loads((tmp_path / "int8" / "generation_config.json").read_text())
     assert config["no_timestamps_token_id"] == 50362

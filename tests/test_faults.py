@@ -16,7 +16,7 @@ from conftest import metric_rows
 from safetensors.torch import load_file
 
 import whisper_train.checkpoints as checkpoints_module
-import whisper_train.train as train_module
+import whisper_train.recipe as recipe_module
 from whisper_train.cli import main
 from whisper_train.errors import UserError
 from whisper_train.train import train
@@ -24,7 +24,7 @@ from whisper_train.train import train
 
 def _nan_on_calls(monkeypatch, bad_calls: set[int]) -> None:
     """The training loss turns NaN on the given forward calls (as an fp16 overflow would)."""
-    real = train_module.training_loss
+    real = recipe_module.training_loss
     calls = {"n": 0}
 
     def poisoned(model, batch):
@@ -32,7 +32,7 @@ def _nan_on_calls(monkeypatch, bad_calls: set[int]) -> None:
         loss = real(model, batch)
         return loss * float("nan") if calls["n"] in bad_calls else loss
 
-    monkeypatch.setattr(train_module, "training_loss", poisoned)
+    monkeypatch.setattr(recipe_module, "training_loss", poisoned)
 
 
 def test_a_nan_step_is_skipped_and_training_goes_on(tiny_run_config, monkeypatch):

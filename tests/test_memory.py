@@ -1,4 +1,4 @@
-"""memory.py: freezing, LoRA, checkpointing policy, precision and optimiser choices."""
+"""whisper_train.memory: freezing, LoRA, checkpointing policy, loss, precision, optimiser."""
 
 from __future__ import annotations
 
@@ -14,12 +14,16 @@ from whisper_train.memory import (
     LoraSettings,
     Precision,
     build_optimizer,
+    checkpointed_layers,
+    checkpointing_policy,
     checkpointing_state,
+    parse_every_n,
     prepare_model,
     resolve_checkpointing,
     resolve_precision,
     trainable_parameter_summary,
     training_loss,
+    whisper_of,
 )
 
 CPU = torch.device("cpu")
@@ -101,6 +105,42 @@ def test_bad_inputs_are_one_line_user_errors():
         prepare_model(model, checkpointing="every-0")
     with pytest.raises(UserError, match="--lora-targets"):
         prepare_model(model, mode="lora", lora=LoraSettings(targets=("no_such_layer",)))
+
+
+def test_every_n_policies_have_one_spelling():
+    parsed = [parse_every_n(p) for p in ("every-1", "every-12", "every-0", "every-02", "every-")]
+    assert parsed == [1, 12, None, None, None]
+    assert parse_every_n("full") is None and parse_every_n("every-2\n") is None
+
+
+def _flagged_layers(whisper) -> set[tuple[str, int]]:
+    stacks = {"encoder": whisper.model.encoder.layers, "decoder": whisper.model.decoder.layers}
+    return {
+        (stack, index)
+        for stack, layers in stacks.items()
+        for index, layer in enumerate(layers)
+        if layer.gradient_checkpointing
+    }
+
+
+@pytest.mark.parametrize("policy", ["full", "encoder", "every-2"])
+@pytest.mark.parametrize("mode", ["full", "lora", "freeze-encoder"])
+def test_prepare_model_and_the_planner_checkpoint_the_same_layers(mode, policy):
+    """`checkpointed_layers` is the one place that picks a policy's layers: the flags that
+    `prepare_model` sets are exactly its answer, and `checkpointing_policy` (the planner's
+    temporary switch) sets the same flags and restores the old ones afterwards."""
+    prepared = prepare_model(fresh_model(), mode=mode, checkpointing=policy, lora=SMALL_LORA)
+    whisper = whisper_of(prepared)
+    chosen = checkpointed_layers(whisper, policy)
+    assert _flagged_layers(whisper) == chosen
+    if mode == "freeze-encoder":  # nothing at or below the encoder trains: never recomputed
+        assert all(stack == "decoder" for stack, _ in chosen)
+        assert bool(chosen) == (policy != "encoder")
+    full = prepare_model(fresh_model(), mode=mode, checkpointing="full", lora=SMALL_LORA)
+    before = _flagged_layers(whisper_of(full))
+    with checkpointing_policy(full, policy):
+        assert _flagged_layers(whisper_of(full)) == chosen
+    assert _flagged_layers(whisper_of(full)) == before
 
 
 def test_resolve_checkpointing_defaults_by_device():
@@ -193,9 +233,9 @@ def test_training_loss_equals_the_models_own_loss_and_gradients(mode, policy, mo
     """Logits only at label positions, in chunks (3 tokens here, so the 8 labels take three),
     recomputed in backward when checkpointing is on: the same loss and gradients as the
     model's full-vocabulary cross-entropy (in float64, so that only the algebra is compared)."""
-    import whisper_train.memory as memory
+    import whisper_train.memory.loss as loss
 
-    monkeypatch.setattr(memory, "LOSS_CHUNK_TOKENS", 3)
+    monkeypatch.setattr(loss, "LOSS_CHUNK_TOKENS", 3)  # where training_loss reads it
     model = fresh_model().double()
     model = prepare_model(model, mode=mode, checkpointing=policy, lora=LORA).double().train()
     with torch.no_grad():  # non-zero adapters, so that every LoRA matrix gets a gradient

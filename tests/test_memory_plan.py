@@ -6,8 +6,9 @@ import pytest
 import torch
 from tiny_models import make_tiny_whisper
 
-from whisper_train import memory, memory_plan
+from whisper_train import memory
 from whisper_train.errors import UserError
+from whisper_train.memory import plan as planner
 
 LABEL_TOKENS = 20
 POLICIES = ("off", "every-2", "encoder", "full")
@@ -36,9 +37,9 @@ def test_counted_activations_match_measured_saved_tensors_for_every_policy(mode,
     measured = {}
     policies = POLICIES if attention == "sdpa" else ("off", "full")
     for policy in policies:
-        with memory_plan.checkpointing_policy(model, policy):
-            measured[policy] = memory_plan.probe_saved_bytes(model, features, tokens)
-        per_sample = memory_plan.count_saved_bytes(model, policy=policy, label_tokens=LABEL_TOKENS)
+        with memory.checkpointing_policy(model, policy):
+            measured[policy] = planner.probe_saved_bytes(model, features, tokens)
+        per_sample = planner.count_saved_bytes(model, policy=policy, label_tokens=LABEL_TOKENS)
         counted = 2 * per_sample["device"]
         assert counted == pytest.approx(measured[policy], rel=0.15), policy
     # The probe really saw checkpointing act: each stronger policy keeps less.
@@ -50,26 +51,26 @@ def test_counted_activations_match_measured_saved_tensors_for_every_policy(mode,
 def test_estimate_terms_follow_mode_and_optimizer():
     full = _prepared("full")
     frozen = _prepared("freeze-encoder")
-    adamw = memory_plan.estimate_memory(full, optimizer="adamw")
-    eight_bit = memory_plan.estimate_memory(full, optimizer="adamw8bit")
+    adamw = planner.estimate_memory(full, optimizer="adamw")
+    eight_bit = planner.estimate_memory(full, optimizer="adamw8bit")
     trainable = sum(p.numel() for p in full.parameters() if p.requires_grad)
     assert adamw.gradients == 4 * trainable
     assert adamw.optimizer == 2 * 4 * trainable  # two float32 moments
     assert eight_bit.optimizer == adamw.optimizer // 4  # two uint8 moments
-    assert memory_plan.estimate_memory(frozen).optimizer < adamw.optimizer
+    assert planner.estimate_memory(frozen).optimizer < adamw.optimizer
     # Activations grow linearly with the batch.
-    one = memory_plan.estimate_memory(full, batch_size=1).activations
-    four = memory_plan.estimate_memory(full, batch_size=4).activations
+    one = planner.estimate_memory(full, batch_size=1).activations
+    four = planner.estimate_memory(full, batch_size=4).activations
     assert four == pytest.approx(4 * one, rel=1e-6)
 
 
 def test_probe_calibration_is_close_to_one_for_whisper_layers():
     model = _prepared("full")
-    assert memory_plan.calibrate(model, label_tokens=16) == pytest.approx(1.0, abs=0.15)
+    assert planner.calibrate(model, label_tokens=16) == pytest.approx(1.0, abs=0.15)
 
 
 def test_planner_picks_off_when_the_budget_is_huge():
-    plan = memory_plan.plan_checkpointing(
+    plan = planner.plan_checkpointing(
         _prepared("full"),
         mode="full",
         batch_size=4,
@@ -83,24 +84,24 @@ def test_planner_picks_off_when_the_budget_is_huge():
 def test_planner_checkpoints_everything_when_the_budget_is_tight():
     model = _prepared("full")
     kwargs = dict(batch_size=4, label_tokens=LABEL_TOKENS)
-    full = memory_plan.estimate_memory(model, policy="full", **kwargs).total
-    encoder_only = memory_plan.estimate_memory(model, policy="encoder", **kwargs).total
+    full = planner.estimate_memory(model, policy="full", **kwargs).total
+    encoder_only = planner.estimate_memory(model, policy="encoder", **kwargs).total
     budget = (full + encoder_only) // 2  # fits full checkpointing, not encoder-only
-    plan = memory_plan.plan_checkpointing(
+    plan = planner.plan_checkpointing(
         model, mode="full", max_memory_bytes=budget, probe=False, **kwargs
     )
     assert plan.policy == "full" and plan.estimate_bytes <= budget
     # And what training would really keep under that policy fits the budget too.
     features, tokens = _batch(model, batch_size=4)
-    with memory_plan.checkpointing_policy(model, plan.policy):
-        saved = memory_plan.probe_saved_bytes(model, features, tokens)
+    with memory.checkpointing_policy(model, plan.policy):
+        saved = planner.probe_saved_bytes(model, features, tokens)
     fixed = plan.estimates["full"]
     assert fixed.weights + fixed.gradients + fixed.optimizer + saved <= budget
 
 
 def test_planner_refuses_when_nothing_fits_and_says_what_would():
     with pytest.raises(UserError) as caught:
-        memory_plan.plan_checkpointing(
+        planner.plan_checkpointing(
             _prepared("full"),
             mode="full",
             batch_size=2,
@@ -118,4 +119,4 @@ def test_flop_formula_matches_the_published_figure_for_whisper_small():
 
     small = WhisperConfig(d_model=768, encoder_layers=12, decoder_layers=12, vocab_size=51865)
     # anchors.md: ~1.2 TFLOP per training sample at T = 64 (3 x forward)
-    assert 3 * memory_plan.model_flops_per_sample(small, 64) == pytest.approx(1.2e12, rel=0.1)
+    assert 3 * planner.model_flops_per_sample(small, 64) == pytest.approx(1.2e12, rel=0.1)

@@ -7,7 +7,7 @@ import torch
 from conftest import metric_rows
 from safetensors.torch import load_file
 
-import whisper_train.train as train_module
+import whisper_train.recipe as recipe_module
 from whisper_train import checkpoints
 from whisper_train.errors import UserError
 from whisper_train.train import train
@@ -15,7 +15,7 @@ from whisper_train.train import train
 
 def _crash_on_call(monkeypatch, n: int) -> None:
     """Make the n-th training forward raise, as a crash or power cut would stop the run."""
-    real = train_module.training_loss
+    real = recipe_module.training_loss
     calls = {"n": 0}
 
     def crashing(model, batch):
@@ -24,7 +24,7 @@ def _crash_on_call(monkeypatch, n: int) -> None:
             raise RuntimeError("simulated crash")
         return real(model, batch)
 
-    monkeypatch.setattr(train_module, "training_loss", crashing)
+    monkeypatch.setattr(recipe_module, "training_loss", crashing)
 
 
 @pytest.mark.parametrize("mode", ["full", "lora"])

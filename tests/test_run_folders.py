@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import metric_rows
 
-import whisper_train.train as train_module
+import whisper_train.launch as launch_module
 from whisper_train.cli import main
 from whisper_train.config import RunConfig
 from whisper_train.errors import UserError
@@ -148,7 +148,7 @@ def test_nproc_checks_once_and_its_workers_use_their_folder(tmp_path, tiny_run_c
         def wait(self):
             return 0
 
-    monkeypatch.setattr(train_module.subprocess, "Popen", FakeLaunch)
+    monkeypatch.setattr(launch_module.subprocess, "Popen", FakeLaunch)
     result = train(tiny_run_config(nproc=2, overwrite=True))
     assert launched and result.steps == 3 == launched[0].steps
     (aside,) = tmp_path.glob("out.old-*")  # once: the worker moved nothing

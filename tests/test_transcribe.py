@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import soundfile
 
+from whisper_train.commands import transcribe as transcribe_command
 from whisper_train.transcribe import (
     CTranslate2Backend,
     Segment,
     Transcript,
-    add_transcribe_parser,
     segments_from_tokens,
     to_json,
     to_srt,
@@ -159,12 +159,12 @@ def test_bad_file_is_reported_and_the_rest_transcribed(tmp_path):
 def test_transcribe_command_exit_codes(tmp_path):
     folder = _folder_with_a_bad_file(tmp_path)
     parser = argparse.ArgumentParser()
-    add_transcribe_parser(parser.add_subparsers())
+    transcribe_command.add_parser(parser.add_subparsers())
 
     def run(*argv):
         # tiny.en is a CTranslate2 folder: the CTranslate2 backend.
         args = parser.parse_args(["transcribe", "--model", "tiny.en", *argv])
-        return args.func(args)
+        return args.handler(args)
 
     assert run(str(folder), "--output-dir", str(tmp_path / "out"), "--format", "vtt") == 1
     assert (tmp_path / "out" / "good.vtt").read_text().startswith("WEBVTT")

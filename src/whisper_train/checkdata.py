@@ -15,9 +15,7 @@ they are warnings and the exit is 0), 2 unusable input (the data cannot be read 
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import math
 import statistics
 import unicodedata
@@ -171,13 +169,18 @@ def check_data(
     model: Any = None,
     strict: bool = False,
 ) -> DataReport:
-    """Inspect the data at `path`; `model` is a Whisper tokenizer (or None: labels in chars).
+    """Inspect the data at `path`. Labels are measured with `model`: a Whisper tokenizer, a
+    `--model` spec (folder, hub id, run folder or tiny.en) whose tokenizer is loaded, or None
+    (labels measured in characters).
 
     Raises UserError when the data cannot be read at all (no such path, unknown layout, bad
-    rows). `strict` is accepted for symmetry with training; the report is the same, and
-    `run_check_data` turns its problems into the exit code.
+    rows). `strict` is accepted for symmetry with training; the report is the same, and the
+    `check-data` command turns its problems into the exit code.
     """
     del strict  # the report does not depend on it; the exit code does
+    spec = str(model) if isinstance(model, (str, Path)) else None
+    if spec is not None:
+        model = load_tokenizer(spec)
     examples = load_examples(path, data_format=data_format)
     report = DataReport(path=str(path), clips=len(examples))
     report.tokenizer = getattr(model, "name_or_path", None) or (
@@ -187,6 +190,8 @@ def check_data(
     _check_audio(examples, report)
     _check_labels(examples, model, report)
     _check_characters(examples, model, report)
+    if spec is not None:
+        report.tokenizer = f"--model {spec}'s tokenizer"
     return report
 
 
@@ -427,50 +432,6 @@ def write_histogram_png(report: DataReport, path: str | Path) -> Path:
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return path
-
-
-# -- command line ---------------------------------------------------------------------------
-def add_check_data_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "check-data",
-        help="Report clips, hours, durations, formats and problems in a dataset.",
-        description=__doc__.split("\n\n")[0],
-    )
-    parser.add_argument("data", help="The data, in any layout `train --data` accepts.")
-    parser.add_argument(
-        "--data-format", default=None, help="Force a layout instead of detecting it."
-    )
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="Count label tokens with this model's tokenizer (folder, hub id or tiny.en).",
-    )
-    parser.add_argument(
-        "--strict", action="store_true", help="Exit with code 1 when any problem is found."
-    )
-    parser.add_argument("--json", action="store_true", help="Print the report as JSON.")
-    parser.add_argument("--png", default=None, metavar="FILE", help="Save the histogram here.")
-    parser.set_defaults(handler=run_check_data)
-    return parser
-
-
-def run_check_data(args: argparse.Namespace) -> int:
-    """0 clean (or problems without --strict), 1 problems under --strict; UserError → 2."""
-    tokenizer = load_tokenizer(args.model) if args.model else None
-    report = check_data(
-        args.data, data_format=args.data_format, model=tokenizer, strict=args.strict
-    )
-    if args.model:
-        report.tokenizer = f"--model {args.model}'s tokenizer"
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))
-    else:
-        print(format_report(report))
-    if args.png:
-        print(f"histogram written to {write_histogram_png(report, args.png)}")
-    if report.problems and args.strict:
-        return 1
-    return 0
 
 
 def load_tokenizer(spec: str) -> Any:

@@ -24,8 +24,16 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 SCHEDULERS = ("linear", "constant_with_warmup")
 OPTIMIZERS = ("adamw", "adamw-fused", "adamw8bit")
 TASKS = ("transcribe", "translate")
-# `on` is `full`; `every-N` checkpoints every Nth layer; `auto` picks from `--max-memory`.
-CHECKPOINT_POLICY = re.compile(r"^(off|on|full|encoder|auto|every-[1-9][0-9]*)$")
+
+
+def _is_checkpoint_policy(policy: str) -> bool:
+    """off | on | full | encoder | auto | every-N, N >= 1 (`on` is `full`; `auto` picks from
+    --max-memory)."""
+    # Imported here, not at the top: the every-N parser lives with checkpointing, which needs
+    # torch, and `import whisper_train.config` (so the CLI's --help) stays torch-free.
+    from whisper_train.memory.checkpointing import parse_every_n
+
+    return policy in ("off", "on", "full", "encoder", "auto") or parse_every_n(policy) is not None
 
 
 def _help(text: str, **kwargs: Any) -> Any:
@@ -279,7 +287,7 @@ class RunConfig:
         _one_of("--lr-scheduler", t.lr_scheduler, SCHEDULERS)
         _one_of("--attn-implementation", m.attn_implementation, ("sdpa", "eager"))
         policy = mem.gradient_checkpointing
-        if policy is not None and not CHECKPOINT_POLICY.match(policy):
+        if policy is not None and not _is_checkpoint_policy(policy):
             raise UserError(
                 f"--gradient-checkpointing {policy}: expected off, on, full, encoder, every-N "
                 "(e.g. every-2) or auto"

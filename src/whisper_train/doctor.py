@@ -17,7 +17,6 @@ given, the copy first gets the checkpointing the Trainer would switch on.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import functools
@@ -33,6 +32,7 @@ import transformers
 from packaging.version import Version
 from torch import nn
 
+from whisper_train.config import RunConfig
 from whisper_train.errors import UserError
 from whisper_train.memory import (
     LoraSettings,
@@ -40,6 +40,7 @@ from whisper_train.memory import (
     checkpointing_units,
     prepare_model,
     training_loss,
+    whisper_or_none,
 )
 
 # transformers releases whose Whisper decoder passes encoder_hidden_states by keyword into a
@@ -222,14 +223,9 @@ def _enable_like_trainer(model: nn.Module, kwargs: dict | None) -> None:
 
 def _is_hand_enabled(model: nn.Module) -> bool:
     """Checkpointing is on but was not set by prepare_model (which marks the model)."""
-    whisper = _whisper_or_none(model)
+    whisper = whisper_or_none(model)
     marked = whisper is not None and getattr(whisper, "_whisper_train_checkpointing", None)
     return checkpointing_state(model)["enabled"] and not marked
-
-
-def _whisper_or_none(model: nn.Module) -> nn.Module | None:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base if hasattr(base, "model") and hasattr(base.model, "encoder") else None
 
 
 # -- static checks -----------------------------------------------------------------------------
@@ -253,7 +249,7 @@ def _static(model, *, trainer_args, ddp, compile, hand_enabled) -> list[Check]:
 def _check_versions(model, state) -> Check:
     version = Version(transformers.__version__)
     affected = T1_AFFECTED[0] <= version < T1_AFFECTED[1]
-    whisper = _whisper_or_none(model)
+    whisper = whisper_or_none(model)
     if affected and state["reentrant"] and whisper is not None:
         encoder_trains = _encoder_output_needs_grad(model, whisper, state)
         decoder_checkpointed = any(".decoder." in f".{n}." for n in state["reentrant"])
@@ -339,7 +335,7 @@ def _check_reentrant(state) -> Check:
 def _check_peft_order(model, state) -> Check | None:
     if not hasattr(model, "peft_config"):
         return None
-    whisper = _whisper_or_none(model)
+    whisper = whisper_or_none(model)
     hooked = whisper is not None and bool(getattr(whisper, "_require_grads_hook", None))
     if not state["reentrant"]:
         return Check(
@@ -424,7 +420,7 @@ def _check_ddp(model, state, trainer_args, ddp) -> Check:
     find_unused = ddp.get("find_unused_parameters")
     if find_unused is None:  # the Trainer's default: on unless checkpointing
         find_unused = not state["enabled"]
-    whisper = _whisper_or_none(model)
+    whisper = whisper_or_none(model)
     layerdrop = (
         0.0
         if whisper is None
@@ -799,45 +795,23 @@ def _check_stale_graph(model: nn.Module) -> Check:
     return Check("state", "pass", "no module keeps a graph between steps")
 
 
-# -- command line ------------------------------------------------------------------------------
+# -- a training configuration, as `whisper-train doctor` checks it ------------------------------
 
 
-def add_doctor_parser(subparsers) -> None:
-    """`whisper-train doctor`: the same model, data, mode and memory flags as `train`."""
-    from whisper_train.cli import add_config_arguments
-
-    parser = subparsers.add_parser(
-        "doctor",
-        help="Check that gradient checkpointing is sound for a configuration (seconds).",
-        description="Run the pre-flight checks and a gradient-parity probe (one step with and "
-        "without checkpointing) for the model, mode and memory flags you would train with. "
-        "--data is optional: without it a synthetic batch of the right shape is used.",
-    )
-    add_config_arguments(parser, groups=("data", "model", "memory"))
-    parser.add_argument(
-        "--probe-batch-size",
-        type=int,
-        default=2,
-        help="Utterances in the probe batch [default: 2].",
-    )
-    parser.add_argument("--json", action="store_true", help="Print the report as JSON.")
-    parser.set_defaults(handler=run_doctor)
-
-
-def run_doctor(args: argparse.Namespace) -> int:
-    """Exit 0 when nothing fails, 1 otherwise."""
-    from whisper_train.cli import config_from_args
+def check_config(config: RunConfig, *, probe_batch_size: int = 2) -> DoctorReport:
+    """Every check for the model, mode and memory options of `config`, as `train` would set
+    them up: load the model, probe `probe_batch_size` utterances (--data's first, or a
+    synthetic batch without --data) and `run` the static and dynamic checks on it."""
     from whisper_train.memory import resolve_checkpointing
     from whisper_train.models import load_model
 
-    config = config_from_args(args)
     model, processor = load_model(
         config.model.model, attn_implementation=config.model.attn_implementation
     )
-    batch = probe_batch(model, processor, config, size=args.probe_batch_size)
+    batch = probe_batch(model, processor, config, size=probe_batch_size)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     m = config.model
-    report = run(
+    return run(
         model.to(device),
         {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()},
         mode=m.mode,
@@ -849,8 +823,6 @@ def run_doctor(args: argparse.Namespace) -> int:
         },  # as `train` configures DDP
         compile=config.memory.compile,
     )
-    print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
-    return 0 if report.ok else 1
 
 
 def probe_batch(model, processor, config, *, size: int = 2) -> dict[str, torch.Tensor]:

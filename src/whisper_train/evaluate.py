@@ -20,10 +20,8 @@ divides all errors by all reference words; if every reference is empty it is und
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -32,8 +30,11 @@ from pathlib import Path
 import jiwer
 import torch
 
+from whisper_train.collate import IGNORE_INDEX
 from whisper_train.config import require_positive
 from whisper_train.errors import AudioError, UserError
+from whisper_train.memory import training_loss
+from whisper_train.runlog import progress_bars_wanted
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +43,6 @@ NORMALIZERS = ("english", "basic", "none")
 LOOP_NGRAM = 3
 
 Normalizer = Callable[[str], str]
-
-
-def progress_bars_wanted() -> bool:
-    """Progress bars only on a terminal: in a log file or CI output their \r redraws pile up
-    into one long unreadable line."""
-    try:
-        return sys.stderr.isatty()
-    except (AttributeError, ValueError):  # replaced by an object without it, or closed
-        return False
 
 
 # -- normalisation --------------------------------------------------------------------------
@@ -347,6 +339,42 @@ def set_language(model, language: str | None, task: str | None = None) -> None:
         config.task = task
 
 
+@torch.no_grad()
+def run_evaluation(
+    model, loader, processor, accelerator, normalizer, max_length: int, step: int
+) -> dict:
+    """Evaluation during training: validation loss (teacher-forced, mean over all label
+    tokens) and WER of generated transcripts, gathered over processes (each evaluates its share
+    of the loader). Returns a metrics row: {"step", "eval_loss", "wer"}."""
+    was_training = model.training
+    model.eval()
+    loss_and_tokens = torch.zeros(2, device=accelerator.device)  # summed token losses, tokens
+    references, hypotheses = [], []
+    unwrapped = accelerator.unwrap_model(model)
+    for batch in loader:
+        if not batch["size"]:
+            continue
+        n_tokens = (batch["labels"] != IGNORE_INDEX).sum().float()
+        loss_and_tokens += torch.stack(
+            [training_loss(model, batch).detach().float() * n_tokens, n_tokens]
+        )
+        texts = generate_texts(unwrapped, processor, [batch], max_length=max_length)
+        references.extend(accelerator.gather_for_metrics(batch["texts"], use_gather_object=True))
+        hypotheses.extend(accelerator.gather_for_metrics(texts, use_gather_object=True))
+    model.train(was_training)
+    if accelerator.num_processes > 1:
+        loss_and_tokens = accelerator.reduce(loss_and_tokens, reduction="sum")
+    loss_sum, n_tokens = loss_and_tokens.tolist()
+    if not references:
+        return {"step": step, "eval_loss": float("nan"), "wer": float("nan")}
+    scores = score(references, hypotheses, normalizer=normalizer)
+    return {
+        "step": step,
+        "eval_loss": round(loss_sum / max(n_tokens, 1.0), 6),
+        "wer": round(scores.wer, 6),
+    }
+
+
 def evaluate_examples(
     model,
     processor,
@@ -416,161 +444,125 @@ def write_report_json(report: EvalReport, path: str | Path) -> Path:
     return path
 
 
-# -- CLI ------------------------------------------------------------------------------------
+# -- an evaluation, as `whisper-train evaluate` runs it -------------------------------------
 
 
-def add_evaluate_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "evaluate",
-        help="Transcribe held-out data and report WER/CER (optionally against a baseline model).",
-        description="Generate transcripts for --data with --model and score them.",
-    )
-    parser.add_argument(
-        "--model", required=True, help="Model folder, hub id, run folder or tiny.en."
-    )
-    parser.add_argument("--data", required=True, help="Data in any layout `check-data` accepts.")
-    parser.add_argument("--data-format", default=None, help="Force a data layout.")
-    parser.add_argument(
-        "--output",
-        default=None,
-        help="Write the JSON report to this file (a folder gets report.json); --baseline adds "
-        "report.baseline.json, report.md and report.png beside it. Default: none without "
-        "--baseline; with it, RUN/evaluation/report.json when --model is a whisper-train run "
-        "folder (RUN or RUN/final), else ./report.json.",
-    )
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="Replace report files that already exist at --output (off by default: refused).",
-    )
-    parser.add_argument(
-        "--normalizer",
-        choices=NORMALIZERS,
-        default=None,
-        help="Text normaliser before scoring (default: english for English, basic otherwise).",
-    )
-    parser.add_argument(
-        "--baseline",
-        default=None,
-        help="Also evaluate this model; writes report.md and report.png beside the JSON.",
-    )
-    parser.add_argument(
-        "--batch-size", type=int, default=8, help="Clips per generate call [default: 8]."
-    )
-    parser.add_argument(
-        "--eval-subset", type=int, default=None, help="Use only the first N clips (default: all)."
-    )
-    parser.add_argument(
-        "--language",
-        default=None,
-        help="Language of the speech, e.g. en or de (default: the model's).",
-    )
-    parser.add_argument(
-        "--beam-size", type=int, default=1, help="1 is greedy decoding [default: 1]."
-    )
-    parser.add_argument(
-        "--max-length", type=int, default=225, help="Longest transcript in tokens [default: 225]."
-    )
-    parser.set_defaults(func=run_evaluate)
-    return parser
+@dataclass
+class Evaluation:
+    """What `evaluate` produced: the model's report, the baseline's (or None), and the report
+    files written ([] when none was asked for)."""
+
+    report: EvalReport
+    baseline: EvalReport | None = None
+    paths: list[Path] = field(default_factory=list)
 
 
-def _print_scores(name: str, report: EvalReport) -> None:
-    s = report.scores
-    print(
-        f"{name}: WER {100 * s.wer:.2f}%  CER {100 * s.cer:.2f}%  "
-        f"(orthographic WER {100 * s.orthographic_wer:.2f}%, n={s.n}, "
-        f"normalizer {report.normalizer})"
-    )
+def report_paths(
+    model: str, *, output: str | Path | None = None, baseline: str | None = None
+) -> list[Path]:
+    """The report files an evaluation writes: [report.json, (baseline .json, .md, .png)].
 
-
-def report_paths(args: argparse.Namespace) -> list[Path]:
-    """The report files this evaluation writes: [report.json, (baseline .json, .md, .png)].
-
-    Without --output, a comparison (--baseline) goes into the run folder of --model when it is
-    one (RUN/evaluation/, beside the model it describes), else into the current folder.
+    `output` is a file or a folder (which gets report.json). Without it, a comparison
+    (`baseline`) goes into the run folder of `model` when it is one (RUN/evaluation/, beside
+    the model it describes), else into the current folder; a lone evaluation writes nothing.
     """
     from whisper_train.checkpoints import EVALUATION_DIR, REPORT_FILES, run_folder_of
     from whisper_train.models import resolve_alias
 
-    if args.output:
-        output = Path(args.output)
-        if output.is_dir() or args.output.endswith(("/", "\\")):
-            output = output / REPORT_FILES[0]
-    elif args.baseline:
-        run = run_folder_of(Path(resolve_alias(args.model)).expanduser())
-        output = (run / EVALUATION_DIR if run else Path.cwd()) / REPORT_FILES[0]
+    if output:
+        path = Path(output)
+        if path.is_dir() or str(output).endswith(("/", "\\")):
+            path = path / REPORT_FILES[0]
+    elif baseline:
+        run = run_folder_of(Path(resolve_alias(model)).expanduser())
+        path = (run / EVALUATION_DIR if run else Path.cwd()) / REPORT_FILES[0]
     else:
         return []
-    if not args.baseline:
-        return [output]
+    if not baseline:
+        return [path]
     return [
-        output,
-        output.with_name(output.stem + ".baseline.json"),
-        output.with_suffix(".md"),
-        output.with_suffix(".png"),
+        path,
+        path.with_name(path.stem + ".baseline.json"),
+        path.with_suffix(".md"),
+        path.with_suffix(".png"),
     ]
 
 
-def run_evaluate(args: argparse.Namespace) -> int:
-    """`whisper-train evaluate`: prints WER/CER; writes report.json (+ .md/.png with --baseline)."""
+def evaluate(
+    model: str,
+    data: str | Path,
+    *,
+    data_format: str | None = None,
+    output: str | Path | None = None,
+    overwrite: bool = False,
+    baseline: str | None = None,
+    normalizer: str | None = None,
+    batch_size: int = 8,
+    eval_subset: int | None = None,
+    language: str | None = None,
+    beam_size: int = 1,
+    max_length: int = 225,
+    on_report: Callable[[str, EvalReport], None] | None = None,
+) -> Evaluation:
+    """Transcribe `data` with the model `model` (a spec: folder, hub id, run folder, tiny.en)
+    and score it; with `baseline`, the same for that model and a comparison (report.md,
+    report.png). Reports are written where `report_paths` says; existing ones are refused
+    unless `overwrite`. `on_report("model" | "baseline", report)` is called as each model is
+    scored, before the next one starts."""
     from whisper_train.data import load_examples
     from whisper_train.models import load_model
 
-    require_positive("--batch-size", args.batch_size)
-    require_positive("--beam-size", args.beam_size)
-    require_positive("--max-length", args.max_length)
-    if args.eval_subset is not None:
-        require_positive("--eval-subset", args.eval_subset)
-    examples = load_examples(args.data, data_format=args.data_format)
-    if args.eval_subset:
-        examples = examples[: args.eval_subset]
+    require_positive("--batch-size", batch_size)
+    require_positive("--beam-size", beam_size)
+    require_positive("--max-length", max_length)
+    if eval_subset is not None:
+        require_positive("--eval-subset", eval_subset)
+    examples = load_examples(data, data_format=data_format)
+    if eval_subset:
+        examples = examples[:eval_subset]
     if not examples:
-        raise UserError(f"--data {args.data}: no utterances found")
-    normalizer = args.normalizer or ("english" if args.language in (None, "en") else "basic")
+        raise UserError(f"--data {data}: no utterances found")
+    normalizer = normalizer or ("english" if language in (None, "en") else "basic")
     # Refuse before the (long) transcription, not after it.
-    paths = report_paths(args)
+    paths = report_paths(model, output=output, baseline=baseline)
     existing = [path for path in paths if path.exists()]
-    if existing and not getattr(args, "overwrite", False):
-        flag = f"--output {args.output}" if args.output else "the default report location"
+    if existing and not overwrite:
+        flag = f"--output {output}" if output else "the default report location"
         raise UserError(
             f"{flag}: {existing[0]} already exists; add --overwrite to replace it, or pass "
             "another --output"
         )
 
-    def run(spec: str) -> EvalReport:
-        model, processor = load_model(spec)
+    def run(spec: str, role: str) -> EvalReport:
+        loaded, processor = load_model(spec)
         if torch.cuda.is_available():
-            model = model.to("cuda")
-        return evaluate_examples(
-            model,
+            loaded = loaded.to("cuda")
+        report = evaluate_examples(
+            loaded,
             processor,
             examples,
-            batch_size=args.batch_size,
+            batch_size=batch_size,
             normalizer=normalizer,
-            language=args.language,
-            max_length=args.max_length,
-            num_beams=args.beam_size,
+            language=language,
+            max_length=max_length,
+            num_beams=beam_size,
             model_name=spec,
             progress=True,
         )
+        if on_report is not None:
+            on_report(role, report)
+        return report
 
-    report = run(args.model)
-    _print_scores(args.model, report)
-    if report.skipped:
-        where = "see the JSON report" if paths else "--output FILE.json lists them"
-        print(f"skipped {len(report.skipped)} unreadable clip(s); {where}")
+    result = Evaluation(run(model, "model"))
     if not paths:
-        return 0
-    write_report_json(report, paths[0])
-    if args.baseline:
+        return result
+    write_report_json(result.report, paths[0])
+    if baseline:
         from whisper_train.report import write_comparison
 
-        baseline = run(args.baseline)
-        _print_scores(f"baseline {args.baseline}", baseline)
+        result.baseline = run(baseline, "baseline")
         _, baseline_json, markdown, png = paths
-        write_report_json(baseline, baseline_json)
-        write_comparison(baseline, report, markdown_path=markdown, png_path=png)
-    # One line that says where every file went: the default may be a folder the user never named.
-    print(f"wrote {', '.join(p.name for p in paths)} to {paths[0].parent.resolve()}")
-    return 0
+        write_report_json(result.baseline, baseline_json)
+        write_comparison(result.baseline, result.report, markdown_path=markdown, png_path=png)
+    result.paths = paths
+    return result

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import shutil
@@ -358,85 +357,3 @@ def _clear_output(output: Path, *, overwrite: bool) -> Path | None:
         ) from None
     log.info("--overwrite: moved the earlier export %s to %s", output, aside)
     return aside
-
-
-# -- CLI ------------------------------------------------------------------------------------
-
-
-def add_export_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "export",
-        help="Merge LoRA, save as Hugging Face or CTranslate2 (faster-whisper), and verify.",
-        description="Export a model or a whisper-train run folder; ends with a WER parity check.",
-    )
-    parser.add_argument("--model", required=True, help="Run folder (OUTPUT), model folder or spec.")
-    parser.add_argument(
-        "--format",
-        choices=FORMATS,
-        default="hf",
-        help="hf (transformers) or ct2 (CTranslate2 / faster-whisper) [default: hf].",
-    )
-    parser.add_argument("--output", required=True, help="New folder for the exported model.")
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="If --output holds an earlier export, move it aside to OUTPUT.old-<date>-<time> "
-        "(nothing is deleted) instead of refusing (off by default).",
-    )
-    parser.add_argument(
-        "--device",
-        choices=DEVICES,
-        default=None,
-        help="Where the export will run; picks the default --quantization "
-        "(default: cuda if this machine has a GPU, else cpu).",
-    )
-    parser.add_argument(
-        "--quantization",
-        choices=EXPORT_QUANTIZATIONS,
-        default=None,
-        help="Weight precision (default: float32 for hf; for ct2 float16 with --device cuda, "
-        "float32 with --device cpu; int8* only for ct2).",
-    )
-    parser.add_argument(
-        "--check-data",
-        default=None,
-        help="Clips with transcripts for the parity check (default: synthesised sentences).",
-    )
-    parser.add_argument(
-        "--check-clips",
-        type=int,
-        default=CHECK_CLIPS,
-        help=f"Clips in the parity check [default: {CHECK_CLIPS}].",
-    )
-    parser.add_argument("--no-check", action="store_true", help="Skip the parity check.")
-    parser.set_defaults(func=run_export)
-    return parser
-
-
-def run_export(args: argparse.Namespace) -> int:
-    """0: exported and checked; 1: exported but the parity check failed."""
-    try:
-        result = export_model(
-            args.model,
-            format=args.format,
-            output=args.output,
-            quantization=args.quantization,
-            check_data=args.check_data,
-            check=not args.no_check,
-            n_check_clips=args.check_clips,
-            device=args.device,
-            overwrite=args.overwrite,
-        )
-    except ExportParityError as exc:
-        print(f"error: {exc}")
-        return 1
-    merged = " (LoRA merged)" if result.merged_lora else ""
-    print(
-        f"exported {args.model}{merged} to {result.output} ({result.format}, {result.quantization})"
-    )
-    if result.parity is not None:
-        print(
-            f"parity check passed: WER {100 * result.parity.export_wer:.1f}% exported vs "
-            f"{100 * result.parity.source_wer:.1f}% source on {len(result.parity.transcripts)} clips"
-        )
-    return 0

@@ -18,7 +18,6 @@ A file that cannot be read is reported and skipped; the others still get transcr
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
@@ -420,7 +419,7 @@ def transcribe_paths(
         output_dir = Path(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
     results = []
-    from whisper_train.evaluate import progress_bars_wanted
+    from whisper_train.runlog import progress_bars_wanted
 
     show_bar = progress and progress_bars_wanted()
     bar = tqdm(recordings, desc="transcribe", unit="file", disable=not show_bar)
@@ -441,73 +440,3 @@ def transcribe_paths(
             target.write_text(render(transcript, format), encoding="utf-8")
         results.append(transcript)
     return results
-
-
-# -- CLI ------------------------------------------------------------------------------------
-
-
-def add_transcribe_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "transcribe",
-        help="Transcribe audio files, folders or a manifest (any length) to txt/srt/vtt/json.",
-        description="Transcribe recordings with a Whisper model; long recordings are decoded "
-        "30 s window by window with timestamps.",
-    )
-    parser.add_argument("inputs", nargs="+", help="Audio files, folders of audio, or a manifest.")
-    parser.add_argument(
-        "--model",
-        default="tiny.en",
-        help="CTranslate2 folder (fast path), Hugging Face folder, hub id, run folder, tiny.en.",
-    )
-    parser.add_argument(
-        "--format",
-        choices=FORMATS,
-        default="txt",
-        help="txt: the text; srt/vtt: subtitles with timestamps; json: the text and timed segments.",
-    )
-    parser.add_argument(
-        "--output-dir",
-        default=None,
-        help="Write <name>.<format> per recording here (default: print to the terminal).",
-    )
-    parser.add_argument(
-        "--language", default=None, help="Language of the speech (default: detect)."
-    )
-    parser.add_argument(
-        "--task",
-        choices=("transcribe", "translate"),
-        default=None,
-        help="Default: the model's own (transcribe unless it was fine-tuned to translate).",
-    )
-    parser.add_argument("--beam-size", type=int, default=1, help="1 is greedy decoding.")
-    parser.set_defaults(func=run_transcribe)
-    return parser
-
-
-def run_transcribe(args: argparse.Namespace) -> int:
-    """0: all transcribed; 1: some recordings failed; 2: none could be transcribed."""
-    results = transcribe_paths(
-        args.model,
-        args.inputs,
-        format=args.format,
-        language=args.language,
-        task=args.task,
-        beam_size=args.beam_size,
-        output_dir=args.output_dir,
-    )
-    good = [r for r in results if r.error is None]
-    if args.output_dir is None:
-        for result in good:
-            if len(results) > 1:
-                print(f"==> {result.source} <==")
-            print(render(result, args.format), end="")
-    failed = len(results) - len(good)
-    if not good:
-        print(f"error: none of the {len(results)} recordings could be transcribed", file=sys.stderr)
-        return 2
-    if failed:
-        print(f"{failed} of {len(results)} recordings failed (listed above)", file=sys.stderr)
-        return 1
-    if args.output_dir is not None:
-        print(f"wrote {len(good)} transcript(s) to {args.output_dir}")
-    return 0

@@ -29,26 +29,34 @@ excluded), for Whisper's layers as transformers implements them with sdpa attent
 A checkpointed layer (non-reentrant) keeps only its inputs; `every-N` checkpoints layers 0, N,
 2N, ... of each stack; `encoder` only the encoder's. `probe_saved_bytes` measures the same
 quantity on the real model (saved-tensor hooks, unique storages), and `plan_checkpointing`
-uses one small probe batch to calibrate the count before choosing a policy.
+uses one small probe batch to calibrate the count before choosing a policy. Which layers a
+policy checkpoints comes from `checkpointing.checkpointed_layers`, the function `prepare_model`
+sets the flags with, so the count describes the model training will run.
+
+`prepare_model_within_budget` is `--gradient-checkpointing auto`: it prepares the model, plans,
+and narrows the model to the plan's policy.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from whisper_train.errors import UserError
-from whisper_train.memory import LOSS_CHUNK_TOKENS, training_loss, whisper_of
+from whisper_train.memory.checkpointing import (
+    LoraSettings,
+    checkpointed_layers,
+    checkpointing_policy,
+    prepare_model,
+)
+from whisper_train.memory.loss import LOSS_CHUNK_TOKENS, training_loss
+from whisper_train.memory.wrappers import whisper_of
 
 ENCODER_POSITIONS = 1500  # 3000 log-mel frames, halved by the stride-2 second convolution
 MEL_FRAMES = 3000  # 30 s at 100 frames/s
 POLICY_ORDER = ("off", "every-N", "encoder", "full")  # cheapest (fastest) first
-_EVERY_N = re.compile(r"^every-([1-9][0-9]*)$")
 _HALF_PRECISIONS = ("bf16", "fp16")
 
 
@@ -145,7 +153,7 @@ def count_saved_bytes(
     # Element sizes: the residual stream, LayerNorm statistics and the log-softmax stay float32
     # under autocast; what feeds a linear layer, attention and GELU is the half-precision copy.
     full_bytes, compute_bytes = 4, (2 if half else 4)
-    checkpointed = _checkpointed_layers(whisper, policy)
+    checkpointed = checkpointed_layers(whisper, policy)
 
     encoder = whisper.model.encoder
     stem_trains = any(
@@ -309,31 +317,6 @@ def _trains(module: nn.Module) -> bool:
     return any(p.requires_grad for p in module.parameters())
 
 
-def _checkpointed_layers(whisper: nn.Module, policy: str) -> set[tuple[str, int]]:
-    """(stack, index) of the layers `memory.prepare_model` would checkpoint under `policy`.
-
-    Mirrors `memory._narrow_checkpointing`: never where no gradient reaches (a frozen encoder).
-    """
-    if policy == "off":
-        return set()
-    match = _EVERY_N.match(policy)
-    every = int(match.group(1)) if match else 1
-    if policy not in ("full", "on", "encoder") and not match:
-        raise UserError(f"--gradient-checkpointing {policy}: expected off, full, encoder, every-N")
-    chosen: set[tuple[str, int]] = set()
-    encoder = whisper.model.encoder
-    grad_below = _trains(encoder.conv1) or _trains(encoder.conv2)
-    for stack in ("encoder", "decoder"):
-        if stack == "decoder":
-            grad_below = grad_below or _trains(whisper.model.decoder.embed_tokens)
-        for index, layer in enumerate(getattr(whisper.model, stack).layers):
-            grad_below = grad_below or _trains(layer)
-            wanted = policy != "encoder" or stack == "encoder"
-            if wanted and grad_below and index % every == 0:
-                chosen.add((stack, index))
-    return chosen
-
-
 # -- measuring saved activations --------------------------------------------------------------
 
 
@@ -396,28 +379,6 @@ def probe_saved_bytes(
             handle.remove()
         model.train(was_training)
     return sum(kept.values())
-
-
-@contextmanager
-def checkpointing_policy(model: nn.Module, policy: str) -> Iterator[None]:
-    """Temporarily set each layer's checkpointing flag as `policy` would (transformers >= 4.53).
-
-    The model must have checkpointing enabled (any policy) for a policy other than off to act;
-    `memory.prepare_model(..., checkpointing="full")` does that.
-    """
-    whisper = whisper_of(model)
-    chosen = _checkpointed_layers(whisper, policy)
-    stacks = {"encoder": whisper.model.encoder.layers, "decoder": whisper.model.decoder.layers}
-    before = {}
-    for stack, layers in stacks.items():
-        for index, layer in enumerate(layers):
-            before[(stack, index)] = layer.gradient_checkpointing
-            layer.gradient_checkpointing = (stack, index) in chosen
-    try:
-        yield
-    finally:
-        for (stack, index), flag in before.items():
-            stacks[stack][index].gradient_checkpointing = flag
 
 
 def calibrate(model: nn.Module, *, label_tokens: int = 32, policy: str = "off") -> float:
@@ -509,6 +470,37 @@ def plan_checkpointing(
     )
 
 
+def prepare_model_within_budget(
+    model: nn.Module,
+    *,
+    mode: str,
+    lora: LoraSettings | None,
+    batch_size: int,
+    max_memory_bytes: int,
+    label_tokens: int,
+    precision: str,
+    optimizer: str,
+) -> tuple[nn.Module, Plan]:
+    """`--gradient-checkpointing auto`: the cheapest policy whose estimated peak fits.
+
+    The model is prepared once with full checkpointing (so frozen parts, adapters and peft's
+    hooks are what training will see), the planner measures one batch-1 forward pass to
+    calibrate its estimate, and the model is narrowed to the chosen policy. Returns the model
+    and the `Plan` (its `table` says what was considered and why).
+    """
+    model = prepare_model(model, mode=mode, checkpointing="full", lora=lora)
+    plan = plan_checkpointing(
+        model,
+        mode=mode,
+        batch_size=batch_size,
+        max_memory_bytes=max_memory_bytes,
+        label_tokens=label_tokens,
+        precision=precision,
+        optimizer=optimizer,
+    )
+    return prepare_model(model, mode=mode, checkpointing=plan.policy, lora=lora), plan
+
+
 def _probe_scale(model: nn.Module, label_tokens: int) -> float:
     """`calibrate` without checkpointing, or with it where one sample's activations do not fit;
     1.0 (the count alone) when neither fits or checkpointing is not enabled on the model."""
@@ -573,11 +565,11 @@ __all__ = [
     "MemoryEstimate",
     "Plan",
     "calibrate",
-    "checkpointing_policy",
     "count_saved_bytes",
     "estimate_memory",
     "format_plan_table",
     "model_flops_per_sample",
     "plan_checkpointing",
+    "prepare_model_within_budget",
     "probe_saved_bytes",
 ]

@@ -1,0 +1,37 @@
+"""`whisper-train doctor`: the pre-flight checks and a gradient-parity probe (doctor.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from whisper_train.commands.flags import add_config_arguments, config_from_args
+
+
+def add_parser(subparsers) -> None:
+    """The same model, data, mode and memory flags as `train`."""
+    parser = subparsers.add_parser(
+        "doctor",
+        help="Check that gradient checkpointing is sound for a configuration (seconds).",
+        description="Run the pre-flight checks and a gradient-parity probe (one step with and "
+        "without checkpointing) for the model, mode and memory flags you would train with. "
+        "--data is optional: without it a synthetic batch of the right shape is used.",
+    )
+    add_config_arguments(parser, groups=("data", "model", "memory"))
+    parser.add_argument(
+        "--probe-batch-size",
+        type=int,
+        default=2,
+        help="Utterances in the probe batch [default: 2].",
+    )
+    parser.add_argument("--json", action="store_true", help="Print the report as JSON.")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit 0 when nothing fails, 1 otherwise."""
+    from whisper_train.doctor import check_config, format_report
+
+    report = check_config(config_from_args(args), probe_batch_size=args.probe_batch_size)
+    print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
+    return 0 if report.ok else 1

@@ -1,0 +1,109 @@
+"""`whisper-train evaluate`: WER/CER of a model on held-out data, optionally against a baseline
+model (evaluate.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+from whisper_train.evaluate import NORMALIZERS, EvalReport
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "evaluate",
+        help="Transcribe held-out data and report WER/CER (optionally against a baseline model).",
+        description="Generate transcripts for --data with --model and score them.",
+    )
+    parser.add_argument(
+        "--model", required=True, help="Model folder, hub id, run folder or tiny.en."
+    )
+    parser.add_argument("--data", required=True, help="Data in any layout `check-data` accepts.")
+    parser.add_argument("--data-format", default=None, help="Force a data layout.")
+    parser.add_argument(
+        "--output",
+        default=None,
+        help="Write the JSON report to this file (a folder gets report.json); --baseline adds "
+        "report.baseline.json, report.md and report.png beside it. Default: none without "
+        "--baseline; with it, RUN/evaluation/report.json when --model is a whisper-train run "
+        "folder (RUN or RUN/final), else ./report.json.",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="Replace report files that already exist at --output (off by default: refused).",
+    )
+    parser.add_argument(
+        "--normalizer",
+        choices=NORMALIZERS,
+        default=None,
+        help="Text normaliser before scoring (default: english for English, basic otherwise).",
+    )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help="Also evaluate this model; writes report.md and report.png beside the JSON.",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=8, help="Clips per generate call [default: 8]."
+    )
+    parser.add_argument(
+        "--eval-subset", type=int, default=None, help="Use only the first N clips (default: all)."
+    )
+    parser.add_argument(
+        "--language",
+        default=None,
+        help="Language of the speech, e.g. en or de (default: the model's).",
+    )
+    parser.add_argument(
+        "--beam-size", type=int, default=1, help="1 is greedy decoding [default: 1]."
+    )
+    parser.add_argument(
+        "--max-length", type=int, default=225, help="Longest transcript in tokens [default: 225]."
+    )
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Prints WER/CER (the model's as soon as it is scored, then the baseline's) and where the
+    reports went; `evaluate` writes report.json (+ .md/.png with --baseline)."""
+    from whisper_train.evaluate import evaluate
+
+    def show(role: str, report: EvalReport) -> None:
+        if role == "baseline":
+            _print_scores(f"baseline {args.baseline}", report)
+            return
+        _print_scores(args.model, report)
+        if report.skipped:
+            writes_json = bool(args.output or args.baseline)
+            where = "see the JSON report" if writes_json else "--output FILE.json lists them"
+            print(f"skipped {len(report.skipped)} unreadable clip(s); {where}")
+
+    result = evaluate(
+        args.model,
+        args.data,
+        data_format=args.data_format,
+        output=args.output,
+        overwrite=args.overwrite,
+        baseline=args.baseline,
+        normalizer=args.normalizer,
+        batch_size=args.batch_size,
+        eval_subset=args.eval_subset,
+        language=args.language,
+        beam_size=args.beam_size,
+        max_length=args.max_length,
+        on_report=show,
+    )
+    if result.paths:
+        # One line that says where every file went: the default may be a folder never named.
+        names = ", ".join(path.name for path in result.paths)
+        print(f"wrote {names} to {result.paths[0].parent.resolve()}")
+    return 0
+
+
+def _print_scores(name: str, report: EvalReport) -> None:
+    s = report.scores
+    print(
+        f"{name}: WER {100 * s.wer:.2f}%  CER {100 * s.cer:.2f}%  "
+        f"(orthographic WER {100 * s.orthographic_wer:.2f}%, n={s.n}, "
+        f"normalizer {report.normalizer})"
+    )

@@ -1,0 +1,78 @@
+"""`whisper-train transcribe`: recordings of any length to txt, srt, vtt or json
+(transcribe.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from whisper_train.transcribe import FORMATS
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "transcribe",
+        help="Transcribe audio files, folders or a manifest (any length) to txt/srt/vtt/json.",
+        description="Transcribe recordings with a Whisper model; long recordings are decoded "
+        "30 s window by window with timestamps.",
+    )
+    parser.add_argument("inputs", nargs="+", help="Audio files, folders of audio, or a manifest.")
+    parser.add_argument(
+        "--model",
+        default="tiny.en",
+        help="CTranslate2 folder (fast path), Hugging Face folder, hub id, run folder, tiny.en.",
+    )
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="txt",
+        help="txt: the text; srt/vtt: subtitles with timestamps; json: the text and timed "
+        "segments.",
+    )
+    parser.add_argument(
+        "--output-dir",
+        default=None,
+        help="Write <name>.<format> per recording here (default: print to the terminal).",
+    )
+    parser.add_argument(
+        "--language", default=None, help="Language of the speech (default: detect)."
+    )
+    parser.add_argument(
+        "--task",
+        choices=("transcribe", "translate"),
+        default=None,
+        help="Default: the model's own (transcribe unless it was fine-tuned to translate).",
+    )
+    parser.add_argument("--beam-size", type=int, default=1, help="1 is greedy decoding.")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """0: all transcribed; 1: some recordings failed; 2: none could be transcribed."""
+    from whisper_train.transcribe import render, transcribe_paths
+
+    results = transcribe_paths(
+        args.model,
+        args.inputs,
+        format=args.format,
+        language=args.language,
+        task=args.task,
+        beam_size=args.beam_size,
+        output_dir=args.output_dir,
+    )
+    good = [r for r in results if r.error is None]
+    if args.output_dir is None:
+        for result in good:
+            if len(results) > 1:
+                print(f"==> {result.source} <==")
+            print(render(result, args.format), end="")
+    failed = len(results) - len(good)
+    if not good:
+        print(f"error: none of the {len(results)} recordings could be transcribed", file=sys.stderr)
+        return 2
+    if failed:
+        print(f"{failed} of {len(results)} recordings failed (listed above)", file=sys.stderr)
+        return 1
+    if args.output_dir is not None:
+        print(f"wrote {len(good)} transcript(s) to {args.output_dir}")
+    return 0

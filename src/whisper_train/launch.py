@@ -1,0 +1,90 @@
+"""`--nproc N`: re-launch `whisper-train train` as N data-parallel processes on this machine.
+
+The processes are started by torch.distributed's launcher (torchrun), which accelerate uses
+underneath: one per GPU (NCCL), or CPU processes (gloo) where there is no GPU. Each one runs the
+same recipe on its share of every batch (see `recipe.data_parallel_loss`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from whisper_train import checkpoints
+from whisper_train.config import RunConfig
+from whisper_train.errors import UserError
+from whisper_train.runlog import StopRequest, TrainingInterrupted, TrainResult, read_result
+
+# Set for the worker processes: the parent already checked (and, with --overwrite, cleared) the
+# output folder, so the workers must not refuse their own run.
+CLAIMED_ENV = "WHISPER_TRAIN_CLAIMED_OUTPUT_DIR"
+
+
+def inside_launcher() -> bool:
+    """True in a process started by torchrun / accelerate launch (they set LOCAL_RANK)."""
+    return "LOCAL_RANK" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def claimed_by_parent(output_dir: Path) -> bool:
+    """True in a worker of `launch_data_parallel`, whose parent claimed `output_dir`."""
+    return os.environ.get(CLAIMED_ENV) == str(output_dir.resolve())
+
+
+def launch_data_parallel(config: RunConfig) -> TrainResult:
+    """Run `config` as `config.train.nproc` processes and wait for them.
+
+    If one process dies, the launcher stops the others and this call raises instead of waiting;
+    SIGINT / SIGTERM are passed on, so the workers save a checkpoint before they exit.
+    """
+    n = config.train.nproc
+    if torch.cuda.is_available() and torch.cuda.device_count() < n:
+        raise UserError(
+            f"--nproc {n}: only {torch.cuda.device_count()} GPU(s) visible; use --nproc "
+            f"{torch.cuda.device_count()} or fewer"
+        )
+    output_dir = Path(config.train.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    launch_config = output_dir / checkpoints.LAUNCH_FILE
+    launch_config.write_text(config.to_yaml(), encoding="utf-8")
+    (output_dir / checkpoints.RESULT_FILE).unlink(missing_ok=True)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={n}",
+        "-m",
+        "whisper_train",
+        "train",
+        "--config",
+        str(launch_config),
+    ]
+    env = dict(os.environ)
+    env[CLAIMED_ENV] = str(output_dir.resolve())
+    # Two processes on one CPU must not each take every core.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+    process = subprocess.Popen(command, env=env)
+    received = []
+
+    def forward(signum, frame):  # the workers save a checkpoint and exit; wait for them
+        received.append(signum)
+        process.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in StopRequest.SIGNALS}
+    try:
+        code = process.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if received:
+        raise TrainingInterrupted(128 + received[0])
+    if code != 0:
+        raise UserError(
+            f"--nproc {n}: a training process failed (exit code {code}); its error is printed above"
+        )
+    return read_result(output_dir)

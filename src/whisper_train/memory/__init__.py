@@ -1,0 +1,75 @@
+"""Every memory decision whisper-train makes lives in this package; nothing else sets them.
+
+    wrappers       find the Whisper model inside peft, DDP and torch.compile wrappers
+    checkpointing  freezing, LoRA and checkpointing in the one order that works (`prepare_model`),
+                   the checkpointing policies and which layers each recomputes, activation offload
+    loss           the training loss without full-vocabulary logits (`training_loss`)
+    precision      the autocast dtype and loss scaling (`resolve_precision`)
+    optim          AdamW, fused or 8-bit, weight decay on matrices only (`build_optimizer`)
+    plan           the peak-memory estimate, its probe, and `--gradient-checkpointing auto`
+
+The submodules import downwards only: wrappers <- checkpointing <- loss <- plan; precision and
+optim stand alone. The names below are re-exported so `from whisper_train.memory import X`
+works for the public API. `LOSS_CHUNK_TOKENS` is deliberately not: `training_loss` reads it
+from `whisper_train.memory.loss`, so that is the module to patch.
+"""
+
+from __future__ import annotations
+
+from whisper_train.memory.checkpointing import (
+    CHECKPOINT_POLICIES,
+    MODES,
+    LoraSettings,
+    activation_offload,
+    checkpointed_layers,
+    checkpointing_policy,
+    checkpointing_state,
+    checkpointing_units,
+    effective_use_reentrant,
+    parse_every_n,
+    prepare_model,
+    resolve_checkpointing,
+    trainable_parameter_summary,
+)
+from whisper_train.memory.loss import training_loss
+from whisper_train.memory.optim import OPTIMIZERS, build_optimizer
+from whisper_train.memory.plan import (
+    MemoryEstimate,
+    Plan,
+    estimate_memory,
+    model_flops_per_sample,
+    plan_checkpointing,
+    prepare_model_within_budget,
+)
+from whisper_train.memory.precision import Precision, resolve_precision
+from whisper_train.memory.wrappers import unwrapped, whisper_of, whisper_or_none
+
+__all__ = [
+    "CHECKPOINT_POLICIES",
+    "MODES",
+    "OPTIMIZERS",
+    "LoraSettings",
+    "MemoryEstimate",
+    "Plan",
+    "Precision",
+    "activation_offload",
+    "build_optimizer",
+    "checkpointed_layers",
+    "checkpointing_policy",
+    "checkpointing_state",
+    "checkpointing_units",
+    "effective_use_reentrant",
+    "estimate_memory",
+    "model_flops_per_sample",
+    "parse_every_n",
+    "plan_checkpointing",
+    "prepare_model",
+    "prepare_model_within_budget",
+    "resolve_checkpointing",
+    "resolve_precision",
+    "trainable_parameter_summary",
+    "training_loss",
+    "unwrapped",
+    "whisper_of",
+    "whisper_or_none",
+]

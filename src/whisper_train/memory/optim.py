@@ -1,0 +1,74 @@
+"""The optimiser: AdamW in one of three implementations, weight decay on matrices only.
+
+The choice is a memory decision: AdamW keeps two float32 moments per trainable parameter
+(8 bytes), bitsandbytes' AdamW8bit two uint8 moments (2 bytes); the planner
+(`memory.plan.estimate_memory`) counts the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from whisper_train.errors import UserError
+
+OPTIMIZERS = ("adamw", "adamw-fused", "adamw8bit")
+
+
+def build_optimizer(
+    parameters: nn.Module | Iterable[tuple[str, nn.Parameter]],
+    *,
+    name: str = "adamw",
+    lr: float,
+    weight_decay: float = 0.0,
+) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters, weight decay only on matrices.
+
+    `parameters` is a model or its `named_parameters()`. Biases and LayerNorm weights (every
+    tensor with fewer than 2 dimensions) get no weight decay: shrinking a norm's gain or a bias
+    towards zero is not regularisation, it changes the layer's output scale.
+    """
+    named = parameters.named_parameters() if isinstance(parameters, nn.Module) else parameters
+    decay, no_decay = _split_by_decay(named)
+    if not decay and not no_decay:
+        raise UserError("the model has no trainable parameters: check --mode and --lora-targets")
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr)
+    if name == "adamw-fused":
+        try:
+            return torch.optim.AdamW(groups, lr=lr, fused=True)
+        except RuntimeError as exc:  # a device without a fused kernel
+            raise UserError(
+                f"--optim adamw-fused: {str(exc).splitlines()[0]}; use --optim adamw"
+            ) from None
+    if name == "adamw8bit":
+        try:
+            import bitsandbytes
+        except ImportError:
+            raise UserError(
+                "--optim adamw8bit needs bitsandbytes: pip install 'whisper-train[bnb]', "
+                "or use --optim adamw"
+            ) from None
+        return bitsandbytes.optim.AdamW8bit(groups, lr=lr)
+    raise UserError(f"--optim {name}: expected one of {', '.join(OPTIMIZERS)}")
+
+
+def _split_by_decay(
+    named: Iterator[tuple[str, nn.Parameter]],
+) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    for _, param in named:
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    return decay, no_decay
+
+
+__all__ = ["OPTIMIZERS", "build_optimizer"]

@@ -1,0 +1,771 @@
+"""The fine-tuning recipe: one run, in named phases.
+
+    recipe = FineTuneRecipe(config)
+    recipe.setup()    # accelerator, model and labels, data, memory, loaders, optimisation, restore
+    recipe.train()    # micro-batches → `_train_step`; after each optimizer step `_after_step`:
+                      #   log, bad-step guard, evaluate, stop if asked, save a checkpoint
+    result = recipe.finish()   # last evaluation, OUTPUT/final/, result.json, curves, report
+
+Where things are decided: memory (freezing, LoRA, checkpointing, precision, optimiser) in
+`whisper_train.memory`; what a checkpoint holds in `checkpoints`; what the run prints and logs in
+`runlog`; the loss in `memory.training_loss`. At the end `OUTPUT/final/` holds a model folder
+that `transformers.pipeline("automatic-speech-recognition", model=...)` loads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedDataParallelKwargs, set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from whisper_train import checkpoints, doctor, memory
+from whisper_train.collate import IGNORE_INDEX, SpeechCollator
+from whisper_train.config import RunConfig, parse_bytes
+from whisper_train.data import (
+    Example,
+    load_examples,
+    screen_examples,
+    split_examples,
+    summarize_skips,
+)
+from whisper_train.encoder_cache import EncoderCache
+from whisper_train.errors import UserError
+from whisper_train.evaluate import get_normalizer, run_evaluation
+from whisper_train.features import LogMel, SpeechDataset
+from whisper_train.labels import LabelEncoder, configure_generation, language_code
+from whisper_train.launch import inside_launcher
+from whisper_train.memory import training_loss
+from whisper_train.models import is_multilingual, load_model
+from whisper_train.report import write_curves_png
+from whisper_train.runlog import (
+    MetricsLog,
+    ProgressTable,
+    StopRequest,
+    TrainingInterrupted,
+    TrainResult,
+    progress_bars_wanted,
+    resume_command,
+    say,
+    step_line,
+    write_result,
+)
+from whisper_train.sampling import LengthGroupedBatchSampler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Datasets:
+    train: list[Example]
+    eval: list[Example]
+
+
+@dataclass
+class OptimizerStep:
+    """What one optimizer step did: its loss (mean over its micro-batches) and gradient norm,
+    and whether it was skipped for a NaN or infinite loss or gradient."""
+
+    loss: float
+    grad_norm: float
+    skipped: bool
+
+
+class FineTuneRecipe:
+    """Full, LoRA or frozen-encoder fine-tuning of one Whisper model on accelerate."""
+
+    def __init__(self, config: RunConfig):
+        self.config = config
+        self.output_dir = Path(config.train.output_dir)
+        self.evaluating = not config.train.only_train
+        self.resume_from = (
+            checkpoints.resolve_resume(config.train.resume, self.output_dir)
+            if config.train.resume
+            else None
+        )
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Everything before step 1, in the order each part needs the previous ones."""
+        self._setup_accelerator()
+        self._setup_model_and_labels()
+        self._setup_data()
+        self._setup_memory()
+        self._setup_loaders()
+        self._setup_optimisation()
+        self._restore()
+        self._open_run_log()
+
+    def _setup_accelerator(self) -> None:
+        t = self.config.train
+        self.precision = memory.resolve_precision(self.config.memory.precision, _default_device())
+        # Non-reentrant checkpointing and no layerdrop: every parameter is used in every step, so
+        # DDP needs no unused-parameter search (which also breaks reentrant checkpointing, T3)
+        # and the graph is static. The handler is completed once the model's layerdrop is known.
+        self.ddp_kwargs = DistributedDataParallelKwargs(find_unused_parameters=False)
+        self.accelerator = Accelerator(
+            mixed_precision=self.precision.mixed_precision,
+            gradient_accumulation_steps=t.gradient_accumulation,
+            kwargs_handlers=[self.ddp_kwargs],
+            # The scheduler is stepped by hand once per optimizer step (not once per process,
+            # accelerate's default), so N processes follow the single-process LR schedule.
+            step_scheduler_with_optimizer=False,
+            # Without a GPU, processes started by a launcher talk through gloo on the CPU;
+            # accelerate does that only when told the run is on the CPU.
+            cpu=inside_launcher() and not torch.cuda.is_available(),
+        )
+        if t.nproc > 1 and self.accelerator.num_processes != t.nproc:
+            raise UserError(
+                f"--nproc {t.nproc}: the launcher started {self.accelerator.num_processes} "
+                "processes; drop --nproc when using accelerate launch or torchrun"
+            )
+        set_seed(t.seed)
+
+    def _setup_model_and_labels(self) -> None:
+        c = self.config
+        self.model, self.processor = load_model(
+            c.model.model, attn_implementation=c.model.attn_implementation
+        )
+        self.multilingual = is_multilingual(self.model)
+        self.label_encoder = LabelEncoder(
+            self.processor.tokenizer,
+            language=c.data.language,
+            task=c.data.task,
+            timestamps=c.data.timestamps,
+            multilingual=self.multilingual,
+        )
+        configure_generation(
+            self.model.generation_config,
+            language=c.data.language,
+            task=c.data.task,
+            multilingual=self.multilingual,
+        )
+        if c.data.spec_augment:
+            from whisper_train.augment import spec_augment_overrides
+
+            for key, value in spec_augment_overrides().items():
+                setattr(self.model.config, key, value)
+        # Layerdrop skips layers at random, leaving parameters unused in a step (T4).
+        layerdrop = bool(self.model.config.encoder_layerdrop or self.model.config.decoder_layerdrop)
+        self.ddp_kwargs.find_unused_parameters = layerdrop
+        self.ddp_kwargs.static_graph = not layerdrop
+        english = not self.multilingual or language_code(c.data.language) in (None, "en")
+        self.normalizer_name = "english" if english else "basic"
+
+    def _setup_data(self) -> None:
+        self.datasets = prepare_datasets(
+            self.config,
+            self.label_encoder,
+            max_label_tokens=self.model.config.max_target_positions,
+        )
+        say(
+            self.accelerator,
+            f"data: {len(self.datasets.train)} training and {len(self.datasets.eval)} "
+            "evaluation utterances",
+        )
+
+    def _setup_memory(self) -> None:
+        """Freezing, LoRA and checkpointing in the one order that works (`memory`), then the
+        checks that refuse, before step 1, what would fail later."""
+        c, accelerator = self.config, self.accelerator
+        checkpointing = memory.resolve_checkpointing(
+            c.memory.gradient_checkpointing, accelerator.device
+        )
+        lora = None
+        if c.model.mode == "lora":
+            lora = memory.LoraSettings(
+                r=c.model.lora_r,
+                alpha=c.model.lora_alpha,
+                dropout=c.model.lora_dropout,
+                targets=list(c.model.lora_targets),
+            )
+        self.offload = c.memory.offload_activations
+        if checkpointing == "auto":
+            self.model, plan = memory.prepare_model_within_budget(
+                self.model,
+                mode=c.model.mode,
+                lora=lora,
+                batch_size=c.train.batch_size,
+                max_memory_bytes=parse_bytes(c.memory.max_memory, flag="--max-memory"),
+                label_tokens=max(self.label_encoder.count_tokens(e) for e in self.datasets.train),
+                precision=self.precision.name,
+                optimizer=c.memory.optim,
+            )
+            checkpointing, self.offload = plan.policy, self.offload or plan.offload
+            say(accelerator, plan.table)
+        else:
+            self.model = memory.prepare_model(
+                self.model, mode=c.model.mode, checkpointing=checkpointing, lora=lora
+            )
+        if self.offload:
+            checkpointing += " + activation offload"
+            if accelerator.device.type != "cuda":
+                say(
+                    accelerator,
+                    "note: on a CPU, activations already live in host memory; offload does nothing",
+                )
+        say(
+            accelerator,
+            f"model: {c.model.model}, mode {c.model.mode}, checkpointing {checkpointing}, "
+            f"precision {self.precision.name}; {memory.trainable_parameter_summary(self.model)}",
+        )
+        # The doctor's cheap checks: refuse a configuration known to fail (T1-T9).
+        doctor.static_checks(
+            self.model,
+            ddp={
+                "world_size": accelerator.num_processes,
+                "find_unused_parameters": self.ddp_kwargs.find_unused_parameters,
+                "static_graph": self.ddp_kwargs.static_graph,
+            },
+            compile=c.memory.compile,
+        )
+        # A checkpoint and the final model must fit: say so now, not after hours of training.
+        checkpoints.check_free_space(
+            self.output_dir,
+            checkpoints.estimate_checkpoint_bytes(self.model)
+            + 4 * sum(p.numel() for p in self.model.parameters()),
+            what="a checkpoint and the final model",
+        )
+
+    def _setup_loaders(self) -> None:
+        c, t = self.config, self.config.train
+        log_mel = LogMel(self.processor.feature_extractor)
+        pad_id = self.processor.tokenizer.pad_token_id
+        augmenter = None
+        if c.data.audio_augment:
+            from whisper_train.augment import WaveformAugmenter
+
+            augmenter = WaveformAugmenter(seed=t.seed)
+        self.train_set = SpeechDataset(
+            self.datasets.train, self.label_encoder, augmenter=augmenter, seed=t.seed
+        )
+        eval_set = SpeechDataset(self.datasets.eval, self.label_encoder, seed=t.seed)
+
+        # A frozen encoder maps a clip to the same output every epoch and every evaluation:
+        # compute it once (for the evaluation set too) and train and evaluate the decoder alone.
+        train_cache = eval_cache = None
+        if c.cache_encoder:
+            train_cache = self._encoder_cache(self.train_set, log_mel, pad_id, "train")
+            if len(eval_set) and self.evaluating:
+                eval_cache = self._encoder_cache(eval_set, log_mel, pad_id, "eval")
+        # The shuffling generator is re-seeded with (seed + epoch) at every epoch: the order of
+        # any epoch is known without replaying the ones before it, which is what resuming needs.
+        self.shuffle_generator = torch.Generator().manual_seed(t.seed)
+        train_collator = SpeechCollator(pad_id, log_mel=log_mel, encoder_cache=train_cache)
+        self.length_sampler = None
+        if t.group_by_length:
+            self.length_sampler = LengthGroupedBatchSampler(
+                [self.label_encoder.count_tokens(e) for e in self.datasets.train],
+                t.batch_size,
+                seed=t.seed,
+            )
+            self.train_loader = DataLoader(
+                self.train_set,
+                batch_sampler=self.length_sampler,
+                collate_fn=train_collator,
+                num_workers=t.num_workers,
+                persistent_workers=t.num_workers > 0,
+            )
+        else:
+            self.train_loader = _loader(
+                self.train_set, train_collator, t, shuffle=True, generator=self.shuffle_generator
+            )
+        self.eval_loader = _loader(
+            eval_set, SpeechCollator(pad_id, log_mel=log_mel, encoder_cache=eval_cache), t
+        )
+
+    def _encoder_cache(self, dataset, log_mel, pad_id, name: str) -> EncoderCache:
+        """The frozen encoder's outputs for every clip of `dataset`, computed once."""
+        accelerator = self.accelerator
+        encoder = memory.whisper_of(self.model).model.encoder.to(accelerator.device)
+        spill_dir = self.output_dir / checkpoints.ENCODER_CACHE_DIR / name
+        loader = _loader(dataset, SpeechCollator(pad_id, log_mel=log_mel), self.config.train)
+        start = time.perf_counter()
+        with tqdm(
+            total=len(dataset),
+            desc=f"encoding {name} clips (once)",
+            unit="clip",
+            leave=False,
+            disable=not (accelerator.is_main_process and progress_bars_wanted()),
+        ) as bar:
+            dtype = self.precision.dtype
+            cache = EncoderCache.build(
+                encoder,
+                loader,
+                n_examples=len(dataset),
+                device=accelerator.device,
+                dtype=dtype,
+                autocast_dtype=dtype if dtype != torch.float32 else None,
+                spill_dir=spill_dir,
+                progress=bar,
+            )
+        say(
+            accelerator,
+            f"encoder outputs of {int(cache.filled.sum())} {name} clips cached in "
+            f"{time.perf_counter() - start:.1f} s",
+        )
+        return cache
+
+    def _setup_optimisation(self) -> None:
+        c, t, accelerator = self.config, self.config.train, self.accelerator
+        optimizer = memory.build_optimizer(
+            self.model, name=c.memory.optim, lr=c.learning_rate, weight_decay=t.weight_decay
+        )
+        # Prepare first: with N processes each one sees 1/N of the batches, and the number of
+        # optimizer steps per epoch must come from that sharded loader.
+        self.model, self.optimizer, self.train_loader, self.eval_loader = accelerator.prepare(
+            self.model, optimizer, self.train_loader, self.eval_loader
+        )
+        if c.memory.compile:
+            # After the DDP wrapper (as accelerate does): its hooks stay outside the compiled
+            # graph. Accelerator(dynamo_backend=) is not used: that setting is process-wide and
+            # kept from the first Accelerator, so a second run in one process would not compile.
+            self.model = torch.compile(self.model)
+        self.steps_per_epoch = max(1, math.ceil(len(self.train_loader) / t.gradient_accumulation))
+        self.total_steps = t.max_steps or math.ceil((t.epochs or 3.0) * self.steps_per_epoch)
+        self.scheduler = accelerator.prepare(
+            get_scheduler(
+                t.lr_scheduler,
+                self.optimizer,
+                num_warmup_steps=t.warmup_steps,
+                num_training_steps=self.total_steps,
+            )
+        )
+
+    def _restore(self) -> None:
+        """On --resume: weights, optimiser, scheduler, random state, position in the data."""
+        self.state = checkpoints.TrainerState(world_size=self.accelerator.num_processes)
+        if self.resume_from is None:
+            return
+        self.state = checkpoints.load_checkpoint(
+            self.resume_from,
+            accelerator=self.accelerator,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+        )
+        say(
+            self.accelerator,
+            f"resuming from {self.resume_from} at step {self.state.step} "
+            f"(epoch {self.state.epoch}, {self.state.batches_in_epoch} batches into it)",
+        )
+
+    def _open_run_log(self) -> None:
+        """OUTPUT/whisper-train.yaml and metrics.jsonl (cut back to the checkpoint on resume),
+        the progress table, the progress bar (only on a terminal) and the stop request."""
+        accelerator, main = self.accelerator, self.accelerator.is_main_process
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        if main:
+            (self.output_dir / checkpoints.CONFIG_FILE).write_text(
+                self.config.to_yaml(), encoding="utf-8"
+            )
+            metrics_file = self.output_dir / checkpoints.METRICS_FILE
+            if self.resume_from is not None:
+                checkpoints.truncate_metrics(metrics_file, self.state.step)
+            else:
+                metrics_file.unlink(missing_ok=True)
+        self.metrics = MetricsLog(self.output_dir, enabled=main)
+        self.table = ProgressTable(main)
+        self.evaluations: list[dict] = list(self.state.evaluations)
+        self.normalizer = get_normalizer(self.normalizer_name)
+        # A bar only on a terminal: in a log file its \r redraws pile up into one unreadable
+        # line. Elsewhere every --logging-steps steps get one plain line instead.
+        self.show_bar = main and progress_bars_wanted()
+        self.progress = tqdm(
+            total=self.total_steps,
+            initial=self.state.step,
+            desc="training",
+            unit="step",
+            disable=not self.show_bar,
+            dynamic_ncols=True,
+            leave=False,
+        )
+        self.stop = StopRequest(accelerator)
+        self.losses_since_log: list[float] = []  # finite step losses since the last log line
+        self.running_loss, self.running_batches = 0.0, 0  # over the micro-batches of a step
+        self.train_seconds = 0.0
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def train(self) -> None:
+        """Train until `total_steps` optimizer steps, evaluating, logging and saving on the way."""
+        t = self.config.train
+        if self.evaluating and t.eval_at_start and self.resume_from is None:
+            self.evaluate(0)
+        if self.state.step >= self.total_steps:
+            return  # resumed from the last step: nothing left to train
+        self.stop.install()
+        self.model.train()
+        start = time.perf_counter()
+        try:
+            for epoch in itertools.count(self.state.epoch):
+                for batch in self._epoch_batches(epoch):
+                    step = self._train_step(batch)
+                    if step is None:
+                        continue  # accumulating gradients, or an empty micro-batch
+                    self._after_step(step)
+                    if self.state.step >= self.total_steps:
+                        return
+        except BaseException:
+            self.metrics.close()
+            raise
+        finally:
+            self.stop.restore()
+            self.progress.close()
+            self.train_seconds = time.perf_counter() - start
+
+    def _epoch_batches(self, epoch: int):
+        """The micro-batches of `epoch` in its seeded order; after a mid-epoch resume, without
+        the ones already trained on."""
+        t, state = self.config.train, self.state
+        skip = state.batches_in_epoch if epoch == state.epoch else 0
+        self.train_set.set_epoch(epoch)
+        self.shuffle_generator.manual_seed(t.seed + epoch)
+        if self.length_sampler is not None:
+            self.length_sampler.set_epoch(epoch)
+        state.epoch, state.batches_in_epoch = epoch, skip
+        if skip:
+            return self.accelerator.skip_first_batches(self.train_loader, skip)
+        return self.train_loader
+
+    def _train_step(self, batch: dict) -> OptimizerStep | None:
+        """Forward and backward on one micro-batch; on the last of `gradient_accumulation`
+        micro-batches also clip, step and zero the gradients, and return what the step did."""
+        accelerator, state, t = self.accelerator, self.state, self.config.train
+        state.batches_in_epoch += 1
+        state.skipped_clips += len(batch["skipped"])
+        if not batch["size"]:
+            return None  # every clip in this micro-batch was unusable; already counted
+        with accelerator.accumulate(self.model):
+            with memory.activation_offload(self.offload, accelerator.device):
+                loss, reported_loss = data_parallel_loss(self.model, batch, accelerator)
+            accelerator.backward(loss)
+            self.running_loss += reported_loss
+            self.running_batches += 1
+            if not accelerator.sync_gradients:
+                return None
+            step_loss = self.running_loss / self.running_batches
+            self.running_loss, self.running_batches = 0.0, 0
+            max_norm = t.max_grad_norm if t.max_grad_norm > 0 else math.inf
+            grad_norm = float(accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
+            skipped = not (math.isfinite(step_loss) and math.isfinite(grad_norm))
+            if accelerator.scaler is not None:
+                self.optimizer.step()  # the fp16 scaler skips non-finite gradients itself
+                skipped = skipped or self.optimizer.step_was_skipped
+            elif not skipped:
+                self.optimizer.step()
+            if not skipped:
+                self.scheduler.step()
+            # Free the gradients as soon as they are used: no need for that memory any more.
+            self.optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        return OptimizerStep(step_loss, grad_norm, skipped)
+
+    def _after_step(self, step: OptimizerStep) -> None:
+        """After an optimizer step, in order: log it, stop after too many bad steps, evaluate,
+        stop if asked (SIGINT/SIGTERM), save a checkpoint."""
+        t, state = self.config.train, self.state
+        self._log_step(step)
+        if state.bad_steps_in_a_row >= t.max_bad_steps:
+            folder = self.save_checkpoint("too many bad steps")
+            raise UserError(
+                f"stopped at step {state.step}: {state.bad_steps_in_a_row} optimizer steps in a "
+                "row had a NaN or infinite loss or gradient and were skipped; "
+                f"{folder} holds the weights from before them. With fp16 this is usually "
+                "overflow: try --precision bf16 or a lower --learning-rate, then add --resume "
+                "latest"
+            )
+        last = state.step >= self.total_steps  # finish() evaluates and saves the last step
+        if self.evaluating and t.eval_steps and state.step % t.eval_steps == 0 and not last:
+            self.evaluate(state.step)
+        if self.stop.requested():
+            folder = self.save_checkpoint("interrupted")
+            config_file = self.output_dir / checkpoints.CONFIG_FILE
+            say(self.accelerator, f"to continue: {resume_command(config_file, folder)}")
+            raise TrainingInterrupted(self.stop.exit_code)
+        if t.save_steps and state.step % t.save_steps == 0 and not last:
+            self.save_checkpoint("checkpoint")
+
+    def _log_step(self, step: OptimizerStep) -> None:
+        """A metrics.jsonl row for every step; a log line (or the bar's loss) every
+        --logging-steps steps with the mean loss since the last one."""
+        state = self.state
+        row = {
+            "step": state.step,
+            "loss": None if step.skipped else round(step.loss, 6),
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": round(step.grad_norm, 6) if math.isfinite(step.grad_norm) else None,
+            "epoch": round(state.epoch + self._epoch_fraction(), 4),
+        }
+        if step.skipped:
+            state.skipped_steps += 1
+            state.bad_steps_in_a_row += 1
+            row["skipped"] = "non-finite loss or gradient"
+        else:
+            state.bad_steps_in_a_row = 0
+            self.table.last_train_loss = step.loss
+            self.losses_since_log.append(step.loss)
+        self.metrics.write(row)
+        self.progress.update(1)
+        if state.step % self.config.train.logging_steps and state.step < self.total_steps:
+            return
+        window = self.losses_since_log
+        mean_loss = sum(window) / len(window) if window else math.nan
+        window.clear()
+        if self.show_bar:
+            self.progress.set_postfix(loss=f"{mean_loss:.4f}")
+        elif self.accelerator.is_main_process:
+            tqdm.write(step_line(state.step, self.total_steps, mean_loss, row["lr"]))
+
+    def _epoch_fraction(self) -> float:
+        done_before = self.state.epoch * self.steps_per_epoch
+        return min(1.0, (self.state.step - done_before) / self.steps_per_epoch)
+
+    # -- evaluation and checkpoints ------------------------------------------------------------
+
+    def evaluate(self, step: int) -> dict:
+        """Validation loss and generate-based WER: a metrics line and a table row."""
+        evaluation = run_evaluation(
+            self.model,
+            self.eval_loader,
+            self.processor,
+            self.accelerator,
+            self.normalizer,
+            self.config.train.generation_max_length,
+            step,
+        )
+        self.evaluations.append(evaluation)
+        self.metrics.write(evaluation)
+        self.table.row(evaluation)
+        self.model.train()
+        return evaluation
+
+    def save_checkpoint(self, reason: str) -> Path:
+        """OUTPUT/checkpoint-<step>/ (atomically), then keep the newest and the best."""
+        self.state.evaluations = self.evaluations
+        folder = checkpoints.save_checkpoint(
+            self.output_dir / f"{checkpoints.PREFIX}{self.state.step}",
+            accelerator=self.accelerator,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            state=self.state,
+            config_yaml=self.config.to_yaml(),
+        )
+        if self.accelerator.is_main_process:
+            checkpoints.rotate_checkpoints(
+                self.output_dir,
+                keep_last=self.config.train.save_total_limit,
+                evaluations=self.evaluations,
+            )
+        say(self.accelerator, f"{reason}: saved {folder}")
+        return folder
+
+    # -- the end -------------------------------------------------------------------------------
+
+    def finish(self) -> TrainResult:
+        """The last checkpoint and evaluation, then OUTPUT/final/, result.json, curves.png and,
+        with --compare-baseline, the before/after report."""
+        c, state, accelerator = self.config, self.state, self.accelerator
+        if c.train.save_steps:  # a checkpoint at the end too: a later --resume can go further
+            self.save_checkpoint("end of training")
+        if self.evaluating:
+            self.evaluate(state.step)
+        if state.skipped_clips:
+            say(
+                accelerator,
+                f"skipped {state.skipped_clips} clips that could not be decoded during training",
+            )
+        if state.skipped_steps:
+            say(
+                accelerator,
+                f"skipped {state.skipped_steps} optimizer steps with a NaN or infinite loss or "
+                "gradient",
+            )
+        say(accelerator, f"trained {state.step} steps in {self.train_seconds:.1f} s")
+        result = TrainResult(
+            self.output_dir,
+            None,
+            state.step,
+            len(self.datasets.train),
+            len(self.datasets.eval),
+            state.skipped_clips,
+            self.evaluations,
+            state.skipped_steps,
+        )
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            result.final_dir = save_final(
+                accelerator.unwrap_model(self.model, keep_torch_compile=False),
+                self.processor,
+                c,
+                self.output_dir / checkpoints.FINAL_DIR,
+            )
+            write_result(result)
+            write_curves_png(
+                self.output_dir / checkpoints.METRICS_FILE,
+                self.output_dir / checkpoints.CURVES_FILE,
+            )
+            say(accelerator, f"fine-tuned model: {result.final_dir}")
+            if c.train.compare_baseline and self.datasets.eval:
+                compare_with_baseline(
+                    c, result.final_dir, self.datasets.eval, self.output_dir, self.normalizer_name
+                )
+        self.metrics.close()
+        accelerator.end_training()
+        return result
+
+
+# ---------------------------------------------------------------------------------------------
+# The recipe's pieces that need no recipe state
+
+
+def data_parallel_loss(model, batch: dict, accelerator) -> tuple[torch.Tensor, float]:
+    """(loss to backpropagate, loss to report) for this process's share of the batch.
+
+    One process: the token-mean loss, unchanged. N processes: DDP averages the N gradients, so
+    each process's loss is rescaled to (its token-loss sum) x N / (tokens in the whole global
+    batch); the gradient is then that of the token-mean over the global batch, exactly what one
+    process computes on the same batch, however the tokens are spread over the processes.
+    """
+    loss = training_loss(model, batch)
+    if accelerator.num_processes == 1:
+        return loss, loss.detach().float().item()
+    n_tokens = (batch["labels"] != IGNORE_INDEX).sum().float()
+    local = torch.stack([loss.detach().float() * n_tokens, n_tokens])
+    loss_sum, total_tokens = accelerator.reduce(local, reduction="sum").tolist()
+    scale = accelerator.num_processes * n_tokens / max(total_tokens, 1.0)
+    return loss * scale, loss_sum / max(total_tokens, 1.0)
+
+
+def prepare_datasets(
+    config: RunConfig, label_encoder: LabelEncoder, *, max_label_tokens: int
+) -> Datasets:
+    """Read, split, subset and screen the data; report what was skipped and why."""
+    d = config.data
+    examples = load_examples(d.data, data_format=d.data_format)
+    if d.eval_data:
+        train_examples = examples
+        eval_examples = load_examples(d.eval_data, data_format=d.data_format)
+    elif config.train.only_train or d.eval_split == 0:
+        train_examples, eval_examples = examples, []
+    else:
+        train_examples, eval_examples = split_examples(examples, d.eval_split, config.train.seed)
+    if d.train_subset:
+        train_examples = train_examples[: d.train_subset]
+    if d.eval_subset:
+        eval_examples = eval_examples[: d.eval_subset]
+
+    def count_tokens(example: Example) -> int:
+        return label_encoder.count_tokens(example) - 1  # labels exclude the leading SOT
+
+    screened = [
+        screen_examples(
+            examples,
+            count_tokens=count_tokens,
+            max_label_tokens=max_label_tokens,
+            strict=d.strict,
+        )
+        for examples in (train_examples, eval_examples)
+    ]
+    (kept_train, skipped), (kept_eval, skipped_eval) = screened
+    if skipped or skipped_eval:
+        log.warning(summarize_skips(skipped + skipped_eval))
+    if not kept_train:
+        raise UserError(
+            f"--data {d.data}: no usable training utterances after screening; "
+            "run `whisper-train check-data` on it to see why"
+        )
+    return Datasets(kept_train, kept_eval)
+
+
+def save_final(model, processor, config: RunConfig, final_dir: Path) -> Path:
+    """A self-describing model folder: full weights (LoRA merged), processor, config used."""
+    if hasattr(model, "merge_and_unload"):  # peft: merge the adapters into full 32-bit weights
+        model = model.merge_and_unload()
+    tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
+    _remove(tmp_dir)
+    model.config.use_cache = True  # inference default; training turned the cache off
+    model.save_pretrained(tmp_dir, safe_serialization=True)
+    processor.save_pretrained(tmp_dir)
+    (tmp_dir / checkpoints.CONFIG_FILE).write_text(config.to_yaml(), encoding="utf-8")
+    # Write to a temporary folder and rename: a crash mid-write never leaves a half model.
+    _remove(final_dir)
+    tmp_dir.rename(final_dir)
+    return final_dir
+
+
+def compare_with_baseline(
+    config: RunConfig, final_dir: Path, examples: list[Example], output_dir: Path, normalizer: str
+) -> None:
+    """The starting model and the fine-tuned one on the same utterances: report.md / report.png."""
+    from whisper_train.evaluate import evaluate_examples, write_report_json
+    from whisper_train.report import write_comparison
+
+    reports = []
+    for spec in (config.model.model, str(final_dir)):
+        model, processor = load_model(spec, attn_implementation=config.model.attn_implementation)
+        if torch.cuda.is_available():
+            model = model.to("cuda")
+        configure_generation(
+            model.generation_config,
+            language=config.data.language,
+            task=config.data.task,
+            multilingual=is_multilingual(model),
+        )
+        reports.append(
+            evaluate_examples(
+                model,
+                processor,
+                examples,
+                batch_size=config.train.batch_size,
+                normalizer=normalizer,
+                max_length=config.train.generation_max_length,
+                model_name=spec,
+            )
+        )
+    before, after = reports
+    json_file, baseline_file, markdown, png = (output_dir / n for n in checkpoints.REPORT_FILES)
+    write_report_json(after, json_file)
+    write_report_json(before, baseline_file)
+    write_comparison(before, after, markdown_path=markdown, png_path=png)
+    tqdm.write(
+        f"baseline WER {100 * before.wer:.2f}% -> fine-tuned {100 * after.wer:.2f}%; see {markdown}"
+    )
+
+
+def _loader(
+    dataset, collator, t, *, shuffle: bool = False, generator: torch.Generator | None = None
+) -> DataLoader:
+    """A DataLoader with the run's batch size and workers (`t`: the train options)."""
+    return DataLoader(
+        dataset,
+        batch_size=t.batch_size,
+        shuffle=shuffle,
+        collate_fn=collator,
+        num_workers=t.num_workers,
+        generator=generator,
+        persistent_workers=t.num_workers > 0,
+        prefetch_factor=4 if t.num_workers > 0 else None,
+    )
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _remove(path: Path) -> None:
+    import shutil
+
+    if path.exists():
+        shutil.rmtree(path)

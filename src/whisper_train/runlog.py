@@ -1,0 +1,199 @@
+"""What a training run shows while it runs and leaves behind when it ends.
+
+- `MetricsLog`: OUTPUT/metrics.jsonl (one JSON line per optimizer step and per evaluation) and
+  TensorBoard events;
+- `ProgressTable` and `step_line`: the `Step | Training Loss | Validation Loss | WER` table and
+  the plain progress lines a log file gets instead of a bar;
+- `StopRequest`: SIGINT / SIGTERM become "finish this step, save, exit";
+- `TrainResult`: what `train()` returns, also written to OUTPUT/result.json for `--nproc`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import signal
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from whisper_train import checkpoints
+
+
+def progress_bars_wanted() -> bool:
+    """Progress bars only on a terminal: in a log file or CI output their \r redraws pile up
+    into one long unreadable line."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without it, or closed
+        return False
+
+
+def say(accelerator, message: str) -> None:
+    """One line from the main process, printed above any progress bar."""
+    if accelerator.is_main_process:
+        tqdm.write(message)
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    final_dir: Path | None
+    steps: int
+    train_examples: int
+    eval_examples: int
+    skipped_clips: int
+    evaluations: list[dict] = field(default_factory=list)  # {"step", "eval_loss", "wer"}
+    skipped_steps: int = 0  # optimizer steps skipped for a NaN or infinite loss or gradient
+
+    @property
+    def final_wer(self) -> float | None:
+        return self.evaluations[-1]["wer"] if self.evaluations else None
+
+
+def write_result(result: TrainResult) -> None:
+    values = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
+    (result.output_dir / checkpoints.RESULT_FILE).write_text(
+        json.dumps(values, indent=1) + "\n", encoding="utf-8"
+    )
+
+
+def read_result(output_dir: Path) -> TrainResult:
+    values = json.loads((output_dir / checkpoints.RESULT_FILE).read_text(encoding="utf-8"))
+    values["output_dir"] = Path(values["output_dir"])
+    values["final_dir"] = Path(values["final_dir"]) if values["final_dir"] else None
+    return TrainResult(**values)
+
+
+class MetricsLog:
+    """OUTPUT/metrics.jsonl (one JSON line per optimizer step and per evaluation) + TensorBoard."""
+
+    def __init__(self, output_dir: Path, *, enabled: bool):
+        self.enabled = enabled
+        self.file = None
+        self.writer = None
+        if not enabled:
+            return
+        self.file = (output_dir / checkpoints.METRICS_FILE).open("a", encoding="utf-8")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(output_dir / checkpoints.TENSORBOARD_DIR))
+        except ImportError:  # tensorboard is a dependency, but never fail a run over logging
+            self.writer = None
+
+    def write(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.writer is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self.writer.add_scalar(
+                        f"{'eval' if key in ('eval_loss', 'wer') else 'train'}/{key}",
+                        value,
+                        row["step"],
+                    )
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.writer:
+            self.writer.close()
+
+
+class ProgressTable:
+    """The live `Step | Training Loss | Validation Loss | WER` table, printed above the bar."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.header_printed = False
+        self.last_train_loss = float("nan")
+
+    def row(self, evaluation: dict) -> None:
+        if not self.enabled:
+            return
+        if not self.header_printed:
+            tqdm.write(
+                f"{'Step':>6} | {'Training Loss':>13} | {'Validation Loss':>15} | {'WER':>7}"
+            )
+            self.header_printed = True
+        train_loss = "-" if math.isnan(self.last_train_loss) else f"{self.last_train_loss:.4f}"
+        tqdm.write(
+            f"{evaluation['step']:>6} | {train_loss:>13} | "
+            f"{evaluation['eval_loss']:>15.4f} | {100 * evaluation['wer']:>6.2f}%"
+        )
+
+
+def step_line(step: int, total: int, loss: float, lr: float) -> str:
+    """The plain progress line for logs: `step 20/300  loss 1.2345  lr 1.00e-05`."""
+    shown = "-" if math.isnan(loss) else f"{loss:.4f}"  # every step of the window was skipped
+    return f"step {step}/{total}  loss {shown}  lr {lr:.2e}"
+
+
+def resume_command(config_file: Path, checkpoint: Path) -> str:
+    """The command line that continues from `checkpoint` (the saved config holds every option)."""
+    return (
+        f"whisper-train train --config {shlex.quote(str(config_file))} "
+        f"--resume {shlex.quote(str(checkpoint))}"
+    )
+
+
+class TrainingInterrupted(SystemExit):
+    """SIGINT or SIGTERM stopped the run after a checkpoint; exits 130 or 143 (128 + signal)."""
+
+
+class StopRequest:
+    """SIGINT / SIGTERM ask the loop to finish the step in progress, save and exit.
+
+    A second signal stops at once (KeyboardInterrupt). With several processes the request is
+    shared at every step (a max-reduce of one number), so all of them stop after the same step
+    even when the signal reached them at different moments.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+        self.signum = 0
+        self.previous: dict = {}
+
+    def install(self) -> None:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        for signum in self.SIGNALS:
+            self.previous[signum] = signal.signal(signum, self._handle)
+
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+        if self.accelerator.is_main_process:
+            print(
+                f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+                "(send it again to stop at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def requested(self) -> bool:
+        if self.accelerator.num_processes > 1:
+            flag = torch.tensor([self.signum], device=self.accelerator.device)
+            self.signum = int(self.accelerator.reduce(flag, reduction="max").item())
+        return bool(self.signum)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum

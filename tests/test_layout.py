@@ -1,0 +1,141 @@
+"""The package reads top-down: no import cycles (lazy imports included), no giant functions,
+and no library module that depends on the command line."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import whisper_train
+
+PACKAGE = Path(whisper_train.__file__).parent
+# A function longer than a screenful or two hides its steps; the training recipe's phases and
+# the loss are all well under this.
+MAX_FUNCTION_LINES = 120
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _sources() -> dict[str, ast.Module]:
+    return {
+        _module_name(path): ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for path in sorted(PACKAGE.rglob("*.py"))
+    }
+
+
+def _imports(module: str, tree: ast.Module, known: set[str]) -> set[str]:
+    """The package's modules that `module` imports anywhere (top level, functions, branches)."""
+    found = set()
+    package = module if module in known and _is_package(module) else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            # `from pkg import module` imports a module; `from module import name` the module.
+            names = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                found.add(name)
+    return found
+
+
+def _is_package(module: str) -> bool:
+    return (PACKAGE.parent / module.replace(".", "/") / "__init__.py").exists()
+
+
+def _import_graph() -> dict[str, set[str]]:
+    sources = _sources()
+    known = set(sources)
+    graph = {name: _imports(name, tree, known) for name, tree in sources.items()}
+    # A package's __init__ re-exporting its submodules is not a cycle with them.
+    for name in graph:
+        graph[name] = {dep for dep in graph[name] if not name.startswith(dep + ".")}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for dep in sorted(graph.get(node, ())):
+            if dep not in index:
+                visit(dep)
+                low[node] = min(low[node], low[dep])
+            elif dep in on_stack:
+                low[node] = min(low[node], index[dep])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return components
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    """The check below can fail: a two-module loop and a three-module loop are both reported."""
+    graph = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c"}, "f": {"a"}}
+    assert sorted(_cycles(graph)) == [["a", "b"], ["c", "d", "e"]]
+
+
+def test_no_import_cycles_inside_the_package():
+    cycles = _cycles(_import_graph())
+    assert not cycles, f"import cycles (lazy imports count too): {cycles}"
+
+
+# The command line: `cli` (the parser and `main`) and `commands` (one module per command).
+COMMAND_LINE = ("whisper_train.cli", "whisper_train.commands")
+
+
+def _is_command_line(module: str) -> bool:
+    return any(module == top or module.startswith(top + ".") for top in COMMAND_LINE)
+
+
+def test_no_library_module_imports_the_command_line():
+    graph = _import_graph()
+    users = sorted(
+        name
+        for name, deps in graph.items()
+        if not _is_command_line(name) and any(_is_command_line(dep) for dep in deps)
+    )
+    allowed = {"whisper_train.__main__"}
+    assert set(users) <= allowed, f"library modules importing the CLI: {users}"
+
+
+def test_no_function_is_longer_than_a_readable_page():
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long.append(f"{path.name}:{node.lineno} {node.name} ({length} lines)")
+    assert not long, long

@@ -142,3 +142,10 @@ def metric_rows(output_dir: Path) -> list[dict]:
     """The rows of a run's metrics.jsonl: one a logged step or evaluation."""
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+def losses_and_evaluations(output_dir: Path) -> tuple[list[float], list[dict]]:
+    """A run's logged training losses, in step order, and its evaluation rows (those with a
+    WER), from metrics.jsonl."""
+    rows = metric_rows(output_dir)
+    return [row["loss"] for row in rows if "loss" in row], [row for row in rows if "wer" in row]

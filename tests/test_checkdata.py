@@ -149,9 +149,40 @@ def test_exit_codes_json_and_png(messy_data, clean_data, tmp_path, capsys):
     assert "nowhere.jsonl" in capsys.readouterr().err
 
 
-def test_histogram_png_marks_the_30_s_window(clean_data, tmp_path):
+def test_histogram_png_marks_the_30_s_window(clean_data, tmp_path, monkeypatch):
+    """A red dashed line at 30 s, named "30 s window" in the legend, in view even when every
+    clip is far shorter (here 1-6 s), and drawn in the saved PNG's pixels."""
+    from matplotlib.figure import Figure
+    from matplotlib.image import imread
+
+    figures = []
+    real_savefig = Figure.savefig
+
+    def keep_figure(figure, *args, **kwargs):
+        figures.append(figure)
+        return real_savefig(figure, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep_figure)
     path = write_histogram_png(check_data(clean_data), tmp_path / "h.png")
-    assert path.stat().st_size > 1000
+    (figure,) = figures
+    (axes,) = figure.axes
+    (mark,) = [line for line in axes.get_lines() if line.get_label() == "30 s window"]
+    assert list(mark.get_xdata()) == [30, 30] and mark.get_linestyle() == "--"
+    assert axes.get_xlim()[0] < 30 < axes.get_xlim()[1]
+    assert "30 s window" in [text.get_text() for text in axes.get_legend().get_texts()]
+
+    # The pixels: the column at x = 30 s (give or take a pixel of rounding; the line is ~2 px
+    # wide), from the bottom of the plot to its top.
+    image = imread(path)  # (rows, columns, RGBA) in [0, 1], row 0 at the top
+    scale = image.shape[1] / figure.bbox.width  # saving may use another dpi than the figure
+    column = round(axes.transData.transform((30, 0))[0] * scale)
+    bottom, top = (round(image.shape[0] - y * scale) for y in (axes.bbox.y0, axes.bbox.y1))
+    strip = image[top:bottom, column - 1 : column + 2, :3]
+    # Red is (1, 0, 0); the bounds take anti-aliased edges and leave out the blue bars (C0 is
+    # (0.12, 0.47, 0.71)), black and white. "--" dashes are 3.7 on, 1.6 off: ~70% of the rows
+    # are red (66% measured, dash ends blurred); without the line none is.
+    red = (strip[..., 0] > 0.8) & (strip[..., 1] < 0.3) & (strip[..., 2] < 0.3)
+    assert red.any(axis=1).mean() > 0.5
 
 
 def test_histogram_bins_suit_the_durations(tmp_path):
@@ -197,8 +228,9 @@ def test_label_lengths_in_tokens_are_reported_with_a_model(messy_data, tmp_path,
     summary = report.label_summary()
     # Nine non-empty labels: eight short ones and 300 CJK characters (over 448 tokens).
     assert len(report.label_tokens) == 9
-    # "hello there": 2 tokens + the 5 of prefix and <|endoftext|>; 語 is 2 tokens (+ a space).
-    assert summary == {"min": 7, "median": 7, "max": 606, "over_limit": 1, "limit": 448}
+    # Decoder positions, as train counts them: "hello there" is 2 tokens + <|startoftranscript|>
+    # <|notimestamps|> + <|endoftext|>, less the one position the shift to labels drops.
+    assert summary == {"min": 4, "median": 4, "max": 603, "over_limit": 1, "limit": 448}
     text = format_report(report)
     assert (
         f"min {summary['min']}, median {summary['median']:g}, max {summary['max']} tokens" in text

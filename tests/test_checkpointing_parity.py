@@ -10,18 +10,21 @@ transformers 4.56.2, the release where the stock recipe fails (docs/checkpointin
 
 from __future__ import annotations
 
-import copy
 import functools
 import re
 
 import pytest
 import torch
-from tiny_models import EOT, SOT, make_tiny_whisper
-from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+from tiny_models import (
+    LORA,
+    fresh_short_whisper,
+    nonzero_lora_b,
+    short_tiny_whisper,
+    tiny_batch,
+)
 
 from whisper_train.doctor import hooks_replay_on_recompute
 from whisper_train.memory import (
-    LoraSettings,
     build_optimizer,
     checkpointing_state,
     prepare_model,
@@ -30,55 +33,11 @@ from whisper_train.memory import (
 
 pytestmark = pytest.mark.compat
 
-# Whisper's encoder takes exactly 2 * max_source_positions frames. A 1-second model (50
-# positions, 100 frames) keeps the whole matrix to a few seconds on a CPU.
-CHUNK_SECONDS = 1
-N_FRAMES = 100 * CHUNK_SECONDS
-LORA = LoraSettings(r=4, alpha=8, dropout=0.0, targets=("q_proj", "v_proj"))
-
-
-def short_tiny_whisper(
-    *, seed: int = 0, attn_implementation: str = "sdpa", num_mel_bins: int = 80, **overrides
-):
-    """`make_tiny_whisper` with a 1-second encoder (50 positions) instead of 30 seconds, and
-    optionally large-v3's 128 mel bins."""
-    model, processor = make_tiny_whisper(
-        seed=seed, attn_implementation=attn_implementation, **overrides
-    )
-    config = copy.deepcopy(model.config)
-    config.max_source_positions = 50 * CHUNK_SECONDS
-    config.num_mel_bins = num_mel_bins
-    torch.manual_seed(seed)
-    short = WhisperForConditionalGeneration(config)
-    short.config._attn_implementation = attn_implementation
-    short.generation_config = model.generation_config
-    processor.feature_extractor = WhisperFeatureExtractor(
-        feature_size=config.num_mel_bins, chunk_length=CHUNK_SECONDS
-    )
-    return short.eval(), processor
-
-
-def tiny_batch(seed: int = 0, n_mels: int = 80) -> dict[str, torch.Tensor]:
-    """Two utterances: log-mel features (2, n_mels, N_FRAMES), labels (2, 5), one padded, and
-    the decoder inputs (the labels shifted right behind SOT), as `SpeechCollator` makes them."""
-    generator = torch.Generator().manual_seed(seed)
-    features = torch.randn(2, n_mels, N_FRAMES, generator=generator)
-    labels = torch.tensor([[1000, 2000, 3000, 4000, EOT], [400, 500, EOT, -100, -100]])
-    decoder_input_ids = torch.cat([torch.full((2, 1), SOT), labels[:, :-1]], dim=1)
-    decoder_input_ids[decoder_input_ids == -100] = EOT
-    return {"input_features": features, "decoder_input_ids": decoder_input_ids, "labels": labels}
-
-
-@functools.cache
-def pristine(attn: str) -> torch.nn.Module:
-    """Built once per attention kind; each case trains a deep copy (construction dominates)."""
-    return short_tiny_whisper(attn_implementation=attn)[0]
-
 
 def build(variant: str, policy: str, attn: str) -> torch.nn.Module:
     """A seeded tiny Whisper prepared for `variant`; LoRA B matrices made non-zero so that the
     A matrices get non-zero gradients too (peft initialises B to zero)."""
-    model = copy.deepcopy(pristine(attn))
+    model = fresh_short_whisper(attn)
     torch.manual_seed(1)  # LoRA A initialisation
     if variant == "lora-before":
         from peft import LoraConfig, get_peft_model
@@ -96,12 +55,7 @@ def build(variant: str, policy: str, attn: str) -> torch.nn.Module:
     else:
         mode = "lora" if variant == "lora-after" else variant
         model = prepare_model(model, mode=mode, checkpointing=policy, lora=LORA)
-    generator = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    return model.train()
+    return nonzero_lora_b(model).train()
 
 
 def layer_stacks(model):

@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 from packaging.version import Version
-from test_checkpointing_parity import LORA, pristine, short_tiny_whisper, tiny_batch
+from tiny_models import LORA, fresh_short_whisper, pristine, short_tiny_whisper, tiny_batch
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
 from whisper_train import doctor
@@ -76,7 +76,7 @@ def train_with_trainer(model, args) -> torch.nn.Module:
 
 
 def test_stock_recipe_fails_on_affected_transformers_and_trains_elsewhere(tmp_path):
-    model = copy.deepcopy(pristine("sdpa"))
+    model = fresh_short_whisper()
     args = trainer_args(tmp_path, gradient_checkpointing=True)
     if AFFECTED:
         with pytest.raises(RuntimeError, match="backward through the graph a second time"):
@@ -93,9 +93,7 @@ def test_the_same_training_through_prepare_model_equals_no_checkpointing(tmp_pat
     results, untrained = {}, None
     for policy in ("full", "off"):
         torch.manual_seed(1)  # LoRA initialisation
-        model = prepare_model(
-            copy.deepcopy(pristine("sdpa")), mode=mode, checkpointing=policy, lora=LORA
-        )
+        model = prepare_model(fresh_short_whisper(), mode=mode, checkpointing=policy, lora=LORA)
         untrained = copy.deepcopy(model.state_dict())
         # Leave the Trainer's gradient_checkpointing off: prepare_model owns checkpointing.
         results[policy] = train_with_trainer(model, trainer_args(tmp_path / policy)).state_dict()
@@ -106,7 +104,7 @@ def test_the_same_training_through_prepare_model_equals_no_checkpointing(tmp_pat
 
 def test_doctor_flags_the_stock_recipe_and_passes_ours(tmp_path):
     stock = doctor.run(
-        copy.deepcopy(pristine("sdpa")),
+        fresh_short_whisper(),
         tiny_batch(),
         trainer_args=trainer_args(tmp_path, gradient_checkpointing=True),
     )
@@ -171,7 +169,7 @@ def test_seed_case_b_large_v3_shaped_lora_8bit_adamw_accumulation(tmp_path):
 
 
 def test_seed_case_c_hand_enabled_checkpointing_with_the_trainer_flag_false(tmp_path):
-    model = copy.deepcopy(pristine("sdpa"))
+    model = fresh_short_whisper()
     model.gradient_checkpointing_enable()
     report = doctor.run(model, tiny_batch(), trainer_args=trainer_args(tmp_path))
     check = {c.id: c for c in report.checks}["trainer"]
@@ -207,9 +205,8 @@ def test_readme_trainer_snippet_trains(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     snippet = README_SNIPPET.replace("max_steps=4000", "max_steps=2, report_to=[], use_cpu=True")
     snippet = snippet.replace("per_device_train_batch_size=16", "per_device_train_batch_size=2")
-    start = copy.deepcopy(pristine("sdpa"))
     namespace = {
-        "model": copy.deepcopy(start),
+        "model": fresh_short_whisper(),
         "train_dataset": utterances(),
         "data_collator": collator,
     }

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import copy
 import sys
 
 import pytest
 import torch
-from test_checkpointing_parity import LORA, pristine, tiny_batch
+from tiny_models import LORA, fresh_short_whisper, nonzero_lora_b, tiny_batch
 
 from whisper_train.errors import UserError
 from whisper_train.memory import (
@@ -30,25 +29,20 @@ CPU = torch.device("cpu")
 SMALL_LORA = LoraSettings(r=4, alpha=8, dropout=0.0)
 
 
-def fresh_model():
-    """A seeded tiny Whisper with a 1-second encoder (a copy: building one costs more)."""
-    return copy.deepcopy(pristine("sdpa"))
-
-
 def trainable(model) -> set[str]:
     return {name for name, p in model.named_parameters() if p.requires_grad}
 
 
 @pytest.mark.parametrize("mode", ["full", "lora", "freeze-encoder"])
 def test_encoder_positions_never_train(mode):
-    model = fresh_model()
+    model = fresh_short_whisper()
     model.model.encoder.embed_positions.requires_grad_(True)  # as 5.x from_pretrained leaves it
     prepared = prepare_model(model, mode=mode, lora=SMALL_LORA)
     assert not any("encoder.embed_positions" in name for name in trainable(prepared))
 
 
 def test_freeze_encoder_trains_the_decoder_only_and_never_recomputes_the_encoder():
-    model = fresh_model()
+    model = fresh_short_whisper()
     prepared = prepare_model(model, mode="freeze-encoder", checkpointing="full")
     names = trainable(prepared)
     assert names and all(".decoder." in f".{n}" or n.startswith("proj_out") for n in names)
@@ -57,7 +51,7 @@ def test_freeze_encoder_trains_the_decoder_only_and_never_recomputes_the_encoder
 
 
 def test_lora_trains_only_adapters_and_checkpoints_non_reentrant():
-    model = fresh_model()
+    model = fresh_short_whisper()
     prepared = prepare_model(model, mode="lora", checkpointing="on", lora=SMALL_LORA)
     names = trainable(prepared)
     assert names and all("lora_" in n for n in names)
@@ -69,7 +63,7 @@ def test_lora_trains_only_adapters_and_checkpoints_non_reentrant():
 def test_a_model_wrapped_with_peft_first_keeps_its_adapters():
     from peft import LoraConfig, get_peft_model
 
-    model = fresh_model()
+    model = fresh_short_whisper()
     wrapped = get_peft_model(model, LoraConfig(r=2, target_modules=["fc1"]))
     prepared = prepare_model(wrapped, mode="lora", checkpointing="full")
     assert prepared is wrapped
@@ -80,7 +74,7 @@ def test_a_model_wrapped_with_peft_first_keeps_its_adapters():
 
 
 def test_off_switches_off_checkpointing_someone_else_enabled():
-    model = fresh_model()
+    model = fresh_short_whisper()
     model.gradient_checkpointing_enable()
     assert checkpointing_state(model)["enabled"]
     prepare_model(model, mode="full", checkpointing="off")
@@ -90,7 +84,7 @@ def test_off_switches_off_checkpointing_someone_else_enabled():
 
 def test_checkpointing_state_reads_reentrant_from_each_layer():
     """An empty kwargs dict falls back to torch's reentrant default (T9): reported as such."""
-    model = fresh_model()
+    model = fresh_short_whisper()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"preserve_rng_state": True})
     state = checkpointing_state(model)
     assert state["enabled"] and state["reentrant"] == state["modules"]
@@ -98,7 +92,7 @@ def test_checkpointing_state_reads_reentrant_from_each_layer():
 
 
 def test_bad_inputs_are_one_line_user_errors():
-    model = fresh_model()
+    model = fresh_short_whisper()
     with pytest.raises(UserError, match="--mode"):
         prepare_model(model, mode="half")
     with pytest.raises(UserError, match="--gradient-checkpointing every-0"):
@@ -129,14 +123,16 @@ def test_prepare_model_and_the_planner_checkpoint_the_same_layers(mode, policy):
     """`checkpointed_layers` is the one place that picks a policy's layers: the flags that
     `prepare_model` sets are exactly its answer, and `checkpointing_policy` (the planner's
     temporary switch) sets the same flags and restores the old ones afterwards."""
-    prepared = prepare_model(fresh_model(), mode=mode, checkpointing=policy, lora=SMALL_LORA)
+    prepared = prepare_model(
+        fresh_short_whisper(), mode=mode, checkpointing=policy, lora=SMALL_LORA
+    )
     whisper = whisper_of(prepared)
     chosen = checkpointed_layers(whisper, policy)
     assert _flagged_layers(whisper) == chosen
     if mode == "freeze-encoder":  # nothing at or below the encoder trains: never recomputed
         assert all(stack == "decoder" for stack, _ in chosen)
         assert bool(chosen) == (policy != "encoder")
-    full = prepare_model(fresh_model(), mode=mode, checkpointing="full", lora=SMALL_LORA)
+    full = prepare_model(fresh_short_whisper(), mode=mode, checkpointing="full", lora=SMALL_LORA)
     before = _flagged_layers(whisper_of(full))
     with checkpointing_policy(full, policy):
         assert _flagged_layers(whisper_of(full)) == chosen
@@ -166,7 +162,7 @@ def test_resolve_precision_on_cuda_without_bf16(monkeypatch):
 
 
 def test_optimizer_skips_frozen_weights_and_decays_only_matrices():
-    model = fresh_model()
+    model = fresh_short_whisper()
     model = prepare_model(model, mode="freeze-encoder")
     optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1)
     by_decay = {g["weight_decay"]: g["params"] for g in optimizer.param_groups}
@@ -179,7 +175,7 @@ def test_optimizer_skips_frozen_weights_and_decays_only_matrices():
 
 @pytest.mark.parametrize("name", ["adamw", "adamw-fused", "adamw8bit"])
 def test_every_optimizer_trains(name):
-    model = fresh_model()
+    model = fresh_short_whisper()
     model = prepare_model(model, mode="lora", lora=SMALL_LORA).train()
     optimizer = build_optimizer(model, name=name, lr=1e-2)
     batch = {"input_features": torch.randn(1, 80, 100), "labels": torch.tensor([[1000, 50256]])}
@@ -190,7 +186,7 @@ def test_every_optimizer_trains(name):
 
 
 def test_optimizer_errors_name_the_flag(monkeypatch):
-    model = fresh_model()
+    model = fresh_short_whisper()
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed
     with pytest.raises(UserError, match=r"--optim adamw8bit needs bitsandbytes"):
         build_optimizer(model, name="adamw8bit", lr=1e-3)
@@ -202,7 +198,7 @@ def test_optimizer_errors_name_the_flag(monkeypatch):
 
 
 def test_trainable_parameter_summary_counts_what_trains():
-    model = fresh_model()
+    model = fresh_short_whisper()
     prepared = prepare_model(model, mode="lora", lora=SMALL_LORA)
     n_lora = sum(p.numel() for n, p in prepared.named_parameters() if "lora_" in n)
     summary = trainable_parameter_summary(prepared)
@@ -236,12 +232,9 @@ def test_training_loss_equals_the_models_own_loss_and_gradients(mode, policy, mo
     import whisper_train.memory.loss as loss
 
     monkeypatch.setattr(loss, "LOSS_CHUNK_TOKENS", 3)  # where training_loss reads it
-    model = fresh_model().double()
+    model = fresh_short_whisper().double()
     model = prepare_model(model, mode=mode, checkpointing=policy, lora=LORA).double().train()
-    with torch.no_grad():  # non-zero adapters, so that every LoRA matrix gets a gradient
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.05)
+    nonzero_lora_b(model)  # so that every LoRA matrix gets a gradient
     batch = tiny_batch()
     batch["input_features"] = batch["input_features"].double()
     ours = training_loss(model, batch)
@@ -264,11 +257,8 @@ def test_adapters_on_the_output_head_keep_their_gradient():
     """LoRA on proj_out changes the logits: the loss must come from the model, not the bare
     weight, or the head's adapters would silently get no gradient."""
     settings = LoraSettings(r=4, alpha=8, dropout=0.0, targets=("q_proj", "proj_out"))
-    model = prepare_model(fresh_model(), mode="lora", lora=settings).train()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.05)
+    model = nonzero_lora_b(prepare_model(fresh_short_whisper(), mode="lora", lora=settings))
+    model.train()
     batch = tiny_batch()
     torch.testing.assert_close(training_loss(model, batch), model(**batch).loss)
     training_loss(model, batch).backward()
@@ -277,7 +267,7 @@ def test_adapters_on_the_output_head_keep_their_gradient():
 
 
 def test_training_loss_from_cached_encoder_outputs_equals_the_loss_from_audio():
-    model = prepare_model(fresh_model(), mode="freeze-encoder").train()
+    model = prepare_model(fresh_short_whisper(), mode="freeze-encoder").train()
     batch = tiny_batch()
     with torch.no_grad():
         encoded = model.model.encoder(batch["input_features"]).last_hidden_state
@@ -290,7 +280,7 @@ def test_training_loss_from_cached_encoder_outputs_equals_the_loss_from_audio():
 def test_checkpointed_loss_keeps_no_full_vocabulary_tensor_for_backward(policy):
     """With checkpointing on, the largest tensor a decoder keeps otherwise, the log-softmax over
     the 51,865-token vocabulary at every label token, is recomputed in backward instead."""
-    model = prepare_model(fresh_model(), mode="full", checkpointing=policy).train()
+    model = prepare_model(fresh_short_whisper(), mode="full", checkpointing=policy).train()
     vocab = model.config.vocab_size
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved_shapes = {}  # storage → shape: log_softmax and nll_loss save the same tensor

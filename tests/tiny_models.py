@@ -1,7 +1,12 @@
-"""Builders for seeded tiny Whisper models, shared by tests and benchmarks."""
+"""Builders for seeded tiny Whisper models, shared by tests and benchmarks.
+
+Nothing here needs transformers 5.x: `make test-compat` imports it on transformers 4.56.2.
+"""
 
 from __future__ import annotations
 
+import copy
+import functools
 from pathlib import Path
 
 import torch
@@ -12,6 +17,8 @@ from transformers import (
     WhisperForConditionalGeneration,
     WhisperProcessor,
 )
+
+from whisper_train.memory import LoraSettings
 
 SOT, EOT, NO_TIMESTAMPS = 50257, 50256, 50362
 ENGLISH_VOCAB = 51864
@@ -103,3 +110,71 @@ def make_tiny_whisper(
         tokenizer=english_tokenizer(),
     )
     return model.eval(), processor
+
+
+# -- a 1-second model and a batch for it: one backward in milliseconds ------------------------
+
+# Whisper's encoder takes exactly 2 * max_source_positions frames. A 1-second model (50
+# positions, 100 frames) keeps a forward and backward to milliseconds on a CPU.
+CHUNK_SECONDS = 1
+N_FRAMES = 100 * CHUNK_SECONDS
+# Adapters on the attention queries and values, no dropout so that seeded runs repeat exactly.
+LORA = LoraSettings(r=4, alpha=8, dropout=0.0, targets=("q_proj", "v_proj"))
+
+
+def short_tiny_whisper(
+    *, seed: int = 0, attn_implementation: str = "sdpa", num_mel_bins: int = 80, **overrides
+) -> tuple[WhisperForConditionalGeneration, WhisperProcessor]:
+    """`make_tiny_whisper` with a 1-second encoder (50 positions) instead of 30 seconds, and
+    optionally large-v3's 128 mel bins."""
+    model, processor = make_tiny_whisper(
+        seed=seed, attn_implementation=attn_implementation, **overrides
+    )
+    config = copy.deepcopy(model.config)
+    config.max_source_positions = 50 * CHUNK_SECONDS
+    config.num_mel_bins = num_mel_bins
+    torch.manual_seed(seed)
+    short = WhisperForConditionalGeneration(config)
+    short.config._attn_implementation = attn_implementation
+    short.generation_config = model.generation_config
+    processor.feature_extractor = WhisperFeatureExtractor(
+        feature_size=config.num_mel_bins, chunk_length=CHUNK_SECONDS
+    )
+    return short.eval(), processor
+
+
+@functools.cache
+def pristine(attn: str = "sdpa") -> WhisperForConditionalGeneration:
+    """The seeded 1-second model, built once per attention kind (construction dominates a
+    test's time). Shared: read it or hand it to code that copies it; train `fresh_short_whisper`."""
+    return short_tiny_whisper(attn_implementation=attn)[0]
+
+
+def fresh_short_whisper(attn: str = "sdpa") -> WhisperForConditionalGeneration:
+    """A copy of `pristine(attn)` for a test to prepare, train or break."""
+    return copy.deepcopy(pristine(attn))
+
+
+def tiny_batch(seed: int = 0, n_mels: int = 80) -> dict[str, torch.Tensor]:
+    """Two utterances: log-mel features (2, n_mels, N_FRAMES), labels (2, 5), one padded, and
+    the decoder inputs (the labels shifted right behind SOT), as `SpeechCollator` makes them."""
+    generator = torch.Generator().manual_seed(seed)
+    features = torch.randn(2, n_mels, N_FRAMES, generator=generator)
+    labels = torch.tensor([[1000, 2000, 3000, 4000, EOT], [400, 500, EOT, -100, -100]])
+    decoder_input_ids = torch.cat([torch.full((2, 1), SOT), labels[:, :-1]], dim=1)
+    decoder_input_ids[decoder_input_ids == -100] = EOT
+    return {"input_features": features, "decoder_input_ids": decoder_input_ids, "labels": labels}
+
+
+def nonzero_lora_b(model: torch.nn.Module, *, seed: int = 2, std: float = 0.05) -> torch.nn.Module:
+    """Fill every LoRA B matrix with seeded N(0, std^2) noise, as after some training steps.
+
+    peft starts B at zero, so at step 0 every A matrix gets an all-zero gradient; a test that
+    compares gradients needs B non-zero so that the A matrices are compared too.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    return model

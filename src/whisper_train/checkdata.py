@@ -3,8 +3,8 @@
 Reads the data in any layout `whisper_train.data` accepts, opens every audio header (no
 decoding) and reports: clips, hours, a duration histogram, sample rates and channel counts,
 languages, and the problems that would cost a run: unreadable or missing audio, clips over
-Whisper's 30 s window, windows past the end of their file, empty labels, labels over the
-decoder's 448 tokens, the same audio twice (same file, or same bytes under two names), and
+Whisper's 30 s window, windows past the end of their file, empty labels, labels longer than the
+decoder's 448 positions, the same audio twice (same file, or same bytes under two names), and
 characters a tokenizer handles badly (control characters, text that does not survive an
 encode/decode round trip). Duplicate transcripts and rare characters are reported as notes:
 common in real data ("yes", "no"), worth a look, no reason to stop.
@@ -21,7 +21,7 @@ import statistics
 import unicodedata
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +29,18 @@ import numpy as np
 import soundfile
 
 from whisper_train.audio import CHUNK_LENGTH
+from whisper_train.config import DataConfig
 from whisper_train.data import Example, load_examples
+from whisper_train.errors import UserError
+from whisper_train.labels import MAX_DECODER_TOKENS, LabelEncoder
 
-MAX_LABEL_TOKENS = 448  # Whisper's decoder positions, prefix and <|endoftext|> included
-# The longest prefix is <|startoftranscript|><|lang|><|task|><|notimestamps|>; add <|endoftext|>.
-LABEL_OVERHEAD_TOKENS = 5
 # Without a tokenizer, labels are measured in characters: English BPE averages ~4 characters a
 # token, so 2 characters a token is a cautious bound for "probably over 448 tokens".
 CHARS_PER_TOKEN_ESTIMATE = 2
+# check-data has no --language, --task or --timestamps: with a model, labels are counted as
+# `train` counts them under its defaults for those options (a row's own language still wins);
+# `check_data` takes them as arguments.
+_TRAIN_DEFAULTS = DataConfig()
 # Histogram bins: round widths (1, 2, 2.5 or 5 times a power of ten) spanning the data, at most
 # HISTOGRAM_MAX_BINS of them; bins are sized as if the data spanned at least
 # HISTOGRAM_MIN_SPAN_SECONDS, so they are never narrower than a tenth of a second (finer bins
@@ -57,7 +61,7 @@ PROBLEM_KINDS = {
     "too_long": f"clips over {CHUNK_LENGTH} s",
     "past_end": "windows past the end of the file",
     "empty_label": "empty transcripts",
-    "long_label": f"labels over {MAX_LABEL_TOKENS} tokens",
+    "long_label": f"labels over {MAX_DECODER_TOKENS} tokens",
     "duplicate_audio": "the same audio twice",
     "bad_characters": "characters the tokenizer handles badly",
 }
@@ -88,7 +92,8 @@ class DataReport:
     channels: dict[int, int] = field(default_factory=dict)  # channel count → files
     languages: dict[str, int] = field(default_factory=dict)  # code (or "unspecified") → clips
     tokenizer: str | None = None  # name of the tokenizer that measured labels, if any
-    # Tokens per non-empty label, prefix and <|endoftext|> included; empty without a tokenizer.
+    # Decoder positions per non-empty label, prefix included (`LabelEncoder.decoder_tokens`, as
+    # train's screening counts them); empty without a tokenizer.
     label_tokens: list[int] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
 
@@ -129,8 +134,8 @@ class DataReport:
             "min": min(self.label_tokens),
             "median": statistics.median(self.label_tokens),
             "max": max(self.label_tokens),
-            "over_limit": sum(n > MAX_LABEL_TOKENS for n in self.label_tokens),
-            "limit": MAX_LABEL_TOKENS,
+            "over_limit": sum(n > MAX_DECODER_TOKENS for n in self.label_tokens),
+            "limit": MAX_DECODER_TOKENS,
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -168,10 +173,14 @@ def check_data(
     data_format: str | None = None,
     model: Any = None,
     strict: bool = False,
+    language: str | None = _TRAIN_DEFAULTS.language,
+    task: str = _TRAIN_DEFAULTS.task,
+    timestamps: bool = _TRAIN_DEFAULTS.timestamps,
 ) -> DataReport:
-    """Inspect the data at `path`. Labels are measured with `model`: a Whisper tokenizer, a
-    `--model` spec (folder, hub id, run folder or tiny.en) whose tokenizer is loaded, or None
-    (labels measured in characters).
+    """Inspect the data at `path`. Labels are measured with `model`: a `--model` spec (folder,
+    hub id, run folder or tiny.en) whose tokenizer is loaded, a Whisper tokenizer, or None
+    (labels measured in characters). With a model, a label is too long exactly when `train
+    --model` would skip it with the same `language`, `task` and `timestamps`.
 
     Raises UserError when the data cannot be read at all (no such path, unknown layout, bad
     rows). `strict` is accepted for symmetry with training; the report is the same, and the
@@ -179,17 +188,19 @@ def check_data(
     """
     del strict  # the report does not depend on it; the exit code does
     spec = str(model) if isinstance(model, (str, Path)) else None
-    if spec is not None:
-        model = load_tokenizer(spec)
+    encoder = None
+    if model is not None:
+        encoder = label_encoder_for(model, language=language, task=task, timestamps=timestamps)
+    tokenizer = encoder.tokenizer if encoder is not None else None
     examples = load_examples(path, data_format=data_format)
     report = DataReport(path=str(path), clips=len(examples))
-    report.tokenizer = getattr(model, "name_or_path", None) or (
-        type(model).__name__ if model is not None else None
+    report.tokenizer = getattr(tokenizer, "name_or_path", None) or (
+        type(tokenizer).__name__ if tokenizer is not None else None
     )
     report.languages = dict(Counter(example.language or "unspecified" for example in examples))
     _check_audio(examples, report)
-    _check_labels(examples, model, report)
-    _check_characters(examples, model, report)
+    _check_labels(examples, encoder, report)
+    _check_characters(examples, tokenizer, report)
     if spec is not None:
         report.tokenizer = f"--model {spec}'s tokenizer"
     return report
@@ -274,7 +285,9 @@ def _file_hash(path: str) -> str:
 
 
 # -- labels ---------------------------------------------------------------------------------
-def _check_labels(examples: Sequence[Example], tokenizer: Any, report: DataReport) -> None:
+def _check_labels(
+    examples: Sequence[Example], encoder: LabelEncoder | None, report: DataReport
+) -> None:
     texts: dict[str, list[str]] = defaultdict(list)
     for example in examples:
         origin = example.origin or example.audio
@@ -283,13 +296,12 @@ def _check_labels(examples: Sequence[Example], tokenizer: Any, report: DataRepor
             report.findings.append(Finding("empty_label", origin, example.audio))
             continue
         texts[" ".join(text.casefold().split())].append(origin)
-        if tokenizer is not None:
-            n_tokens = len(tokenizer.encode(" " + text, add_special_tokens=False))
-            n_tokens += LABEL_OVERHEAD_TOKENS
+        if encoder is not None:
+            n_tokens = _decoder_tokens(encoder, example)
             report.label_tokens.append(n_tokens)
-            if n_tokens > MAX_LABEL_TOKENS:
+            if n_tokens > MAX_DECODER_TOKENS:
                 report.findings.append(Finding("long_label", origin, f"{n_tokens} tokens"))
-        elif len(text) > MAX_LABEL_TOKENS * CHARS_PER_TOKEN_ESTIMATE:
+        elif len(text) > MAX_DECODER_TOKENS * CHARS_PER_TOKEN_ESTIMATE:
             report.findings.append(
                 Finding(
                     "long_label", origin, f"{len(text)} characters (pass --model to count tokens)"
@@ -305,6 +317,19 @@ def _check_labels(examples: Sequence[Example], tokenizer: Any, report: DataRepor
                     f"{shown!r} x{len(origins)}: {', '.join(origins[1:4])}",
                 )
             )
+
+
+def _decoder_tokens(encoder: LabelEncoder, example: Example) -> int:
+    """The decoder positions of `example`'s label, as train's screening counts them.
+
+    A row train would refuse outright for its language (none for a multilingual model, or one
+    an English-only model cannot write) is counted with English instead: a multilingual prefix
+    holds one language token whichever it is, an English-only one none.
+    """
+    try:
+        return encoder.decoder_tokens(example)
+    except UserError:
+        return encoder.decoder_tokens(replace(example, language="en"))
 
 
 def _check_characters(examples: Sequence[Example], tokenizer: Any, report: DataReport) -> None:
@@ -394,8 +419,8 @@ def _label_line(report: DataReport) -> str:
         return f"labels measured with {report.tokenizer}: no non-empty labels"
     return (
         f"labels measured with {report.tokenizer}: min {summary['min']}, median "
-        f"{summary['median']:g}, max {summary['max']} tokens (prefix and <|endoftext|> "
-        f"included), {summary['over_limit']} over {MAX_LABEL_TOKENS}"
+        f"{summary['median']:g}, max {summary['max']} tokens (decoder positions, prefix "
+        f"included, as train counts them), {summary['over_limit']} over {MAX_DECODER_TOKENS}"
     )
 
 
@@ -434,19 +459,60 @@ def write_histogram_png(report: DataReport, path: str | Path) -> Path:
     return path
 
 
-def load_tokenizer(spec: str) -> Any:
-    """The tokenizer of `--model` without loading its weights where the files allow it."""
+def label_encoder_for(
+    model: Any,
+    *,
+    language: str | None = _TRAIN_DEFAULTS.language,
+    task: str = _TRAIN_DEFAULTS.task,
+    timestamps: bool = _TRAIN_DEFAULTS.timestamps,
+) -> LabelEncoder:
+    """The `LabelEncoder` that `train --model` builds, for counting labels as its screening does.
+
+    `model`: a `--model` spec (its tokenizer and whether it is multilingual, as `load_model`
+    and `is_multilingual` would say), or a bare Whisper tokenizer (multilingual when its
+    vocabulary's size says so: there is no model to ask).
+    """
+    from whisper_train.models import is_multilingual_vocab
+
+    if isinstance(model, (str, Path)):
+        tokenizer, multilingual = load_tokenizer(str(model))
+    else:
+        tokenizer, multilingual = model, is_multilingual_vocab(len(model))
+    return LabelEncoder(
+        tokenizer, language=language, task=task, timestamps=timestamps, multilingual=multilingual
+    )
+
+
+def load_tokenizer(spec: str) -> tuple[Any, bool]:
+    """`--model`'s tokenizer and whether its model is multilingual, as `train` loads them, from
+    the small files where they tell (no weights read), else from the loaded model (a hub id)."""
     from transformers import WhisperTokenizerFast
 
-    from whisper_train.models import load_model, resolve_alias
+    from whisper_train import ct2
+    from whisper_train.models import (
+        folder_is_multilingual,
+        is_multilingual,
+        is_multilingual_vocab,
+        load_model,
+        model_folder,
+    )
 
-    folder = Path(resolve_alias(spec)).expanduser()
-    if (folder / "final").is_dir():
-        folder = folder / "final"  # a whisper-train output folder
-    if (folder / "tokenizer_config.json").is_file():
-        return WhisperTokenizerFast.from_pretrained(str(folder))
-    if (folder / "tokenizer.json").is_file():  # a CTranslate2 folder: tokenizer.json alone
-        return WhisperTokenizerFast(
+    folder = model_folder(spec)  # a whisper-train run folder: its final/ model
+    multilingual = folder_is_multilingual(folder)
+    tokenizer = None
+    if ct2.is_ct2_model_dir(folder):
+        vocab_size = ct2.vocabulary_size(folder)
+        if vocab_size is not None:
+            tokenizer = ct2.load_tokenizer(folder, vocab_size)  # as load_ct2_whisper reads it
+    elif (folder / "tokenizer_config.json").is_file():
+        tokenizer = WhisperTokenizerFast.from_pretrained(str(folder))
+    elif (folder / "tokenizer.json").is_file():  # tokenizer.json alone
+        tokenizer = WhisperTokenizerFast(
             tokenizer_file=str(folder / "tokenizer.json"), pad_token="<|endoftext|>"
         )
-    return load_model(spec)[1].tokenizer  # a hub id: the processor comes with the model
+    if tokenizer is not None and multilingual is None and not (folder / "config.json").is_file():
+        multilingual = is_multilingual_vocab(len(tokenizer))  # tokenizer files, no model to ask
+    if tokenizer is None or multilingual is None:
+        model, processor = load_model(spec)  # a hub id, or files that do not tell
+        return processor.tokenizer, is_multilingual(model)
+    return tokenizer, multilingual

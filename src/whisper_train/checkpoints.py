@@ -1,7 +1,6 @@
 """Training checkpoints: `OUTPUT/checkpoint-<step>/`, written atomically, loaded safely.
 
-This module also names everything a run writes into OUTPUT (`RUN_ENTRIES`): a new run refuses a
-folder holding an earlier one unless asked to `--resume` it or to move it aside (`--overwrite`).
+The other names a run writes into OUTPUT are `runfolder`'s.
 
 A checkpoint holds everything needed to continue a run exactly where it stopped:
 
@@ -34,7 +33,6 @@ import json
 import random
 import re
 import shutil
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -44,44 +42,14 @@ from accelerate.utils import DistributedType
 from safetensors.torch import load_file, save_file
 
 from whisper_train.errors import UserError
+from whisper_train.runfolder import CHECKPOINT_PREFIX as PREFIX
+from whisper_train.runfolder import CONFIG_FILE
 
-PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
 WEIGHTS_FILE = "trainable.safetensors"
 _NAME = re.compile(rf"^{PREFIX}(\d+)$")
 # Adam keeps two float32 moments per trainable weight, beside the weight itself.
 _ADAM_COPIES = 3
-
-# -- the run folder (--output-dir) -----------------------------------------------------------
-# Everything whisper-train writes there. A new run refuses a folder holding any of these unless
-# told to --resume or --overwrite; files with other names are the user's and never touched.
-CONFIG_FILE = "whisper-train.yaml"
-METRICS_FILE = "metrics.jsonl"
-RESULT_FILE = "result.json"
-LAUNCH_FILE = "launch.yaml"  # the configuration handed to the --nproc worker processes
-FINAL_DIR = "final"
-CURVES_FILE = "curves.png"
-TENSORBOARD_DIR = "tensorboard"
-ENCODER_CACHE_DIR = "encoder-cache"
-EVALUATION_DIR = "evaluation"  # `whisper-train evaluate` reports about this run
-REPORT_FILES = ("report.json", "report.baseline.json", "report.md", "report.png")
-RUN_ENTRIES = frozenset(
-    {
-        CONFIG_FILE,
-        METRICS_FILE,
-        RESULT_FILE,
-        LAUNCH_FILE,
-        FINAL_DIR,
-        FINAL_DIR + ".tmp",  # a final model whose write was interrupted
-        CURVES_FILE,
-        TENSORBOARD_DIR,
-        ENCODER_CACHE_DIR,
-        EVALUATION_DIR,
-        *REPORT_FILES,
-    }
-)
-# Complete checkpoints, and the leftovers of an interrupted write or replacement.
-_CHECKPOINT_ENTRY = re.compile(rf"^{PREFIX}\d+(\.tmp|\.old)?$")
 
 
 @dataclass
@@ -150,57 +118,6 @@ def resolve_resume(resume: str, output_dir: Path) -> Path:
         f"--resume {resume}: not a checkpoint folder (no {STATE_FILE}) and holds none; "
         f"pass a checkpoint-<step> folder or 'latest'"
     )
-
-
-def run_entries(output_dir: Path) -> list[Path]:
-    """The files and folders of `output_dir` that whisper-train wrote (an earlier run's)."""
-    if not output_dir.is_dir():
-        return []
-    return sorted(
-        p for p in output_dir.iterdir() if p.name in RUN_ENTRIES or _CHECKPOINT_ENTRY.match(p.name)
-    )
-
-
-def run_folder_of(model_dir: Path) -> Path | None:
-    """The run folder a `--model` path belongs to: OUTPUT itself, or OUTPUT for OUTPUT/final."""
-    if (model_dir / FINAL_DIR).is_dir():
-        return model_dir
-    if model_dir.name == FINAL_DIR and (model_dir.parent / CONFIG_FILE).is_file():
-        return model_dir.parent
-    return None
-
-
-def aside_path(path: Path) -> Path:
-    """A free sibling name for `path`'s old contents: `<path>.old-<date>-<time>[-n]`."""
-    path = path.resolve()  # `--output-dir .` has no name of its own
-    stem = f"{path.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"
-    candidate, n = path.with_name(stem), 2
-    while candidate.exists():
-        candidate, n = path.with_name(f"{stem}-{n}"), n + 1
-    return candidate
-
-
-def move_aside(output_dir: Path, entries: list[Path]) -> Path:
-    """Move `entries` (of `output_dir`) into a new `<output_dir>.old-<date>-<time>/`; returns it.
-
-    Renames within one file system: nothing is copied, nothing deleted. Raises UserError naming
-    where the entries moved so far are when a rename fails (read-only parent folder).
-    """
-    aside = aside_path(output_dir)
-    moved = 0
-    try:
-        aside.mkdir()
-        for entry in entries:
-            entry.rename(aside / entry.name)
-            moved += 1
-    except OSError as exc:
-        where = f"; {moved} of them are already in {aside}" if moved else ""
-        raise UserError(
-            f"--overwrite: could not move the earlier run in {output_dir} aside to {aside} "
-            f"({exc.strerror or exc}){where}; move or delete it yourself, or choose another "
-            "--output-dir"
-        ) from None
-    return aside
 
 
 # -- space ---------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from transformers import (
 )
 
 from whisper_train.errors import UserError
+from whisper_train.labels import MAX_DECODER_TOKENS, N_TIME_TOKENS, TIME_PRECISION
 
 MODEL_FILE = "model.bin"
 CONFIG_FILE = "config.json"
@@ -65,13 +66,10 @@ QUANTIZATIONS = (
     "int16",
 )
 
-# Whisper timestamps: <|0.00|> .. <|30.00|> in 20 ms steps, right after <|notimestamps|>.
-TIME_PRECISION = 0.02
-N_TIMESTAMPS = 1501
 # Multilingual checkpoints have 51865 (or, from large-v3, 51866) tokens; English-only 51864.
 MULTILINGUAL_MIN_VOCAB = 51865
-# Longest decoder sequence OpenAI's models were trained with (decoder position encodings).
-MAX_TARGET_TOKENS = 448
+# The vocabulary CTranslate2's converter writes beside model.bin (one token a line, or a list).
+VOCABULARY_FILES = ("vocabulary.json", "vocabulary.txt")
 # Timestamps may start at most 1.0 s (50 steps of 20 ms) into the window, as in openai/whisper.
 MAX_INITIAL_TIMESTAMP_INDEX = 50
 
@@ -80,6 +78,19 @@ def is_ct2_model_dir(path: str | Path) -> bool:
     """True when `path` is a folder holding a CTranslate2 model (`model.bin` + `config.json`)."""
     path = Path(path)
     return (path / MODEL_FILE).is_file() and (path / CONFIG_FILE).is_file()
+
+
+def vocabulary_size(model_dir: str | Path) -> int | None:
+    """Tokens in the folder's vocabulary file (the model's vocabulary size: its embedding rows),
+    without reading model.bin; None when the folder has no vocabulary file."""
+    for name in VOCABULARY_FILES:
+        path = Path(model_dir) / name
+        if path.is_file():
+            text = path.read_text(encoding="utf-8")
+            if name.endswith(".json"):
+                return len(json.loads(text))
+            return len(text.rstrip("\n").split("\n"))
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -284,7 +295,8 @@ def _hf_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _timestamp_tokens() -> list[str]:
-    return [f"<|{i * TIME_PRECISION:.2f}|>" for i in range(N_TIMESTAMPS)]
+    # Whisper timestamps: <|0.00|> .. <|30.00|> in 20 ms steps, right after <|notimestamps|>.
+    return [f"<|{i * TIME_PRECISION:.2f}|>" for i in range(N_TIME_TOKENS)]
 
 
 def load_tokenizer(model_dir: Path, vocab_size: int) -> WhisperTokenizerFast:
@@ -350,7 +362,7 @@ def _generation_config(
         "no_timestamps_token_id": ids("<|notimestamps|>"),
         "prev_sot_token_id": ids("<|startofprev|>"),
         "is_multilingual": multilingual,
-        "max_length": MAX_TARGET_TOKENS,
+        "max_length": MAX_DECODER_TOKENS,
         "max_initial_timestamp_index": MAX_INITIAL_TIMESTAMP_INDEX,
         # The converter writes null for lists the source generation config lacked.
         "suppress_tokens": list(ct2_config.get("suppress_ids") or []),

@@ -33,6 +33,7 @@ from typing import Any
 
 from whisper_train.audio import CHUNK_LENGTH, audio_duration
 from whisper_train.errors import AudioError, UserError
+from whisper_train.labels import MAX_DECODER_TOKENS
 
 AUDIO_COLUMNS = ("audio", "audio_filepath", "path", "file_name")
 TEXT_COLUMNS = ("transcription", "text", "sentence", "normalized_text")
@@ -759,16 +760,17 @@ def screen_examples(
     examples: Sequence[Example],
     *,
     count_tokens: Callable[[Example], int],
-    max_label_tokens: int = 448,
-    max_seconds: float = 30.0,
+    max_label_tokens: int = MAX_DECODER_TOKENS,
+    max_seconds: float = CHUNK_LENGTH,
     strict: bool = False,
 ) -> tuple[list[Example], list[Skip]]:
     """Cheap checks before training; returns (kept examples, skips with reasons).
 
     Reads only audio headers (each file once): the file exists and its header reads; the
     duration (of the window, if any) is > 0 and <= max_seconds and the window lies inside the
-    file; the text is not empty; `count_tokens(example) <= max_label_tokens` (Whisper's
-    decoder holds 448 positions). `strict=True` raises UserError on the first problem.
+    file; the text is not empty; `count_tokens(example) <= max_label_tokens` (the decoder
+    positions the label occupies, `LabelEncoder.decoder_tokens`, against the model's
+    `max_target_positions`). `strict=True` raises UserError on the first problem.
     """
     file_seconds: dict[str, float | AudioError] = {}
     kept: list[Example] = []

@@ -466,8 +466,8 @@ def report_paths(
     (`baseline`) goes into the run folder of `model` when it is one (RUN/evaluation/, beside
     the model it describes), else into the current folder; a lone evaluation writes nothing.
     """
-    from whisper_train.checkpoints import EVALUATION_DIR, REPORT_FILES, run_folder_of
     from whisper_train.models import resolve_alias
+    from whisper_train.runfolder import EVALUATION_DIR, REPORT_FILES, run_folder_of
 
     if output:
         path = Path(output)

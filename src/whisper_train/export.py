@@ -28,6 +28,7 @@ import yaml
 
 from whisper_train.config import require_positive
 from whisper_train.errors import UserError
+from whisper_train.runfolder import CONFIG_FILE, aside_path
 
 log = logging.getLogger(__name__)
 
@@ -103,22 +104,11 @@ def default_quantization(format: str, device: str) -> tuple[str, str]:
 # -- loading and merging --------------------------------------------------------------------
 
 
-def _run_folder(path: Path) -> Path:
-    """OUTPUT → OUTPUT/final when the run folder itself holds no model."""
-    holds_model = (path / "config.json").exists() or (path / "adapter_config.json").exists()
-    if (path / "final").is_dir() and not holds_model:
-        return path / "final"
-    return path
-
-
 def _base_model_spec(adapter_dir: Path) -> str:
     """The base model of a LoRA adapter: adapter_config.json, else the run's whisper-train.yaml."""
     adapter_config = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
     candidates = [adapter_config.get("base_model_name_or_path")]
-    for config_file in (
-        adapter_dir / "whisper-train.yaml",
-        adapter_dir.parent / "whisper-train.yaml",
-    ):
+    for config_file in (adapter_dir / CONFIG_FILE, adapter_dir.parent / CONFIG_FILE):
         if config_file.is_file():
             run = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
             candidates.append((run.get("model") or {}).get("model"))
@@ -162,9 +152,9 @@ def merge_lora(adapter_dir: str | Path):
 
 def load_for_export(model_spec: str):
     """(model in float32, processor, whether a LoRA adapter was merged) for any spec."""
-    from whisper_train.models import load_model, resolve_alias
+    from whisper_train.models import load_model, model_folder
 
-    path = _run_folder(Path(resolve_alias(model_spec)).expanduser())
+    path = model_folder(model_spec)
     if (path / "adapter_config.json").is_file():
         model, processor = merge_lora(path)
         return model, processor, True
@@ -345,7 +335,6 @@ def _clear_output(output: Path, *, overwrite: bool) -> Path | None:
             f"--output {output}: --overwrite replaces only an earlier export (config.json), and "
             "this folder holds other files; choose a new folder"
         )
-    from whisper_train.checkpoints import aside_path
 
     aside = aside_path(output)
     try:

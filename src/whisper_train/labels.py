@@ -20,8 +20,7 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Protocol
 
-from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE
-
+from whisper_train.audio import CHUNK_LENGTH
 from whisper_train.errors import UserError
 
 if TYPE_CHECKING:
@@ -29,10 +28,15 @@ if TYPE_CHECKING:
 
 TASKS = ("transcribe", "translate")
 # Whisper's time tokens step in 20 ms (one encoder position is 2 mel frames of 10 ms) and
-# cover one 30 s window: <|0.00|> ... <|30.00|>, 1501 tokens.
+# cover one 30 s window (`audio.CHUNK_LENGTH`): <|0.00|> ... <|30.00|>, 1501 tokens.
 TIME_PRECISION = 0.02
-MAX_SECONDS = 30.0
-N_TIME_TOKENS = round(MAX_SECONDS / TIME_PRECISION) + 1  # 1501
+N_TIME_TOKENS = round(CHUNK_LENGTH / TIME_PRECISION) + 1  # 1501
+# Whisper's decoder has 448 positions (`max_target_positions` of every OpenAI checkpoint; where
+# a model is loaded, its config is the authority). A label from `encode`, <|startoftranscript|>
+# ... <|endoftext|>, of n tokens occupies n - 1 of them: the decoder reads every token but the
+# last and predicts every token but the first (`collate`). `LabelEncoder.decoder_tokens` counts
+# exactly that, and it is what must not exceed this limit.
+MAX_DECODER_TOKENS = 448
 
 
 class _HasText(Protocol):
@@ -51,6 +55,10 @@ def language_code(language: str | None) -> str | None:
     """
     if language is None:
         return None
+    # Imported here: transformers takes a second or more to import, and `data` and `checkdata`
+    # read this module's limits without needing it.
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE
+
     key = language.strip().lower().removeprefix("<|").removesuffix("|>")
     if key in LANGUAGES:
         return key
@@ -143,7 +151,7 @@ class LabelEncoder:
 
     def time_token_id(self, seconds: float) -> int:
         """The id of the time token nearest `seconds`, clamped to [0, 30] s."""
-        index = round(min(max(seconds, 0.0), MAX_SECONDS) / TIME_PRECISION)
+        index = round(min(max(seconds, 0.0), CHUNK_LENGTH) / TIME_PRECISION)
         return self.timestamp_begin_id + index
 
     def prefix_ids(self, language: str | None = None, timestamps: bool = False) -> list[int]:
@@ -185,9 +193,15 @@ class LabelEncoder:
         return self._encode(example, timestamps=use_timestamps)
 
     def count_tokens(self, example: _HasText) -> int:
-        """Length of the longest label `encode` may produce for `example` (for screening)."""
+        """Length of the longest label `encode` may produce for `example`."""
         timestamps = self.timestamps and bool(example.segments)
         return len(self._encode(example, timestamps=timestamps)[0])
+
+    def decoder_tokens(self, example: _HasText) -> int:
+        """Decoder positions the longest label `encode` may produce for `example` occupies:
+        `count_tokens` less one (see MAX_DECODER_TOKENS). This, against the model's
+        `max_target_positions`, is what both `train`'s screening and `check-data` measure."""
+        return self.count_tokens(example) - 1
 
     def _encode(self, example: _HasText, *, timestamps: bool) -> tuple[list[int], int]:
         prefix = self.prefix_ids(example.language, timestamps=timestamps)

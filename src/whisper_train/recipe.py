@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from whisper_train import checkpoints, doctor, memory
+from whisper_train import checkpoints, doctor, memory, runfolder
 from whisper_train.collate import IGNORE_INDEX, SpeechCollator
 from whisper_train.config import RunConfig, parse_bytes
 from whisper_train.data import (
@@ -288,7 +288,7 @@ class FineTuneRecipe:
         """The frozen encoder's outputs for every clip of `dataset`, computed once."""
         accelerator = self.accelerator
         encoder = memory.whisper_of(self.model).model.encoder.to(accelerator.device)
-        spill_dir = self.output_dir / checkpoints.ENCODER_CACHE_DIR / name
+        spill_dir = self.output_dir / runfolder.ENCODER_CACHE_DIR / name
         loader = _loader(dataset, SpeechCollator(pad_id, log_mel=log_mel), self.config.train)
         start = time.perf_counter()
         with tqdm(
@@ -366,10 +366,10 @@ class FineTuneRecipe:
         accelerator, main = self.accelerator, self.accelerator.is_main_process
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if main:
-            (self.output_dir / checkpoints.CONFIG_FILE).write_text(
+            (self.output_dir / runfolder.CONFIG_FILE).write_text(
                 self.config.to_yaml(), encoding="utf-8"
             )
-            metrics_file = self.output_dir / checkpoints.METRICS_FILE
+            metrics_file = self.output_dir / runfolder.METRICS_FILE
             if self.resume_from is not None:
                 checkpoints.truncate_metrics(metrics_file, self.state.step)
             else:
@@ -490,7 +490,7 @@ class FineTuneRecipe:
             self.evaluate(state.step)
         if self.stop.requested():
             folder = self.save_checkpoint("interrupted")
-            config_file = self.output_dir / checkpoints.CONFIG_FILE
+            config_file = self.output_dir / runfolder.CONFIG_FILE
             say(self.accelerator, f"to continue: {resume_command(config_file, folder)}")
             raise TrainingInterrupted(self.stop.exit_code)
         if t.save_steps and state.step % t.save_steps == 0 and not last:
@@ -609,12 +609,12 @@ class FineTuneRecipe:
                 accelerator.unwrap_model(self.model, keep_torch_compile=False),
                 self.processor,
                 c,
-                self.output_dir / checkpoints.FINAL_DIR,
+                self.output_dir / runfolder.FINAL_DIR,
             )
             write_result(result)
             write_curves_png(
-                self.output_dir / checkpoints.METRICS_FILE,
-                self.output_dir / checkpoints.CURVES_FILE,
+                self.output_dir / runfolder.METRICS_FILE,
+                self.output_dir / runfolder.CURVES_FILE,
             )
             say(accelerator, f"fine-tuned model: {result.final_dir}")
             if c.train.compare_baseline and self.datasets.eval:
@@ -666,13 +666,10 @@ def prepare_datasets(
     if d.eval_subset:
         eval_examples = eval_examples[: d.eval_subset]
 
-    def count_tokens(example: Example) -> int:
-        return label_encoder.count_tokens(example) - 1  # labels exclude the leading SOT
-
     screened = [
         screen_examples(
             examples,
-            count_tokens=count_tokens,
+            count_tokens=label_encoder.decoder_tokens,  # as check-data counts them
             max_label_tokens=max_label_tokens,
             strict=d.strict,
         )
@@ -698,7 +695,7 @@ def save_final(model, processor, config: RunConfig, final_dir: Path) -> Path:
     model.config.use_cache = True  # inference default; training turned the cache off
     model.save_pretrained(tmp_dir, safe_serialization=True)
     processor.save_pretrained(tmp_dir)
-    (tmp_dir / checkpoints.CONFIG_FILE).write_text(config.to_yaml(), encoding="utf-8")
+    (tmp_dir / runfolder.CONFIG_FILE).write_text(config.to_yaml(), encoding="utf-8")
     # Write to a temporary folder and rename: a crash mid-write never leaves a half model.
     _remove(final_dir)
     tmp_dir.rename(final_dir)
@@ -735,7 +732,7 @@ def compare_with_baseline(
             )
         )
     before, after = reports
-    json_file, baseline_file, markdown, png = (output_dir / n for n in checkpoints.REPORT_FILES)
+    json_file, baseline_file, markdown, png = (output_dir / n for n in runfolder.REPORT_FILES)
     write_report_json(after, json_file)
     write_report_json(before, baseline_file)
     write_comparison(before, after, markdown_path=markdown, png_path=png)

@@ -1,21 +1,117 @@
-"""The run folder (`--output-dir`): whose it is, and what a new run may do with it.
+"""The run folder (`--output-dir`): what whisper-train writes there, and where its model is.
 
-A new run refuses a folder that holds an earlier run (anything whisper-train wrote:
-`checkpoints.RUN_ENTRIES`) unless told to `--resume` it, or to move it aside (`--overwrite`).
-Files with other names are the user's and never touched.
+Everything a run writes into OUTPUT is named here (`RUN_ENTRIES`): a new run refuses a folder
+holding any of it unless told to `--resume` the run or to move it aside (`--overwrite`,
+`move_aside`; the refusal itself is `train.claim_output_dir`). Files with other names are the
+user's and never touched. A run's model is `OUTPUT/final/`: `final_model_dir` is the one place
+that turns a `--model` path naming a run folder into that model folder.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import time
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
-from whisper_train import checkpoints
-from whisper_train.config import RunConfig
 from whisper_train.errors import UserError
-from whisper_train.models import resolve_alias
+
+CONFIG_FILE = "whisper-train.yaml"  # the resolved configuration (also in every checkpoint)
+METRICS_FILE = "metrics.jsonl"
+RESULT_FILE = "result.json"
+LAUNCH_FILE = "launch.yaml"  # the configuration handed to the --nproc worker processes
+FINAL_DIR = "final"  # the trained model
+CURVES_FILE = "curves.png"
+TENSORBOARD_DIR = "tensorboard"
+ENCODER_CACHE_DIR = "encoder-cache"
+EVALUATION_DIR = "evaluation"  # `whisper-train evaluate` reports about this run
+REPORT_FILES = ("report.json", "report.baseline.json", "report.md", "report.png")
+CHECKPOINT_PREFIX = "checkpoint-"  # OUTPUT/checkpoint-<step>/ (`checkpoints`)
+RUN_ENTRIES = frozenset(
+    {
+        CONFIG_FILE,
+        METRICS_FILE,
+        RESULT_FILE,
+        LAUNCH_FILE,
+        FINAL_DIR,
+        FINAL_DIR + ".tmp",  # a final model whose write was interrupted
+        CURVES_FILE,
+        TENSORBOARD_DIR,
+        ENCODER_CACHE_DIR,
+        EVALUATION_DIR,
+        *REPORT_FILES,
+    }
+)
+# Complete checkpoints, and the leftovers of an interrupted write or replacement.
+_CHECKPOINT_ENTRY = re.compile(rf"^{CHECKPOINT_PREFIX}\d+(\.tmp|\.old)?$")
+# A folder holding either of these is a model itself (transformers' config.json, also in a
+# CTranslate2 folder; peft's adapter_config.json), whatever else it holds.
+_MODEL_FILES = ("config.json", "adapter_config.json")
+
+
+def final_model_dir(path: Path) -> Path | None:
+    """`path/final` when `path` is a run folder (OUTPUT) whose model is there, else None.
+
+    A run folder has a `final/` folder and holds no model itself. Every `--model` path goes
+    through this (`models.model_folder`), so loading, transcribing, exporting, checking data
+    and placing evaluation reports all agree on what a run folder is.
+    """
+    path = Path(path)
+    if (path / FINAL_DIR).is_dir() and not any((path / f).exists() for f in _MODEL_FILES):
+        return path / FINAL_DIR
+    return None
+
+
+def run_folder_of(model_dir: Path) -> Path | None:
+    """The run folder a `--model` path belongs to: OUTPUT itself, or OUTPUT for OUTPUT/final."""
+    model_dir = Path(model_dir)
+    if final_model_dir(model_dir) is not None:
+        return model_dir
+    if model_dir.name == FINAL_DIR and (model_dir.parent / CONFIG_FILE).is_file():
+        return model_dir.parent
+    return None
+
+
+def run_entries(output_dir: Path) -> list[Path]:
+    """The files and folders of `output_dir` that whisper-train wrote (an earlier run's)."""
+    if not output_dir.is_dir():
+        return []
+    return sorted(
+        p for p in output_dir.iterdir() if p.name in RUN_ENTRIES or _CHECKPOINT_ENTRY.match(p.name)
+    )
+
+
+def aside_path(path: Path) -> Path:
+    """A free sibling name for `path`'s old contents: `<path>.old-<date>-<time>[-n]`."""
+    path = path.resolve()  # `--output-dir .` has no name of its own
+    stem = f"{path.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"
+    candidate, n = path.with_name(stem), 2
+    while candidate.exists():
+        candidate, n = path.with_name(f"{stem}-{n}"), n + 1
+    return candidate
+
+
+def move_aside(output_dir: Path, entries: list[Path]) -> Path:
+    """Move `entries` (of `output_dir`) into a new `<output_dir>.old-<date>-<time>/`; returns it.
+
+    Renames within one file system: nothing is copied, nothing deleted. Raises UserError naming
+    where the entries moved so far are when a rename fails (read-only parent folder).
+    """
+    aside = aside_path(output_dir)
+    moved = 0
+    try:
+        aside.mkdir()
+        for entry in entries:
+            entry.rename(aside / entry.name)
+            moved += 1
+    except OSError as exc:
+        where = f"; {moved} of them are already in {aside}" if moved else ""
+        raise UserError(
+            f"--overwrite: could not move the earlier run in {output_dir} aside to {aside} "
+            f"({exc.strerror or exc}){where}; move or delete it yourself, or choose another "
+            "--output-dir"
+        ) from None
+    return aside
 
 
 def check_writable(output_dir: Path) -> None:
@@ -31,51 +127,3 @@ def check_writable(output_dir: Path) -> None:
         raise UserError(
             f"--output-dir {output_dir}: {probe} is not writable; choose another folder"
         )
-
-
-def claim_output_dir(config: RunConfig) -> None:
-    """Refuse to train over an earlier run in --output-dir unless told to --resume or
-    --overwrite it; with --overwrite, move its whisper-train files aside first.
-
-    Call once per run, before anything is written: before `--nproc` re-launches the command
-    (its workers skip this), and, under an outside launcher, in every process before they meet
-    (each sees the folder as it was; only the first moves anything).
-    """
-    t = config.train
-    output_dir = Path(t.output_dir)
-    entries = checkpoints.run_entries(output_dir)
-    if not entries:
-        return  # a new, empty, or someone else's folder: their files are left alone
-    if t.resume:
-        resume_from = checkpoints.resolve_resume(t.resume, output_dir)
-        if resume_from.parent.resolve() != output_dir.resolve():
-            raise UserError(
-                f"--resume {t.resume}: that checkpoint is not in --output-dir {output_dir}, which "
-                "holds another run that resuming would replace; choose an empty --output-dir"
-            )
-        return
-    names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in entries[:4])
-    names += ", ..." if len(entries) > 4 else ""
-    if not t.overwrite:
-        continuing = (
-            "add --resume latest to continue it"
-            if checkpoints.list_checkpoints(output_dir)
-            else "it has no checkpoint to --resume from"
-        )
-        raise UserError(
-            f"--output-dir {output_dir} holds an earlier run ({names}); {continuing}, add "
-            "--overwrite to move it aside and start afresh, or choose another --output-dir"
-        )
-    # Fine-tuning the earlier run's own model further: moving it aside first would lose it.
-    model_path = Path(resolve_alias(config.model.model)).expanduser().resolve()
-    moved = [entry.resolve() for entry in entries]
-    if model_path == output_dir.resolve() or any(
-        model_path == entry or entry in model_path.parents for entry in moved
-    ):
-        raise UserError(
-            f"--model {config.model.model} is part of the run in --output-dir {output_dir}, "
-            "which --overwrite would move aside; train into another --output-dir"
-        )
-    if int(os.environ.get("RANK", "0")) == 0:
-        aside = checkpoints.move_aside(output_dir, entries)
-        tqdm.write(f"--overwrite: moved the earlier run's files ({names}) to {aside}")

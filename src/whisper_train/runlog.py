@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from whisper_train import checkpoints
+from whisper_train import runfolder
 
 
 def progress_bars_wanted() -> bool:
@@ -57,13 +57,13 @@ class TrainResult:
 
 def write_result(result: TrainResult) -> None:
     values = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
-    (result.output_dir / checkpoints.RESULT_FILE).write_text(
+    (result.output_dir / runfolder.RESULT_FILE).write_text(
         json.dumps(values, indent=1) + "\n", encoding="utf-8"
     )
 
 
 def read_result(output_dir: Path) -> TrainResult:
-    values = json.loads((output_dir / checkpoints.RESULT_FILE).read_text(encoding="utf-8"))
+    values = json.loads((output_dir / runfolder.RESULT_FILE).read_text(encoding="utf-8"))
     values["output_dir"] = Path(values["output_dir"])
     values["final_dir"] = Path(values["final_dir"]) if values["final_dir"] else None
     return TrainResult(**values)
@@ -78,11 +78,11 @@ class MetricsLog:
         self.writer = None
         if not enabled:
             return
-        self.file = (output_dir / checkpoints.METRICS_FILE).open("a", encoding="utf-8")
+        self.file = (output_dir / runfolder.METRICS_FILE).open("a", encoding="utf-8")
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(output_dir / checkpoints.TENSORBOARD_DIR))
+            self.writer = SummaryWriter(log_dir=str(output_dir / runfolder.TENSORBOARD_DIR))
         except ImportError:  # tensorboard is a dependency, but never fail a run over logging
             self.writer = None
 

@@ -7,13 +7,17 @@ which runs the recipe on its share of every batch.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
+from whisper_train import checkpoints, runfolder
 from whisper_train.config import RunConfig
 from whisper_train.errors import UserError
 from whisper_train.launch import claimed_by_parent, inside_launcher, launch_data_parallel
+from whisper_train.models import resolve_alias
 from whisper_train.recipe import FineTuneRecipe
-from whisper_train.runfolder import check_writable, claim_output_dir
 from whisper_train.runlog import TrainResult
 
 __all__ = ["TrainResult", "train"]
@@ -25,7 +29,7 @@ def train(config: RunConfig) -> TrainResult:
     if not config.data.data:
         raise UserError("--data is required: a folder with metadata.csv, or a JSONL/CSV manifest")
     output_dir = Path(config.train.output_dir)
-    check_writable(output_dir)
+    runfolder.check_writable(output_dir)
     if not claimed_by_parent(output_dir):
         claim_output_dir(config)  # refuse an earlier run's folder, or move it aside
     if config.train.nproc > 1 and not inside_launcher():
@@ -34,3 +38,51 @@ def train(config: RunConfig) -> TrainResult:
     recipe.setup()
     recipe.train()
     return recipe.finish()
+
+
+def claim_output_dir(config: RunConfig) -> None:
+    """Refuse to train over an earlier run in --output-dir (`runfolder.RUN_ENTRIES`) unless told
+    to --resume or --overwrite it; with --overwrite, move its whisper-train files aside first.
+
+    Call once per run, before anything is written: before `--nproc` re-launches the command
+    (its workers skip this), and, under an outside launcher, in every process before they meet
+    (each sees the folder as it was; only the first moves anything).
+    """
+    t = config.train
+    output_dir = Path(t.output_dir)
+    entries = runfolder.run_entries(output_dir)
+    if not entries:
+        return  # a new, empty, or someone else's folder: their files are left alone
+    if t.resume:
+        resume_from = checkpoints.resolve_resume(t.resume, output_dir)
+        if resume_from.parent.resolve() != output_dir.resolve():
+            raise UserError(
+                f"--resume {t.resume}: that checkpoint is not in --output-dir {output_dir}, which "
+                "holds another run that resuming would replace; choose an empty --output-dir"
+            )
+        return
+    names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in entries[:4])
+    names += ", ..." if len(entries) > 4 else ""
+    if not t.overwrite:
+        continuing = (
+            "add --resume latest to continue it"
+            if checkpoints.list_checkpoints(output_dir)
+            else "it has no checkpoint to --resume from"
+        )
+        raise UserError(
+            f"--output-dir {output_dir} holds an earlier run ({names}); {continuing}, add "
+            "--overwrite to move it aside and start afresh, or choose another --output-dir"
+        )
+    # Fine-tuning the earlier run's own model further: moving it aside first would lose it.
+    model_path = Path(resolve_alias(config.model.model)).expanduser().resolve()
+    moved = [entry.resolve() for entry in entries]
+    if model_path == output_dir.resolve() or any(
+        model_path == entry or entry in model_path.parents for entry in moved
+    ):
+        raise UserError(
+            f"--model {config.model.model} is part of the run in --output-dir {output_dir}, "
+            "which --overwrite would move aside; train into another --output-dir"
+        )
+    if int(os.environ.get("RANK", "0")) == 0:
+        aside = runfolder.move_aside(output_dir, entries)
+        tqdm.write(f"--overwrite: moved the earlier run's files ({names}) to {aside}")

@@ -30,13 +30,13 @@ import torch
 
 from whisper_train.audio import CHUNK_LENGTH, N_SAMPLES, SAMPLE_RATE, load_audio
 from whisper_train.errors import UserError
+from whisper_train.labels import TIME_PRECISION  # seconds per timestamp token
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("txt", "srt", "vtt", "json")
 AUDIO_EXTENSIONS = {".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aiff", ".aif"}
 MANIFEST_EXTENSIONS = {".jsonl", ".json", ".csv", ".tsv"}
-TIME_PRECISION = 0.02  # seconds per timestamp token: <|0.00|>, <|0.02|>, ... <|30.00|>
 MIN_WINDOW_SECONDS = 0.2  # a shorter tail after the last window holds no words worth decoding
 
 
@@ -323,11 +323,9 @@ def load_backend(model, *, language=None, task=None, beam_size=1):
     """`model`: a spec string (folder, hub id, tiny.en) or a (model, processor) pair."""
     if isinstance(model, tuple):
         return TransformersBackend(*model, language=language, task=task, beam_size=beam_size)
-    from whisper_train.models import load_model, resolve_alias
+    from whisper_train.models import load_model, model_folder
 
-    path = Path(resolve_alias(str(model))).expanduser()
-    if (path / "final").is_dir() and not (path / "config.json").exists():
-        path = path / "final"
+    path = model_folder(str(model))
     if is_ct2_dir(path):
         try:
             import ctranslate2  # noqa: F401

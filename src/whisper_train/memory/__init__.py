@@ -31,7 +31,7 @@ from whisper_train.memory.checkpointing import (
     resolve_checkpointing,
     trainable_parameter_summary,
 )
-from whisper_train.memory.loss import training_loss
+from whisper_train.memory.loss import BasePreservation, LossTerms, loss_terms, training_loss
 from whisper_train.memory.optim import OPTIMIZERS, build_optimizer
 from whisper_train.memory.plan import (
     MemoryEstimate,
@@ -46,9 +46,11 @@ from whisper_train.memory.wrappers import unwrapped, whisper_of, whisper_or_none
 
 __all__ = [
     "CHECKPOINT_POLICIES",
+    "BasePreservation",
     "MODES",
     "OPTIMIZERS",
     "LoraSettings",
+    "LossTerms",
     "MemoryEstimate",
     "Plan",
     "Precision",
@@ -60,6 +62,7 @@ __all__ = [
     "checkpointing_units",
     "effective_use_reentrant",
     "estimate_memory",
+    "loss_terms",
     "model_flops_per_sample",
     "parse_every_n",
     "plan_checkpointing",

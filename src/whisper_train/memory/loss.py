@@ -1,22 +1,32 @@
-"""The training loss without the full-vocabulary logits.
+"""The training loss without the full-vocabulary logits, and the base-preservation term.
 
 Whisper's own loss computes logits for every decoder position (batch x T x 51,866) and keeps
 their log-softmax until backward: the largest tensor a decoder step holds. `training_loss`
 computes the same mean cross-entropy from logits at label positions only, `LOSS_CHUNK_TOKENS`
 at a time, and recomputes each chunk in backward when checkpointing is on.
+
+With a `BasePreservation` (`--preserve-base WEIGHT`) it adds WEIGHT x KL(p_base || p_trained):
+the divergence of the trained model's next-token distribution from the frozen starting model's
+on the same batch, at the same label positions, under the same memory discipline (distil-whisper's
+teacher term, the starting model as teacher). It keeps what the model knew while it fits.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import math
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from whisper_train.collate import IGNORE_INDEX
+from whisper_train.errors import UserError
 from whisper_train.memory.checkpointing import checkpointing_on
-from whisper_train.memory.wrappers import unwrapped, whisper_of
+from whisper_train.memory.wrappers import is_peft_model, unwrapped, whisper_of
 
 # Label tokens whose logits exist at once. 51,866 logits a token: 256 tokens are 53 MB in fp32,
 # where a batch of 16 x 448-token labels would be 1.5 GB, kept until backward. Read at call
@@ -24,8 +34,105 @@ from whisper_train.memory.wrappers import unwrapped, whisper_of
 LOSS_CHUNK_TOKENS = 256
 
 
-def training_loss(model: nn.Module, batch: dict) -> torch.Tensor:
-    """Teacher-forced cross-entropy, the mean over label tokens, without full-vocabulary logits.
+class LossTerms(NamedTuple):
+    """One step's loss and its parts, each a mean over label tokens.
+
+    `loss` is what to backpropagate: `cross_entropy + weight * divergence`. Without
+    preservation (none, or weight 0) `divergence` is None and `loss` is `cross_entropy`, the
+    same tensor `training_loss` has always returned.
+    """
+
+    loss: torch.Tensor
+    cross_entropy: torch.Tensor
+    divergence: torch.Tensor | None
+
+
+@dataclass(eq=False)
+class BasePreservation:
+    """`--preserve-base WEIGHT`: the frozen starting model the loss compares against, and WEIGHT.
+
+    `reference` is a frozen copy of the starting Whisper model, or None where the starting model
+    is the trained model itself with its LoRA adapters disabled (peft's `disable_adapter()`).
+    Build it with `from_model`; the loss reads `reference` only when `weight` is not 0.
+    """
+
+    weight: float
+    reference: nn.Module | None = None
+    # Whether `reference` shares the trained model's (frozen) encoder instead of copying it.
+    shares_encoder: bool = False
+    # The autocast dtype the trained model's forward runs in (accelerate wraps the forward of
+    # the model it prepares, not this copy's): the copy runs in it too, or the teacher would
+    # differ from an untrained student by 16-bit rounding alone. None: no autocast of its own.
+    autocast_dtype: torch.dtype | None = None
+
+    @classmethod
+    def from_model(
+        cls, model: nn.Module, weight: float, *, autocast_dtype: torch.dtype | None = None
+    ) -> BasePreservation:
+        """The starting model of `model`, as it is now, kept for the whole run.
+
+        Call it on the model `memory.prepare_model` returned, before any weights are restored
+        from a checkpoint or trained: what it sees is the base the run preserves.
+        `autocast_dtype` is the mixed-precision compute dtype (bf16/fp16) the trained forward
+        runs in, None for fp32; LoRA's base runs through the trained model's own forward and
+        needs none.
+
+        Memory: LoRA (a peft model) costs nothing; the base is the same weights with the adapters
+        disabled for the reference forward. Full fine-tuning costs one more copy of the model's
+        weights, in their dtype (no gradients, no optimiser state); with a frozen encoder, a copy
+        of the decoder only: the encoder is frozen, so the copy shares it. `extra_bytes` says how
+        much. The copy is made where the model is now and follows it on first use (to its device
+        and dtype). Weight 0 copies nothing, and the loss is then exactly the plain loss.
+        """
+        if not math.isfinite(weight) or weight < 0:
+            raise UserError(f"--preserve-base {weight}: expected a weight >= 0")
+        model = unwrapped(model)
+        if weight == 0 or is_peft_model(model):
+            return cls(float(weight))  # LoRA: the wrapped forward's autocast applies as it is
+        whisper = whisper_of(model)
+        if "forward" in vars(whisper):
+            # accelerate's mixed-precision forward, set on the instance by accelerator.prepare:
+            # a copy would call the original's (and accelerate refuses to be copied anyway).
+            raise ValueError(
+                "BasePreservation.from_model: build it before accelerator.prepare, on the model "
+                "memory.prepare_model returned"
+            )
+        encoder = whisper.model.encoder
+        # A frozen encoder is the starting one, now and at every step: the copy shares it (the
+        # deep copy takes it from the memo as it is) and copies the decoder and head only.
+        shares_encoder = not any(p.requires_grad for p in encoder.parameters())
+        reference = copy.deepcopy(whisper, {id(encoder): encoder} if shares_encoder else {})
+        shared = set(encoder.modules()) if shares_encoder else set()
+        for module in reference.modules():
+            if module in shared:
+                continue  # the trained model's own: its modes and flags stay the trainer's
+            module.training = False  # eval: no dropout, layerdrop or SpecAugment
+            # Never recomputed: its forward runs under no_grad, with nothing saved for backward.
+            if hasattr(module, "gradient_checkpointing"):
+                module.gradient_checkpointing = False
+        reference.requires_grad_(False)  # a no-op on the shared encoder: frozen already
+        reference._whisper_train_checkpointing = "off"
+        reference.config.use_cache = False
+        return cls(float(weight), reference, shares_encoder, autocast_dtype)
+
+    @property
+    def extra_bytes(self) -> int:
+        """Bytes of weights the reference holds beyond the trained model's (0 for LoRA)."""
+        if self.reference is None:
+            return 0
+        shared = set()
+        if self.shares_encoder:
+            shared = {id(p) for p in self.reference.model.encoder.parameters()}
+        return sum(
+            p.numel() * p.element_size() for p in self.reference.parameters() if id(p) not in shared
+        )
+
+
+def training_loss(
+    model: nn.Module, batch: dict, *, preserve: BasePreservation | None = None
+) -> torch.Tensor:
+    """Teacher-forced cross-entropy, the mean over label tokens, without full-vocabulary logits;
+    plus `preserve.weight` x the mean KL(p_base || p_trained) when `preserve` is given.
 
     `batch` holds `decoder_input_ids` (batch, T), `labels` (batch, T; -100 where there is no
     loss) and either `input_features` (batch, n_mels, frames) or `encoder_hidden_states`
@@ -34,7 +141,22 @@ def training_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     out; the logits are then computed only where a label is, not for the prompt prefix or
     padding, `LOSS_CHUNK_TOKENS` at a time. With checkpointing on, each chunk's logits are
     recomputed in backward instead of kept: the log-softmax of every label token is the largest
-    tensor a decoder keeps otherwise. Returns a scalar.
+    tensor a decoder keeps otherwise. Returns a scalar. `loss_terms` gives the parts too.
+    """
+    return loss_terms(model, batch, preserve=preserve).loss
+
+
+def loss_terms(
+    model: nn.Module, batch: dict, *, preserve: BasePreservation | None = None
+) -> LossTerms:
+    """`training_loss` with its parts: (loss, cross-entropy, divergence or None).
+
+    The divergence is KL(p_base || p_trained) summed over the vocabulary and averaged over label
+    tokens: the starting model is the teacher. Its side runs first, under no_grad and in eval
+    mode (no dropout or SpecAugment: the base's prediction for the clean input, and no random
+    draws, so the trained forward draws what it draws without preservation); only its decoder
+    hidden states at label positions are kept, and its logits exist one chunk at a time, like
+    the trained model's, recomputed with them in backward under checkpointing.
     """
     whisper = whisper_of(unwrapped(model))
     inputs = {"decoder_input_ids": batch["decoder_input_ids"]}
@@ -42,32 +164,65 @@ def training_loss(model: nn.Module, batch: dict) -> torch.Tensor:
         from transformers.modeling_outputs import BaseModelOutput
 
         hidden = batch["encoder_hidden_states"].to(whisper.proj_out.weight.dtype)
+        # Cached outputs of the frozen encoder: the starting model's encoder is that same one.
         inputs["encoder_outputs"] = BaseModelOutput(last_hidden_state=hidden)
     else:
         inputs["input_features"] = batch["input_features"]
+    preserving = preserve is not None and preserve.weight != 0
     if type(whisper.proj_out) is not nn.Linear:
         # Adapters on the output head (peft wraps it): only the model knows its logits.
-        return model(**inputs, labels=batch["labels"]).loss
+        if preserving:
+            return _full_vocabulary_terms(model, inputs, batch["labels"], preserve)
+        loss = model(**inputs, labels=batch["labels"]).loss
+        return LossTerms(loss, loss, None)
+    base_states = base_weight = None
+    if preserving:  # first, so its activations are gone before the trained forward saves any
+        base_states, base_whisper = _base_forward(model, preserve, inputs, deferred=True)
+        base_weight = base_whisper.proj_out.weight
     with _projection_deferred(whisper):
         decoder_states = model(**inputs).logits  # (batch, T, d_model): hidden states here
     labels = batch["labels"].to(decoder_states.device)
     keep = labels != IGNORE_INDEX
     states, targets = decoder_states[keep], labels[keep]  # (n, d_model), (n,)
     if len(targets) == 0:  # nothing to learn; a zero that still reaches every parameter
-        return decoder_states.sum() * 0.0
+        zero = decoder_states.sum() * 0.0
+        return LossTerms(zero, zero, zero.detach() if preserving else None)
     recompute = torch.is_grad_enabled() and checkpointing_on(whisper)
     weight = whisper.proj_out.weight
     # Summed in float32 at least (16-bit logits under autocast); a float64 model stays float64.
     total = states.new_zeros((), dtype=torch.promote_types(states.dtype, torch.float32))
+    if not preserving:  # the plain loss, exactly as before preservation existed
+        for start in range(0, len(targets), LOSS_CHUNK_TOKENS):
+            chunk = slice(start, start + LOSS_CHUNK_TOKENS)
+            if recompute:
+                total = total + torch.utils.checkpoint.checkpoint(
+                    _summed_cross_entropy,
+                    states[chunk],
+                    weight,
+                    targets[chunk],
+                    use_reentrant=False,
+                )
+            else:
+                total = total + _summed_cross_entropy(states[chunk], weight, targets[chunk])
+        loss = total / len(targets)
+        return LossTerms(loss, loss, None)
+    # (n, d_model), as the trained states: accelerate hands those back in float32.
+    base_states = base_states[keep.to(base_states.device)].to(states.device, states.dtype)
+    divergence = total
     for start in range(0, len(targets), LOSS_CHUNK_TOKENS):
         chunk = slice(start, start + LOSS_CHUNK_TOKENS)
+        parts = (states[chunk], weight, targets[chunk], base_states[chunk], base_weight)
         if recompute:
-            total = total + torch.utils.checkpoint.checkpoint(
-                _summed_cross_entropy, states[chunk], weight, targets[chunk], use_reentrant=False
+            # The base's chunk logits are recomputed from its (n, d_model) states too: passed in
+            # as an input instead, each chunk's (chunk, vocab) would be kept for backward.
+            summed = torch.utils.checkpoint.checkpoint(
+                _summed_cross_entropy_and_divergence, *parts, use_reentrant=False
             )
         else:
-            total = total + _summed_cross_entropy(states[chunk], weight, targets[chunk])
-    return total / len(targets)
+            summed = _summed_cross_entropy_and_divergence(*parts)
+        total, divergence = total + summed[0], divergence + summed[1]
+    cross_entropy, divergence = total / len(targets), divergence / len(targets)
+    return LossTerms(cross_entropy + preserve.weight * divergence, cross_entropy, divergence)
 
 
 def _summed_cross_entropy(
@@ -78,6 +233,100 @@ def _summed_cross_entropy(
     logits = torch.nn.functional.linear(states, weight)  # half precision under autocast
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+
+
+def _summed_cross_entropy_and_divergence(
+    states: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    base_states: torch.Tensor,
+    base_weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed cross-entropy, summed KL(p_base || p_trained)) of n label tokens, from the trained
+    and the base model's (n, d_model) decoder states and output projections; every (n, vocab)
+    tensor exists only inside this call. Only the trained side has a gradient."""
+    log_probs = _log_probabilities(states, weight)
+    with torch.no_grad():
+        base_log_probs = _log_probabilities(base_states, base_weight)
+    return (
+        torch.nn.functional.nll_loss(log_probs, targets, reduction="sum"),
+        _summed_divergence(log_probs, base_log_probs),
+    )
+
+
+def _log_probabilities(states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    logits = torch.nn.functional.linear(states, weight)  # half precision under autocast
+    return torch.log_softmax(_float32_at_least(logits), dim=-1)
+
+
+def _float32_at_least(logits: torch.Tensor) -> torch.Tensor:
+    """16-bit logits (autocast) in float32; a float64 model's stay float64."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def _summed_divergence(log_probs: torch.Tensor, base_log_probs: torch.Tensor) -> torch.Tensor:
+    """sum over tokens and vocabulary of p_base * (log p_base - log p_trained). Log-softmax of
+    finite logits is finite, so exp(target) * (target - input) never meets 0 * inf."""
+    return torch.nn.functional.kl_div(log_probs, base_log_probs, reduction="sum", log_target=True)
+
+
+def _base_forward(
+    model: nn.Module, preserve: BasePreservation, inputs: dict, *, deferred: bool
+) -> tuple[torch.Tensor, nn.Module]:
+    """The starting model's `logits` output for `inputs` (its decoder hidden states when
+    `deferred`), computed without a graph, and the Whisper model it came from."""
+    with torch.no_grad():
+        if preserve.reference is None:  # LoRA: the same weights, adapters off
+            peft_model = unwrapped(model)
+            if not is_peft_model(peft_model):
+                raise ValueError("BasePreservation without a reference needs a peft model")
+            whisper = whisper_of(peft_model)
+            projection = _projection_deferred(whisper) if deferred else contextlib.nullcontext()
+            with peft_model.disable_adapter(), _evaluating(peft_model), projection:
+                return peft_model(**inputs).logits, whisper
+        reference, whisper = preserve.reference, whisper_of(unwrapped(model))
+        target = whisper.proj_out.weight
+        if (reference.proj_out.weight.device, reference.proj_out.weight.dtype) != (
+            target.device,
+            target.dtype,
+        ):
+            # Built before the model moved (accelerator.prepare) or was cast: follow it, once.
+            reference.to(device=target.device, dtype=target.dtype)
+        projection = _projection_deferred(reference) if deferred else contextlib.nullcontext()
+        autocast = contextlib.nullcontext()
+        if preserve.autocast_dtype is not None:
+            autocast = torch.autocast(target.device.type, dtype=preserve.autocast_dtype)
+        with _evaluating(reference), projection, autocast:
+            return reference(**inputs).logits, reference
+
+
+def _full_vocabulary_terms(
+    model: nn.Module, inputs: dict, labels: torch.Tensor, preserve: BasePreservation
+) -> LossTerms:
+    """Both sides' full logits, for LoRA on the output head, where the plain loss already takes
+    the model's full-vocabulary loss: the base's (batch, T, vocab) exists without a graph."""
+    base_logits, _ = _base_forward(model, preserve, inputs, deferred=False)
+    output = model(**inputs, labels=labels)
+    keep = labels.to(output.logits.device) != IGNORE_INDEX
+    log_probs = _float32_at_least(output.logits[keep]).log_softmax(dim=-1)
+    base_log_probs = _float32_at_least(base_logits[keep.to(base_logits.device)]).log_softmax(-1)
+    divergence = _summed_divergence(log_probs, base_log_probs.to(log_probs.device))
+    divergence = divergence / max(int(keep.sum()), 1)
+    return LossTerms(output.loss + preserve.weight * divergence, output.loss, divergence)
+
+
+@contextlib.contextmanager
+def _evaluating(module: nn.Module) -> Iterator[None]:
+    """Inside, every submodule of `module` is in eval mode; after, each is back in its own mode
+    (set one by one: `train()` would make them all alike)."""
+    modes = [(m, m.training) for m in module.modules()]
+    for m, _ in modes:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 @contextlib.contextmanager
@@ -97,4 +346,4 @@ def _pass_through(hidden: torch.Tensor) -> torch.Tensor:
     return hidden
 
 
-__all__ = ["LOSS_CHUNK_TOKENS", "training_loss"]
+__all__ = ["LOSS_CHUNK_TOKENS", "BasePreservation", "LossTerms", "loss_terms", "training_loss"]

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from whisper_train.errors import UserError
+from whisper_train.labels import MAX_DECODER_TOKENS
 from whisper_train.memory.checkpointing import (
     LoraSettings,
     checkpointed_layers,
@@ -95,7 +96,7 @@ def estimate_memory(
     *,
     policy: str = "off",
     batch_size: int = 1,
-    label_tokens: int = 448,
+    label_tokens: int = MAX_DECODER_TOKENS,
     precision: str = "fp32",
     optimizer: str = "adamw",
     offload: bool = False,
@@ -409,7 +410,7 @@ def plan_checkpointing(
     mode: str,
     batch_size: int,
     max_memory_bytes: int,
-    label_tokens: int = 448,
+    label_tokens: int = MAX_DECODER_TOKENS,
     precision: str = "fp32",
     optimizer: str = "adamw",
     every_n: int = 2,

@@ -128,8 +128,11 @@ def tiny_run_config(tmp_path, tone_dataset, tiny_whisper_dir):
                 "seed": 0,
                 "eval_split": 0.25,
                 "only_train": True,
-                # A random model never says <|endoftext|>: cap generation so evaluation stays fast.
+                # A random model never says <|endoftext|>: cap generation so evaluation stays fast,
+                # and decode once (its unlikely outputs would all take the six-temperature
+                # fallback; tests/test_decoding.py covers that path).
                 "generation_max_length": 8,
+                "temperatures": "0",
                 **overrides,
             }
         )

@@ -12,6 +12,7 @@ import torch
 
 from whisper_train.commands import evaluate as evaluate_command
 from whisper_train.data import Example
+from whisper_train.decoding import NO_FALLBACK
 from whisper_train.errors import UserError
 from whisper_train.evaluate import (
     evaluate_examples,
@@ -99,13 +100,20 @@ def test_generate_texts_restores_training_mode_and_matches_plain_generate(tiny_w
             skip_special_tokens=True,
         )
     model.train()
-    texts = generate_texts(model, processor, [batch], max_length=20)
+    # Without the fallback, one plain generate call: the random model's unlikely outputs are
+    # kept as they are (with it, they would be sampled again: tests/test_decoding.py).
+    texts = generate_texts(model, processor, [batch], max_length=20, decoding=NO_FALLBACK)
     assert model.training, "generate_texts must give the model back in training mode"
     assert texts == [text.strip() for text in expected]
     assert len(texts) == 2
+    model.train()
+    generate_texts(model, processor, [batch], max_length=20)
+    assert model.training, "and with the fallback too"
 
 
 def test_generate_texts_takes_waveforms_or_cached_encoder_outputs(tiny_whisper):
+    # With the fallback on (the random model's outputs are all unlikely, so every row is
+    # sampled again): the same seeded samples from features, waveforms or encoder outputs.
     model, processor = tiny_whisper
     batch = _batch(processor)
     from_features = generate_texts(model, processor, [batch], max_length=20)
@@ -122,10 +130,11 @@ def test_generate_texts_works_on_a_peft_model(tiny_whisper):
 
     model, processor = tiny_whisper
     batch = _batch(processor)
-    base_texts = generate_texts(model, processor, [batch], max_length=20)
+    base_texts = generate_texts(model, processor, [batch], max_length=20, decoding=NO_FALLBACK)
     # Fresh LoRA adapters start as a no-op (B = 0): transcripts must not change.
     peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    assert generate_texts(peft_model, processor, [batch], max_length=20) == base_texts
+    peft_texts = generate_texts(peft_model, processor, [batch], max_length=20, decoding=NO_FALLBACK)
+    assert peft_texts == base_texts
 
 
 # -- evaluate_examples, the JSON report, the CLI -------------------------------------------

@@ -24,15 +24,18 @@ from whisper_train.train import train
 
 def _nan_on_calls(monkeypatch, bad_calls: set[int]) -> None:
     """The training loss turns NaN on the given forward calls (as an fp16 overflow would)."""
-    real = recipe_module.training_loss
+    real = recipe_module.loss_terms
     calls = {"n": 0}
 
-    def poisoned(model, batch):
+    def poisoned(model, batch, **kwargs):
         calls["n"] += 1
-        loss = real(model, batch)
-        return loss * float("nan") if calls["n"] in bad_calls else loss
+        terms = real(model, batch, **kwargs)
+        if calls["n"] not in bad_calls:
+            return terms
+        nan = float("nan")
+        return terms._replace(loss=terms.loss * nan, cross_entropy=terms.cross_entropy * nan)
 
-    monkeypatch.setattr(recipe_module, "training_loss", poisoned)
+    monkeypatch.setattr(recipe_module, "loss_terms", poisoned)
 
 
 def test_a_nan_step_is_skipped_and_training_goes_on(tiny_run_config, monkeypatch):

@@ -13,6 +13,7 @@ import copy
 
 import pytest
 import torch
+from conftest import metric_rows
 from tiny_models import LORA, fresh_short_whisper, nonzero_lora_b, pristine, tiny_batch
 
 from whisper_train.collate import IGNORE_INDEX
@@ -344,3 +345,28 @@ def test_a_copy_is_made_before_accelerate_wraps_the_forward():
 def test_a_weight_must_be_finite_and_not_negative(weight):
     with pytest.raises(UserError, match="--preserve-base"):
         BasePreservation.from_model(pristine(), weight)
+
+
+# -- through `whisper-train train` -----------------------------------------------------------
+
+
+def test_preserve_base_zero_trains_bit_identically_and_a_weight_changes_training(
+    tmp_path, tiny_run_config
+):
+    from safetensors.torch import load_file
+
+    from whisper_train.train import train
+
+    def run(name, **overrides):
+        result = train(tiny_run_config(output_dir=str(tmp_path / name), **overrides))
+        losses = [row["loss"] for row in metric_rows(result.output_dir) if "loss" in row]
+        return losses, load_file(result.final_dir / "model.safetensors")
+
+    plain_losses, plain = run("plain")
+    zero_losses, zero = run("zero", preserve_base=0.0)
+    kept_losses, kept = run("kept", preserve_base=1.0)
+    assert zero_losses == plain_losses
+    assert all(torch.equal(zero[name], tensor) for name, tensor in plain.items())
+    # At step 1 the model is the base (KL 0, the same cross-entropy); the update differs.
+    assert kept_losses[0] == plain_losses[0] and kept_losses[1:] != plain_losses[1:]
+    assert any(not torch.equal(kept[name], tensor) for name, tensor in plain.items())

@@ -15,16 +15,16 @@ from whisper_train.train import train
 
 def _crash_on_call(monkeypatch, n: int) -> None:
     """Make the n-th training forward raise, as a crash or power cut would stop the run."""
-    real = recipe_module.training_loss
+    real = recipe_module.loss_terms
     calls = {"n": 0}
 
-    def crashing(model, batch):
+    def crashing(model, batch, **kwargs):
         calls["n"] += 1
         if calls["n"] == n:
             raise RuntimeError("simulated crash")
-        return real(model, batch)
+        return real(model, batch, **kwargs)
 
-    monkeypatch.setattr(recipe_module, "training_loss", crashing)
+    monkeypatch.setattr(recipe_module, "loss_terms", crashing)
 
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
@@ -73,24 +73,20 @@ def test_resume_refuses_a_different_mode_and_a_fresh_run_refuses_old_checkpoints
         train(tiny_run_config(resume=str(tmp_path / "nowhere")))
 
 
-def test_rotation_keeps_the_newest_and_the_best_wer(tmp_path):
+def test_rotation_keeps_the_newest_and_the_best_step(tmp_path):
     for step in (1, 2, 3, 4, 5):
         folder = tmp_path / f"checkpoint-{step}"
         folder.mkdir()
         checkpoints.TrainerState(step=step).write(folder)
     (tmp_path / "checkpoint-6.tmp").mkdir()  # an interrupted write is never a checkpoint
-    evaluations = [
-        {"step": 2, "wer": 0.30},
-        {"step": 4, "wer": 0.50},
-        {"step": 5, "wer": float("nan")},
-    ]
-    checkpoints.rotate_checkpoints(tmp_path, keep_last=2, evaluations=evaluations)
+    checkpoints.rotate_checkpoints(tmp_path, keep_last=2, keep_step=2)
     assert [p.name for p in checkpoints.list_checkpoints(tmp_path)] == [
         "checkpoint-2",
         "checkpoint-4",
         "checkpoint-5",
     ]
-    assert checkpoints.best_checkpoint(tmp_path, evaluations).name == "checkpoint-2"
+    checkpoints.rotate_checkpoints(tmp_path, keep_last=1, keep_step=None)
+    assert [p.name for p in checkpoints.list_checkpoints(tmp_path)] == ["checkpoint-5"]
     assert checkpoints.resolve_resume("latest", tmp_path).name == "checkpoint-5"
 
 

@@ -93,3 +93,29 @@ def test_greedy_transcripts_match_ctranslate2_on_the_same_features(transcribed):
         else:
             assert len(ours) == len(theirs), (ours, theirs)
     print(f"smallest top-2 logit gap: {smallest_gap:.3f}")
+
+
+def test_clean_speech_needs_no_fallback_and_its_logprob_is_the_generate_scores(transcribed):
+    """On speech tiny.en understands, greedy passes both fallback tests (no re-decoding), and
+    the mean log-prob `generate_decoded` reports is openai-whisper's, from these very scores:
+    sum of log-softmax over the chosen tokens and <|endoftext|>, / (tokens + 1). Beam search
+    (scores re-indexed to the kept beam) gives the same figure for the same tokens."""
+    from whisper_train.decoding import generate_decoded
+
+    features, token_ids, step_scores, processor = transcribed
+    model, _ = load_ct2_whisper(tiny_en_dir())
+    inputs = {"input_features": features}
+    with torch.no_grad():
+        greedy = generate_decoded(model, inputs, processor.tokenizer, max_length=None)
+        beam = generate_decoded(model, inputs, processor.tokenizer, max_length=None, num_beams=2)
+    for decoded, ids, scores in zip(greedy, token_ids, step_scores, strict=True):
+        assert not decoded.fallback and decoded.passed and decoded.temperature == 0.0
+        assert list(decoded.tokens) == ids[:-1]  # ids end in <|endoftext|>
+        logprobs = torch.log_softmax(scores.float(), dim=-1)
+        expected = sum(float(logprobs[i, t]) for i, t in enumerate(ids)) / len(ids)
+        assert decoded.avg_logprob == pytest.approx(expected, abs=1e-5)
+        print(f"avg logprob {decoded.avg_logprob:.3f}, ratio {decoded.compression_ratio:.2f}")
+    same = [(g, b) for g, b in zip(greedy, beam, strict=True) if g.tokens == b.tokens]
+    assert same, "beam search of 2 should agree with greedy on some of these sentences"
+    for g, b in same:
+        assert b.avg_logprob == pytest.approx(g.avg_logprob, abs=1e-4)

@@ -70,7 +70,16 @@ def test_loss_matches_reference_and_metrics_are_written(tiny_run_config, tone_da
     # (its close logits may tie differently on another CPU), the row is their WER.
     assert [row["step"] for row in evaluations] == [3]
     (evaluation,) = evaluations
-    assert set(evaluation) == {"step", "eval_loss", "wer"}
+    assert set(evaluation) == {
+        "step",
+        "set",
+        "eval_loss",
+        "wer",
+        "repeated_ngram_rate",
+        "insertion_rate",
+    }
+    assert evaluation["set"] == "eval"  # the seeded split of --data
+    assert 0 <= evaluation["repeated_ngram_rate"] <= 1 and evaluation["insertion_rate"] >= 0
     assert math.isfinite(evaluation["eval_loss"]) and evaluation["eval_loss"] > 0
     with (tone_dataset / "metadata.csv").open(encoding="utf-8") as metadata:
         transcripts = {row["transcription"] for row in csv.DictReader(metadata)}

@@ -1,4 +1,4 @@
-"""Subtitle writers, timestamp parsing, long-form decoding and the transcribe command."""
+"""Subtitle writers, long-form decoding (both backends) and the transcribe command."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ import pytest
 import soundfile
 
 from whisper_train.commands import transcribe as transcribe_command
+from whisper_train.decoding import NO_FALLBACK, DecodingOptions
+from whisper_train.errors import UserError
 from whisper_train.transcribe import (
     CTranslate2Backend,
     Segment,
     Transcript,
-    segments_from_tokens,
+    TransformersBackend,
     to_json,
     to_srt,
     to_vtt,
@@ -48,49 +50,6 @@ def test_json_holds_text_and_timed_segments():
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from tiny_models import english_tokenizer
-
-    return english_tokenizer()
-
-
-def _ts(tokenizer, seconds: float) -> int:
-    return tokenizer.convert_tokens_to_ids("<|notimestamps|>") + 1 + round(seconds / 0.02)
-
-
-def test_timestamp_tokens_become_offset_segments(tokenizer):
-    ts = lambda s: _ts(tokenizer, s)  # noqa: E731
-    words = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    tokens = [
-        ts(0.0),
-        *words(" Hello"),
-        ts(1.0),
-        ts(1.0),
-        *words(" world"),
-        ts(2.5),
-        tokenizer.eos_token_id,
-    ]
-    parsed = segments_from_tokens(tokens, tokenizer, timestamp_begin=ts(0.0), offset=30.0)
-    assert parsed.closed == [Segment(30.0, 31.0, "Hello"), Segment(31.0, 32.5, "world")]
-    assert parsed.open_segment is None and not parsed.unfinished
-
-    # Words cut by the window's end: an open segment to the window's end, unfinished.
-    cut = segments_from_tokens(
-        [ts(0.0), *words(" Hello"), ts(1.0), ts(1.0), *words(" wor")],
-        tokenizer,
-        timestamp_begin=ts(0.0),
-    )
-    assert cut.open_segment == Segment(1.0, 30.0, "wor") and cut.unfinished
-    # A segment opened and left empty (<|t|><|t|> then the end) is unfinished too.
-    opened = segments_from_tokens(
-        [ts(0.0), *words(" Hello"), ts(1.0), ts(1.0), tokenizer.eos_token_id],
-        tokenizer,
-        timestamp_begin=ts(0.0),
-    )
-    assert opened.closed == [Segment(0.0, 1.0, "Hello")] and opened.unfinished
-
-
-@pytest.fixture(scope="module")
 def long_recording(tmp_path_factory):
     """~40 s of synthesised speech (sentences with pauses) and its reference text."""
     from whisper_train.synth import synthesize
@@ -114,19 +73,107 @@ def long_recording(tmp_path_factory):
     return path, " ".join(sentences), len(audio) / 16_000
 
 
-def test_ctranslate2_long_form_covers_the_whole_recording(tiny_en_ct2_dir, long_recording):
+@pytest.fixture(scope="module")
+def tiny_en_transformers():
+    from whisper_train.models import load_model
+
+    return load_model("tiny.en")
+
+
+def _backend(name, tiny_en_ct2_dir, tiny_en_transformers, **options):
+    if name == "faster-whisper":
+        return CTranslate2Backend(tiny_en_ct2_dir, **options)
+    return TransformersBackend(*tiny_en_transformers, **options)
+
+
+@pytest.mark.parametrize("backend", ["faster-whisper", "transformers"])
+def test_long_form_covers_the_whole_recording(
+    backend, tiny_en_ct2_dir, tiny_en_transformers, long_recording
+):
     from whisper_train.audio import load_audio
     from whisper_train.evaluate import score
 
     path, reference, duration = long_recording
     assert duration > 35, "the recording must need more than one 30 s window"
-    text, segments = CTranslate2Backend(tiny_en_ct2_dir).transcribe(load_audio(path))
+    transcriber = _backend(backend, tiny_en_ct2_dir, tiny_en_transformers)
+    text, segments = transcriber.transcribe(load_audio(path))
     starts = [s.start for s in segments]
     assert starts == sorted(starts)
     assert all(s.start <= s.end <= duration for s in segments)
     assert segments[-1].start > 30.0, "speech after the first window must be transcribed"
     # espeak-ng speech, tiny.en: words across the window boundary must not be lost or doubled.
     assert score([reference], [text]).wer < 0.25
+
+
+def test_faster_whisper_gets_the_fallback_options_and_stays_offline(tiny_en_ct2_dir, monkeypatch):
+    """The CTranslate2 backend is faster-whisper, run offline (its tokenizer.json read from the
+    folder, nothing fetched), with our temperatures and thresholds."""
+    import socket
+
+    from whisper_train.decoding import NO_FALLBACK
+    from whisper_train.synth import synthesize
+
+    def no_network(*args, **kwargs):
+        raise AssertionError(f"network access: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    audio = synthesize("open the door and turn on the light in the kitchen")
+    for options, temperatures, ratio in (
+        (None, [0.0, 0.2, 0.4, 0.6, 0.8, 1.0], 2.4),
+        (NO_FALLBACK, [0.0], 2.4),
+        (DecodingOptions(compression_ratio_threshold=None), [0.0, 0.2, 0.4, 0.6, 0.8, 1.0], None),
+    ):
+        backend = CTranslate2Backend(tiny_en_ct2_dir, decoding=options)
+        seen = {}
+        real = backend.model.transcribe
+
+        def spy(audio, real=real, seen=seen, **kwargs):
+            seen.update(kwargs)
+            return real(audio, **kwargs)
+
+        backend.model.transcribe = spy
+        text, segments = backend.transcribe(audio)
+        assert "door" in text.lower() and segments
+        assert seen["temperature"] == temperatures
+        assert seen["compression_ratio_threshold"] == ratio
+        assert seen["log_prob_threshold"] == -1.0
+        assert seen["condition_on_previous_text"] is False
+
+
+def test_a_ct2_folder_without_its_tokenizer_is_refused(tiny_en_ct2_dir, tmp_path):
+    folder = tmp_path / "ct2"
+    folder.mkdir()
+    for name in ("model.bin", "config.json"):
+        (folder / name).symlink_to(tiny_en_ct2_dir / name)
+    with pytest.raises(UserError, match="tokenizer.json"):
+        CTranslate2Backend(folder)
+
+
+def test_transformers_long_form_checks_the_text_compression_ratio(tiny_en_transformers):
+    """transformers' own long-form fallback is pointed at openai-whisper's text compression
+    ratio for the call (not its token-byte ratio), and given back afterwards."""
+    from unittest import mock
+
+    from whisper_train import transcribe as transcribe_module
+    from whisper_train.synth import synthesize
+
+    backend = TransformersBackend(*tiny_en_transformers)
+    model = backend.model
+    audio = synthesize("please call stella and ask her to bring these things from the store")
+    with mock.patch.object(
+        transcribe_module, "compression_ratio", wraps=transcribe_module.compression_ratio
+    ) as ratio:
+        text, _ = backend.transcribe(audio)
+    assert "call" in text.lower()
+    checked = [call.args[0] for call in ratio.call_args_list]
+    assert checked and "call" in checked[0], checked  # the decoded text, not token bytes
+    assert "_retrieve_compression_ratio" not in vars(model)
+
+    ratio_calls = []
+    with mock.patch.object(transcribe_module, "compression_ratio", side_effect=ratio_calls.append):
+        TransformersBackend(*tiny_en_transformers, decoding=NO_FALLBACK).transcribe(audio)
+    assert ratio_calls == [], "with the fallback off, nothing is checked"
 
 
 def _folder_with_a_bad_file(tmp_path):
@@ -170,3 +217,7 @@ def test_transcribe_command_exit_codes(tmp_path):
     assert (tmp_path / "out" / "good.vtt").read_text().startswith("WEBVTT")
     assert run(str(folder / "bad.wav"), str(tmp_path / "missing.wav")) == 2
     assert run(str(folder / "good.wav")) == 0
+    off = ("--temperatures", "0", "--compression-ratio-threshold", "none")
+    assert run(str(folder / "good.wav"), *off, "--logprob-threshold", "off") == 0
+    with pytest.raises(UserError, match="--temperatures"):
+        run(str(folder / "good.wav"), "--temperatures", "0,0.2,zero")

@@ -229,23 +229,15 @@ def _write_contents(
         state.write(tmp)  # last: its presence marks the contents complete
 
 
-def rotate_checkpoints(output_dir: Path, *, keep_last: int, evaluations: list[dict]) -> None:
-    """Delete all but the newest `keep_last` checkpoints and the one with the best WER."""
+def rotate_checkpoints(output_dir: Path, *, keep_last: int, keep_step: int | None) -> None:
+    """Delete all but the newest `keep_last` checkpoints and the one of `keep_step` (the best
+    evaluated step, which final/ will hold: `recipe.choose_final_step`)."""
     found = list_checkpoints(output_dir)
     keep = set(found[-keep_last:])
-    wer_at = {e["step"]: e["wer"] for e in evaluations if e.get("wer") == e.get("wer")}  # no NaN
-    scored = [p for p in found if checkpoint_step(p) in wer_at]
-    if scored:
-        keep.add(min(scored, key=lambda p: (wer_at[checkpoint_step(p)], -checkpoint_step(p))))
+    keep.update(p for p in found if keep_step is not None and checkpoint_step(p) == keep_step)
     for folder in found:
         if folder not in keep:
             _remove(folder, ignore_errors=True)
-
-
-def best_checkpoint(output_dir: Path, evaluations: list[dict]) -> Path | None:
-    wer_at = {e["step"]: e["wer"] for e in evaluations if e.get("wer") == e.get("wer")}
-    scored = [p for p in list_checkpoints(output_dir) if checkpoint_step(p) in wer_at]
-    return min(scored, key=lambda p: wer_at[checkpoint_step(p)]) if scored else None
 
 
 # -- loading -------------------------------------------------------------------------------
@@ -274,6 +266,15 @@ def load_checkpoint(folder: Path, *, accelerator, model, optimizer, scheduler) -
             accelerator.scaler.load_state_dict(_load_pt(folder / "scaler.pt"))
     _set_rng_state(_load_pt(folder / f"rng-{accelerator.process_index}.pt"))
     return state
+
+
+def load_weights(folder: Path, *, accelerator, model) -> None:
+    """Only the trained weights of checkpoint `folder` into `model` (the best step's, at the end
+    of a run); optimiser, scheduler and random state are left as they are."""
+    if _sharded(accelerator):
+        accelerator.load_state(str(folder / "accelerate"))
+    else:
+        _load_weights(folder, accelerator.unwrap_model(model, keep_torch_compile=False))
 
 
 def _load_weights(folder: Path, model: torch.nn.Module) -> None:

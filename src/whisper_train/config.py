@@ -10,6 +10,7 @@ configuration is written next to every saved model as `whisper-train.yaml`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -48,8 +49,14 @@ class DataConfig:
         "layout that `check-data` recognises.",
         default=None,
     )
-    eval_data: str | None = _help(
-        "Held-out data in any accepted layout (default: a seeded split of --data).", default=None
+    eval_data: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Held-out data in any accepted layout, as NAME=PATH (repeat the flag for "
+            "several sets, each scored at every evaluation; a bare PATH is named 'eval'). "
+            "Default: a seeded split of --data, named 'eval'.",
+            "repeatable": True,
+        },
     )
     data_format: str | None = _help("Force a layout instead of detecting it.", default=None)
     eval_split: float = _help(
@@ -150,6 +157,33 @@ class TrainConfig:
         "Evaluate once before the first step too: the starting point in the table and curves.",
         default=False,
     )
+    metric_for_best: str | None = _help(
+        "The evaluation set whose WER picks the best evaluated step, which final/ holds "
+        "(default: the first --eval-data set that is not the --guard).",
+        default=None,
+    )
+    guard: str | None = _help(
+        "An --eval-data set (by NAME) of what the model must not forget: scored before step 1 "
+        "and at every evaluation; a step whose guard WER rose more than --max-regression points "
+        "over the start is never chosen for final/.",
+        default=None,
+    )
+    max_regression: float | None = _help(
+        "Points of guard WER a step may lose against the start (default 2.0 with --guard; a "
+        "default chosen, not measured).",
+        default=None,
+    )
+    stop_on_regression: bool = _help(
+        "Stop training (with a checkpoint) at the first evaluation past --max-regression.",
+        default=False,
+    )
+    preserve_base: float = _help(
+        "Weight of a KL term that keeps the model's next-token distribution at label positions "
+        "close to the starting model's (distil-whisper's teacher term): 0 is off. Costs a frozen "
+        "copy of the weights for full and freeze-encoder (none for LoRA) and one no-grad "
+        "forward a step; no default value has been measured here yet.",
+        default=0.0,
+    )
     compare_baseline: bool = _help(
         "At the end, evaluate the starting model and the fine-tuned one on the evaluation data "
         "and write OUTPUT/report.md and report.png (utterances that got better and worse).",
@@ -163,6 +197,23 @@ class TrainConfig:
     )
     generation_max_length: int = _help(
         "Longest transcript generated during evaluation.", default=225
+    )
+    # Evaluation's decoding, as `evaluate` and `transcribe` decode (whisper_train.decoding).
+    temperatures: str = _help(
+        "Evaluation decodes greedily, then again at these temperatures (sampling) for each "
+        "utterance whose output loops (--compression-ratio-threshold) or is unlikely "
+        "(--logprob-threshold); a single 0 turns the fallback off. openai-whisper's defaults, "
+        "not tuned here.",
+        default="0,0.2,0.4,0.6,0.8,1.0",
+    )
+    compression_ratio_threshold: str = _help(
+        "Decode again when a transcript's zlib compression ratio is above this; none to disable.",
+        default="2.4",
+    )
+    logprob_threshold: str = _help(
+        "Decode again when a transcript's mean token log-probability is below this; none to "
+        "disable.",
+        default="-1.0",
     )
     num_workers: int = _help("Data-loading worker processes.", default=0)
     group_by_length: bool = _help(
@@ -355,7 +406,73 @@ class RunConfig:
             )
         if not m.lora_targets:
             raise UserError("--lora-targets: name at least one module, e.g. q_proj,v_proj")
+        self._validate_eval_sets()
+        self.decoding_options()  # malformed --temperatures or thresholds: one line, now
         return self
+
+    def decoding_options(self):
+        """The `decoding.DecodingOptions` of evaluation during training."""
+        # Imported here: decoding needs torch, and `import whisper_train.config` stays light.
+        from whisper_train.decoding import DecodingOptions, parse_temperatures, parse_threshold
+
+        t = self.train
+        return DecodingOptions(
+            temperatures=parse_temperatures(t.temperatures),
+            compression_ratio_threshold=parse_threshold(
+                t.compression_ratio_threshold, "--compression-ratio-threshold"
+            ),
+            logprob_threshold=parse_threshold(t.logprob_threshold, "--logprob-threshold"),
+        )
+
+    def _validate_eval_sets(self) -> None:
+        t = self.train
+        names = list(self.eval_sets()) or ["eval"]  # a split of --data is named "eval"
+        for flag, name in (("--metric-for-best", t.metric_for_best), ("--guard", t.guard)):
+            if name is not None and name not in names:
+                raise UserError(
+                    f"{flag} {name}: no evaluation set of that name; the sets are "
+                    f"{', '.join(names)} (name them with --eval-data NAME=PATH)"
+                )
+        if t.guard is not None and t.only_train:
+            raise UserError("--guard needs evaluation: drop --only-train")
+        if t.guard is not None and len(names) < 2:
+            raise UserError(
+                f"--guard {t.guard}: it needs another set to pick the best step by; add "
+                "--eval-data NAME=PATH for the data you fine-tune for"
+            )
+        if t.guard is not None and t.metric_for_best == t.guard:
+            raise UserError("--metric-for-best and --guard name the same set: name another")
+        if (t.max_regression is not None or t.stop_on_regression) and t.guard is None:
+            raise UserError("--max-regression and --stop-on-regression need --guard NAME")
+        if not (math.isfinite(t.preserve_base) and t.preserve_base >= 0):
+            raise UserError(f"--preserve-base {t.preserve_base}: expected a weight >= 0")
+        if t.max_regression is not None and not t.max_regression >= 0:
+            raise UserError(f"--max-regression {t.max_regression}: must be 0 or more points")
+
+    def eval_sets(self) -> dict[str, str]:
+        """{name: path} of --eval-data, in the order given (empty: split --data instead)."""
+        sets: dict[str, str] = {}
+        for entry in self.data.eval_data or []:
+            name, sep, path = entry.partition("=")
+            if not sep:  # a bare PATH
+                name, path = "eval", entry
+            elif not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name) or not path:
+                raise UserError(
+                    f"--eval-data {entry}: expected NAME=PATH with NAME of letters, digits, "
+                    "'-', '_' or '.', or a bare PATH"
+                )
+            if name in sets:
+                raise UserError(f"--eval-data {entry}: the name {name} is used twice")
+            sets[name] = path
+        return sets
+
+    @property
+    def primary_eval_set(self) -> str:
+        """The set whose WER picks the best step (and is the run's reported WER)."""
+        if self.train.metric_for_best:
+            return self.train.metric_for_best
+        names = [n for n in self.eval_sets() if n != self.train.guard]
+        return names[0] if names else "eval"
 
     # -- resolved defaults ---------------------------------------------------------------
     @property
@@ -415,6 +532,8 @@ def _coerce(group: Any, name: str, value: Any, source: str) -> Any:
     annotation = str({f.name: f.type for f in fields(group)}[name])
     try:
         if annotation.startswith("list"):
+            if isinstance(value, dict):  # YAML `eval_data: {name: path}`
+                return [f"{k}={v}" for k, v in value.items()]
             if isinstance(value, str):
                 return [part.strip() for part in value.split(",") if part.strip()]
             return [str(v) for v in value]
@@ -431,6 +550,8 @@ def _coerce(group: Any, name: str, value: Any, source: str) -> Any:
             return int(value)
         if annotation.startswith("float"):
             return float(value)
+        if isinstance(value, (list, tuple)):  # YAML `temperatures: [0, 0.2]`
+            return ",".join(str(v) for v in value)
         return str(value)
     except (TypeError, ValueError):
         flag = "--" + name.replace("_", "-")

@@ -32,6 +32,7 @@ import torch
 
 from whisper_train.collate import IGNORE_INDEX
 from whisper_train.config import require_positive
+from whisper_train.decoding import Decoded, DecodingOptions, generate_decoded
 from whisper_train.errors import AudioError, UserError
 from whisper_train.memory import training_loss
 from whisper_train.runlog import progress_bars_wanted
@@ -228,8 +229,14 @@ def _first_parameter(model) -> torch.Tensor:
 
 @torch.inference_mode()
 def _generate_batch(
-    model, feature_extractor, batch: dict, *, max_length: int, num_beams: int
-) -> torch.Tensor:
+    model,
+    processor,
+    batch: dict,
+    *,
+    max_length: int,
+    num_beams: int,
+    decoding: DecodingOptions | None = None,
+) -> list[Decoded]:
     weight = _first_parameter(model)
     if "input_features" in batch:
         inputs = {"input_features": batch["input_features"].to(weight.device, weight.dtype)}
@@ -237,7 +244,7 @@ def _generate_batch(
         # A collator without a LogMel hands over waveforms: compute features where the model is.
         from whisper_train.features import LogMel
 
-        features = LogMel(feature_extractor, device=weight.device)(batch["audio"])
+        features = LogMel(processor.feature_extractor, device=weight.device)(batch["audio"])
         inputs = {"input_features": features.to(weight.dtype)}
     else:
         # A batch from the encoder cache: the encoder already ran, skip it.
@@ -245,11 +252,25 @@ def _generate_batch(
 
         hidden = batch["encoder_hidden_states"].to(weight.device, weight.dtype)
         inputs = {"encoder_outputs": BaseModelOutput(last_hidden_state=hidden)}
-    return model.generate(**inputs, max_length=max_length, num_beams=num_beams)
+    return generate_decoded(
+        model,
+        inputs,
+        processor.tokenizer,
+        max_length=max_length,
+        num_beams=num_beams,
+        options=decoding,
+    )
 
 
 def generate_texts(
-    model, processor, batches: Iterable[dict], *, max_length: int = 225, num_beams: int = 1
+    model,
+    processor,
+    batches: Iterable[dict],
+    *,
+    max_length: int = 225,
+    num_beams: int = 1,
+    decoding: DecodingOptions | None = None,
+    details: list[Decoded] | None = None,
 ) -> list[str]:
     """Transcribe each batch with `model.generate` and return the texts, in batch order.
 
@@ -258,6 +279,11 @@ def generate_texts(
     16 kHz waveforms). Language and task come from
     `model.generation_config`. Works for peft-wrapped models. The model is put in eval mode
     (dropout off) and its training mode is restored afterwards.
+
+    `decoding`: the temperature fallback (whisper_train.decoding); None is the default one
+    (greedy or beam search, then 0.2 ... 1.0 for outputs that loop or are unlikely),
+    `NO_FALLBACK` one plain generate call. `details`, when given, receives one `Decoded` per
+    text (temperature, mean log-prob, compression ratio, whether it needed the fallback).
     """
     was_training = model.training
     model.eval()
@@ -266,15 +292,17 @@ def generate_texts(
         for batch in batches:
             if not batch.get("size", 1):
                 continue  # every clip of this batch was skipped by the collator
-            ids = _generate_batch(
+            decoded = _generate_batch(
                 model,
-                processor.feature_extractor,
+                processor,
                 batch,
                 max_length=max_length,
                 num_beams=num_beams,
+                decoding=decoding,
             )
-            decoded = processor.batch_decode(ids, skip_special_tokens=True)
-            texts.extend(text.strip() for text in decoded)
+            texts.extend(item.text for item in decoded)
+            if details is not None:
+                details.extend(decoded)
     finally:
         model.train(was_training)
     return texts
@@ -294,6 +322,21 @@ class EvalReport:
     audio: list[str]
     skipped: list[dict]  # {"audio", "reason"} for clips that could not be read
     seconds: float
+    # How each transcript was decoded (`decoded[i]` is the decode of `scores.rows[i]`) and with
+    # which options; empty / None for a report built elsewhere.
+    decoded: list[Decoded] = field(default_factory=list)
+    decoding: DecodingOptions | None = None
+
+    @property
+    def fallbacks(self) -> int:
+        """Utterances whose first decode failed the fallback's tests (looped, or unlikely) and
+        were decoded again: a model that needs the fallback stays visible in the report."""
+        return sum(item.fallback for item in self.decoded)
+
+    @property
+    def unresolved(self) -> int:
+        """Utterances that failed the tests at every temperature (the best try was kept)."""
+        return sum(item.fallback and not item.passed for item in self.decoded)
 
     @property
     def wer(self) -> float:
@@ -341,11 +384,19 @@ def set_language(model, language: str | None, task: str | None = None) -> None:
 
 @torch.no_grad()
 def run_evaluation(
-    model, loader, processor, accelerator, normalizer, max_length: int, step: int
+    model,
+    loader,
+    processor,
+    accelerator,
+    normalizer,
+    max_length: int,
+    step: int,
+    decoding: DecodingOptions | None = None,
 ) -> dict:
     """Evaluation during training: validation loss (teacher-forced, mean over all label
     tokens) and WER of generated transcripts, gathered over processes (each evaluates its share
-    of the loader). Returns a metrics row: {"step", "eval_loss", "wer"}."""
+    of the loader). Returns a metrics row: {"step", "eval_loss", "wer", "repeated_ngram_rate",
+    "insertion_rate"}."""
     was_training = model.training
     model.eval()
     loss_and_tokens = torch.zeros(2, device=accelerator.device)  # summed token losses, tokens
@@ -358,7 +409,9 @@ def run_evaluation(
         loss_and_tokens += torch.stack(
             [training_loss(model, batch).detach().float() * n_tokens, n_tokens]
         )
-        texts = generate_texts(unwrapped, processor, [batch], max_length=max_length)
+        texts = generate_texts(
+            unwrapped, processor, [batch], max_length=max_length, decoding=decoding
+        )
         references.extend(accelerator.gather_for_metrics(batch["texts"], use_gather_object=True))
         hypotheses.extend(accelerator.gather_for_metrics(texts, use_gather_object=True))
     model.train(was_training)
@@ -372,6 +425,9 @@ def run_evaluation(
         "step": step,
         "eval_loss": round(loss_sum / max(n_tokens, 1.0), 6),
         "wer": round(scores.wer, 6),
+        # Loops and hallucinated words: what a WER drop on the target set can hide.
+        "repeated_ngram_rate": round(scores.repeated_ngram_rate, 6),
+        "insertion_rate": round(scores.insertion_rate, 6),
     }
 
 
@@ -387,9 +443,15 @@ def evaluate_examples(
     num_beams: int = 1,
     model_name: str = "",
     progress: bool = False,
+    decoding: DecodingOptions | None = None,
 ) -> EvalReport:
-    """Transcribe `examples` (whisper_train.data.Example) and score them against their text."""
+    """Transcribe `examples` (whisper_train.data.Example) and score them against their text.
+
+    `decoding`: the temperature fallback (None: on, openai-whisper's defaults); the report
+    counts the utterances that needed it. Loop figures are scored on the kept transcripts."""
     from tqdm.auto import tqdm
+
+    decoding = DecodingOptions() if decoding is None else decoding
 
     started = time.perf_counter()
     set_language(model, language)
@@ -399,8 +461,15 @@ def evaluate_examples(
     total = -(-len(examples) // batch_size)
     show_bar = progress and progress_bars_wanted()
     batches = tqdm(batches, total=total, desc="evaluate", unit="batch", disable=not show_bar)
+    decoded: list[Decoded] = []
     hypotheses = generate_texts(
-        model, processor, batches, max_length=max_length, num_beams=num_beams
+        model,
+        processor,
+        batches,
+        max_length=max_length,
+        num_beams=num_beams,
+        decoding=decoding,
+        details=decoded,
     )
     if not kept:
         raise UserError(
@@ -415,20 +484,30 @@ def evaluate_examples(
         audio=[e.audio for e in kept],
         skipped=skipped,
         seconds=time.perf_counter() - started,
+        decoded=decoded,
+        decoding=decoding,
     )
 
 
 def report_to_dict(report: EvalReport) -> dict:
-    """The JSON report: top-level `wer`, `cer`, `n`, every corpus figure, then the utterances."""
+    """The JSON report: top-level `wer`, `cer`, `n`, every corpus figure, the fallback count
+    (`fallback_utterances`) and decoding options, then the utterances (each with its
+    temperature, mean log-prob, compression ratio and whether it needed the fallback)."""
     utterances = []
-    for audio, row in zip(report.audio, report.scores.rows, strict=True):
+    decoded = report.decoded or [None] * len(report.scores.rows)
+    for audio, row, item in zip(report.audio, report.scores.rows, decoded, strict=True):
         utterance = {"audio": audio, **asdict(row), "errors": row.errors}
+        if item is not None:
+            utterance.update(item.report())
         utterances.append(utterance)
     return {
         "model": report.model,
         "normalizer": report.normalizer,
         "language": report.language,
         **report.scores.summary(),
+        "fallback_utterances": report.fallbacks,
+        "fallback_unresolved": report.unresolved,
+        "decoding": report.decoding.to_dict() if report.decoding is not None else None,
         "seconds": round(report.seconds, 3),
         "skipped": report.skipped,
         "utterances": utterances,
@@ -503,12 +582,14 @@ def evaluate(
     beam_size: int = 1,
     max_length: int = 225,
     on_report: Callable[[str, EvalReport], None] | None = None,
+    decoding: DecodingOptions | None = None,
 ) -> Evaluation:
     """Transcribe `data` with the model `model` (a spec: folder, hub id, run folder, tiny.en)
     and score it; with `baseline`, the same for that model and a comparison (report.md,
     report.png). Reports are written where `report_paths` says; existing ones are refused
     unless `overwrite`. `on_report("model" | "baseline", report)` is called as each model is
-    scored, before the next one starts."""
+    scored, before the next one starts. `decoding`: the temperature fallback, the same for
+    both models (None: on, with openai-whisper's defaults)."""
     from whisper_train.data import load_examples
     from whisper_train.models import load_model
 
@@ -548,6 +629,7 @@ def evaluate(
             num_beams=beam_size,
             model_name=spec,
             progress=True,
+            decoding=decoding,
         )
         if on_report is not None:
             on_report(role, report)

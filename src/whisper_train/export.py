@@ -8,7 +8,8 @@
    4-bit weights rounds the adapter away (a frequent complaint with other tools).
 2. Save: `hf` writes safetensors + tokenizer + preprocessor + generation config (language and
    task kept); `ct2` converts that folder with `whisper_train.ct2.save_ct2` (faster-whisper).
-3. Check: greedy transcripts of a few clips by the source and by the exported model, scored
+3. Check: greedy transcripts of a few clips by the source and by the exported model (each with
+   the temperature fallback of whisper_train.decoding, as `transcribe` decodes), scored
    against the clips' references. The export fails if its WER is worse by more than 1 point
    (float formats) or 3 points (int8 formats, which lose some precision by design).
 """
@@ -195,7 +196,9 @@ def check_clips(check_data: str | None, n_clips: int = CHECK_CLIPS) -> list[tupl
 
 
 def greedy_transcripts(backend, clips) -> list[str]:
-    """Greedy transcripts (no timestamps) of each clip's audio by a `transcribe` backend."""
+    """Greedy transcripts (no timestamps) of each clip's audio by a `transcribe` backend; a clip
+    whose output loops or is unlikely is decoded again by the backend's temperature fallback
+    (its `decoding`, on by default), so one looping clip does not fail a faithful export."""
     return [backend.transcribe(audio, timestamps=False)[0] for audio, _ in clips]
 
 

@@ -44,7 +44,7 @@ from whisper_train.evaluate import get_normalizer, run_evaluation
 from whisper_train.features import LogMel, SpeechDataset
 from whisper_train.labels import LabelEncoder, configure_generation, language_code
 from whisper_train.launch import inside_launcher
-from whisper_train.memory import training_loss
+from whisper_train.memory import loss_terms
 from whisper_train.models import is_multilingual, load_model
 from whisper_train.report import write_curves_png
 from whisper_train.runlog import (
@@ -61,13 +61,25 @@ from whisper_train.runlog import (
 )
 from whisper_train.sampling import LengthGroupedBatchSampler
 
+# Points of guard-set WER a chosen step may lose against the start, when --guard is given and
+# --max-regression is not: a default picked by judgement, not measured.
+DEFAULT_MAX_REGRESSION = 2.0
+
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Datasets:
     train: list[Example]
-    eval: list[Example]
+    eval: dict[str, list[Example]]  # evaluation set name → its utterances, in --eval-data order
+
+
+@dataclass
+class FinalChoice:
+    """Which evaluated step final/ holds, and why (written to result.json)."""
+
+    step: int | None
+    reason: str
 
 
 @dataclass
@@ -168,10 +180,10 @@ class FineTuneRecipe:
             self.label_encoder,
             max_label_tokens=self.model.config.max_target_positions,
         )
+        sets = ", ".join(f"{len(ex)} in {name}" for name, ex in self.datasets.eval.items())
         say(
             self.accelerator,
-            f"data: {len(self.datasets.train)} training and {len(self.datasets.eval)} "
-            "evaluation utterances",
+            f"data: {len(self.datasets.train)} training utterances; evaluation: {sets or 'none'}",
         )
 
     def _setup_memory(self) -> None:
@@ -206,6 +218,16 @@ class FineTuneRecipe:
         else:
             self.model = memory.prepare_model(
                 self.model, mode=c.model.mode, checkpointing=checkpointing, lora=lora
+            )
+        # The starting model, kept for --preserve-base before any update (or resume) changes it;
+        # autocast wraps only the prepared model, so the frozen copy is told the dtype itself.
+        self.preserve = None
+        if c.train.preserve_base:
+            p = self.precision
+            self.preserve = memory.BasePreservation.from_model(
+                self.model,
+                c.train.preserve_base,
+                autocast_dtype=p.dtype if p.mixed_precision != "no" else None,
             )
         if self.offload:
             checkpointing += " + activation offload"
@@ -249,15 +271,19 @@ class FineTuneRecipe:
         self.train_set = SpeechDataset(
             self.datasets.train, self.label_encoder, augmenter=augmenter, seed=t.seed
         )
-        eval_set = SpeechDataset(self.datasets.eval, self.label_encoder, seed=t.seed)
-
         # A frozen encoder maps a clip to the same output every epoch and every evaluation:
-        # compute it once (for the evaluation set too) and train and evaluate the decoder alone.
-        train_cache = eval_cache = None
+        # compute it once (for the evaluation sets too) and train and evaluate the decoder alone.
+        train_cache = None
         if c.cache_encoder:
             train_cache = self._encoder_cache(self.train_set, log_mel, pad_id, "train")
-            if len(eval_set) and self.evaluating:
-                eval_cache = self._encoder_cache(eval_set, log_mel, pad_id, "eval")
+        self.eval_loaders = {}
+        for name, examples in self.datasets.eval.items():
+            eval_set = SpeechDataset(examples, self.label_encoder, seed=t.seed)
+            cache = None
+            if c.cache_encoder and len(eval_set):
+                cache = self._encoder_cache(eval_set, log_mel, pad_id, f"eval-{name}")
+            collator = SpeechCollator(pad_id, log_mel=log_mel, encoder_cache=cache)
+            self.eval_loaders[name] = _loader(eval_set, collator, t)
         # The shuffling generator is re-seeded with (seed + epoch) at every epoch: the order of
         # any epoch is known without replaying the ones before it, which is what resuming needs.
         self.shuffle_generator = torch.Generator().manual_seed(t.seed)
@@ -280,9 +306,6 @@ class FineTuneRecipe:
             self.train_loader = _loader(
                 self.train_set, train_collator, t, shuffle=True, generator=self.shuffle_generator
             )
-        self.eval_loader = _loader(
-            eval_set, SpeechCollator(pad_id, log_mel=log_mel, encoder_cache=eval_cache), t
-        )
 
     def _encoder_cache(self, dataset, log_mel, pad_id, name: str) -> EncoderCache:
         """The frozen encoder's outputs for every clip of `dataset`, computed once."""
@@ -323,9 +346,13 @@ class FineTuneRecipe:
         )
         # Prepare first: with N processes each one sees 1/N of the batches, and the number of
         # optimizer steps per epoch must come from that sharded loader.
-        self.model, self.optimizer, self.train_loader, self.eval_loader = accelerator.prepare(
-            self.model, optimizer, self.train_loader, self.eval_loader
+        self.model, self.optimizer, self.train_loader = accelerator.prepare(
+            self.model, optimizer, self.train_loader
         )
+        names = list(self.eval_loaders)
+        loaders = accelerator.prepare(*self.eval_loaders.values()) if names else []
+        loaders = [loaders] if len(names) == 1 else loaders  # prepare() unpacks a single one
+        self.eval_loaders = dict(zip(names, loaders, strict=True))
         if c.memory.compile:
             # After the DDP wrapper (as accelerate does): its hooks stay outside the compiled
             # graph. Accelerator(dynamo_backend=) is not used: that setting is process-wide and
@@ -375,9 +402,16 @@ class FineTuneRecipe:
             else:
                 metrics_file.unlink(missing_ok=True)
         self.metrics = MetricsLog(self.output_dir, enabled=main)
-        self.table = ProgressTable(main)
+        self.primary_set = self.config.primary_eval_set
+        self.table = ProgressTable(main, primary_set=self.primary_set)
         self.evaluations: list[dict] = list(self.state.evaluations)
+        self.guard = self.config.train.guard
+        self.max_regression = self.config.train.max_regression
+        if self.guard is not None and self.max_regression is None:
+            self.max_regression = DEFAULT_MAX_REGRESSION
+        self.stopped_for_regression = False
         self.normalizer = get_normalizer(self.normalizer_name)
+        self.decoding = self.config.decoding_options()
         # A bar only on a terminal: in a log file its \r redraws pile up into one unreadable
         # line. Elsewhere every --logging-steps steps get one plain line instead.
         self.show_bar = main and progress_bars_wanted()
@@ -400,7 +434,8 @@ class FineTuneRecipe:
     def train(self) -> None:
         """Train until `total_steps` optimizer steps, evaluating, logging and saving on the way."""
         t = self.config.train
-        if self.evaluating and t.eval_at_start and self.resume_from is None:
+        # The guard's WER before any training is what every later one is compared with.
+        if self.evaluating and (t.eval_at_start or self.guard) and self.resume_from is None:
             self.evaluate(0)
         if self.state.step >= self.total_steps:
             return  # resumed from the last step: nothing left to train
@@ -414,7 +449,7 @@ class FineTuneRecipe:
                     if step is None:
                         continue  # accumulating gradients, or an empty micro-batch
                     self._after_step(step)
-                    if self.state.step >= self.total_steps:
+                    if self.state.step >= self.total_steps or self.stopped_for_regression:
                         return
         except BaseException:
             self.metrics.close()
@@ -448,7 +483,9 @@ class FineTuneRecipe:
             return None  # every clip in this micro-batch was unusable; already counted
         with accelerator.accumulate(self.model):
             with memory.activation_offload(self.offload, accelerator.device):
-                loss, reported_loss = data_parallel_loss(self.model, batch, accelerator)
+                loss, reported_loss = data_parallel_loss(
+                    self.model, batch, accelerator, preserve=self.preserve
+                )
             accelerator.backward(loss)
             self.running_loss += reported_loss
             self.running_batches += 1
@@ -486,15 +523,22 @@ class FineTuneRecipe:
                 "latest"
             )
         last = state.step >= self.total_steps  # finish() evaluates and saves the last step
+        new_best = False
         if self.evaluating and t.eval_steps and state.step % t.eval_steps == 0 and not last:
             self.evaluate(state.step)
+            # final/ may be this step: keep its weights in a checkpoint until a better one.
+            new_best = self._final_choice().step == state.step
         if self.stop.requested():
             folder = self.save_checkpoint("interrupted")
             config_file = self.output_dir / runfolder.CONFIG_FILE
             say(self.accelerator, f"to continue: {resume_command(config_file, folder)}")
             raise TrainingInterrupted(self.stop.exit_code)
-        if t.save_steps and state.step % t.save_steps == 0 and not last:
+        if self.stopped_for_regression:
+            self.save_checkpoint("stopped: the guard set regressed (--stop-on-regression)")
+        elif t.save_steps and state.step % t.save_steps == 0 and not last:
             self.save_checkpoint("checkpoint")
+        elif new_best:
+            self.save_checkpoint(f"best {self.primary_set} WER so far")
 
     def _log_step(self, step: OptimizerStep) -> None:
         """A metrics.jsonl row for every step; a log line (or the bar's loss) every
@@ -533,22 +577,50 @@ class FineTuneRecipe:
 
     # -- evaluation and checkpoints ------------------------------------------------------------
 
-    def evaluate(self, step: int) -> dict:
-        """Validation loss and generate-based WER: a metrics line and a table row."""
-        evaluation = run_evaluation(
-            self.model,
-            self.eval_loader,
-            self.processor,
-            self.accelerator,
-            self.normalizer,
-            self.config.train.generation_max_length,
-            step,
-        )
-        self.evaluations.append(evaluation)
-        self.metrics.write(evaluation)
-        self.table.row(evaluation)
+    def evaluate(self, step: int) -> list[dict]:
+        """Every evaluation set: validation loss, generate-based WER, loop and insertion rates
+        (a metrics line each, one table row), then the guard's verdict."""
+        rows = []
+        for name, loader in self.eval_loaders.items():
+            row = run_evaluation(
+                self.model,
+                loader,
+                self.processor,
+                self.accelerator,
+                self.normalizer,
+                self.config.train.generation_max_length,
+                step,
+                self.decoding,
+            )
+            rows.append({"step": step, "set": name, **row})
+            self.metrics.write(rows[-1])
+        self.evaluations.extend(rows)
+        self.table.row(rows)
         self.model.train()
-        return evaluation
+        self._check_guard(step)
+        return rows
+
+    def _check_guard(self, step: int) -> None:
+        """Say so when the guard set's WER rose past --max-regression points over the start;
+        with --stop-on-regression, ask the loop to stop."""
+        regression = guard_regression(self.evaluations, self.guard, step)
+        if regression is None or regression <= self.max_regression:
+            return
+        say(
+            self.accelerator,
+            f"guard {self.guard}: WER {regression:+.1f} points over the start at step {step}, "
+            f"past --max-regression {self.max_regression:g}: this step will not go to final/"
+            + ("; stopping (--stop-on-regression)" if self.config.train.stop_on_regression else ""),
+        )
+        self.stopped_for_regression = self.config.train.stop_on_regression
+
+    def _final_choice(self) -> FinalChoice:
+        return choose_final_step(
+            self.evaluations,
+            primary_set=self.primary_set,
+            guard=self.guard,
+            max_regression=self.max_regression,
+        )
 
     def save_checkpoint(self, reason: str) -> Path:
         """OUTPUT/checkpoint-<step>/ (atomically), then keep the newest and the best."""
@@ -566,7 +638,7 @@ class FineTuneRecipe:
             checkpoints.rotate_checkpoints(
                 self.output_dir,
                 keep_last=self.config.train.save_total_limit,
-                evaluations=self.evaluations,
+                keep_step=self._final_choice().step,
             )
         say(self.accelerator, f"{reason}: saved {folder}")
         return folder
@@ -577,10 +649,14 @@ class FineTuneRecipe:
         """The last checkpoint and evaluation, then OUTPUT/final/, result.json, curves.png and,
         with --compare-baseline, the before/after report."""
         c, state, accelerator = self.config, self.state, self.accelerator
-        if c.train.save_steps:  # a checkpoint at the end too: a later --resume can go further
-            self.save_checkpoint("end of training")
-        if self.evaluating:
+        if self.evaluating and not any(row["step"] == state.step for row in self.evaluations):
             self.evaluate(state.step)
+        if c.train.save_steps and not self.stopped_for_regression:
+            self.save_checkpoint("end of training")  # a later --resume can go further
+        choice = self._final_choice()
+        best_folder = self.output_dir / f"{checkpoints.PREFIX}{choice.step}"
+        if choice.step not in (None, state.step) and not best_folder.is_dir():
+            choice = FinalChoice(state.step, f"the last step ({best_folder} is missing)")
         if state.skipped_clips:
             say(
                 accelerator,
@@ -598,12 +674,18 @@ class FineTuneRecipe:
             None,
             state.step,
             len(self.datasets.train),
-            len(self.datasets.eval),
+            sum(len(examples) for examples in self.datasets.eval.values()),
             state.skipped_clips,
             self.evaluations,
             state.skipped_steps,
+            final_step=choice.step if choice.step is not None else state.step,
+            final_reason=choice.reason,
+            primary_set=self.primary_set,
         )
         accelerator.wait_for_everyone()
+        if choice.step not in (None, state.step):  # an earlier step was better
+            checkpoints.load_weights(best_folder, accelerator=accelerator, model=self.model)
+        say(accelerator, f"final/: step {result.final_step}: {choice.reason}")
         if accelerator.is_main_process:
             result.final_dir = save_final(
                 accelerator.unwrap_model(self.model, keep_torch_compile=False),
@@ -617,9 +699,10 @@ class FineTuneRecipe:
                 self.output_dir / runfolder.CURVES_FILE,
             )
             say(accelerator, f"fine-tuned model: {result.final_dir}")
-            if c.train.compare_baseline and self.datasets.eval:
+            primary_examples = self.datasets.eval.get(self.primary_set)
+            if c.train.compare_baseline and primary_examples:
                 compare_with_baseline(
-                    c, result.final_dir, self.datasets.eval, self.output_dir, self.normalizer_name
+                    c, result.final_dir, primary_examples, self.output_dir, self.normalizer_name
                 )
         self.metrics.close()
         accelerator.end_training()
@@ -630,19 +713,24 @@ class FineTuneRecipe:
 # The recipe's pieces that need no recipe state
 
 
-def data_parallel_loss(model, batch: dict, accelerator) -> tuple[torch.Tensor, float]:
-    """(loss to backpropagate, loss to report) for this process's share of the batch.
+def data_parallel_loss(
+    model, batch: dict, accelerator, *, preserve: memory.BasePreservation | None = None
+) -> tuple[torch.Tensor, float]:
+    """(loss to backpropagate, cross-entropy to report) for this process's share of the batch.
 
     One process: the token-mean loss, unchanged. N processes: DDP averages the N gradients, so
     each process's loss is rescaled to (its token-loss sum) x N / (tokens in the whole global
     batch); the gradient is then that of the token-mean over the global batch, exactly what one
-    process computes on the same batch, however the tokens are spread over the processes.
+    process computes on the same batch, however the tokens are spread over the processes. With
+    --preserve-base the loss has a KL term (also a token mean, so the same rescaling holds); the
+    reported loss stays the cross-entropy, comparable with runs without it.
     """
-    loss = training_loss(model, batch)
+    terms = loss_terms(model, batch, preserve=preserve)
+    loss, reported = terms.loss, terms.cross_entropy.detach().float()
     if accelerator.num_processes == 1:
-        return loss, loss.detach().float().item()
+        return loss, reported.item()
     n_tokens = (batch["labels"] != IGNORE_INDEX).sum().float()
-    local = torch.stack([loss.detach().float() * n_tokens, n_tokens])
+    local = torch.stack([reported * n_tokens, n_tokens])
     loss_sum, total_tokens = accelerator.reduce(local, reduction="sum").tolist()
     scale = accelerator.num_processes * n_tokens / max(total_tokens, 1.0)
     return loss * scale, loss_sum / max(total_tokens, 1.0)
@@ -654,36 +742,94 @@ def prepare_datasets(
     """Read, split, subset and screen the data; report what was skipped and why."""
     d = config.data
     examples = load_examples(d.data, data_format=d.data_format)
-    if d.eval_data:
+    eval_paths = config.eval_sets()
+    if config.train.only_train:
+        train_examples, eval_sets = examples, {}
+    elif eval_paths:
         train_examples = examples
-        eval_examples = load_examples(d.eval_data, data_format=d.data_format)
-    elif config.train.only_train or d.eval_split == 0:
-        train_examples, eval_examples = examples, []
+        eval_sets = {
+            name: load_examples(path, data_format=d.data_format)
+            for name, path in eval_paths.items()
+        }
+    elif d.eval_split == 0:
+        train_examples, eval_sets = examples, {}
     else:
-        train_examples, eval_examples = split_examples(examples, d.eval_split, config.train.seed)
+        train_examples, held_out = split_examples(examples, d.eval_split, config.train.seed)
+        eval_sets = {"eval": held_out}
     if d.train_subset:
         train_examples = train_examples[: d.train_subset]
     if d.eval_subset:
-        eval_examples = eval_examples[: d.eval_subset]
+        eval_sets = {name: subset[: d.eval_subset] for name, subset in eval_sets.items()}
 
-    screened = [
-        screen_examples(
+    def screen(examples: list[Example]) -> tuple[list[Example], list]:
+        return screen_examples(
             examples,
             count_tokens=label_encoder.decoder_tokens,  # as check-data counts them
             max_label_tokens=max_label_tokens,
             strict=d.strict,
         )
-        for examples in (train_examples, eval_examples)
-    ]
-    (kept_train, skipped), (kept_eval, skipped_eval) = screened
-    if skipped or skipped_eval:
-        log.warning(summarize_skips(skipped + skipped_eval))
+
+    kept_train, skipped = screen(train_examples)
+    kept_eval = {}
+    for name, subset in eval_sets.items():
+        kept_eval[name], skipped_here = screen(subset)
+        skipped += skipped_here
+    if skipped:
+        log.warning(summarize_skips(skipped))
     if not kept_train:
         raise UserError(
             f"--data {d.data}: no usable training utterances after screening; "
             "run `whisper-train check-data` on it to see why"
         )
     return Datasets(kept_train, kept_eval)
+
+
+def guard_regression(evaluations: list[dict], guard: str | None, step: int) -> float | None:
+    """Points (percent) of WER the guard set lost at `step` against step 0; None without a
+    guard or its two evaluations."""
+    if guard is None:
+        return None
+    wer = {row["step"]: row["wer"] for row in evaluations if row.get("set") == guard}
+    if 0 not in wer or step not in wer or not math.isfinite(wer[step]):
+        return None
+    return 100 * (wer[step] - wer[0])
+
+
+def choose_final_step(
+    evaluations: list[dict], *, primary_set: str, guard: str | None, max_regression: float | None
+) -> FinalChoice:
+    """The evaluated step whose model final/ holds, as `load_best_model_at_end` users expect:
+    the lowest WER on `primary_set` among trained steps (not step 0) whose guard WER stayed
+    within `max_regression` points of the start; the later step on a tie. Without evaluations:
+    the last step. If no step stays within the guard's limit: the last one, and the reason says
+    so."""
+    scored = {
+        row["step"]: row["wer"]
+        for row in evaluations
+        if row.get("set", primary_set) == primary_set
+        and row["step"] > 0
+        and math.isfinite(row["wer"])
+    }
+    if not scored:
+        return FinalChoice(None, "the last step (no evaluation scored a trained step)")
+    allowed = {
+        step: wer
+        for step, wer in scored.items()
+        if (regression := guard_regression(evaluations, guard, step)) is None
+        or regression <= max_regression
+    }
+    if not allowed:
+        return FinalChoice(
+            max(scored),
+            f"the last evaluated step: every evaluation lost more than {max_regression:g} "
+            f"points of {guard} WER",
+        )
+    best = min(allowed, key=lambda step: (allowed[step], -step))
+    reason = f"the lowest {primary_set} WER ({100 * allowed[best]:.2f}%) of {len(scored)} evaluated"
+    reason += " steps" if len(scored) > 1 else " step"
+    if guard is not None:
+        reason += f", guard {guard} within {max_regression:g} points of the start"
+    return FinalChoice(best, reason)
 
 
 def save_final(model, processor, config: RunConfig, final_dir: Path) -> Path:
@@ -729,6 +875,7 @@ def compare_with_baseline(
                 normalizer=normalizer,
                 max_length=config.train.generation_max_length,
                 model_name=spec,
+                decoding=config.decoding_options(),
             )
         )
     before, after = reports

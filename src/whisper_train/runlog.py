@@ -47,12 +47,27 @@ class TrainResult:
     train_examples: int
     eval_examples: int
     skipped_clips: int
-    evaluations: list[dict] = field(default_factory=list)  # {"step", "eval_loss", "wer"}
+    # One row per evaluation set per evaluation: {"step", "set", "eval_loss", "wer", ...}
+    evaluations: list[dict] = field(default_factory=list)
     skipped_steps: int = 0  # optimizer steps skipped for a NaN or infinite loss or gradient
+    final_step: int | None = None  # the evaluated step final/ holds
+    final_reason: str = ""  # why that step: best WER, within the guard's limit, or the last
+    primary_set: str = "eval"  # the evaluation set whose WER picked it
+
+    def wer_at(self, step: int | None, eval_set: str | None = None) -> float | None:
+        """The WER of `eval_set` (default: the primary set) at `step`, if it was evaluated."""
+        eval_set = eval_set or self.primary_set
+        found = [
+            row["wer"]
+            for row in self.evaluations
+            if row["step"] == step and row.get("set", self.primary_set) == eval_set
+        ]
+        return found[-1] if found else None
 
     @property
     def final_wer(self) -> float | None:
-        return self.evaluations[-1]["wer"] if self.evaluations else None
+        """The primary set's WER of the model in final/."""
+        return self.wer_at(self.final_step)
 
 
 def write_result(result: TrainResult) -> None:
@@ -94,11 +109,9 @@ class MetricsLog:
         if self.writer is not None:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self.writer.add_scalar(
-                        f"{'eval' if key in ('eval_loss', 'wer') else 'train'}/{key}",
-                        value,
-                        row["step"],
-                    )
+                    # eval/<set>/wer for each evaluation set, train/loss for the steps
+                    scope = f"eval/{row['set']}" if "set" in row else "train"
+                    self.writer.add_scalar(f"{scope}/{key}", value, row["step"])
 
     def close(self) -> None:
         if self.file:
@@ -108,25 +121,37 @@ class MetricsLog:
 
 
 class ProgressTable:
-    """The live `Step | Training Loss | Validation Loss | WER` table, printed above the bar."""
+    """The live `Step | Training Loss | Validation Loss | WER <set> ...` table, printed above
+    the bar: the validation loss of the primary evaluation set, a WER column per set."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, primary_set: str = "eval"):
         self.enabled = enabled
+        self.primary_set = primary_set
         self.header_printed = False
         self.last_train_loss = float("nan")
 
-    def row(self, evaluation: dict) -> None:
-        if not self.enabled:
+    def row(self, evaluations: list[dict]) -> None:
+        """One evaluation: a row per set of the same step."""
+        if not self.enabled or not evaluations:
             return
+        wer_headers = [
+            "WER" if len(evaluations) == 1 else f"WER {row['set']}" for row in evaluations
+        ]
         if not self.header_printed:
-            tqdm.write(
-                f"{'Step':>6} | {'Training Loss':>13} | {'Validation Loss':>15} | {'WER':>7}"
-            )
+            columns = ["Step".rjust(6), "Training Loss", "Validation Loss"]
+            tqdm.write(" | ".join(columns + [h.rjust(7) for h in wer_headers]))
             self.header_printed = True
+        primary = next((r for r in evaluations if r["set"] == self.primary_set), evaluations[0])
         train_loss = "-" if math.isnan(self.last_train_loss) else f"{self.last_train_loss:.4f}"
+        wers = [
+            f"{100 * row['wer']:.2f}%".rjust(max(7, len(header)))
+            for row, header in zip(evaluations, wer_headers, strict=True)
+        ]
         tqdm.write(
-            f"{evaluation['step']:>6} | {train_loss:>13} | "
-            f"{evaluation['eval_loss']:>15.4f} | {100 * evaluation['wer']:>6.2f}%"
+            " | ".join(
+                [f"{primary['step']:>6}", f"{train_loss:>13}", f"{primary['eval_loss']:>15.4f}"]
+                + wers
+            )
         )
 
 

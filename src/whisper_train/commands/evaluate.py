@@ -60,13 +60,52 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--max-length", type=int, default=225, help="Longest transcript in tokens [default: 225]."
     )
+    add_decoding_arguments(parser)
     parser.set_defaults(handler=run)
+
+
+def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
+    """--temperatures, --compression-ratio-threshold, --logprob-threshold (evaluate, transcribe)."""
+    from whisper_train import decoding
+
+    temperatures = ",".join("0" if t == 0 else str(t) for t in decoding.DEFAULT_TEMPERATURES)
+    parser.add_argument(
+        "--temperatures",
+        default=temperatures,
+        help=f"{decoding.TEMPERATURES_HELP} [default: {temperatures}].",
+    )
+    parser.add_argument(
+        "--compression-ratio-threshold",
+        default=str(decoding.DEFAULT_COMPRESSION_RATIO_THRESHOLD),
+        help=f"{decoding.COMPRESSION_RATIO_HELP} "
+        f"[default: {decoding.DEFAULT_COMPRESSION_RATIO_THRESHOLD}].",
+    )
+    parser.add_argument(
+        "--logprob-threshold",
+        default=str(decoding.DEFAULT_LOGPROB_THRESHOLD),
+        help=f"{decoding.LOGPROB_HELP} [default: {decoding.DEFAULT_LOGPROB_THRESHOLD}].",
+    )
+
+
+def decoding_from_args(args: argparse.Namespace):
+    """The DecodingOptions the decoding flags ask for (UserError if malformed)."""
+    from whisper_train.decoding import DecodingOptions, parse_temperatures, parse_threshold
+
+    return DecodingOptions(
+        temperatures=parse_temperatures(args.temperatures),
+        compression_ratio_threshold=parse_threshold(
+            args.compression_ratio_threshold, "--compression-ratio-threshold"
+        ),
+        logprob_threshold=parse_threshold(args.logprob_threshold, "--logprob-threshold"),
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Prints WER/CER (the model's as soon as it is scored, then the baseline's) and where the
     reports went; `evaluate` writes report.json (+ .md/.png with --baseline)."""
     from whisper_train.evaluate import evaluate
+
+    decoding = decoding_from_args(args)
 
     def show(role: str, report: EvalReport) -> None:
         if role == "baseline":
@@ -92,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         beam_size=args.beam_size,
         max_length=args.max_length,
         on_report=show,
+        decoding=decoding,
     )
     if result.paths:
         # One line that says where every file went: the default may be a folder never named.
@@ -107,3 +147,10 @@ def _print_scores(name: str, report: EvalReport) -> None:
         f"(orthographic WER {100 * s.orthographic_wer:.2f}%, n={s.n}, "
         f"normalizer {report.normalizer})"
     )
+    if report.decoding is not None and report.decoding.fallback:
+        # Loop figures are scored on the kept transcripts: say how many needed decoding again.
+        unresolved = f", {report.unresolved} failed at every temperature" * bool(report.unresolved)
+        print(
+            f"  temperature fallback: {report.fallbacks} of {s.n} utterance(s) decoded again "
+            f"(looping or unlikely at temperature {report.decoding.temperatures[0]:g}){unresolved}"
+        )

@@ -40,6 +40,14 @@ def add_config_arguments(parser: argparse.ArgumentParser, groups=tuple(GROUPS)) 
                     default=argparse.SUPPRESS,
                     help=help_text,
                 )
+            elif f.metadata.get("repeatable"):  # --eval-data A=x --eval-data B=y
+                group.add_argument(
+                    flag,
+                    metavar=metavar(f.name),
+                    action="append",
+                    default=argparse.SUPPRESS,
+                    help=help_text,
+                )
             elif "const" in f.metadata:  # a flag that may stand alone: --resume
                 group.add_argument(
                     flag,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from whisper_train.commands.evaluate import add_decoding_arguments, decoding_from_args
 from whisper_train.transcribe import FORMATS
 
 
@@ -14,7 +15,8 @@ def add_parser(subparsers) -> None:
         "transcribe",
         help="Transcribe audio files, folders or a manifest (any length) to txt/srt/vtt/json.",
         description="Transcribe recordings with a Whisper model; long recordings are decoded "
-        "30 s window by window with timestamps.",
+        "30 s window by window with timestamps, and a window whose text loops is decoded again "
+        "at higher temperatures (openai-whisper's fallback).",
     )
     parser.add_argument("inputs", nargs="+", help="Audio files, folders of audio, or a manifest.")
     parser.add_argument(
@@ -44,6 +46,7 @@ def add_parser(subparsers) -> None:
         help="Default: the model's own (transcribe unless it was fine-tuned to translate).",
     )
     parser.add_argument("--beam-size", type=int, default=1, help="1 is greedy decoding.")
+    add_decoding_arguments(parser)
     parser.set_defaults(handler=run)
 
 
@@ -59,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         task=args.task,
         beam_size=args.beam_size,
         output_dir=args.output_dir,
+        decoding=decoding_from_args(args),
     )
     good = [r for r in results if r.error is None]
     if args.output_dir is None:

@@ -1,0 +1,386 @@
+"""Loop-proof decoding: greedy first, temperature fallback for the utterances that fail.
+
+The fallback users know from openai-whisper and faster-whisper: decode at temperature 0
+(greedy, or beam search with --beam-size); an utterance whose text compresses too well (a
+compression ratio over 2.4: it repeats itself) or whose tokens the model did not believe (a
+mean log-probability under -1.0) is decoded again, by sampling at 0.2, 0.4, ... 1.0, and the
+first decode that passes both tests is kept. Only the utterances that failed are decoded again,
+so a batch stays one generate call when nothing loops. Sampling is seeded (`seed`) in a forked
+RNG, so an evaluation repeats exactly and a training run's own random stream is left alone.
+
+The defaults are openai-whisper's (`transcribe()`: temperature (0.0, 0.2, ..., 1.0),
+compression_ratio_threshold 2.4, logprob_threshold -1.0); they were not tuned here.
+
+Definitions, as openai-whisper has them (whisper/utils.py, whisper/decoding.py):
+  compression ratio  len(text bytes) / len(zlib.compress(text bytes)), on the decoded TEXT
+                     (special and timestamp tokens left out, stripped);
+  mean log-prob      the sum of the chosen tokens' log-softmax, <|endoftext|> included,
+                     divided by (number of tokens before <|endoftext|>) + 1: decoding.py's
+                     `avg_logprobs = [lp / (len(t) + 1) ...]`, where `t` excludes the EOT whose
+                     log-prob `lp` includes. faster-whisper divides by (seq_len + 1) too.
+At temperature T the log-softmax is of the (suppressed, not temperature-scaled) logits, again as
+openai-whisper and transformers' own Whisper fallback compute it.
+
+Why not transformers' built-in `generate(temperature=(...), compression_ratio_threshold=...)`:
+its compression ratio is computed on the token ids' BYTES (`_retrieve_compression_ratio`), a
+different scale (its docs suggest 1.35), so openai-whisper's 2.4 would not mean what users
+expect; and it tells the caller neither which utterances fell back nor their log-probs, which
+the evaluation report counts. Here the loop is ours, over any input generate takes (features,
+or an encoder cache's outputs). Only `transcribe`'s transformers long-form path uses the
+built-in loop (it owns the window seeking), with its ratio swapped for this one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from whisper_train.errors import UserError
+
+DEFAULT_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+DEFAULT_COMPRESSION_RATIO_THRESHOLD = 2.4
+DEFAULT_LOGPROB_THRESHOLD = -1.0
+DEFAULT_SEED = 0
+OFF = ("none", "off")
+
+# One help text per option, shared by the commands (and the training configuration).
+TEMPERATURES_HELP = (
+    "Decode at the first temperature (0 = greedy, or beam search with --beam-size), then again "
+    "at the next ones (sampling) for each utterance whose output fails "
+    "--compression-ratio-threshold or --logprob-threshold; a single 0 turns the fallback off. "
+    "openai-whisper's defaults, not tuned here"
+)
+COMPRESSION_RATIO_HELP = (
+    "Decode again when the text's zlib compression ratio is above this (it repeats itself); "
+    "none or off to disable. openai-whisper's default, not tuned here"
+)
+LOGPROB_HELP = (
+    "Decode again when the mean log-probability of the output tokens is below this; none or "
+    "off to disable. openai-whisper's default, not tuned here"
+)
+
+
+def compression_ratio(text: str) -> float:
+    """len(UTF-8 bytes) / len(zlib-compressed bytes), openai-whisper's loop detector.
+
+    Ordinary sentences score about 1 to 1.5 (short ones under 1: zlib's header costs bytes);
+    a phrase repeated over and over scores well above openai-whisper's 2.4.
+    """
+    data = text.encode("utf-8")
+    if not data:
+        return 0.0
+    return len(data) / len(zlib.compress(data))
+
+
+def parse_temperatures(value: str | Sequence[float]) -> tuple[float, ...]:
+    """'0,0.2,0.4' (or a sequence of numbers) → (0.0, 0.2, 0.4); UserError if malformed."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        temperatures = tuple(float(item) for item in items)
+    except (TypeError, ValueError):
+        raise UserError(
+            f"--temperatures {value}: expected comma-separated numbers like 0,0.2,0.4"
+        ) from None
+    _check_temperatures(temperatures, value)
+    return temperatures
+
+
+def parse_threshold(value: str | float | None, flag: str) -> float | None:
+    """'2.4' → 2.4; 'none' / 'off' / None → None (that test is off)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in OFF):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{flag} {value}: expected a number, or none/off to disable") from None
+    if not math.isfinite(number):
+        raise UserError(f"{flag} {value}: expected a finite number, or none/off to disable")
+    return number
+
+
+def _check_temperatures(temperatures: Sequence[float], shown) -> None:
+    if not temperatures:
+        raise UserError("--temperatures: give at least one temperature, e.g. 0")
+    if any(not math.isfinite(t) or t < 0 for t in temperatures):
+        raise UserError(f"--temperatures {shown}: temperatures must be 0 or positive")
+    if any(t == 0 for t in temperatures[1:]):
+        raise UserError(
+            f"--temperatures {shown}: only the first may be 0; a fallback decodes by sampling"
+        )
+
+
+@dataclass(frozen=True)
+class DecodingOptions:
+    """How generate decodes: the temperature schedule and the two tests that trigger it.
+
+    `temperatures[0]` is the first decode (0: greedy / beam search); the rest are the fallback.
+    A threshold of None turns that test off. The fallback runs only with at least two
+    temperatures and at least one threshold.
+    """
+
+    temperatures: tuple[float, ...] = DEFAULT_TEMPERATURES
+    compression_ratio_threshold: float | None = DEFAULT_COMPRESSION_RATIO_THRESHOLD
+    logprob_threshold: float | None = DEFAULT_LOGPROB_THRESHOLD
+    seed: int = DEFAULT_SEED  # sampling seed: the same inputs give the same fallback outputs
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "temperatures", tuple(float(t) for t in self.temperatures))
+        _check_temperatures(self.temperatures, ",".join(map(str, self.temperatures)))
+
+    @property
+    def fallback(self) -> bool:
+        """Whether a failed decode is ever decoded again."""
+        has_test = (
+            self.compression_ratio_threshold is not None or self.logprob_threshold is not None
+        )
+        return len(self.temperatures) > 1 and has_test
+
+    def fails(self, candidate: Decoded) -> bool:
+        """Whether `candidate` fails a test (too repetitive, or too unlikely)."""
+        too_repetitive = (
+            self.compression_ratio_threshold is not None
+            and candidate.compression_ratio > self.compression_ratio_threshold
+        )
+        too_unlikely = (
+            self.logprob_threshold is not None
+            and candidate.avg_logprob is not None
+            and candidate.avg_logprob < self.logprob_threshold
+        )
+        return too_repetitive or too_unlikely
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "temperatures": list(self.temperatures)}
+
+
+# Greedy (or beam search) only: what generate did before the fallback existed.
+NO_FALLBACK = DecodingOptions(temperatures=(0.0,))
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """One utterance's kept decode and how it was reached."""
+
+    text: str
+    tokens: tuple[int, ...]  # generated tokens, prompt and <|endoftext|> left out
+    avg_logprob: float | None  # None when the fallback is off (no scores were asked for)
+    compression_ratio: float
+    temperature: float  # of the decode that was kept
+    fallback: bool = False  # the first decode failed a test, so it was decoded again
+    passed: bool = True  # the kept decode passes both tests (False: every temperature failed)
+
+    def report(self) -> dict:
+        """The per-utterance figures of a JSON report."""
+        logprob = None if self.avg_logprob is None else round(self.avg_logprob, 4)
+        return {
+            "temperature": self.temperature,
+            "avg_logprob": logprob,
+            "compression_ratio": round(self.compression_ratio, 4),
+            "fallback": self.fallback,
+        }
+
+
+# decode(rows, temperature) → one Decoded per row (the indices of the batch to decode).
+DecodeFn = Callable[[list[int], float], list[Decoded]]
+
+
+def choose(candidates: Sequence[Decoded], options: DecodingOptions) -> Decoded:
+    """The decode to keep of one utterance's tries, in temperature order.
+
+    The first that passes; when none does, faster-whisper's choice (its
+    `generate_with_fallback`): the highest mean log-probability among the tries that are not
+    repetitive, else among all. openai-whisper keeps the last try (temperature 1.0, the most
+    random); the most likely non-looping try is the better transcript, and it keeps the two
+    backends of `transcribe` (ours and faster-whisper) making the same choice.
+    """
+    for candidate in candidates:
+        if not options.fails(candidate):
+            return candidate
+    limit = options.compression_ratio_threshold
+    pool = [c for c in candidates if limit is None or c.compression_ratio <= limit]
+    return max(
+        pool or candidates, key=lambda c: -math.inf if c.avg_logprob is None else c.avg_logprob
+    )
+
+
+def decode_with_fallback(decode: DecodeFn, n: int, options: DecodingOptions) -> list[Decoded]:
+    """Decode `n` utterances at `options.temperatures[0]`, then again at each later temperature
+    only those whose latest decode failed; returns the kept decode of each, in order."""
+    first = decode(list(range(n)), options.temperatures[0])
+    tries: list[list[Decoded]] = [[candidate] for candidate in first]
+    pending = [i for i, candidate in enumerate(first) if options.fails(candidate)]
+    fell_back = set(pending) if options.fallback else set()
+    if options.fallback:
+        for temperature in options.temperatures[1:]:
+            if not pending:
+                break
+            for i, candidate in zip(pending, decode(pending, temperature), strict=True):
+                tries[i].append(candidate)
+            pending = [i for i in pending if options.fails(tries[i][-1])]
+    kept = []
+    for i, candidates in enumerate(tries):
+        best = choose(candidates, options) if i in fell_back else candidates[0]
+        kept.append(replace(best, fallback=i in fell_back, passed=not options.fails(best)))
+    return kept
+
+
+@contextlib.contextmanager
+def seeded(seed: int, device: torch.device | str | None = None) -> Iterator[None]:
+    """torch's RNG seeded with `seed` inside, and given back untouched afterwards."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    cuda = []
+    if device.type == "cuda":
+        cuda = [device.index if device.index is not None else torch.cuda.current_device()]
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)
+        yield
+
+
+# -- transformers' generate -----------------------------------------------------------------
+
+
+def _rows_of(inputs: dict, rows: list[int], n: int) -> dict:
+    """The generate inputs of some rows of the batch (all of them: `inputs` itself)."""
+    if rows == list(range(n)):
+        return inputs
+    index = torch.tensor(rows)
+    picked = {}
+    for key, value in inputs.items():
+        if key == "encoder_outputs":
+            from transformers.modeling_outputs import BaseModelOutput
+
+            hidden = value.last_hidden_state
+            picked[key] = BaseModelOutput(last_hidden_state=hidden[index.to(hidden.device)])
+        elif isinstance(value, torch.Tensor):
+            picked[key] = value[index.to(value.device)]
+        else:
+            picked[key] = value
+    return picked
+
+
+def _batch_size(inputs: dict) -> int:
+    if "encoder_outputs" in inputs:
+        return int(inputs["encoder_outputs"].last_hidden_state.shape[0])
+    return int(inputs["input_features"].shape[0])
+
+
+def decoded_from_output(output, tokenizer, temperature: float) -> list[Decoded]:
+    """generate's output (`return_dict_in_generate=True, output_scores=True`) → one Decoded per
+    row: its tokens up to <|endoftext|>, text, mean log-prob and compression ratio."""
+    eot = tokenizer.eos_token_id
+    sequences = output.sequences
+    steps = len(output.scores)
+    # Every generated token has one score row (beam search's re-indexed to the kept beam by
+    # Whisper's generate), so the generated tokens are the last `steps` of each sequence.
+    generated = sequences[:, sequences.shape[1] - steps :]
+    scale = temperature if temperature > 0 else 1.0
+    # Step by step, not stacked: (batch, steps, vocab) floats would double generate's memory.
+    chosen = (
+        torch.stack(
+            [
+                torch.log_softmax(score.float() * scale, dim=-1)
+                .gather(-1, generated[:, step : step + 1].to(score.device))
+                .squeeze(-1)
+                .cpu()
+                for step, score in enumerate(output.scores)
+            ],
+            dim=1,
+        )
+        if steps
+        else torch.zeros(sequences.shape[0], 0)
+    )
+    decoded = []
+    for row, row_logprobs in zip(generated.tolist(), chosen, strict=True):
+        length = row.index(eot) if eot in row else len(row)
+        scored = min(length + 1, len(row))  # <|endoftext|>'s log-prob counts, as in openai-whisper
+        avg_logprob = float(row_logprobs[:scored].sum()) / (length + 1)
+        text = tokenizer.decode(row[:length], skip_special_tokens=True).strip()
+        decoded.append(
+            Decoded(
+                text=text,
+                tokens=tuple(row[:length]),
+                avg_logprob=avg_logprob,
+                compression_ratio=compression_ratio(text),
+                temperature=temperature,
+            )
+        )
+    return decoded
+
+
+def hf_decoder(
+    model, inputs: dict, tokenizer, *, max_length: int | None, num_beams: int = 1
+) -> DecodeFn:
+    """A DecodeFn over one batch of generate inputs (`input_features`, or `encoder_outputs`);
+    `max_length` None leaves it to the model's generation config."""
+    n = _batch_size(inputs)
+    encoded: dict[int, torch.Tensor] = {}  # row → its encoder output, for the fallback passes
+
+    def fallback_inputs(rows: list[int]) -> dict:
+        # Run the encoder once for the rows that fell back, not once per temperature.
+        if "input_features" not in inputs:
+            return _rows_of(inputs, rows, n)
+        from transformers.modeling_outputs import BaseModelOutput
+
+        missing = [row for row in rows if row not in encoded]
+        if missing:
+            features = _rows_of(inputs, missing, n)["input_features"]
+            with torch.no_grad():
+                hidden = model.get_encoder()(features).last_hidden_state
+            encoded.update(zip(missing, hidden, strict=True))
+        hidden = torch.stack([encoded[row] for row in rows])
+        return {"encoder_outputs": BaseModelOutput(last_hidden_state=hidden)}
+
+    def decode(rows: list[int], temperature: float) -> list[Decoded]:
+        kwargs: dict = {} if max_length is None else {"max_length": max_length}
+        if temperature > 0:
+            # Sampling from the whole distribution (top_k 0; transformers' default is 50), one
+            # sample per temperature, as openai-whisper's transcribe() does without --best_of.
+            kwargs.update(temperature=temperature, do_sample=True, top_k=0, num_beams=1)
+        else:
+            kwargs.update(num_beams=num_beams)
+        batch = fallback_inputs(rows) if temperature > 0 else _rows_of(inputs, rows, n)
+        output = model.generate(**batch, return_dict_in_generate=True, output_scores=True, **kwargs)
+        return decoded_from_output(output, tokenizer, temperature)
+
+    return decode
+
+
+def generate_decoded(
+    model,
+    inputs: dict,
+    tokenizer,
+    *,
+    max_length: int | None,
+    num_beams: int = 1,
+    options: DecodingOptions | None = None,
+) -> list[Decoded]:
+    """Decode one batch of generate inputs with `options` (default: the fallback on).
+
+    Without a fallback (`NO_FALLBACK`), one plain generate call, as before the fallback existed
+    (no scores asked for: `avg_logprob` None, `tokens` the text tokens).
+    """
+    options = DecodingOptions() if options is None else options
+    if not options.fallback and options.temperatures[0] == 0:
+        limit = {} if max_length is None else {"max_length": max_length}
+        ids = model.generate(**inputs, num_beams=num_beams, **limit)
+        texts = [text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True)]
+        eot = tokenizer.eos_token_id
+        plain = [
+            Decoded(text, tuple(t for t in row if t < eot), None, compression_ratio(text), 0.0)
+            for text, row in zip(texts, ids.tolist(), strict=True)
+        ]
+        return [replace(item, passed=not options.fails(item)) for item in plain]
+    decode = hf_decoder(model, inputs, tokenizer, max_length=max_length, num_beams=num_beams)
+    device = _first_device(inputs)
+    with seeded(options.seed, device):
+        return decode_with_fallback(decode, _batch_size(inputs), options)
+
+
+def _first_device(inputs: dict) -> torch.device:
+    if "encoder_outputs" in inputs:
+        return inputs["encoder_outputs"].last_hidden_state.device
+    return inputs["input_features"].device

@@ -1,0 +1,177 @@
+"""Several evaluation sets, a guard against forgetting, and final/ as the best allowed step."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import metric_rows, write_tone_dataset
+from safetensors.torch import load_file
+
+import whisper_train.recipe as recipe_module
+from whisper_train.cli import build_parser
+from whisper_train.commands.flags import config_from_args
+from whisper_train.errors import UserError
+from whisper_train.recipe import choose_final_step
+from whisper_train.train import train
+
+
+def _rows(table: dict[str, dict[int, float]]) -> list[dict]:
+    """{set: {step: wer}} → metrics rows."""
+    return [
+        {"step": step, "set": name, "wer": wer}
+        for name, by_step in table.items()
+        for step, wer in by_step.items()
+    ]
+
+
+# -- choosing the step final/ holds --------------------------------------------------------
+
+
+def test_final_is_the_lowest_primary_wer_among_steps_within_the_guard():
+    rows = _rows(
+        {
+            "target": {0: 0.90, 2: 0.40, 4: 0.20, 6: 0.30},
+            "guard": {0: 0.10, 2: 0.11, 4: 0.15, 6: 0.115},  # step 4 lost 5 points
+        }
+    )
+    choice = choose_final_step(rows, primary_set="target", guard="guard", max_regression=2.0)
+    assert choice.step == 6 and "guard guard within 2 points" in choice.reason
+    # Without the guard, step 4's lower WER wins.
+    assert choose_final_step(rows, primary_set="target", guard=None, max_regression=None).step == 4
+
+
+def test_final_never_picks_the_untrained_start_and_prefers_the_later_step_on_a_tie():
+    rows = _rows({"eval": {0: 0.05, 2: 0.30, 4: 0.30}})
+    assert choose_final_step(rows, primary_set="eval", guard=None, max_regression=None).step == 4
+
+
+def test_when_every_step_breaks_the_guard_final_is_the_last_and_says_why():
+    rows = _rows({"target": {0: 0.9, 2: 0.5, 4: 0.4}, "guard": {0: 0.1, 2: 0.2, 4: 0.3}})
+    choice = choose_final_step(rows, primary_set="target", guard="guard", max_regression=2.0)
+    assert choice.step == 4 and "every evaluation lost more than 2 points" in choice.reason
+    assert choose_final_step([], primary_set="eval", guard=None, max_regression=None).step is None
+
+
+# -- options -------------------------------------------------------------------------------
+
+
+def _config(*flags: str):
+    return config_from_args(build_parser().parse_args(["train", "--data", "d", *flags]))
+
+
+def test_eval_data_is_repeatable_with_names_and_a_bare_path_is_eval():
+    config = _config("--eval-data", "target=t/", "--eval-data", "general=g/")
+    assert config.eval_sets() == {"target": "t/", "general": "g/"}
+    assert config.primary_eval_set == "target"
+    assert _config("--eval-data", "held/").eval_sets() == {"eval": "held/"}
+    guarded = _config("--eval-data", "general=g/", "--eval-data", "t=t/", "--guard", "general")
+    assert guarded.primary_eval_set == "t"  # the first set that is not the guard
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--eval-data", "a=x", "--eval-data", "a=y"], "the name a is used twice"),
+        (["--eval-data", "a=x", "--guard", "b"], "--guard b: no evaluation set of that name"),
+        (["--eval-data", "a=x", "--guard", "a"], "it needs another set"),
+        (["--eval-data", "a=x", "--metric-for-best", "z"], "--metric-for-best z: no evaluation"),
+        (
+            ["--eval-data", "a=x", "--eval-data", "b=y", "--guard", "a", "--metric-for-best", "a"],
+            "name the same set",
+        ),
+        (["--max-regression", "3"], "need --guard NAME"),
+        (["--eval-data", "a b=x"], "expected NAME=PATH"),
+    ],
+)
+def test_bad_eval_set_options_name_the_flag(flags, message):
+    with pytest.raises(UserError, match=message):
+        _config(*flags)
+
+
+# -- a run with several sets ---------------------------------------------------------------
+
+
+@pytest.fixture
+def two_sets(tmp_path):
+    return {
+        "target": write_tone_dataset(tmp_path / "target", n=3, seed=1),
+        "general": write_tone_dataset(tmp_path / "general", n=2, seed=2),
+    }
+
+
+def test_every_evaluation_scores_every_set(tiny_run_config, two_sets, capsys):
+    result = train(
+        tiny_run_config(
+            only_train=False,
+            eval_data=[f"{name}={path}" for name, path in two_sets.items()],
+            eval_steps=2,
+            generation_max_length=4,
+        )
+    )
+    evaluations = [row for row in metric_rows(result.output_dir) if "wer" in row]
+    assert [(row["step"], row["set"]) for row in evaluations] == [
+        (2, "target"),
+        (2, "general"),
+        (3, "target"),
+        (3, "general"),
+    ]
+    for row in evaluations:
+        assert set(row) == {
+            "step",
+            "set",
+            "eval_loss",
+            "wer",
+            "repeated_ngram_rate",
+            "insertion_rate",
+        }
+        assert math.isfinite(row["eval_loss"]) and row["wer"] >= 0
+    out = capsys.readouterr().out
+    assert "WER target | WER general" in out  # one WER column per set
+    assert result.eval_examples == 5 and result.primary_set == "target"
+    saved = json.loads((result.output_dir / "result.json").read_text())
+    assert saved["final_step"] in (2, 3) and "lowest target WER" in saved["final_reason"]
+
+
+def test_the_guard_stops_a_run_and_final_holds_the_best_allowed_step(
+    tiny_run_config, two_sets, monkeypatch, capsys
+):
+    """Scripted evaluations (a random tiny model's WER cannot be steered): the target improves
+    at every step, the guard holds at step 2 and collapses at step 4. With
+    --stop-on-regression the run stops at step 4, and final/ holds step 2's weights, not the
+    last ones."""
+    target = {0: 0.9, 2: 0.6, 4: 0.3}
+    guard = {0: 0.10, 2: 0.11, 4: 0.40}
+
+    def scripted(model, loader, processor, accelerator, normalizer, max_length, step, *_):
+        name = "general" if len(loader.dataset) == 2 else "target"
+        wer = (guard if name == "general" else target)[step]
+        return {"step": step, "eval_loss": 1.0, "wer": wer}
+
+    monkeypatch.setattr(recipe_module, "run_evaluation", scripted)
+    result = train(
+        tiny_run_config(
+            only_train=False,
+            eval_data=[f"{name}={path}" for name, path in two_sets.items()],
+            guard="general",
+            stop_on_regression=True,
+            eval_steps=2,
+            max_steps=8,
+            save_total_limit=1,
+        )
+    )
+    out = capsys.readouterr().out
+    assert result.steps == 4, "stopped at the evaluation past the guard's limit"
+    assert "guard general: WER +30.0 points over the start at step 4" in out
+    assert result.final_step == 2 and result.final_wer == 0.6
+    saved = json.loads((result.output_dir / "result.json").read_text())
+    assert saved["final_step"] == 2 and "guard general within 2 points" in saved["final_reason"]
+    # final/ holds step 2's trained weights (kept in checkpoint-2), not step 4's.
+    best = load_file(result.output_dir / "checkpoint-2" / "trainable.safetensors")
+    final = load_file(result.output_dir / "final" / "model.safetensors")
+    last = load_file(result.output_dir / "checkpoint-4" / "trainable.safetensors")
+    name = "model.decoder.layers.0.fc1.weight"
+    assert torch.equal(final[name], best[name])
+    assert not torch.equal(final[name], last[name])

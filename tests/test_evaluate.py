@@ -301,3 +301,21 @@ def test_evaluate_puts_a_comparison_of_a_run_into_the_run_folder(
     assert main(argv) == 0
     assert sorted(p.name for p in elsewhere.iterdir()) == sorted(names)
     assert f"to {elsewhere.resolve()}" in capsys.readouterr().out
+
+
+def test_evaluate_scores_several_named_sets_into_a_folder_each(
+    tiny_whisper_dir, tone_dataset, tmp_path, capsys
+):
+    from conftest import write_tone_dataset
+
+    from whisper_train.cli import main
+
+    other = write_tone_dataset(tmp_path / "other", n=2, seed=3)
+    argv = _evaluate_argv(tiny_whisper_dir, f"tones={tone_dataset}", "--output", str(tmp_path))
+    argv += ["--data", f"other={other}"]
+    assert main(argv) == 0
+    tones = json.loads((tmp_path / "tones" / "report.json").read_text())
+    others = json.loads((tmp_path / "other" / "report.json").read_text())
+    assert (tones["n"], others["n"]) == (2, 2)  # --eval-subset 2 of each
+    out = capsys.readouterr().out
+    assert f"[tones] {tone_dataset}" in out and f"[other] {other}" in out

@@ -27,6 +27,26 @@ OPTIMIZERS = ("adamw", "adamw-fused", "adamw8bit")
 TASKS = ("transcribe", "translate")
 
 
+def named_paths(entries: list[str], flag: str) -> dict[str, str]:
+    """["target=t/", "general=g/"] → {"target": "t/", "general": "g/"}, in order; a bare PATH
+    is named "eval". The one reading of NAME=PATH for `train --eval-data` and `evaluate --data`.
+    """
+    sets: dict[str, str] = {}
+    for entry in entries:
+        name, sep, path = entry.partition("=")
+        if not sep:  # a bare PATH
+            name, path = "eval", entry
+        elif not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name) or not path:
+            raise UserError(
+                f"{flag} {entry}: expected NAME=PATH with NAME of letters, digits, '-', '_' or "
+                "'.', or a bare PATH"
+            )
+        if name in sets:
+            raise UserError(f"{flag} {entry}: the name {name} is used twice")
+        sets[name] = path
+    return sets
+
+
 def _is_checkpoint_policy(policy: str) -> bool:
     """off | on | full | encoder | auto | every-N, N >= 1 (`on` is `full`; `auto` picks from
     --max-memory)."""
@@ -451,20 +471,7 @@ class RunConfig:
 
     def eval_sets(self) -> dict[str, str]:
         """{name: path} of --eval-data, in the order given (empty: split --data instead)."""
-        sets: dict[str, str] = {}
-        for entry in self.data.eval_data or []:
-            name, sep, path = entry.partition("=")
-            if not sep:  # a bare PATH
-                name, path = "eval", entry
-            elif not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name) or not path:
-                raise UserError(
-                    f"--eval-data {entry}: expected NAME=PATH with NAME of letters, digits, "
-                    "'-', '_' or '.', or a bare PATH"
-                )
-            if name in sets:
-                raise UserError(f"--eval-data {entry}: the name {name} is used twice")
-            sets[name] = path
-        return sets
+        return named_paths(self.data.eval_data or [], "--eval-data")
 
     @property
     def primary_eval_set(self) -> str:

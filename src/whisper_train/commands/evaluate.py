@@ -4,8 +4,10 @@ model (evaluate.py)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from whisper_train.evaluate import NORMALIZERS, EvalReport
+from whisper_train.config import named_paths
+from whisper_train.evaluate import NORMALIZERS, EvalReport, report_paths
 
 
 def add_parser(subparsers) -> None:
@@ -17,7 +19,13 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--model", required=True, help="Model folder, hub id, run folder or tiny.en."
     )
-    parser.add_argument("--data", required=True, help="Data in any layout `check-data` accepts.")
+    parser.add_argument(
+        "--data",
+        required=True,
+        action="append",
+        help="Data in any layout `check-data` accepts; NAME=PATH, repeated, scores several sets "
+        "(each set's reports then go to OUTPUT/NAME/).",
+    )
     parser.add_argument("--data-format", default=None, help="Force a data layout.")
     parser.add_argument(
         "--output",
@@ -117,26 +125,36 @@ def run(args: argparse.Namespace) -> int:
             where = "see the JSON report" if writes_json else "--output FILE.json lists them"
             print(f"skipped {len(report.skipped)} unreadable clip(s); {where}")
 
-    result = evaluate(
-        args.model,
-        args.data,
-        data_format=args.data_format,
-        output=args.output,
-        overwrite=args.overwrite,
-        baseline=args.baseline,
-        normalizer=args.normalizer,
-        batch_size=args.batch_size,
-        eval_subset=args.eval_subset,
-        language=args.language,
-        beam_size=args.beam_size,
-        max_length=args.max_length,
-        on_report=show,
-        decoding=decoding,
-    )
-    if result.paths:
-        # One line that says where every file went: the default may be a folder never named.
-        names = ", ".join(path.name for path in result.paths)
-        print(f"wrote {names} to {result.paths[0].parent.resolve()}")
+    sets = named_paths(args.data, "--data")
+    several = len(sets) > 1
+    default_reports = report_paths(args.model, output=None, baseline=args.baseline)
+    reports_root = Path(args.output) if args.output else None
+    if several and reports_root is None and default_reports:
+        reports_root = default_reports[0].parent
+    for name, data in sets.items():
+        if several:
+            print(f"[{name}] {data}")
+        output = args.output if not several else (reports_root / name if reports_root else None)
+        result = evaluate(
+            args.model,
+            data,
+            data_format=args.data_format,
+            output=f"{output}/" if several and output else output,
+            overwrite=args.overwrite,
+            baseline=args.baseline,
+            normalizer=args.normalizer,
+            batch_size=args.batch_size,
+            eval_subset=args.eval_subset,
+            language=args.language,
+            beam_size=args.beam_size,
+            max_length=args.max_length,
+            on_report=show,
+            decoding=decoding,
+        )
+        if result.paths:
+            # One line that says where every file went: the default may be a folder never named.
+            names = ", ".join(path.name for path in result.paths)
+            print(f"wrote {names} to {result.paths[0].parent.resolve()}")
     return 0
 
 

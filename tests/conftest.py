@@ -141,6 +141,21 @@ def tiny_run_config(tmp_path, tone_dataset, tiny_whisper_dir):
     return build
 
 
+def train_argv(data, model, output_dir, *flags: str) -> list[str]:
+    """`whisper-train train` arguments for a tiny run: data, model and output folder, then
+    `flags` (each test names the steps, batch and evaluation it is about)."""
+    return [
+        "train",
+        "--data",
+        str(data),
+        "--model",
+        str(model),
+        "--output-dir",
+        str(output_dir),
+        *flags,
+    ]
+
+
 def metric_rows(output_dir: Path) -> list[dict]:
     """The rows of a run's metrics.jsonl: one a logged step or evaluation."""
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()

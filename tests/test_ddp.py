@@ -42,6 +42,7 @@ def test_two_processes_equal_one_and_resume_exactly(tmp_path, tiny_whisper_dir):
         "gradient_checkpointing": "on",
         "lr_scheduler": "constant_with_warmup",
         "generation_max_length": 4,
+        "temperatures": "0",  # decode once: a random model would take the whole fallback
     }
     config = RunConfig()
     config.update({**common, "output_dir": str(tmp_path / "one"), "max_steps": 5, "batch_size": 4})

@@ -12,7 +12,7 @@ from collections import namedtuple
 
 import pytest
 import torch
-from conftest import metric_rows
+from conftest import metric_rows, train_argv
 from safetensors.torch import load_file
 
 import whisper_train.checkpoints as checkpoints_module
@@ -116,13 +116,7 @@ def test_a_signal_finishes_the_step_saves_and_prints_the_resume_command(
         sys.executable,
         "-m",
         "whisper_train",
-        "train",
-        "--data",
-        str(tone_dataset),
-        "--model",
-        str(tiny_whisper_dir),
-        "--output-dir",
-        str(out),
+        *train_argv(tone_dataset, tiny_whisper_dir, out),
         "--max-steps",
         "100000",
         "--batch-size",

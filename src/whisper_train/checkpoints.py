@@ -11,6 +11,8 @@ A checkpoint holds everything needed to continue a run exactly where it stopped:
     scheduler.pt           learning-rate scheduler state
     scaler.pt              fp16 loss-scaler state (fp16 runs only)
     rng-<rank>.pt          Python, NumPy and torch random states of each process
+    stream-<rank>.json     a streamed --data only: each process's place in its stream (epoch,
+                           rows each data-loader worker handed out; `streaming.StreamPosition`)
     trainer_state.json     step, epoch, batches consumed in the epoch, bad-step counters,
                            evaluations so far, world size
     whisper-train.yaml     the resolved configuration of the run
@@ -46,6 +48,7 @@ from whisper_train.runfolder import CHECKPOINT_PREFIX as PREFIX
 from whisper_train.runfolder import CONFIG_FILE
 
 STATE_FILE = "trainer_state.json"
+STREAM_FILE = "stream-{rank}.json"
 WEIGHTS_FILE = "trainable.safetensors"
 _NAME = re.compile(rf"^{PREFIX}(\d+)$")
 # Adam keeps two float32 moments per trainable weight, beside the weight itself.
@@ -148,9 +151,18 @@ def _gb(n: int) -> str:
 
 
 def save_checkpoint(
-    folder: Path, *, accelerator, model, optimizer, scheduler, state: TrainerState, config_yaml: str
+    folder: Path,
+    *,
+    accelerator,
+    model,
+    optimizer,
+    scheduler,
+    state: TrainerState,
+    config_yaml: str,
+    stream_position: dict | None = None,
 ) -> Path:
-    """Write `folder` (OUTPUT/checkpoint-<step>) atomically. Every process must call this.
+    """Write `folder` (OUTPUT/checkpoint-<step>) atomically. Every process must call this;
+    `stream_position` is this process's place in a streamed --data.
 
     Raises UserError (on every process) when any process could not write; the previous
     checkpoints are left as they were.
@@ -168,6 +180,9 @@ def save_checkpoint(
     if error is None and tmp.is_dir():
         try:
             _write_contents(tmp, accelerator, model, optimizer, scheduler, state, config_yaml)
+            if stream_position is not None:
+                name = STREAM_FILE.format(rank=accelerator.process_index)
+                (tmp / name).write_text(json.dumps(stream_position) + "\n", encoding="utf-8")
         except OSError as exc:  # disk full, quota, permissions
             error = exc
     elif error is None:
@@ -266,6 +281,17 @@ def load_checkpoint(folder: Path, *, accelerator, model, optimizer, scheduler) -
             accelerator.scaler.load_state_dict(_load_pt(folder / "scaler.pt"))
     _set_rng_state(_load_pt(folder / f"rng-{accelerator.process_index}.pt"))
     return state
+
+
+def read_stream_position(folder: Path, rank: int) -> dict:
+    """Process `rank`'s saved place in a streamed --data (see `save_checkpoint`)."""
+    path = folder / STREAM_FILE.format(rank=rank)
+    if not path.is_file():
+        raise UserError(
+            f"--resume {folder}: no {path.name}: it was saved by a run that did not stream its "
+            "--data; resume with the --data that run used"
+        )
+    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def load_weights(folder: Path, *, accelerator, model) -> None:

@@ -26,14 +26,13 @@ class SpeechCollator:
     """Items from `SpeechDataset` → a batch dict; `Skipped` items are dropped and reported.
 
     The batch holds `decoder_input_ids`, `labels` (batch, max_len), `texts`, `indices`,
-    `skipped` (list of `Skipped`), and either `input_features` (batch, n_mels, n_frames), when
-    given a `LogMel`, or `encoder_hidden_states` (batch, 1500, d_model) from an encoder cache.
+    `skipped` (list of `Skipped`), and `input_features` (batch, n_mels, n_frames) when given a
+    `LogMel`, else the `audio` arrays.
     """
 
-    def __init__(self, pad_token_id: int, *, log_mel: LogMel | None = None, encoder_cache=None):
+    def __init__(self, pad_token_id: int, *, log_mel: LogMel | None = None):
         self.pad_token_id = pad_token_id
         self.log_mel = log_mel
-        self.encoder_cache = encoder_cache
 
     def __call__(self, items: Sequence[dict | Skipped]) -> dict:
         skipped = [item for item in items if isinstance(item, Skipped)]
@@ -46,9 +45,7 @@ class SpeechCollator:
         )
         batch["texts"] = [item["text"] for item in good]
         batch["indices"] = torch.tensor([item["index"] for item in good])
-        if self.encoder_cache is not None:  # the encoder already ran: no audio features needed
-            batch["encoder_hidden_states"] = self.encoder_cache.lookup(batch["indices"])
-        elif self.log_mel is not None:
+        if self.log_mel is not None:
             batch["input_features"] = self.log_mel([item["audio"] for item in good])
         else:
             batch["audio"] = [item["audio"] for item in good]

@@ -79,6 +79,16 @@ class DataConfig:
         },
     )
     data_format: str | None = _help("Force a layout instead of detecting it.", default=None)
+    streaming: bool = _help(
+        "Stream --data instead of reading it whole: a hub id is then streamed, not downloaded "
+        "(WebDataset .tar and Parquet shards always stream).",
+        default=False,
+    )
+    shuffle_buffer: int = _help(
+        "Rows held in a streamed --data's seeded shuffle buffer: larger shuffles better and holds "
+        "more encoded audio in memory.",
+        default=1000,
+    )
     eval_split: float = _help(
         "Fraction of --data held out for evaluation when --eval-data is not given.", default=0.1
     )
@@ -147,6 +157,19 @@ class MemoryConfig:
         "Compute encoder outputs once and reuse them every epoch (default: on when the encoder "
         "is frozen and audio is not augmented).",
         default=None,
+    )
+    encoder_cache_dir: str | None = _help(
+        "Folder of the cached encoder outputs, shared by runs and evaluations (one subfolder per "
+        "encoder and precision; `whisper-train cache ls|clear`). Default: "
+        "$WHISPER_TRAIN_CACHE/encoder, else $XDG_CACHE_HOME/whisper-train/encoder, else "
+        "~/.cache/whisper-train/encoder.",
+        default=None,
+    )
+    encoder_cache_max_size: str = _help(
+        "Most disk the encoder cache folder may fill, all models together (e.g. 50GB; 0 writes "
+        "nothing). Clips past it, or past the disk's free space, are encoded again every epoch.",
+        # ~8,700 clips of tiny, ~4,300 of small, ~2,600 of large-v3 (1500 x d_model x 2 bytes).
+        default="10GB",
     )
     compile: bool = _help("torch.compile the model.", default=False)
 
@@ -369,6 +392,7 @@ class RunConfig:
             )
         if mem.max_memory is not None:
             parse_bytes(mem.max_memory, flag="--max-memory")
+        parse_bytes(mem.encoder_cache_max_size, flag="--encoder-cache-max-size")
         if mem.offload_activations and policy in (None, "off"):
             raise UserError(
                 "--offload-activations needs gradient checkpointing: add --gradient-checkpointing full"
@@ -396,8 +420,10 @@ class RunConfig:
             ("--save-total-limit", t.save_total_limit),
             ("--max-bad-steps", t.max_bad_steps),
             ("--nproc", t.nproc),
+            ("--shuffle-buffer", d.shuffle_buffer),
         ):
             require_positive(flag, value)
+        self._validate_stream()
         for flag, value in (  # these may also be left unset (None)
             ("--max-steps", t.max_steps),
             ("--eval-steps", t.eval_steps),
@@ -429,6 +455,37 @@ class RunConfig:
         self._validate_eval_sets()
         self.decoding_options()  # malformed --temperatures or thresholds: one line, now
         return self
+
+    def _validate_stream(self) -> None:
+        """What a streamed --data (shards, or --streaming) cannot do: it has no length before
+        it is read, no rows to sort or split, and its clips have no fixed index to cache by."""
+        if self.stream_source() is None:
+            return
+        d, t = self.data, self.train
+        refused = [
+            ("--group-by-length", t.group_by_length, "drop it"),
+            ("--train-subset", d.train_subset, "use --max-steps"),
+            ("--cache-encoder", self.memory.cache_encoder, "drop it"),
+        ]
+        for flag, value, remedy in refused:
+            if value:
+                raise UserError(
+                    f"{flag} needs --data read whole, and {d.data} is streamed: {remedy}"
+                )
+        if not (t.only_train or self.eval_sets() or d.eval_split == 0):
+            raise UserError(
+                f"--data {d.data} is streamed and cannot be split for evaluation: pass "
+                "--eval-data NAME=PATH (a small set in any layout), or --only-train"
+            )
+
+    def stream_source(self):
+        """The `streaming.StreamSource` --data names when it is read as a stream, else None."""
+        # Imported here: streaming needs torch and soundfile; `import whisper_train.config` stays
+        # light for the CLI's --help.
+        from whisper_train.streaming import stream_source
+
+        d = self.data
+        return stream_source(d.data, data_format=d.data_format, streaming=d.streaming)
 
     def decoding_options(self):
         """The `decoding.DecodingOptions` of evaluation during training."""
@@ -492,8 +549,11 @@ class RunConfig:
     def cache_encoder(self) -> bool:
         if self.memory.cache_encoder is not None:
             return self.memory.cache_encoder
-        return self.model.mode == "freeze-encoder" and not (
-            self.data.audio_augment or self.data.spec_augment
+        # A stream's clips have no fixed index to cache by: its encoder runs every step.
+        return (
+            self.model.mode == "freeze-encoder"
+            and not (self.data.audio_augment or self.data.spec_augment)
+            and self.stream_source() is None
         )
 
 

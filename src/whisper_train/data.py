@@ -22,15 +22,20 @@ import csv
 import hashlib
 import io
 import json
+import logging
 import os
 import random
 import re
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock
+
+from whisper_train import runfolder
 from whisper_train.audio import CHUNK_LENGTH, audio_duration
 from whisper_train.errors import AudioError, UserError
 from whisper_train.labels import MAX_DECODER_TOKENS
@@ -44,6 +49,16 @@ COMMONVOICE_SPLITS = ("train", "dev", "test", "validated", "other", "invalidated
 DATASETS_EXTRA = "pip install 'whisper-train[datasets]'"
 # Subtitle cues may touch; a millisecond of overlap is rounding in the file, not a mistake.
 _OVERLAP_TOLERANCE = 1e-3
+# Audio headers read at once: enough to keep network storage (a round trip per file) busy;
+# threads mostly wait, so more than the CPU count is right.
+HEADER_THREADS = 16
+HEADER_SLICE = 256  # headers one thread task reads
+# Screening results kept in the cache folder (a few MB each at 200,000 rows); bump the version
+# whenever what screening decides or stores changes.
+SCREENINGS_KEPT = 16
+SCREENING_VERSION = 1
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -148,12 +163,14 @@ def _number(path: Path, line: int, name: str, value: Any) -> float | None:
         ) from None
 
 
-def _resolve(folder: Path, audio: str) -> str:
-    """An absolute path; a relative one is taken relative to the folder of the data file."""
-    candidate = Path(os.path.expanduser(audio))
-    if not candidate.is_absolute():
-        candidate = folder / candidate
-    return os.path.abspath(candidate)
+def _resolve(folder: str, audio: str) -> str:
+    """An absolute path; a relative one is taken relative to the folder of the data file.
+
+    String operations, not pathlib: this runs once per row, and pathlib objects cost four
+    times as much for the same result."""
+    if audio.startswith("~"):
+        audio = os.path.expanduser(audio)
+    return os.path.abspath(os.path.join(folder, audio))
 
 
 # -- manifests and audiofolder --------------------------------------------------------------
@@ -167,6 +184,7 @@ def _manifest_examples(
     audio_column = _pick_column(path, columns, audio_columns, "audio")
     text_column = _pick_column(path, columns, TEXT_COLUMNS, "text")
     language_column = next((c for c in LANGUAGE_COLUMNS if c in columns), None)
+    folder = os.fspath(path.parent)
     examples = []
     for line, row in rows:
         audio = row.get(audio_column)
@@ -197,7 +215,7 @@ def _manifest_examples(
         language = row.get(language_column) if language_column else None
         examples.append(
             Example(
-                audio=_resolve(path.parent, audio.strip()),
+                audio=_resolve(folder, audio.strip()),
                 text=text.strip(),
                 language=language or None,
                 start=start,
@@ -314,7 +332,7 @@ def _read_kaldi(folder: Path) -> list[Example]:
                 "wav.scp; add it or remove the utterance"
             )
         return Example(
-            audio=_resolve(root, recordings[recording]),
+            audio=_resolve(os.fspath(root), recordings[recording]),
             text=text,
             origin=f"{folder / 'text'}:{line}",
             **window,
@@ -390,11 +408,8 @@ def _read_hf_hub(dataset_id: str) -> list[Example]:
 
 
 def _cache_dir() -> Path:
-    """Where audio bytes from datasets are written as WAV files (WHISPER_TRAIN_CACHE wins)."""
-    root = os.environ.get("WHISPER_TRAIN_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "whisper-train"
-    )
-    return Path(root) / "hf-audio"
+    """Where audio bytes from datasets are written as WAV files."""
+    return runfolder.user_cache_dir("hf-audio")
 
 
 def _hf_examples(dataset: Any, origin: str, cache: Path) -> list[Example]:
@@ -759,7 +774,8 @@ def split_examples(
 def screen_examples(
     examples: Sequence[Example],
     *,
-    count_tokens: Callable[[Example], int],
+    count_tokens: Callable[[Example], int] | None = None,
+    count_all: Callable[[Sequence[Example]], Sequence[int]] | None = None,
     max_label_tokens: int = MAX_DECODER_TOKENS,
     max_seconds: float = CHUNK_LENGTH,
     strict: bool = False,
@@ -768,40 +784,169 @@ def screen_examples(
 
     Reads only audio headers (each file once): the file exists and its header reads; the
     duration (of the window, if any) is > 0 and <= max_seconds and the window lies inside the
-    file; the text is not empty; `count_tokens(example) <= max_label_tokens` (the decoder
-    positions the label occupies, `LabelEncoder.decoder_tokens`, against the model's
-    `max_target_positions`). `strict=True` raises UserError on the first problem.
+    file; the text is not empty; the label's decoder positions (`count_all` of a list of
+    examples, or `count_tokens` of one: `LabelEncoder.decoder_tokens`) are at most
+    `max_label_tokens`, the model's `max_target_positions`. `strict=True` raises UserError on
+    the first problem.
     """
-    file_seconds: dict[str, float | AudioError] = {}
-    kept: list[Example] = []
-    skips: list[Skip] = []
-    for example in examples:
-        skip = _screen_one(example, file_seconds, count_tokens, max_label_tokens, max_seconds)
-        if skip is None:
-            kept.append(example)
-            continue
-        if strict:
-            raise UserError(
-                f"{skip.origin}: {skip.reason} ({skip.detail}); fix or remove it, or run "
-                "without --strict to skip it"
-            )
-        skips.append(skip)
-    return kept, skips
+    screening = screen(
+        examples,
+        count_all=_count_all(count_tokens, count_all),
+        max_label_tokens=max_label_tokens,
+        max_seconds=max_seconds,
+    )
+    if strict:
+        raise_first_skip(screening.skips)
+    return [examples[index] for index in screening.kept], screening.skips
 
 
-def _screen_one(
-    example: Example,
-    file_seconds: dict[str, float | AudioError],
-    count_tokens: Callable[[Example], int],
+@dataclass(frozen=True)
+class Screening:
+    """What `screen` found: the examples kept (indices into its input, in order), their label
+    lengths as counted, and the skips with reasons."""
+
+    kept: list[int]
+    label_tokens: list[int]  # one per kept example, as `count_all` counted it
+    skips: list[Skip]
+
+
+def screen(
+    examples: Sequence[Example],
+    *,
+    count_all: Callable[[Sequence[Example]], Sequence[int]],
+    max_label_tokens: int = MAX_DECODER_TOKENS,
+    max_seconds: float = CHUNK_LENGTH,
+    cache_folder: str | os.PathLike | None = None,
+    cache_salt: str = "",
+) -> Screening:
+    """`screen_examples`' checks, with headers read in parallel and labels counted in one call.
+
+    Labels are counted (`count_all`) only for examples whose audio passed, as train has always
+    done. With `cache_folder`, the result is stored there under a key of everything it depends
+    on (every example's fields, every audio file's size and modification time, the limits, and
+    `cache_salt`: the label encoder's fingerprint) and read back by any later call with the same
+    key: the other processes of a multi-process run and later runs on the same data. The first
+    process to arrive screens while the others wait for its file (a file lock), so headers are
+    read once per machine however many ranks start.
+    """
+    if cache_folder is None:
+        return _screen(examples, count_all, max_label_tokens, max_seconds)
+    key = _screening_key(examples, max_label_tokens, max_seconds, cache_salt)
+    folder = Path(cache_folder)
+    target = folder / f"{key}.json"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(target) + ".lock")
+        lock.acquire()
+    except OSError as exc:  # a read-only cache folder costs time, never the run
+        log.info("screening cache %s unusable (%s): screening without it", folder, exc)
+        return _screen(examples, count_all, max_label_tokens, max_seconds)
+    try:
+        cached = _read_screening(target)
+        if cached is not None:
+            log.info("screening: reusing %s", target)
+            return cached
+        screening = _screen(examples, count_all, max_label_tokens, max_seconds)
+        _write_screening(target, screening)
+        _prune_screenings(folder)
+        return screening
+    finally:
+        lock.release()
+
+
+def raise_first_skip(skips: Sequence[Skip]) -> None:
+    """--strict: the first problem screening found, as a UserError."""
+    if skips:
+        skip = skips[0]
+        raise UserError(
+            f"{skip.origin}: {skip.reason} ({skip.detail}); fix or remove it, or run without "
+            "--strict to skip it"
+        )
+
+
+def screening_cache_folder() -> Path:
+    """Where screening results are kept, shared by ranks and later runs."""
+    return runfolder.user_cache_dir("screening")
+
+
+def read_audio_seconds(
+    paths: Iterable[str], *, threads: int = HEADER_THREADS
+) -> dict[str, float | AudioError]:
+    """{path: length in seconds, or the AudioError reading its header raised} for each path.
+
+    Header reads wait on storage, not on the CPU (libsndfile runs without the GIL), so threads
+    overlap them: on network or cold storage a read costs a round trip, which threads hide.
+    """
+
+    def seconds(path: str) -> float | AudioError:
+        try:
+            return audio_duration(path)
+        except AudioError as exc:
+            return exc
+
+    unique = list(dict.fromkeys(paths))
+    lengths = map_in_threads(seconds, unique, threads=threads)
+    return dict(zip(unique, lengths, strict=True))
+
+
+def map_in_threads(
+    function: Callable[[Any], Any], items: Sequence[Any], *, threads: int = HEADER_THREADS
+) -> list[Any]:
+    """[function(item) for item in items], run by `threads` threads on slices of the items (a
+    task per slice, not per item: a future costs as much as a warm header read)."""
+    if len(items) < 2 * threads:
+        return [function(item) for item in items]
+    size = max(1, min(HEADER_SLICE, len(items) // threads))
+    slices = [items[begin : begin + size] for begin in range(0, len(items), size)]
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        done = pool.map(lambda part: [function(item) for item in part], slices)
+        return [result for part in done for result in part]
+
+
+def _count_all(
+    count_tokens: Callable[[Example], int] | None,
+    count_all: Callable[[Sequence[Example]], Sequence[int]] | None,
+) -> Callable[[Sequence[Example]], Sequence[int]]:
+    if count_all is not None:
+        return count_all
+    if count_tokens is None:
+        raise TypeError("screen_examples needs count_tokens or count_all")
+    return lambda examples: [count_tokens(example) for example in examples]
+
+
+def _screen(
+    examples: Sequence[Example],
+    count_all: Callable[[Sequence[Example]], Sequence[int]],
     max_label_tokens: int,
     max_seconds: float,
+) -> Screening:
+    file_seconds = read_audio_seconds(example.audio for example in examples)
+    audio_skips = [_screen_audio(example, file_seconds, max_seconds) for example in examples]
+    candidates = [index for index, skip in enumerate(audio_skips) if skip is None]
+    counted = dict(zip(candidates, count_all([examples[i] for i in candidates]), strict=True))
+    kept, label_tokens, skips = [], [], []
+    for index, skip in enumerate(audio_skips):
+        if skip is None:
+            n_tokens = int(counted[index])
+            if n_tokens <= max_label_tokens:
+                kept.append(index)
+                label_tokens.append(n_tokens)
+                continue
+            example = examples[index]
+            skip = Skip(
+                example.origin or example.audio,
+                f"label longer than {max_label_tokens} tokens",
+                f"{n_tokens} tokens",
+            )
+        skips.append(skip)
+    return Screening(kept, label_tokens, skips)
+
+
+def _screen_audio(
+    example: Example, file_seconds: dict[str, float | AudioError], max_seconds: float
 ) -> Skip | None:
+    """The checks before the label's length: audio, window, duration, empty text."""
     origin = example.origin or example.audio
-    if example.audio not in file_seconds:
-        try:
-            file_seconds[example.audio] = audio_duration(example.audio)
-        except AudioError as exc:
-            file_seconds[example.audio] = exc
     length = file_seconds[example.audio]
     if isinstance(length, AudioError):
         reason = "audio file not found" if "not found" in length.reason else "unreadable audio"
@@ -817,10 +962,67 @@ def _screen_one(
         return Skip(origin, f"longer than {max_seconds:g} s", f"{seconds:.1f} s")
     if not example.text.strip():
         return Skip(origin, "empty transcript", example.audio)
-    n_tokens = count_tokens(example)
-    if n_tokens > max_label_tokens:
-        return Skip(origin, f"label longer than {max_label_tokens} tokens", f"{n_tokens} tokens")
     return None
+
+
+def _screening_key(
+    examples: Sequence[Example], max_label_tokens: int, max_seconds: float, salt: str
+) -> str:
+    """A digest of the examples, their audio files' sizes and times, the limits and `salt`."""
+    digest = hashlib.blake2b(digest_size=20)
+    digest.update(json.dumps([SCREENING_VERSION, max_label_tokens, max_seconds, salt]).encode())
+    files: dict[str, None] = {}
+    for example in examples:
+        files[example.audio] = None
+        fields = (example.audio, example.text, example.language, example.start, example.end)
+        digest.update(repr((fields, example.segments, example.origin)).encode())
+    for path in files:
+        try:
+            stat = os.stat(path)
+            digest.update(f"{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+        except OSError:
+            digest.update(b"missing\n")
+    return digest.hexdigest()
+
+
+def _read_screening(target: Path) -> Screening | None:
+    try:
+        stored = json.loads(target.read_text(encoding="utf-8"))
+        return Screening(
+            kept=stored["kept"],
+            label_tokens=stored["label_tokens"],
+            skips=[Skip(*skip) for skip in stored["skips"]],
+        )
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # damaged or from another version: screen again, and overwrite it
+
+
+def _write_screening(target: Path, screening: Screening) -> None:
+    stored = {
+        "kept": screening.kept,
+        "label_tokens": screening.label_tokens,
+        "skips": [[skip.origin, skip.reason, skip.detail] for skip in screening.skips],
+    }
+    partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    try:
+        partial.write_text(json.dumps(stored, separators=(",", ":")), encoding="utf-8")
+        os.replace(partial, target)  # atomic: a reader never sees half a file
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        log.info("screening cache %s not written (%s)", target, exc)
+
+
+def _prune_screenings(folder: Path) -> None:
+    """Keep the SCREENINGS_KEPT most recently written results; older data sets' go."""
+    try:
+        results = sorted(folder.glob("*.json"), key=lambda path: path.stat().st_mtime, reverse=True)
+        for stale in results[SCREENINGS_KEPT:]:
+            stale.unlink(missing_ok=True)
+            Path(str(stale) + ".lock").unlink(missing_ok=True)
+    except OSError:  # another process pruned first
+        pass
 
 
 def summarize_skips(skips: Sequence[Skip], *, examples_per_reason: int = 3) -> str:
@@ -848,9 +1050,14 @@ __all__ = [
     "Layout",
     "Skip",
     "load_examples",
+    "map_in_threads",
     "pack_segments",
     "parse_subtitles",
+    "Screening",
+    "read_audio_seconds",
+    "screen",
     "screen_examples",
+    "screening_cache_folder",
     "split_examples",
     "summarize_skips",
 ]

@@ -17,7 +17,10 @@ large-v3 (one more language, shifted ids).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from whisper_train.audio import CHUNK_LENGTH
@@ -178,6 +181,20 @@ class LabelEncoder:
         """Tokens of one transcript, with the leading space the pretrained model writes."""
         return self.tokenizer.encode(" " + text.strip(), add_special_tokens=False)
 
+    def fingerprint(self) -> str:
+        """A digest of everything a label's length depends on: the tokenizer's vocabulary and
+        rules, and this encoder's language, task, timestamps and prefix form."""
+        digest = hashlib.blake2b(digest_size=16)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:  # a fast tokenizer serialises its whole pipeline
+            digest.update(backend.to_str().encode())
+        else:
+            vocabulary = sorted(self.tokenizer.get_vocab().items())
+            digest.update(json.dumps([type(self.tokenizer).__name__, vocabulary]).encode())
+        settings = [self.language, self.task, self.timestamps, self.multilingual]
+        digest.update(json.dumps(settings).encode())
+        return digest.hexdigest()
+
     # -- labels ------------------------------------------------------------------------------
     def encode(self, example: _HasText, rng: random.Random | None = None) -> tuple[list[int], int]:
         """Label ids for one example, from <|startoftranscript|> to <|endoftext|> inclusive.
@@ -196,6 +213,53 @@ class LabelEncoder:
         """Length of the longest label `encode` may produce for `example`."""
         timestamps = self.timestamps and bool(example.segments)
         return len(self._encode(example, timestamps=timestamps)[0])
+
+    def count_tokens_batch(
+        self, examples: Sequence[_HasText], *, chunk_size: int = 10_000
+    ) -> list[int]:
+        """`count_tokens` of every example, the transcripts tokenised `chunk_size` at a time.
+
+        One tokenizer call per chunk instead of one per example: a fast tokenizer encodes a
+        list in Rust, and the prefix is built once per (language, timestamps) pair.
+        """
+        counts: list[int] = []
+        prefix_lengths: dict[tuple[str | None, bool], int] = {}
+        for begin in range(0, len(examples), chunk_size):
+            chunk = examples[begin : begin + chunk_size]
+            timestamped = [self.timestamps and bool(example.segments) for example in chunk]
+            texts: list[str] = []
+            for example, timestamps in zip(chunk, timestamped, strict=True):
+                if timestamps:
+                    texts += [text for _, _, text in example.segments]
+                else:
+                    texts.append(example.text)
+            lengths = iter(self._text_lengths(texts))
+            for example, timestamps in zip(chunk, timestamped, strict=True):
+                key = (example.language, timestamps)
+                if key not in prefix_lengths:
+                    prefix_lengths[key] = len(self.prefix_ids(*key))
+                if timestamps:  # a time token either side of every segment
+                    body = sum(2 + next(lengths) for _ in example.segments)
+                else:
+                    body = next(lengths)
+                counts.append(prefix_lengths[key] + body + 1)  # + <|endoftext|>
+        return counts
+
+    def decoder_tokens_batch(self, examples: Sequence[_HasText]) -> list[int]:
+        """`decoder_tokens` of every example (see `count_tokens_batch`)."""
+        return [n - 1 for n in self.count_tokens_batch(examples)]
+
+    def _text_lengths(self, texts: list[str]) -> list[int]:
+        """len(text_ids(text)) of every text, in one tokenizer call."""
+        if not texts:
+            return []
+        texts = [" " + text.strip() for text in texts]
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:  # the Rust tokenizer itself: transformers' wrapping costs more
+            encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # no offsets
+            return [len(encoding.ids) for encoding in encode(texts, add_special_tokens=False)]
+        encoded = self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)
+        return [len(ids) for ids in encoded["input_ids"]]
 
     def decoder_tokens(self, example: _HasText) -> int:
         """Decoder positions the longest label `encode` may produce for `example` occupies:

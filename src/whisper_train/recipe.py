@@ -23,28 +23,34 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, send_to_device, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from whisper_train import checkpoints, doctor, memory, runfolder
+from whisper_train import checkpoints, doctor, memory, runfolder, streaming
 from whisper_train.collate import IGNORE_INDEX, SpeechCollator
 from whisper_train.config import RunConfig, parse_bytes
 from whisper_train.data import (
     Example,
+    Screening,
     load_examples,
+    raise_first_skip,
+    screen,
     screen_examples,
+    screening_cache_folder,
     split_examples,
     summarize_skips,
 )
-from whisper_train.encoder_cache import EncoderCache
+from whisper_train.encoder_cache import EncoderCache, EncoderCacheCollator
+from whisper_train.encoder_cache import cache_dir as encoder_cache_dir
 from whisper_train.errors import UserError
 from whisper_train.evaluate import get_normalizer, run_evaluation
 from whisper_train.features import LogMel, SpeechDataset
 from whisper_train.labels import LabelEncoder, configure_generation, language_code
 from whisper_train.launch import inside_launcher
 from whisper_train.memory import loss_terms
+from whisper_train.memory.plan import encoder_cache_line
 from whisper_train.models import is_multilingual, load_model
 from whisper_train.report import write_curves_png
 from whisper_train.runlog import (
@@ -72,6 +78,14 @@ log = logging.getLogger(__name__)
 class Datasets:
     train: list[Example]
     eval: dict[str, list[Example]]  # evaluation set name → its utterances, in --eval-data order
+    # `LabelEncoder.count_tokens` of each training utterance, counted once (by screening)
+    train_label_tokens: list[int] | None = None
+
+    def label_lengths(self, label_encoder: LabelEncoder) -> list[int]:
+        """Every training label's length in tokens, counted at most once."""
+        if self.train_label_tokens is None:
+            self.train_label_tokens = label_encoder.count_tokens_batch(self.train)
+        return self.train_label_tokens
 
 
 @dataclass
@@ -175,6 +189,11 @@ class FineTuneRecipe:
         self.normalizer_name = "english" if english else "basic"
 
     def _setup_data(self) -> None:
+        self.stream_source = self.config.stream_source()
+        self.stream_samples: int | None = None  # samples in one pass over a stream, if counted
+        if self.stream_source is not None:
+            self._setup_stream_data()
+            return
         self.datasets = prepare_datasets(
             self.config,
             self.label_encoder,
@@ -185,6 +204,94 @@ class FineTuneRecipe:
             self.accelerator,
             f"data: {len(self.datasets.train)} training utterances; evaluation: {sets or 'none'}",
         )
+
+    def _setup_stream_data(self) -> None:
+        """A streamed --data: nothing of it is read before step 1 but, without --max-steps, one
+        pass that counts its rows (no decoding) for the epoch length. Evaluation sets are small
+        and read whole, as without streaming."""
+        c, accelerator = self.config, self.accelerator
+        max_label_tokens = self.model.config.max_target_positions
+        eval_sets = {}
+        # --data-format webdataset/parquet names the stream's format, not the evaluation sets'.
+        eval_format = None if c.data.data_format in streaming.STREAM_FORMATS else c.data.data_format
+        if not c.train.only_train:
+            for name, path in c.eval_sets().items():
+                if streaming.stream_source(path) is not None:
+                    raise UserError(
+                        f"--eval-data {path}: evaluation sets are read whole, not streamed; "
+                        "give a manifest or folder layout (see `whisper-train check-data`)"
+                    )
+                examples = load_examples(path, data_format=eval_format)
+                if c.data.eval_subset:
+                    examples = examples[: c.data.eval_subset]
+                eval_sets[name], skipped = screen_examples(
+                    examples,
+                    count_tokens=self.label_encoder.decoder_tokens,
+                    max_label_tokens=max_label_tokens,
+                    strict=c.data.strict,
+                )
+                if skipped:
+                    log.warning(summarize_skips(skipped))
+        self.datasets = Datasets([], eval_sets)
+        counted = ""
+        if c.train.max_steps is None:
+            rank, world = accelerator.process_index, accelerator.num_processes
+            rows, seconds = streaming.timed_count(self.stream_source, rank=rank, world_size=world)
+            total = torch.tensor([rows], device=accelerator.device)
+            self.stream_samples = int(accelerator.reduce(total, reduction="sum").item())
+            counted = (
+                f", {self.stream_samples} samples a pass (counted in {seconds:.1f} s; "
+                "--max-steps skips the count)"
+            )
+        sets = ", ".join(f"{len(ex)} in {name}" for name, ex in eval_sets.items())
+        say(
+            accelerator,
+            f"data: streaming {self.stream_source.describe()}{counted}; shuffle buffer "
+            f"{c.data.shuffle_buffer}; evaluation: {sets or 'none'}",
+        )
+
+    def _stream_loader(self, collator: SpeechCollator, augmenter) -> DataLoader:
+        """This process's share of the stream, decoded in the DataLoader workers."""
+        c, t, accelerator = self.config, self.config.train, self.accelerator
+        self.train_set = streaming.training_stream(
+            self.stream_source,
+            self.label_encoder,
+            rank=accelerator.process_index,
+            world_size=accelerator.num_processes,
+            seed=t.seed,
+            shuffle_buffer=c.data.shuffle_buffer,
+            max_label_tokens=self.model.config.max_target_positions,
+            augmenter=augmenter,
+        )
+        # What decides which rows a worker's first n are: a resume must match all of them.
+        self.stream_position = streaming.StreamPosition(
+            settings={
+                "seed": t.seed,
+                "shuffle_buffer": c.data.shuffle_buffer,
+                "batch_size": t.batch_size,
+                "num_workers": t.num_workers,
+            }
+        )
+        # Not persistent: the workers are started afresh each pass, with that pass's epoch and
+        # rows to replay.
+        return DataLoader(
+            self.train_set,
+            batch_size=t.batch_size,
+            collate_fn=streaming.StreamCollator(collator),
+            num_workers=t.num_workers,
+            prefetch_factor=4 if t.num_workers > 0 else None,
+        )
+
+    def _batches_per_epoch(self) -> int:
+        """Micro-batches of one epoch on this process. A stream's is known when it was counted;
+        with --max-steps it is not needed, and the run's length stands in for it."""
+        t = self.config.train
+        if self.stream_source is None:
+            return len(self.train_loader)
+        if self.stream_samples is None:
+            return t.max_steps * t.gradient_accumulation
+        per_process = math.ceil(self.stream_samples / self.accelerator.num_processes)
+        return math.ceil(per_process / t.batch_size)
 
     def _setup_memory(self) -> None:
         """Freezing, LoRA and checkpointing in the one order that works (`memory`), then the
@@ -209,12 +316,16 @@ class FineTuneRecipe:
                 lora=lora,
                 batch_size=c.train.batch_size,
                 max_memory_bytes=parse_bytes(c.memory.max_memory, flag="--max-memory"),
-                label_tokens=max(self.label_encoder.count_tokens(e) for e in self.datasets.train),
+                # A stream's labels are unknown before step 1: the longest the workers let through.
+                label_tokens=max(
+                    self.datasets.label_lengths(self.label_encoder),
+                    default=self.model.config.max_target_positions + 1,
+                ),
                 precision=self.precision.name,
                 optimizer=c.memory.optim,
             )
             checkpointing, self.offload = plan.policy, self.offload or plan.offload
-            say(accelerator, plan.table)
+            say(accelerator, plan.table + self._encoder_cache_plan_line())
         else:
             self.model = memory.prepare_model(
                 self.model, mode=c.model.mode, checkpointing=checkpointing, lora=lora
@@ -273,25 +384,31 @@ class FineTuneRecipe:
         )
         # A frozen encoder maps a clip to the same output every epoch and every evaluation:
         # compute it once (for the evaluation sets too) and train and evaluate the decoder alone.
-        train_cache = None
-        if c.cache_encoder:
-            train_cache = self._encoder_cache(self.train_set, log_mel, pad_id, "train")
+        self.encoder_cache = self._encoder_cache() if c.cache_encoder else None
+
+        def collator(examples):
+            if self.encoder_cache is None:
+                return SpeechCollator(pad_id, log_mel=log_mel)
+            return EncoderCacheCollator(pad_id, log_mel, self.encoder_cache, examples)
+
         self.eval_loaders = {}
         for name, examples in self.datasets.eval.items():
             eval_set = SpeechDataset(examples, self.label_encoder, seed=t.seed)
-            cache = None
-            if c.cache_encoder and len(eval_set):
-                cache = self._encoder_cache(eval_set, log_mel, pad_id, f"eval-{name}", name)
-            collator = SpeechCollator(pad_id, log_mel=log_mel, encoder_cache=cache)
-            self.eval_loaders[name] = _loader(eval_set, collator, t)
+            self.eval_loaders[name] = _loader(eval_set, collator(eval_set.examples), t)
+        self.length_sampler = None
+        if self.stream_source is not None:
+            self.train_loader = self._stream_loader(
+                SpeechCollator(pad_id, log_mel=log_mel), augmenter
+            )
+            return
         # The shuffling generator is re-seeded with (seed + epoch) at every epoch: the order of
         # any epoch is known without replaying the ones before it, which is what resuming needs.
         self.shuffle_generator = torch.Generator().manual_seed(t.seed)
-        train_collator = SpeechCollator(pad_id, log_mel=log_mel, encoder_cache=train_cache)
+        train_collator = collator(self.train_set.examples)
         self.length_sampler = None
         if t.group_by_length:
             self.length_sampler = LengthGroupedBatchSampler(
-                [self.label_encoder.count_tokens(e) for e in self.datasets.train],
+                self.datasets.label_lengths(self.label_encoder),
                 t.batch_size,
                 seed=t.seed,
             )
@@ -307,40 +424,68 @@ class FineTuneRecipe:
                 self.train_set, train_collator, t, shuffle=True, generator=self.shuffle_generator
             )
 
-    def _encoder_cache(
-        self, dataset, log_mel, pad_id, folder: str, name: str = "training"
-    ) -> EncoderCache:
-        """The frozen encoder's outputs for every clip of `dataset`, computed once (spilled to
-        OUTPUT/encoder-cache/`folder` when large); `name` says which clips in messages."""
-        accelerator = self.accelerator
-        encoder = memory.whisper_of(self.model).model.encoder.to(accelerator.device)
-        spill_dir = self.output_dir / runfolder.ENCODER_CACHE_DIR / folder
-        loader = _loader(dataset, SpeechCollator(pad_id, log_mel=log_mel), self.config.train)
-        start = time.perf_counter()
-        with tqdm(
-            total=len(dataset),
-            desc=f"encoding {name} clips (once)",
-            unit="clip",
-            leave=False,
-            disable=not (accelerator.is_main_process and progress_bars_wanted()),
-        ) as bar:
-            dtype = self.precision.dtype
-            cache = EncoderCache.build(
-                encoder,
-                loader,
-                n_examples=len(dataset),
-                device=accelerator.device,
-                dtype=dtype,
-                autocast_dtype=dtype if dtype != torch.float32 else None,
-                spill_dir=spill_dir,
-                progress=bar,
-            )
-        say(
-            accelerator,
-            f"encoder outputs of {int(cache.filled.sum())} {name} clips cached in "
-            f"{time.perf_counter() - start:.1f} s",
+    def _encoder_cache(self) -> EncoderCache:
+        """The frozen encoder's outputs on disk (`encoder_cache`), shared with other runs and
+        evaluations: clips are encoded as batches first need them, within the size limit and
+        the free space (a checkpoint and the final model keep their room)."""
+        c, accelerator = self.config, self.accelerator
+        whisper = memory.whisper_of(self.model)
+        self.frozen_encoder = whisper.model.encoder
+        cache = EncoderCache.open(
+            encoder_cache_dir(c.memory.encoder_cache_dir),
+            self.frozen_encoder,
+            self.processor.feature_extractor,
+            compute=self.precision.name,
+            model_name=c.model.model,
+            shape=(whisper.config.max_source_positions, whisper.config.d_model),
+            limit_bytes=parse_bytes(
+                c.memory.encoder_cache_max_size, flag="--encoder-cache-max-size"
+            ),
+            reserve_bytes=checkpoints.estimate_checkpoint_bytes(self.model)
+            + 4 * sum(p.numel() for p in self.model.parameters()),
+            processes=accelerator.num_processes,
         )
+        n_clips = len(self.datasets.train) + sum(len(e) for e in self.datasets.eval.values())
+        cache.expected_clips = math.ceil(n_clips / accelerator.num_processes)
+        say(accelerator, cache.summary(n_clips))
         return cache
+
+    def _encoder_cache_plan_line(self) -> str:
+        """The memory plan's line for the encoder cache (disk): its size at most and folder."""
+        c = self.config
+        if not c.cache_encoder:
+            return ""
+        return "\n" + encoder_cache_line(
+            memory.whisper_of(self.model).config,
+            n_clips=len(self.datasets.train) + sum(len(e) for e in self.datasets.eval.values()),
+            folder=str(encoder_cache_dir(c.memory.encoder_cache_dir)),
+            limit_bytes=parse_bytes(c.memory.encoder_cache_max_size),
+        )
+
+    def _encoder_cache_counts(self) -> str:
+        """What the encoder cache did in this run, summed over the processes (each encodes
+        and stores only the clips of its own batches). Every process must call this."""
+        cache, accelerator = self.encoder_cache, self.accelerator
+        counts = torch.tensor([cache.found, cache.encoded, cache.stored], device=accelerator.device)
+        if accelerator.num_processes > 1:
+            counts = accelerator.reduce(counts, reduction="sum")
+        found, encoded, stored = counts.tolist()
+        return (
+            f"encoder cache: {encoded} clips encoded ({stored} stored), {found} read back, "
+            f"over {accelerator.num_processes} process(es)"
+        )
+
+    def _with_encoder_outputs(self, batch: dict) -> dict:
+        """`batch` with every clip's encoder outputs: the ones the cache lacked are encoded now
+        (and stored, within its limits)."""
+        if self.encoder_cache is None or not batch["size"]:
+            return batch
+        dtype = self.precision.dtype
+        return self.encoder_cache.complete(
+            batch,
+            self.frozen_encoder,
+            autocast_dtype=dtype if dtype != torch.float32 else None,
+        )
 
     def _setup_optimisation(self) -> None:
         c, t, accelerator = self.config, self.config.train, self.accelerator
@@ -349,9 +494,12 @@ class FineTuneRecipe:
         )
         # Prepare first: with N processes each one sees 1/N of the batches, and the number of
         # optimizer steps per epoch must come from that sharded loader.
-        self.model, self.optimizer, self.train_loader = accelerator.prepare(
-            self.model, optimizer, self.train_loader
-        )
+        if self.stream_source is None:
+            self.model, self.optimizer, self.train_loader = accelerator.prepare(
+                self.model, optimizer, self.train_loader
+            )
+        else:  # already this process's share; accelerate would read it all on rank 0 and send
+            self.model, self.optimizer = accelerator.prepare(self.model, optimizer)
         names = list(self.eval_loaders)
         loaders = accelerator.prepare(*self.eval_loaders.values()) if names else []
         loaders = [loaders] if len(names) == 1 else loaders  # prepare() unpacks a single one
@@ -361,7 +509,9 @@ class FineTuneRecipe:
             # graph. Accelerator(dynamo_backend=) is not used: that setting is process-wide and
             # kept from the first Accelerator, so a second run in one process would not compile.
             self.model = torch.compile(self.model)
-        self.steps_per_epoch = max(1, math.ceil(len(self.train_loader) / t.gradient_accumulation))
+        self.steps_per_epoch = max(
+            1, math.ceil(self._batches_per_epoch() / t.gradient_accumulation)
+        )
         self.total_steps = t.max_steps or math.ceil((t.epochs or 3.0) * self.steps_per_epoch)
         self.scheduler = accelerator.prepare(
             get_scheduler(
@@ -384,6 +534,20 @@ class FineTuneRecipe:
             optimizer=self.optimizer,
             scheduler=self.scheduler,
         )
+        if self.stream_source is not None:
+            saved = checkpoints.read_stream_position(
+                self.resume_from, self.accelerator.process_index
+            )
+            position = streaming.StreamPosition.from_dict(saved)
+            position.check_resumable(self.stream_position.settings, self.resume_from)
+            self.stream_position = position
+            say(
+                self.accelerator,
+                f"resuming from {self.resume_from} at step {self.state.step} (stream pass "
+                f"{position.epoch}, {sum(position.rows.values())} samples into it on this "
+                "process: read again, not decoded)",
+            )
+            return
         say(
             self.accelerator,
             f"resuming from {self.resume_from} at step {self.state.step} "
@@ -465,6 +629,8 @@ class FineTuneRecipe:
     def _epoch_batches(self, epoch: int):
         """The micro-batches of `epoch` in its seeded order; after a mid-epoch resume, without
         the ones already trained on."""
+        if self.stream_source is not None:
+            return self._stream_batches()
         t, state = self.config.train, self.state
         skip = state.batches_in_epoch if epoch == state.epoch else 0
         self.train_set.set_epoch(epoch)
@@ -476,6 +642,47 @@ class FineTuneRecipe:
             return self.accelerator.skip_first_batches(self.train_loader, skip)
         return self.train_loader
 
+    def _stream_batches(self):
+        """This process's next pass over its stream, from its saved place after a resume: the
+        micro-batches not yet trained on, on the device. Passes end on each process at its own
+        micro-batch; the processes stay in step because every optimizer step takes
+        --gradient-accumulation micro-batches on each."""
+        position, state, accelerator = self.stream_position, self.state, self.accelerator
+        self.train_set.set_epoch(position.epoch)
+        self.train_set.replay_rows = dict(position.rows)
+        state.epoch = position.epoch
+        replayed, usable = sum(position.rows.values()), 0
+        for batch in self.train_loader:
+            position.advance(batch.pop("stream_rows"))
+            if batch.get("replayed"):
+                continue
+            position.count_skips(batch["skipped"])
+            usable += batch["size"]
+            yield send_to_device(batch, accelerator.device)
+        skipped = position.skipped
+        rows = position.finish_epoch()
+        self.train_set.replay_rows = {}
+        where = f"--data {self.stream_source.spec}"
+        if rows == 0:
+            raise UserError(
+                f"{where}: process {accelerator.process_index} got no samples in a pass: the "
+                f"stream has fewer shards or samples than processes x workers; use fewer "
+                "--nproc or --num-workers, or more shards"
+            )
+        if usable == 0 and replayed == 0:
+            raise UserError(
+                f"{where}: no usable clip in a whole pass ({rows} samples, "
+                f"{streaming.skip_summary(skipped)}); run `whisper-train check-data` on it"
+            )
+        if self.stream_samples is None and position.epoch == 1:  # now the length of a pass
+            t = self.config.train
+            self.steps_per_epoch = max(1, math.ceil(rows / t.batch_size / t.gradient_accumulation))
+        say(
+            accelerator,
+            f"stream pass {position.epoch - 1} ended on process 0: {rows} samples, "
+            f"{streaming.skip_summary(skipped)}",
+        )
+
     def _train_step(self, batch: dict) -> OptimizerStep | None:
         """Forward and backward on one micro-batch; on the last of `gradient_accumulation`
         micro-batches also clip, step and zero the gradients, and return what the step did."""
@@ -484,6 +691,7 @@ class FineTuneRecipe:
         state.skipped_clips += len(batch["skipped"])
         if not batch["size"]:
             return None  # every clip in this micro-batch was unusable; already counted
+        batch = self._with_encoder_outputs(batch)
         with accelerator.accumulate(self.model):
             with memory.activation_offload(self.offload, accelerator.device):
                 loss, reported_loss = data_parallel_loss(
@@ -587,7 +795,7 @@ class FineTuneRecipe:
         for name, loader in self.eval_loaders.items():
             row = run_evaluation(
                 self.model,
-                loader,
+                map(self._with_encoder_outputs, loader),
                 self.processor,
                 self.accelerator,
                 self.normalizer,
@@ -636,6 +844,9 @@ class FineTuneRecipe:
             scheduler=self.scheduler,
             state=self.state,
             config_yaml=self.config.to_yaml(),
+            stream_position=(
+                self.stream_position.to_dict() if self.stream_source is not None else None
+            ),
         )
         if self.accelerator.is_main_process:
             checkpoints.rotate_checkpoints(
@@ -672,11 +883,13 @@ class FineTuneRecipe:
                 "gradient",
             )
         say(accelerator, f"trained {state.step} steps in {self.train_seconds:.1f} s")
+        if getattr(self, "encoder_cache", None) is not None:
+            say(accelerator, self._encoder_cache_counts())
         result = TrainResult(
             self.output_dir,
             None,
             state.step,
-            len(self.datasets.train),
+            self.stream_samples or len(self.datasets.train),
             sum(len(examples) for examples in self.datasets.eval.values()),
             state.skipped_clips,
             self.evaluations,
@@ -764,19 +977,14 @@ def prepare_datasets(
     if d.eval_subset:
         eval_sets = {name: subset[: d.eval_subset] for name, subset in eval_sets.items()}
 
-    def screen(examples: list[Example]) -> tuple[list[Example], list]:
-        return screen_examples(
-            examples,
-            count_tokens=label_encoder.decoder_tokens,  # as check-data counts them
-            max_label_tokens=max_label_tokens,
-            strict=d.strict,
-        )
-
-    kept_train, skipped = screen(train_examples)
+    train_screening = _screen_set(train_examples, label_encoder, max_label_tokens, d.strict)
+    kept_train = [train_examples[index] for index in train_screening.kept]
+    skipped = list(train_screening.skips)
     kept_eval = {}
     for name, subset in eval_sets.items():
-        kept_eval[name], skipped_here = screen(subset)
-        skipped += skipped_here
+        screening = _screen_set(subset, label_encoder, max_label_tokens, d.strict)
+        kept_eval[name] = [subset[index] for index in screening.kept]
+        skipped += screening.skips
     if skipped:
         log.warning(summarize_skips(skipped))
     if not kept_train:
@@ -784,7 +992,26 @@ def prepare_datasets(
             f"--data {d.data}: no usable training utterances after screening; "
             "run `whisper-train check-data` on it to see why"
         )
-    return Datasets(kept_train, kept_eval)
+    # Screening counted decoder positions; the memory plan and the length sampler take whole
+    # labels (`LabelEncoder.count_tokens`), one token more.
+    return Datasets(kept_train, kept_eval, [n + 1 for n in train_screening.label_tokens])
+
+
+def _screen_set(
+    examples: list[Example], label_encoder: LabelEncoder, max_label_tokens: int, strict: bool
+) -> Screening:
+    """One set's screening, shared through the screening cache by every rank and later runs;
+    labels counted in batches as check-data counts them (`LabelEncoder.decoder_tokens`)."""
+    screening = screen(
+        examples,
+        count_all=label_encoder.decoder_tokens_batch,
+        max_label_tokens=max_label_tokens,
+        cache_folder=screening_cache_folder(),
+        cache_salt=label_encoder.fingerprint(),
+    )
+    if strict:
+        raise_first_skip(screening.skips)
+    return screening
 
 
 def guard_regression(evaluations: list[dict], guard: str | None, step: int) -> float | None:

@@ -23,6 +23,7 @@ LAUNCH_FILE = "launch.yaml"  # the configuration handed to the --nproc worker pr
 FINAL_DIR = "final"  # the trained model
 CURVES_FILE = "curves.png"
 TENSORBOARD_DIR = "tensorboard"
+# Earlier versions kept encoder outputs here; they now live in the shared cache (user_cache_dir).
 ENCODER_CACHE_DIR = "encoder-cache"
 EVALUATION_DIR = "evaluation"  # `whisper-train evaluate` reports about this run
 REPORT_FILES = ("report.json", "report.baseline.json", "report.md", "report.png")
@@ -42,6 +43,17 @@ RUN_ENTRIES = frozenset(
         *REPORT_FILES,
     }
 )
+
+
+def user_cache_dir(name: str) -> Path:
+    """What runs share, kept between them: `name` (encoder, screening, hf-audio) under
+    $WHISPER_TRAIN_CACHE, else $XDG_CACHE_HOME/whisper-train, else ~/.cache/whisper-train."""
+    root = os.environ.get("WHISPER_TRAIN_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "whisper-train"
+    )
+    return Path(root) / name
+
+
 # Complete checkpoints, and the leftovers of an interrupted write or replacement.
 _CHECKPOINT_ENTRY = re.compile(rf"^{CHECKPOINT_PREFIX}\d+(\.tmp|\.old)?$")
 # A folder holding either of these is a model itself (transformers' config.json, also in a

@@ -545,6 +545,19 @@ def format_plan_table(
     return "\n".join(lines)
 
 
+def encoder_cache_line(
+    config, *, n_clips: int, folder: str, limit_bytes: int, storage_bits: int = 16
+) -> str:
+    """The plan's line for a frozen encoder's cached outputs: disk, not device memory, so
+    outside the budget above, but sized here with the rest (1500 x d_model values a clip)."""
+    clip_bytes = ENCODER_POSITIONS * config.d_model * storage_bits // 8
+    return (
+        f"   encoder cache (disk, not device memory): {n_clips} clips x "
+        f"{_gib(clip_bytes)} = {_gib(n_clips * clip_bytes)} at most, in {folder} "
+        f"(limit {_gib(limit_bytes)})"
+    )
+
+
 def _gib(n_bytes: float) -> str:
     return f"{n_bytes / 2**30:.2f}GiB" if n_bytes >= 2**30 / 10 else f"{n_bytes / 2**20:.0f}MiB"
 
@@ -567,6 +580,7 @@ __all__ = [
     "Plan",
     "calibrate",
     "count_saved_bytes",
+    "encoder_cache_line",
     "estimate_memory",
     "format_plan_table",
     "model_flops_per_sample",

@@ -62,7 +62,7 @@ def test_unknown_yaml_key_names_the_key(tmp_path):
 
 
 def test_mode_dependent_defaults():
-    assert RunConfig.from_flat({"mode": "lora"}).learning_rate == 1e-3
+    assert RunConfig.from_flat({"mode": "lora"}).learning_rate == 3e-4
     assert RunConfig.from_flat({"mode": "freeze-encoder"}).cache_encoder is True
     assert (
         RunConfig.from_flat({"mode": "freeze-encoder", "audio_augment": True}).cache_encoder

@@ -38,7 +38,7 @@ def test_final_is_the_lowest_primary_wer_among_steps_within_the_guard():
         }
     )
     choice = choose_final_step(rows, primary_set="target", guard="guard", max_regression=2.0)
-    assert choice.step == 6 and "guard guard within 2 points" in choice.reason
+    assert choice.step == 6 and "guard set 'guard' within 2 points" in choice.reason
     # Without the guard, step 4's lower WER wins.
     assert choose_final_step(rows, primary_set="target", guard=None, max_regression=None).step == 4
 
@@ -167,7 +167,7 @@ def test_the_guard_stops_a_run_and_final_holds_the_best_allowed_step(
     assert "guard general: WER +30.0 points over the start at step 4" in out
     assert result.final_step == 2 and result.final_wer == 0.6
     saved = json.loads((result.output_dir / "result.json").read_text())
-    assert saved["final_step"] == 2 and "guard general within 2 points" in saved["final_reason"]
+    assert saved["final_step"] == 2 and "guard set 'general' within 2 points" in saved["final_reason"]
     # final/ holds step 2's trained weights (kept in checkpoint-2), not step 4's.
     best = load_file(result.output_dir / "checkpoint-2" / "trainable.safetensors")
     final = load_file(result.output_dir / "final" / "model.safetensors")

@@ -14,10 +14,10 @@
    if the guard kept within `--max-regression` of its start.
 3. Print each set's figures before and after, side by side.
 
-LoRA rather than freeze-encoder: a decoder trained on cached encoder outputs cannot learn how
-new voices sound, and it carried over to the held-out speakers far less (BENCHMARKS.md, "The
-demo"). No step between the first and the last is evaluated: picking the best of several
-evaluations by held-out WER would tune on the held-out set.
+LoRA (adapters in the encoder and the decoder) rather than freeze-encoder: a decoder trained
+on cached encoder outputs cannot change how the encoder hears new voices. No step between the
+first and the last is evaluated: picking the best of several evaluations by held-out WER would
+tune on the held-out set.
 
 Everything lands in one folder: `data/` (synthesised once, reused by a next demo with the same
 plan) and `run/` (the training run; a second demo moves the first's aside to `run.old-<time>`,
@@ -70,9 +70,9 @@ def run_demo(
     *,
     output_dir: str | Path = "whisper-train-demo",
     model: str = "tiny.en",
-    train_utterances: int = 256,
-    eval_utterances: int = 48,
-    guard_utterances: int = 48,
+    train_utterances: int = 192,
+    eval_utterances: int = 40,
+    guard_utterances: int = 40,
     epochs: float = 1,
     learning_rate: float | None = None,
     mode: str = "lora",

@@ -793,9 +793,11 @@ class FineTuneRecipe:
         (a metrics line each, one table row), then the guard's verdict."""
         rows = []
         for name, loader in self.eval_loaders.items():
+            if self.encoder_cache is not None:  # batches complete with their encoder outputs
+                loader = map(self._with_encoder_outputs, loader)
             row = run_evaluation(
                 self.model,
-                map(self._with_encoder_outputs, loader),
+                loader,
                 self.processor,
                 self.accelerator,
                 self.normalizer,
@@ -1058,7 +1060,7 @@ def choose_final_step(
     reason = f"the lowest {primary_set} WER ({100 * allowed[best]:.2f}%) of {len(scored)} evaluated"
     reason += " steps" if len(scored) > 1 else " step"
     if guard is not None:
-        reason += f", guard {guard} within {max_regression:g} points of the start"
+        reason += f", guard set {guard!r} within {max_regression:g} points of its start"
     return FinalChoice(best, reason)
 
 

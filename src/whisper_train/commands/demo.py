@@ -25,18 +25,18 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("--model", default="tiny.en", help="Model to fine-tune.")
     parser.add_argument(
-        "--train-utterances", type=int, default=256, help="Synthesised utterances to train on."
+        "--train-utterances", type=int, default=192, help="Synthesised utterances to train on."
     )
     parser.add_argument(
         "--eval-utterances",
         type=int,
-        default=48,
+        default=40,
         help="Held-out utterances (unseen speakers and words) scored before and after.",
     )
     parser.add_argument(
         "--guard-utterances",
         type=int,
-        default=48,
+        default=40,
         help="Guard utterances (general sentences, default voice) scored before and after.",
     )
     parser.add_argument("--epochs", type=float, default=1, help="Passes over the training set.")
@@ -44,7 +44,7 @@ def add_parser(subparsers) -> None:
         "--learning-rate",
         type=float,
         default=None,
-        help="Peak learning rate (default: train's for the mode: 1e-3 for lora, 3e-5 for "
+        help="Peak learning rate (default: train's for the mode: 3e-4 for lora, 3e-5 for "
         "freeze-encoder, 1e-5 for full).",
     )
     parser.add_argument(

@@ -1,0 +1,189 @@
+"""What fine-tuning keeps and what it gains: target WER, guard WER and loops for a grid of runs.
+
+    .venv/bin/python bench/quality.py [--target real|synth] [--steps 30] [--grid lr|all]
+        [--only MODE] [--model tiny.en]
+
+Each run is `whisper-train train` as a user starts it (its own process), with the target's
+held-out set and the guard set as `--eval-data`, scored after the last step; the starting
+model's scores come from the first run's `--eval-at-start` row (every run starts from the same
+weights, so they are the same for all). Figures are percent: WER (generate-based, with the
+temperature fallback), and the repeated 3-gram rate of the transcripts (loops).
+
+Targets:
+  real   (needs ../shared/realspeech) train on CMU AN4's 30 training clips (single words and
+         spelled letters, ~25 speakers), score AN4's 10 test clips (other speakers) as the
+         target and LJ Speech's 35 clips (read news-style English, one speaker) as the guard:
+         what the model knew of general English.
+  synth  the demo's sets at a smaller size (demo.py): 128 training sentences in the training
+         voices and words, 32 held-out sentences in voices and content words training never
+         saw (the target), 32 general sentences in the default voice (the guard).
+
+Grids:
+  lr     each mode at its default learning rate, a third and a tenth of it, and
+         --preserve-base 1 at the default;
+  all    lr, plus warm-up (10 steps) and SpecAugment at each mode's default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+REPO = Path(__file__).resolve().parents[1]
+REALSPEECH = REPO.parent / "shared" / "realspeech"
+WHISPER_TRAIN = [sys.executable, "-m", "whisper_train.cli"]
+# config.py's defaults when this grid was first run (lora's is now 3e-4, from its results)
+DEFAULT_LR = {"full": 1e-5, "lora": 1e-3, "freeze-encoder": 3e-5}
+
+
+@dataclass
+class Run:
+    mode: str
+    learning_rate: float
+    extra: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        flags = " ".join(self.extra)
+        return f"{self.mode} lr {self.learning_rate:.2g}" + (f" {flags}" if flags else "")
+
+
+def grid(name: str, modes: list[str]) -> list[Run]:
+    runs = []
+    for mode in modes:
+        default = DEFAULT_LR[mode]
+        runs += [Run(mode, lr) for lr in (default / 10, default / 3, default)]
+        runs.append(Run(mode, default, ["--preserve-base", "1"]))
+        if name == "all":
+            runs.append(Run(mode, default, ["--warmup-steps", "10"]))
+            if mode != "freeze-encoder":  # its cached encoder outputs cannot be augmented
+                runs.append(Run(mode, default, ["--spec-augment"]))
+    return runs
+
+
+def real_sets(folder: Path) -> dict[str, Path]:
+    """Manifests (absolute audio paths) for AN4 train, AN4 test and LJ Speech."""
+    rows = [json.loads(line) for line in (REALSPEECH / "manifest.jsonl").open()]
+    picks = {
+        "train": lambda r: "/asr/train/an4/" in r["source"],
+        "target": lambda r: "/asr/test/an4/" in r["source"],
+        "guard": lambda r: "ljspeech" in r["audio"],
+    }
+    sets = {}
+    for name, keep in picks.items():
+        path = folder / f"{name}.jsonl"
+        with path.open("w") as stream:
+            for row in filter(keep, rows):
+                audio = str(REALSPEECH / row["audio"])
+                stream.write(json.dumps({"audio": audio, "text": row["text"]}) + "\n")
+        sets[name] = path
+    return sets
+
+
+def synth_sets(folder: Path) -> dict[str, Path]:
+    from whisper_train.demo import prepare_demo_data
+
+    dirs = prepare_demo_data(
+        folder, train_utterances=128, eval_utterances=32, guard_utterances=32, seed=0
+    )
+    return {"train": dirs["train"], "target": dirs["held-out"], "guard": dirs["guard"]}
+
+
+def train_once(run: Run, sets: dict[str, Path], args, out: Path, at_start: bool) -> dict:
+    """One `whisper-train train`; returns its result.json."""
+    command = [
+        *WHISPER_TRAIN,
+        "train",
+        "--model", args.model,
+        "--data", str(sets["train"]),
+        "--eval-data", f"target={sets['target']}",
+        "--eval-data", f"guard={sets['guard']}",
+        "--mode", run.mode,
+        "--learning-rate", str(run.learning_rate),
+        "--max-steps", str(args.steps),
+        "--batch-size", "8",
+        "--seed", "0",
+        "--output-dir", str(out),
+        "--overwrite",
+        *(["--eval-at-start"] if at_start else []),
+        *run.extra,
+    ]  # fmt: skip
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{run.label} failed:\n{done.stderr[-3000:]}")
+    result = json.loads((out / "result.json").read_text())
+    result["seconds"] = time.perf_counter() - started
+    return result
+
+
+def rows_at(result: dict, step: int) -> dict[str, dict]:
+    return {row["set"]: row for row in result["evaluations"] if row["step"] == step}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", choices=("real", "synth"), default="real")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--grid", choices=("lr", "all"), default="lr")
+    parser.add_argument("--only", choices=tuple(DEFAULT_LR), action="append")
+    parser.add_argument("--model", default="tiny.en")
+    parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "wt-quality")
+    args = parser.parse_args()
+    if args.target == "real" and not REALSPEECH.is_dir():
+        raise SystemExit(f"--target real needs {REALSPEECH}; use --target synth")
+
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    data = args.work_dir / f"data-{args.target}"
+    data.mkdir(exist_ok=True)
+    sets = real_sets(data) if args.target == "real" else synth_sets(data)
+    runs = grid(args.grid, args.only or list(DEFAULT_LR))
+
+    print(f"command: {' '.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])}")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}; model {args.model}, {args.steps} steps of batch 8"
+    )
+    header = f"| {'run':<40} | target WER | guard WER | target loops | guard loops | s |"
+    lines = [header, "|" + "---|" * 6]
+    print(header, flush=True)
+    base = None
+    for index, run in enumerate(runs):
+        result = train_once(run, sets, args, args.work_dir / f"run{index}", at_start=base is None)
+        if base is None:
+            base = rows_at(result, 0)
+            line = _line(f"{args.model}, before fine-tuning", base, None)
+            lines.insert(2, line)
+            print(line, flush=True)
+        final = rows_at(result, result["steps"])
+        line = _line(run.label, final, result["seconds"])
+        lines.append(line)
+        print(line, flush=True)
+    print()
+    print("\n".join(lines))
+
+
+def _line(label: str, rows: dict[str, dict], seconds: float | None) -> str:
+    def pct(name: str, key: str) -> str:
+        return f"{100 * rows[name][key]:.1f}"
+
+    spent = f"{seconds:.0f}" if seconds is not None else ""
+    return (
+        f"| {label:<40} | {pct('target', 'wer'):>10} | {pct('guard', 'wer'):>9} | "
+        f"{pct('target', 'repeated_ngram_rate'):>12} | {pct('guard', 'repeated_ngram_rate'):>11} "
+        f"| {spent} |"
+    )
+
+
+if __name__ == "__main__":
+    main()

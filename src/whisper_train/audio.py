@@ -7,6 +7,7 @@ for speech and much faster than a polyphase filter in numpy).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -27,16 +28,19 @@ N_FRAMES = N_SAMPLES // HOP_LENGTH  # 3000 mel frames in one window
 _RESAMPLE_QUALITY = "HQ"
 
 
-def _info(path: str | Path) -> soundfile._SoundFileInfo:
-    """The file's header; AudioError when the file is missing or not audio soundfile can read."""
-    path = Path(path)
-    if not path.is_file():
-        raise AudioError(str(path), "file not found; check the path in your data")
+def _header(path: str | Path) -> tuple[int, int]:
+    """(frames, sample rate) from the file's header; AudioError when the file is missing or not
+    audio soundfile can read. (`SoundFile` rather than `soundfile.info`, and no pathlib: this
+    runs once per clip at start-up, and they cost 76 and 5 us of the ~115 us a read took.)"""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise AudioError(path, "file not found; check the path in your data")
     try:
-        return soundfile.info(str(path))
+        with soundfile.SoundFile(path) as header:
+            return header.frames, header.samplerate
     except (soundfile.LibsndfileError, RuntimeError, TypeError) as exc:
         raise AudioError(
-            str(path), f"cannot decode audio ({_first_line(exc)}); convert it to WAV or FLAC"
+            path, f"cannot decode audio ({_first_line(exc)}); convert it to WAV or FLAC"
         ) from None
 
 
@@ -47,8 +51,8 @@ def _first_line(exc: BaseException) -> str:
 
 def audio_duration(path: str | Path) -> float:
     """Length of the whole file in seconds, read from its header (no decoding)."""
-    info = _info(path)
-    return info.frames / info.samplerate if info.samplerate else 0.0
+    frames, sample_rate = _header(path)
+    return frames / sample_rate if sample_rate else 0.0
 
 
 def load_audio(
@@ -60,8 +64,7 @@ def load_audio(
     frames of the window are read from disk. Raises AudioError when the file is missing, cannot
     be decoded, or the (window of the) audio holds no samples.
     """
-    info = _info(path)
-    source_rate = info.samplerate
+    _, source_rate = _header(path)
     first_frame = 0 if start is None else max(0, round(start * source_rate))
     stop_frame = None if end is None else max(first_frame, round(end * source_rate))
     try:

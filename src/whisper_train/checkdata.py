@@ -31,7 +31,13 @@ import soundfile
 
 from whisper_train.audio import CHUNK_LENGTH
 from whisper_train.config import DataConfig
-from whisper_train.data import Example, load_examples, map_in_threads
+from whisper_train.data import (
+    HASH_THREADS,
+    HEADER_THREADS,
+    Example,
+    load_examples,
+    map_in_threads,
+)
 from whisper_train.errors import UserError
 from whisper_train.labels import MAX_DECODER_TOKENS, LabelEncoder
 from whisper_train.streaming import StreamSource, audio_header, open_stream, read_row, stream_source
@@ -221,7 +227,9 @@ def check_data(
 def _check_audio(examples: Sequence[Example], report: DataReport) -> None:
     # Threads overlap the reads, which wait on storage (see data.read_audio_seconds).
     paths = list(dict.fromkeys(example.audio for example in examples))
-    headers = dict(zip(paths, map_in_threads(_read_header, paths), strict=True))
+    headers = dict(
+        zip(paths, map_in_threads(_read_header, paths, threads=HEADER_THREADS), strict=True)
+    )
     for header in headers.values():
         if not isinstance(header, str):
             report.sample_rates[header.samplerate] = (
@@ -325,7 +333,9 @@ def _content_identities(paths: Sequence[str]) -> list[Any]:
     identities: list[Any] = [("size", size) for size in sizes]
     same_size = Counter(sizes)
     candidates = [i for i, size in enumerate(sizes) if same_size[size] > 1]
-    prefixes = map_in_threads(lambda i: _file_hash(paths[i], PREFIX_BYTES), candidates)
+    prefixes = map_in_threads(
+        lambda i: _file_hash(paths[i], PREFIX_BYTES), candidates, threads=HASH_THREADS
+    )
     for i, prefix in zip(candidates, prefixes, strict=True):
         identities[i] = ("prefix", sizes[i], prefix)
     same_prefix = Counter(identities[i] for i in candidates)
@@ -333,7 +343,7 @@ def _content_identities(paths: Sequence[str]) -> list[Any]:
     colliding = [
         i for i in candidates if same_prefix[identities[i]] > 1 and sizes[i] > PREFIX_BYTES
     ]
-    digests = map_in_threads(lambda i: _file_hash(paths[i]), colliding)
+    digests = map_in_threads(lambda i: _file_hash(paths[i]), colliding, threads=HASH_THREADS)
     for i, digest in zip(colliding, digests, strict=True):
         identities[i] = ("whole", sizes[i], digest)
     return identities

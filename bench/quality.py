@@ -1,6 +1,6 @@
 """What fine-tuning keeps and what it gains: target WER, guard WER and loops for a grid of runs.
 
-    .venv/bin/python bench/quality.py [--target real|synth] [--steps 30] [--grid lr|all]
+    .venv/bin/python bench/quality.py [--target real|synth] [--steps 30] [--grid defaults|lr|all]
         [--only MODE] [--model tiny.en]
 
 Each run is `whisper-train train` as a user starts it (its own process), with the target's
@@ -19,6 +19,7 @@ Targets:
          saw (the target), 32 general sentences in the default voice (the guard).
 
 Grids:
+  defaults  each mode at today's default learning rate;
   lr     each mode at its default learning rate, a third and a tenth of it, and
          --preserve-base 1 at the default;
   all    lr, plus warm-up (10 steps) and SpecAugment at each mode's default.
@@ -44,6 +45,7 @@ REALSPEECH = REPO.parent / "shared" / "realspeech"
 WHISPER_TRAIN = [sys.executable, "-m", "whisper_train.cli"]
 # config.py's defaults when this grid was first run (lora's is now 3e-4, from its results)
 DEFAULT_LR = {"full": 1e-5, "lora": 1e-3, "freeze-encoder": 3e-5}
+CURRENT_LR = {**DEFAULT_LR, "lora": 3e-4}  # config.py's defaults now
 
 
 @dataclass
@@ -59,6 +61,8 @@ class Run:
 
 
 def grid(name: str, modes: list[str]) -> list[Run]:
+    if name == "defaults":
+        return [Run(mode, CURRENT_LR[mode]) for mode in modes]
     runs = []
     for mode in modes:
         default = DEFAULT_LR[mode]
@@ -135,7 +139,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", choices=("real", "synth"), default="real")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--grid", choices=("lr", "all"), default="lr")
+    parser.add_argument("--grid", choices=("defaults", "lr", "all"), default="lr")
     parser.add_argument("--only", choices=tuple(DEFAULT_LR), action="append")
     parser.add_argument("--model", default="tiny.en")
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "wt-quality")

@@ -167,7 +167,9 @@ def test_the_guard_stops_a_run_and_final_holds_the_best_allowed_step(
     assert "guard general: WER +30.0 points over the start at step 4" in out
     assert result.final_step == 2 and result.final_wer == 0.6
     saved = json.loads((result.output_dir / "result.json").read_text())
-    assert saved["final_step"] == 2 and "guard set 'general' within 2 points" in saved["final_reason"]
+    assert (
+        saved["final_step"] == 2 and "guard set 'general' within 2 points" in saved["final_reason"]
+    )
     # final/ holds step 2's trained weights (kept in checkpoint-2), not step 4's.
     best = load_file(result.output_dir / "checkpoint-2" / "trainable.safetensors")
     final = load_file(result.output_dir / "final" / "model.safetensors")

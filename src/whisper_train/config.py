@@ -187,9 +187,9 @@ class TrainConfig:
     batch_size: int = _help("Utterances per micro-batch (per process).", default=8)
     gradient_accumulation: int = _help("Micro-batches per optimizer step.", default=1)
     learning_rate: float | None = _help(
-        "Peak learning rate (default 3e-4 for lora: 1e-3 cost tiny.en 4 points of WER on real "
-        "speech it was not trained on, BENCHMARKS.md 'Quality'; 1e-5 for full and 3e-5 for "
-        "freeze-encoder, common choices not measured here).",
+        "Peak learning rate: default 3e-4 for lora (1e-3 cost tiny.en 4 points of WER on real "
+        "speech it was not trained on), 1e-5 for full, 3e-5 for freeze-encoder (within 1.2 "
+        "points there); one measurement, BENCHMARKS.md 'Quality'.",
         default=None,
     )
     lr_scheduler: str = _help("linear or constant_with_warmup.", default="linear")

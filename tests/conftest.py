@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,25 @@ from whisper_train.config import RunConfig  # noqa: E402
 # the noise (~150 float32 ulps at 11, the worst-case rounding of a ~100-term mean) and ~65x
 # below the smallest real change.
 SAME_RUN_LOSS_ATOL = 1e-4
+
+
+# One `whisper-train train` in its own process (--nproc launches, streams): two imports of torch
+# + transformers and a few tiny steps; a hang fails, never waits.
+TRAIN_SUBPROCESS_TIMEOUT_S = 300
+
+
+def train_in_subprocess(args: list[str]) -> subprocess.CompletedProcess:
+    """`python -m whisper_train train ARGS`, offline, one OpenMP thread; asserts exit 0."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "whisper_train", "train", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TRAIN_SUBPROCESS_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -2,32 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import torch
-from conftest import SAME_RUN_LOSS_ATOL, losses_and_evaluations, write_tone_dataset
+from conftest import (
+    SAME_RUN_LOSS_ATOL,
+    losses_and_evaluations,
+    train_in_subprocess,
+    write_tone_dataset,
+)
 
 from whisper_train.config import RunConfig
 from whisper_train.train import train
-
-# Launch, two imports of torch + transformers and a few tiny steps; a hang fails, never waits.
-TIMEOUT_S = 300
-
-
-def _cli(args: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "whisper_train", "train", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
 
 
 def test_two_processes_equal_one_and_resume_exactly(tmp_path, tiny_whisper_dir):
@@ -52,7 +37,7 @@ def test_two_processes_equal_one_and_resume_exactly(tmp_path, tiny_whisper_dir):
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in common.items()]
     two = tmp_path / "two"
     # 3 steps and a checkpoint, then --resume for 2 more: 5 steps across an epoch boundary.
-    _cli(
+    train_in_subprocess(
         [
             *flags,
             "--nproc=2",
@@ -63,7 +48,7 @@ def test_two_processes_equal_one_and_resume_exactly(tmp_path, tiny_whisper_dir):
         ]
     )
     assert (two / "checkpoint-3" / "rng-1.pt").is_file()  # each process's random state
-    _cli(
+    train_in_subprocess(
         [
             *flags,
             "--nproc=2",

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import subprocess
-import sys
 import tarfile
 from collections import Counter
 from pathlib import Path
@@ -16,7 +13,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
-from conftest import SAME_RUN_LOSS_ATOL, metric_rows
+from conftest import SAME_RUN_LOSS_ATOL, metric_rows, train_in_subprocess
 from tiny_models import english_tokenizer
 
 import whisper_train.recipe as recipe_module
@@ -29,8 +26,6 @@ from whisper_train.features import Skipped
 from whisper_train.train import train
 
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
-# One process's launch: two imports of torch + transformers and a few tiny steps.
-TIMEOUT_S = 300
 
 
 def _clip(rng: np.random.Generator, sample_rate: int, seconds: float = 0.6) -> np.ndarray:
@@ -283,15 +278,7 @@ def test_two_processes_share_one_pass(tmp_path, tiny_whisper_dir):
         "--save-steps=100",
         "--learning-rate=1e-3",
     ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "whisper_train", "train", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = train_in_subprocess(args)
     assert "16 samples a pass" in result.stdout
     assert "stream pass 0 ended on process 0: 8 samples" in result.stdout
     (checkpoint,) = checkpoints.list_checkpoints(out)

@@ -315,7 +315,10 @@ def test_the_base_runs_in_the_trained_forwards_autocast(mode):
     if mode == "lora":
         assert divergences[None] == 0.0
     else:
-        assert divergences[None] > 0.0
+        # Not the exact zero of matched kernels. Its sign is not asserted: for this near-uniform
+        # random model the KL is as small as float32's rounding of its sum over 51,865 tokens
+        # (an AMD EPYC with native bf16 dot products, AVX512-BF16, gave -1.3e-7 nats).
+        assert divergences[None] != 0.0
 
 
 def test_the_reference_follows_the_model_to_its_dtype():

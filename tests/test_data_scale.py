@@ -219,3 +219,99 @@ def test_check_data_hashes_whole_files_only_when_size_and_prefix_collide(tmp_pat
     prefix_only = sorted(name for name, limit in hashed if limit == PREFIX_BYTES)
     assert whole == ["a-copy.wav", "a-late-change.wav", "a.wav"]
     assert prefix_only == ["a-copy.wav", "a-late-change.wav", "a.wav", "b.wav"]
+
+
+# -- training audio checked by the loader, not before step 1 ------------------------------------
+def _problem_clips(folder: Path) -> list[Example]:
+    """One clip of each kind screening and the loader set aside, and one good clip."""
+    _wav(folder / "good.wav", _noise(8000, 0))  # 0.5 s
+    _wav(folder / "long.wav", _noise(31 * 8000, 1), rate=8000)  # 31 s
+    (folder / "broken.wav").write_bytes(b"RIFF, but no audio after it")
+    audio = {name: str(folder / f"{name}.wav") for name in ("good", "long", "broken", "gone")}
+    return [
+        Example(audio["good"], "fine", origin="row1"),
+        Example(audio["gone"], "missing file", origin="row2"),
+        Example(audio["broken"], "not audio", origin="row3"),
+        Example(audio["long"], "too long", origin="row4"),
+        Example(audio["good"], "window past the end", start=0.2, end=3.0, origin="row5"),
+        Example(audio["good"], "   ", origin="row6"),
+    ]
+
+
+def test_the_loader_skips_each_clip_for_the_reason_screening_gives(tmp_path, monkeypatch):
+    examples = _problem_clips(tmp_path)
+    screened = screen(examples, count_all=lambda exs: [1] * len(exs), read_headers=True)
+    assert screened.kept == [0]
+
+    from whisper_train import features
+
+    decoded = []
+    original = features.load_audio
+    monkeypatch.setattr(
+        features, "load_audio", lambda path, **kw: decoded.append(path) or original(path, **kw)
+    )
+    dataset = features.SpeechDataset(examples, _encoder())
+    items = [dataset[index] for index in range(len(examples))]
+
+    assert isinstance(items[0], dict) and items[0]["text"] == "fine"
+    assert items[1:] == screened.skips  # same origins, reasons and details
+    assert [s.reason for s in screened.skips] == [
+        "audio file not found",
+        "unreadable audio",
+        "longer than 30 s",
+        "window ends after the audio",
+        "empty transcript",
+    ]
+    assert decoded == [examples[0].audio]  # nothing set aside was decoded first
+
+
+def test_training_audio_is_not_read_before_step_one_unless_strict(tmp_path, monkeypatch):
+    for i in range(10):
+        _wav(tmp_path / f"c{i}.wav", _noise(8000, i))
+    manifest = _manifest(tmp_path, [(f"c{i}.wav", f"word {i}") for i in range(10)])
+    reads = []
+    original = data.audio_duration
+    monkeypatch.setattr(data, "audio_duration", lambda path: reads.append(path) or original(path))
+
+    def read_before_step_one(**settings) -> tuple[int, int, int]:
+        monkeypatch.setenv("WHISPER_TRAIN_CACHE", str(tmp_path / f"cache-{len(reads)}"))
+        config = RunConfig()
+        config.update({"data": str(manifest), "output_dir": str(tmp_path), **settings})
+        reads.clear()
+        sets = prepare_datasets(config, _encoder(), max_label_tokens=448)
+        return len(reads), len(sets.train), sum(len(e) for e in sets.eval.values())
+
+    # The held-out evaluation set's headers are read (each evaluation scores the same clips);
+    # of the training set's, one: the check that some clip is usable. The loader reads the rest.
+    assert read_before_step_one(eval_split=0.2) == (2 + 1, 8, 2)
+    assert read_before_step_one(eval_split=0.2, strict=True) == (10, 8, 2)
+    assert read_before_step_one(only_train=True) == (1, 10, 0)
+
+
+def test_a_stated_duration_over_30_s_is_skipped_without_reading_the_file(tmp_path, monkeypatch):
+    examples = [
+        Example(str(tmp_path / "a.wav"), "kept", duration=29.9),
+        Example(str(tmp_path / "b.wav"), "too long", duration=30.5),
+    ]
+    monkeypatch.setattr(data, "audio_duration", lambda path: pytest.fail(f"read {path}"))
+    screened = screen(examples, count_all=lambda exs: [1] * len(exs), read_headers=False)
+    assert screened.kept == [0]
+    assert [(s.reason, s.detail) for s in screened.skips] == [("longer than 30 s", "30.5 s")]
+
+
+def test_jsonl_rows_end_at_newlines_only_and_columns_may_be_missing_on_some_rows(tmp_path):
+    _wav(tmp_path / "a.wav", _noise(800, 0))
+    rows = [
+        {"audio": "a.wav", "text": "first line\u2028same row"},  # U+2028: legal inside JSON
+        {"audio": "a.wav", "text": "in german", "language": "de"},
+        {"audio": "a.wav", "text": "no language again"},
+    ]
+    manifest = tmp_path / "train.jsonl"
+    text = "".join(json.dumps(row, ensure_ascii=False) + "\r\n" for row in rows)
+    manifest.write_text(text, encoding="utf-8", newline="")
+    examples = load_examples(manifest)
+    assert [(e.text, e.language, e.origin) for e in examples] == [
+        ("first line\u2028same row", None, f"{manifest}:1"),
+        ("in german", "de", f"{manifest}:2"),
+        ("no language again", None, f"{manifest}:3"),
+    ]

@@ -16,13 +16,20 @@ import numpy as np
 import pytest
 import torch
 from conftest import SAME_RUN_LOSS_ATOL, losses_and_evaluations
+from safetensors.torch import save as save_safetensors
 from transformers.models.whisper import modeling_whisper
 
 from whisper_train import encoder_cache
 from whisper_train.cli import main
 from whisper_train.config import RunConfig, parse_bytes
 from whisper_train.data import Example
-from whisper_train.encoder_cache import EncoderCache, clip_key, list_cache, model_key
+from whisper_train.encoder_cache import (
+    TENSOR_NAME,
+    EncoderCache,
+    clip_key,
+    list_cache,
+    model_key,
+)
 from whisper_train.errors import UserError
 from whisper_train.memory.plan import encoder_cache_line
 from whisper_train.train import train
@@ -88,9 +95,14 @@ def test_encoded_once_then_reused_by_later_epochs_runs_and_evaluation(
     )
 
 
-def test_cached_training_gives_the_uncached_losses(tmp_path, tiny_run_config):
+def test_cached_training_gives_the_uncached_losses(tmp_path, tiny_run_config, encoded_rows):
     cached, _ = _freeze_run(tiny_run_config, tmp_path, "cached")
+    # The cached run's step 2 read every clip back (else both runs would be uncached, and
+    # equal whether or not the cache works); the uncached run encodes them every step.
+    assert sum(encoded_rows) == N_TRAIN[True]
+    encoded_rows.clear()
     uncached, _ = _freeze_run(tiny_run_config, tmp_path, "uncached", cache_encoder=False)
+    assert sum(encoded_rows) == 2 * N_TRAIN[True]
     assert len(cached) == 2
     # Not bitwise: the cached outputs are float16 and computed a batch's missing clips at a time.
     np.testing.assert_allclose(cached, uncached, rtol=0, atol=SAME_RUN_LOSS_ATOL)
@@ -203,13 +215,17 @@ def test_processes_writing_the_same_clips_leave_whole_files(tmp_path):
     command = [sys.executable, "-c", WRITER, str(tmp_path), "3", *keys]
     writers = [subprocess.Popen(command, env=env) for _ in range(2)]
     reader = EncoderCache(tmp_path, "0123456789abcdef", SHAPE, limit_bytes=0)
-    deadline = time.monotonic() + WRITERS_TIMEOUT_S
+    # The raw bytes, not `load`: it reads a torn file as None, the same as no file.
+    whole = {key: save_safetensors({TENSOR_NAME: _clip_tensor(key)}) for key in keys}
+    deadline, polls = time.monotonic() + WRITERS_TIMEOUT_S, 0
     while any(w.poll() is None for w in writers) and time.monotonic() < deadline:
         for key in keys:  # meanwhile a reader sees no file or a whole one, never a part
-            stored = reader.load(key)
-            assert stored is None or torch.equal(stored, _clip_tensor(key))
+            path = reader.path(key)  # once there, a file is only ever replaced, never removed
+            assert (path.read_bytes() if path.is_file() else None) in (None, whole[key])
+        polls += 1
         time.sleep(0.01)  # leave the writers most of the 2 cores
     assert [w.wait(timeout=1) for w in writers] == [0, 0]
+    assert polls  # the reader looked while they ran (each first imports torch: seconds)
     for key in keys:
         assert torch.equal(reader.load(key), _clip_tensor(key))
     leftovers = [p.name for p in tmp_path.rglob("*") if p.is_file() and p.suffix == ".tmp"]

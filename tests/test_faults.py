@@ -12,13 +12,14 @@ from collections import namedtuple
 
 import pytest
 import torch
-from conftest import metric_rows, train_argv
+from conftest import metric_rows, train_argv, write_tone_dataset
 from safetensors.torch import load_file
 
 import whisper_train.checkpoints as checkpoints_module
+import whisper_train.features as features_module
 import whisper_train.recipe as recipe_module
 from whisper_train.cli import main
-from whisper_train.errors import UserError
+from whisper_train.errors import AudioError, UserError
 from whisper_train.train import train
 
 
@@ -148,3 +149,42 @@ def test_a_signal_finishes_the_step_saves_and_prints_the_resume_command(
     step = checkpoints_module.TrainerState.read(found[0]).step
     assert step >= 1 and [row["step"] for row in metric_rows(out)] == list(range(1, step + 1))
     assert f"--resume {found[0]}" in stdout + stderr
+
+
+def test_bad_clips_are_skipped_as_they_are_read_and_named_once(tmp_path, tiny_run_config, capsys):
+    manifest = write_tone_dataset(tmp_path / "data", n=8, layout="jsonl")
+    (manifest.parent / "broken.wav").write_bytes(b"RIFF, and then nothing audio")
+    with manifest.open("a", encoding="utf-8") as rows:
+        rows.write('{"audio": "gone.wav", "text": "alpha bravo"}\n')
+        rows.write('{"audio": "broken.wav", "text": "charlie delta"}\n')
+    # 10 rows in batches of 4: 3 micro-batches an epoch; step 4 is in the second epoch.
+    result = train(tiny_run_config(data=str(manifest), max_steps=4))
+
+    assert result.steps == 4 and result.train_examples == 10
+    # Both bad clips were skipped in epoch 0; step 4's batch may have met one of them again.
+    assert result.skipped_clips in (2, 3)
+    out = capsys.readouterr().out
+    assert "(training audio is checked as each clip is read;" in out
+    report = out[out.index("epoch 0: clips skipped as they were read:") :].splitlines()
+    assert report[0] == "epoch 0: clips skipped as they were read: 2 skipped"
+    assert sorted(report[1:3]) == [  # one line a reason, in the order the shuffle met them
+        f"  1 audio file not found: {manifest}:9 [{manifest.parent / 'gone.wav'}]",
+        f"  1 unreadable audio: {manifest}:10 [{manifest.parent / 'broken.wav'}]",
+    ]
+    assert out.count("clips skipped as they were read") == 1  # named once, not every epoch
+
+
+def test_an_epoch_of_clips_that_pass_their_header_but_never_decode_stops_with_one_line(
+    tiny_run_config, monkeypatch
+):
+    def undecodable(path, **window):
+        raise AudioError(str(path), "cannot decode audio (corrupt frames)")
+
+    monkeypatch.setattr(features_module, "load_audio", undecodable)
+    # 12 clips, all training (only_train). Without this stop the loop would start epoch after
+    # epoch and never reach a step.
+    with pytest.raises(
+        UserError,
+        match=r"no usable training utterances in a whole epoch \(12 skipped: 12 unreadable audio\)",
+    ):
+        train(tiny_run_config(max_steps=2))

@@ -7,8 +7,8 @@ import torch
 from transformers import WhisperFeatureExtractor
 
 from whisper_train.collate import IGNORE_INDEX, SpeechCollator
-from whisper_train.data import Example
-from whisper_train.features import LogMel, Skipped, SpeechDataset
+from whisper_train.data import Example, Skip
+from whisper_train.features import LogMel, SpeechDataset
 from whisper_train.labels import LabelEncoder
 
 
@@ -103,6 +103,6 @@ def test_bad_clip_becomes_a_counted_skip_not_a_crash(tmp_path, tiny_whisper):
     )
     batch = collator([dataset[0], dataset[1]])
     assert batch["size"] == 1 and batch["texts"] == ["one"]
-    assert isinstance(batch["skipped"][0], Skipped) and batch["skipped"][0].origin == "m.csv:3"
+    assert isinstance(batch["skipped"][0], Skip) and batch["skipped"][0].origin == "m.csv:3"
     assert batch["input_features"].shape == (1, 80, 3000)
     assert torch.isfinite(batch["input_features"]).all()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import tarfile
 from collections import Counter
 from pathlib import Path
@@ -21,8 +22,8 @@ from whisper_train import checkpoints, streaming
 from whisper_train.checkdata import check_data, label_encoder_for
 from whisper_train.collate import SpeechCollator
 from whisper_train.config import RunConfig
+from whisper_train.data import Skip
 from whisper_train.errors import UserError
-from whisper_train.features import Skipped
 from whisper_train.train import train
 
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
@@ -155,7 +156,7 @@ def test_two_ranks_times_two_workers_read_every_sample_once(tmp_path, kind, labe
     seen = []
     for rank in range(2):
         items = _stream_items(source, label_encoder, rank=rank, world_size=2, workers=2)
-        assert items and not [i for i in items if isinstance(i, Skipped)]
+        assert items and not [i for i in items if isinstance(i, Skip)]
         seen += [item["text"] for item in items]
         for item in items:  # decoded in memory, equal to the clip written (16-bit rounding)
             np.testing.assert_allclose(item["audio"], written[item["text"]], atol=2 / 32768)
@@ -183,13 +184,13 @@ def test_bad_clips_are_skipped_and_counted_not_fatal(tmp_path, label_encoder):
         special={1: (b"not audio at all", "broken clip"), 2: (None, "   "), 3: (None, long_text)},
     )
     items = _stream_items(streaming.stream_source(tmp_path / "wds"), label_encoder)
-    reasons = Counter(item.reason for item in items if isinstance(item, Skipped))
+    reasons = Counter(item.reason for item in items if isinstance(item, Skip))
     assert reasons == {
         "unreadable audio": 1,
         "empty transcript": 1,
         "label longer than 448 tokens": 1,
     }
-    assert len([item for item in items if not isinstance(item, Skipped)]) == 2
+    assert len([item for item in items if not isinstance(item, Skip)]) == 2
 
 
 def test_a_resumed_worker_replays_its_rows_without_decoding(tmp_path, label_encoder):
@@ -208,6 +209,8 @@ def test_a_resumed_worker_replays_its_rows_without_decoding(tmp_path, label_enco
     stream.replay_rows = {0: 2}
     resumed = [collate(b) for b in torch.utils.data.DataLoader(stream, 2, collate_fn=list)]
     assert resumed[0] == {"replayed": True, "stream_rows": {0: 2}}
+    # Then the rest of the pass as an uninterrupted one has it, and nothing more.
+    assert len(full) == len(resumed) == 2
     assert resumed[1]["texts"] == full[1]["texts"]
 
 
@@ -249,22 +252,62 @@ def test_streamed_run_resumes_with_the_uninterrupted_losses(tmp_path, tiny_run_c
     saved = json.loads((out / "checkpoint-2" / "stream-0.json").read_text())
     assert saved["epoch"] == 0 and saved["rows"] == {"0": 2, "1": 2}
     config.update({"resume": "latest"})
-    resumed = train(config)
-    assert resumed.steps == 5
+    resumed_calls = []
+
+    def counting(model, batch, **kwargs):
+        resumed_calls.append(batch["size"])
+        return real(model, batch, **kwargs)
+
+    # A run that ignored the checkpoint and trained 5 steps from scratch would log the same
+    # losses: the resumed run must train only steps 3-5, one micro-batch each.
+    with monkeypatch.context() as patch:
+        patch.setattr(recipe_module, "loss_terms", counting)
+        resumed = train(config)
+    assert resumed.steps == 5 and len(resumed_calls) == 3
+    reference_losses = [row["loss"] for row in reference_rows]
     losses = [row["loss"] for row in metric_rows(out)]
-    np.testing.assert_allclose(
-        losses, [row["loss"] for row in reference_rows], rtol=0, atol=SAME_RUN_LOSS_ATOL
-    )
+    assert len(reference_losses) == 5  # every step, each compared
+    np.testing.assert_allclose(losses, reference_losses, rtol=0, atol=SAME_RUN_LOSS_ATOL)
     # A resume with other workers would read other rows: refused, naming the flag.
     config.update({"num_workers": 0})
     with pytest.raises(UserError, match="--num-workers 2"):
         train(config)
 
 
-def test_two_processes_share_one_pass(tmp_path, tiny_whisper_dir):
+# Loaded by every Python the launcher starts (PYTHONPATH): in each training process (RANK
+# set), every row a DataLoader worker decodes is logged as "rank pass transcript" to a file of
+# that worker, so a test sees which samples each process trained on, not only how many.
+TRACE_SITECUSTOMIZE = r"""
+import os
+
+if os.environ.get("RANK") is not None and os.environ.get("STREAM_TRACE_DIR"):
+    from whisper_train import streaming
+
+    real_item = streaming.SpeechStream._item
+
+    def traced(self, row, worker, index):
+        item = real_item(self, row, worker, index)
+        name = f"rank{os.environ['RANK']}-pid{os.getpid()}.txt"
+        with open(os.path.join(os.environ["STREAM_TRACE_DIR"], name), "a") as log:
+            log.write(f"{os.environ['RANK']}\t{self.epoch}\t{item['text']}\n")
+        return item
+
+    streaming.SpeechStream._item = traced
+"""
+
+
+def test_two_processes_share_one_pass(tmp_path, tiny_whisper_dir, monkeypatch):
     # 16 samples in 4 shards over 2 processes x 2 workers: a pass is 8 samples on each.
     data = tmp_path / "pq"
-    write_shards(data, "parquet", [4, 4, 4, 4])
+    written = write_shards(data, "parquet", [4, 4, 4, 4])
+    hook, trace = tmp_path / "hook", tmp_path / "trace"
+    hook.mkdir()
+    trace.mkdir()
+    (hook / "sitecustomize.py").write_text(TRACE_SITECUSTOMIZE)
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
+    )
+    monkeypatch.setenv("STREAM_TRACE_DIR", str(trace))
     out = tmp_path / "two"
     args = [
         f"--data={data}",
@@ -285,12 +328,18 @@ def test_two_processes_share_one_pass(tmp_path, tiny_whisper_dir):
     assert checkpoints.checkpoint_step(checkpoint) == 6
     passes = [json.loads((checkpoint / f"stream-{r}.json").read_text()) for r in range(2)]
     assert [p["epoch_rows"] for p in passes] == [{"0": 8}, {"0": 8}]
+    # Counts alone would pass if both processes read the same half (a rank lost on the way to
+    # the stream): pass 0, fully read, holds every sample once over the processes, 8 on each.
+    rows = [line.split("\t") for f in trace.iterdir() for line in f.read_text().splitlines()]
+    first_pass = [(rank, text) for rank, epoch, text in rows if epoch == "0"]
+    assert Counter(text for _, text in first_pass) == Counter(list(written))
+    assert Counter(rank for rank, _ in first_pass) == {"0": 8, "1": 8}
 
 
 def test_hub_id_streams_and_decodes_in_memory(tmp_path, monkeypatch, label_encoder):
     import datasets
 
-    write_shards(tmp_path / "hub", "parquet", [3])
+    written = write_shards(tmp_path / "hub", "parquet", [3])
     asked = []
     real_load = datasets.load_dataset
 
@@ -305,7 +354,9 @@ def test_hub_id_streams_and_decodes_in_memory(tmp_path, monkeypatch, label_encod
     assert source.kind == "hub"
     items = _stream_items(source, label_encoder)
     assert asked == [("someone/speech", "clean", "train", True)]
-    assert len(items) == 3 and all(item["audio"].size for item in items)
+    assert sorted(item["text"] for item in items) == sorted(written)
+    for item in items:  # decoded from the bytes in the rows, equal to the clip written
+        np.testing.assert_allclose(item["audio"], written[item["text"]], atol=2 / 32768)
     assert not (tmp_path / "cache").exists()  # nothing rewritten as WAV files
 
 
@@ -327,4 +378,6 @@ def test_streamed_data_refuses_what_needs_it_whole(tmp_path, tiny_run_config):
         tiny_run_config(**base, only_train=False).validate()
     with pytest.raises(UserError, match="--group-by-length needs --data read whole"):
         tiny_run_config(**base, group_by_length=True).validate()
+    # A stream's clips have no fixed index to cache by: freeze-encoder caches data read whole only.
+    assert tiny_run_config(mode="freeze-encoder").cache_encoder
     assert not tiny_run_config(**base, mode="freeze-encoder").cache_encoder

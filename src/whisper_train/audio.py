@@ -64,21 +64,27 @@ def load_audio(
     frames of the window are read from disk. Raises AudioError when the file is missing, cannot
     be decoded, or the (window of the) audio holds no samples.
     """
-    _, source_rate = _header(path)
-    first_frame = 0 if start is None else max(0, round(start * source_rate))
-    stop_frame = None if end is None else max(first_frame, round(end * source_rate))
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise AudioError(path, "file not found; check the path in your data")
     try:
-        # always_2d gives (frames, channels) for mono and multichannel alike.
-        samples, _ = soundfile.read(
-            str(path), start=first_frame, stop=stop_frame, dtype="float32", always_2d=True
-        )
+        # One open for the rate, the seek and the read; always_2d gives (frames, channels) for
+        # mono and multichannel alike.
+        with soundfile.SoundFile(path) as audio:
+            source_rate = audio.samplerate
+            first_frame = 0 if start is None else max(0, round(start * source_rate))
+            stop_frame = None if end is None else max(first_frame, round(end * source_rate))
+            if first_frame:
+                audio.seek(min(first_frame, audio.frames))
+            n_frames = -1 if stop_frame is None else stop_frame - first_frame
+            samples = audio.read(n_frames, dtype="float32", always_2d=True)
     except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
         raise AudioError(
-            str(path), f"cannot decode audio ({_first_line(exc)}); convert it to WAV or FLAC"
+            path, f"cannot decode audio ({_first_line(exc)}); convert it to WAV or FLAC"
         ) from None
     if samples.size == 0:
         where = "" if start is None and end is None else f" in the window {start}-{end} s"
-        raise AudioError(str(path), f"no audio samples{where}; remove it from your data")
+        raise AudioError(path, f"no audio samples{where}; remove it from your data")
 
     mono = samples.mean(axis=1, dtype=np.float32)
     if source_rate != SAMPLE_RATE:

@@ -17,16 +17,17 @@ from collections.abc import Sequence
 
 import torch
 
-from whisper_train.features import LogMel, Skipped
+from whisper_train.data import Skip
+from whisper_train.features import LogMel
 
 IGNORE_INDEX = -100  # ignored by torch's cross-entropy
 
 
 class SpeechCollator:
-    """Items from `SpeechDataset` → a batch dict; `Skipped` items are dropped and reported.
+    """Items from `SpeechDataset` → a batch dict; `Skip` items are dropped and reported.
 
     The batch holds `decoder_input_ids`, `labels` (batch, max_len), `texts`, `indices`,
-    `skipped` (list of `Skipped`), and `input_features` (batch, n_mels, n_frames) when given a
+    `skipped` (list of `Skip`), and `input_features` (batch, n_mels, n_frames) when given a
     `LogMel`, else the `audio` arrays.
     """
 
@@ -34,9 +35,9 @@ class SpeechCollator:
         self.pad_token_id = pad_token_id
         self.log_mel = log_mel
 
-    def __call__(self, items: Sequence[dict | Skipped]) -> dict:
-        skipped = [item for item in items if isinstance(item, Skipped)]
-        good = [item for item in items if not isinstance(item, Skipped)]
+    def __call__(self, items: Sequence[dict | Skip]) -> dict:
+        skipped = [item for item in items if isinstance(item, Skip)]
+        good = [item for item in items if not isinstance(item, Skip)]
         batch: dict = {"skipped": skipped, "size": len(good)}
         if not good:
             return batch

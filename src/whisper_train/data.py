@@ -21,13 +21,14 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
+import itertools
 import json
 import logging
 import os
 import random
 import re
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,8 +50,6 @@ COMMONVOICE_SPLITS = ("train", "dev", "test", "validated", "other", "invalidated
 DATASETS_EXTRA = "pip install 'whisper-train[datasets]'"
 # Subtitle cues may touch; a millisecond of overlap is rounding in the file, not a mistake.
 _OVERLAP_TOLERANCE = 1e-3
-# Audio headers read at once: enough to keep network storage (a round trip per file) busy;
-# threads mostly wait, so more than the CPU count is right.
 # Audio headers are read by one thread: on local disks threads made it slower (20,000 files on
 # 2 cores: 116 us a file with 1 thread, 154 with 2, 225 with 16), since soundfile's Python side
 # holds the GIL for most of a read. File hashing (check-data) releases it and uses threads.
@@ -60,12 +59,13 @@ HEADER_SLICE = 256  # items one thread task handles
 # Screening results kept in the cache folder (a few MB each at 200,000 rows); bump the version
 # whenever what screening decides or stores changes.
 SCREENINGS_KEPT = 16
-SCREENING_VERSION = 1
+SCREENING_VERSION = 2
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+# slots: a corpus holds one Example a row, and a __dict__ apiece costs ~100 bytes more each.
+@dataclass(frozen=True, slots=True)
 class Example:
     """One training utterance: a whole audio file, or the window [start, end) s of one."""
 
@@ -81,7 +81,8 @@ class Example:
 
 @dataclass(frozen=True)
 class Skip:
-    """An example `screen_examples` set aside, and why (`reason` is one of a few categories)."""
+    """An example set aside, and why (`reason` is one of a few categories): by screening before
+    step 1, or by the data loader as it reads the clip (and then counted by the training loop)."""
 
     origin: str
     reason: str
@@ -102,15 +103,19 @@ def _read_text(path: Path) -> str:
         ) from None
 
 
-def _read_rows(path: Path, delimiter: str | None) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, row) pairs of a CSV/TSV (delimiter given) or JSONL (None) file."""
+def _read_rows(path: Path, delimiter: str | None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, row) pairs of a CSV/TSV (delimiter given) or JSONL (None) file, one at a
+    time: a corpus of a million rows is never held as a million dicts."""
     text = _read_text(path)
     if delimiter is None:
-        return list(_jsonl_rows(path, text))
+        return _jsonl_rows(path, text)
+    return _delimited_rows(path, text, delimiter)
+
+
+def _delimited_rows(path: Path, text: str, delimiter: str) -> Iterator[tuple[int, dict[str, Any]]]:
     # Tab-separated files (Common Voice among them) do not quote fields: a `"` is text.
     quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
     reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter, quoting=quoting)
-    rows = []
     for row in reader:
         # A short row fills missing fields with None; a long one stores the extras under None.
         extras = row.pop(None, None) or []
@@ -122,12 +127,17 @@ def _read_rows(path: Path, delimiter: str | None) -> list[tuple[int, dict[str, A
                 f"{path}:{reader.line_num}: malformed row: {expected - missing + len(extras)} "
                 f"fields where the header has {expected}; fix the row ({remedy})"
             )
-        rows.append((reader.line_num, row))
-    return rows
+        yield reader.line_num, row
 
 
-def _jsonl_rows(path: Path, text: str) -> Iterable[tuple[int, dict[str, Any]]]:
-    for number, line in enumerate(text.splitlines(), start=1):
+def _jsonl_rows(path: Path, text: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    # Lines end at "\n" only: JSON strings may hold U+2028 and other characters that
+    # str.splitlines would cut at.
+    begin, number = 0, 0
+    while begin < len(text):
+        end = text.find("\n", begin)
+        end = len(text) if end < 0 else end
+        line, begin, number = text[begin:end], end + 1, number + 1
         if not line.strip():
             continue
         try:
@@ -179,18 +189,21 @@ def _resolve(folder: str, audio: str) -> str:
 
 # -- manifests and audiofolder --------------------------------------------------------------
 def _manifest_examples(
-    path: Path, rows: list[tuple[int, dict[str, Any]]], audio_columns: Sequence[str]
+    path: Path, rows: Iterable[tuple[int, dict[str, Any]]], audio_columns: Sequence[str]
 ) -> list[Example]:
-    """Rows with an audio column, a text column and optional timing/language columns."""
-    if not rows:
+    """Rows with an audio column, a text column and optional timing/language columns.
+
+    The audio and text columns are those of the first row (a CSV's header); every row must
+    have them. A language may be given on some rows only."""
+    rows = iter(rows)
+    first = next(rows, None)
+    if first is None:
         return []
-    columns = list(dict.fromkeys(key for _, row in rows for key in row))
-    audio_column = _pick_column(path, columns, audio_columns, "audio")
-    text_column = _pick_column(path, columns, TEXT_COLUMNS, "text")
-    language_column = next((c for c in LANGUAGE_COLUMNS if c in columns), None)
+    audio_column = _pick_column(path, first[1], audio_columns, "audio")
+    text_column = _pick_column(path, first[1], TEXT_COLUMNS, "text")
     folder = os.fspath(path.parent)
     examples = []
-    for line, row in rows:
+    for line, row in itertools.chain([first], rows):
         audio = row.get(audio_column)
         if isinstance(audio, dict):  # HF-style {"path": ...}
             audio = audio.get("path")
@@ -216,7 +229,9 @@ def _manifest_examples(
                     f"{path}:{line}: malformed row: end {end} is not after start {start}"
                 )
             duration = end - start
-        language = row.get(language_column) if language_column else None
+        language = None
+        for column in LANGUAGE_COLUMNS:  # a loop, not next(genexpr): this runs once per row
+            language = language or row.get(column)
         examples.append(
             Example(
                 audio=_resolve(folder, audio.strip()),
@@ -286,10 +301,10 @@ def _detect_commonvoice(path: Path) -> bool:
 def _read_commonvoice(path: Path, split: str | None = None) -> list[Example]:
     tsv = path if path.is_file() else _commonvoice_tsv(path, split)
     # `path` names a file in clips/ beside the TSV.
-    rows = [
+    rows = (
         (line, {**row, "path": f"clips/{row['path']}"} if row.get("path") else row)
         for line, row in _read_rows(tsv, "\t")
-    ]
+    )
     return _manifest_examples(tsv, rows, ("path",))
 
 
@@ -820,22 +835,28 @@ def screen(
     count_all: Callable[[Sequence[Example]], Sequence[int]],
     max_label_tokens: int = MAX_DECODER_TOKENS,
     max_seconds: float = CHUNK_LENGTH,
+    read_headers: bool = True,
     cache_folder: str | os.PathLike | None = None,
     cache_salt: str = "",
 ) -> Screening:
-    """`screen_examples`' checks, with headers read in parallel and labels counted in one call.
+    """`screen_examples`' checks, with labels counted in one call.
 
     Labels are counted (`count_all`) only for examples whose audio passed, as train has always
-    done. With `cache_folder`, the result is stored there under a key of everything it depends
-    on (every example's fields, every audio file's size and modification time, the limits, and
-    `cache_salt`: the label encoder's fingerprint) and read back by any later call with the same
-    key: the other processes of a multi-process run and later runs on the same data. The first
-    process to arrive screens while the others wait for its file (a file lock), so headers are
-    read once per machine however many ranks start.
+    done. `read_headers=False` leaves the audio checks that need the file (it exists, decodes,
+    lasts at most `max_seconds`, holds the window) to `SpeechDataset`, which makes them as it
+    reads each clip: start-up then costs no file access per row. A duration the data states is
+    still checked here.
+
+    With `cache_folder`, the result is stored there under a key of everything it depends on
+    (every example's fields, the limits, `cache_salt`: the label encoder's fingerprint, and,
+    when headers are read, every audio file's size and modification time) and read back by any
+    later call with the same key: the other processes of a multi-process run and later runs on
+    the same data. The first process to arrive screens while the others wait for its file (a
+    file lock), so the work is done once per machine however many ranks start.
     """
     if cache_folder is None:
-        return _screen(examples, count_all, max_label_tokens, max_seconds)
-    key = _screening_key(examples, max_label_tokens, max_seconds, cache_salt)
+        return _screen(examples, count_all, max_label_tokens, max_seconds, read_headers)
+    key = _screening_key(examples, max_label_tokens, max_seconds, read_headers, cache_salt)
     folder = Path(cache_folder)
     target = folder / f"{key}.json"
     try:
@@ -844,13 +865,13 @@ def screen(
         lock.acquire()
     except OSError as exc:  # a read-only cache folder costs time, never the run
         log.info("screening cache %s unusable (%s): screening without it", folder, exc)
-        return _screen(examples, count_all, max_label_tokens, max_seconds)
+        return _screen(examples, count_all, max_label_tokens, max_seconds, read_headers)
     try:
         cached = _read_screening(target)
         if cached is not None:
             log.info("screening: reusing %s", target)
             return cached
-        screening = _screen(examples, count_all, max_label_tokens, max_seconds)
+        screening = _screen(examples, count_all, max_label_tokens, max_seconds, read_headers)
         _write_screening(target, screening)
         _prune_screenings(folder)
         return screening
@@ -920,9 +941,15 @@ def _screen(
     count_all: Callable[[Sequence[Example]], Sequence[int]],
     max_label_tokens: int,
     max_seconds: float,
+    read_headers: bool,
 ) -> Screening:
-    file_seconds = read_audio_seconds(example.audio for example in examples)
-    audio_skips = [_screen_audio(example, file_seconds, max_seconds) for example in examples]
+    if read_headers:
+        file_seconds = read_audio_seconds(example.audio for example in examples)
+        audio_skips = [
+            audio_problem(example, file_seconds[example.audio], max_seconds) for example in examples
+        ]
+    else:
+        audio_skips = [_stated_problem(example, max_seconds) for example in examples]
     candidates = [index for index, skip in enumerate(audio_skips) if skip is None]
     counted = dict(zip(candidates, count_all([examples[i] for i in candidates]), strict=True))
     kept, label_tokens, skips = [], [], []
@@ -943,12 +970,13 @@ def _screen(
     return Screening(kept, label_tokens, skips)
 
 
-def _screen_audio(
-    example: Example, file_seconds: dict[str, float | AudioError], max_seconds: float
+def audio_problem(
+    example: Example, length: float | AudioError, max_seconds: float = CHUNK_LENGTH
 ) -> Skip | None:
-    """The checks before the label's length: audio, window, duration, empty text."""
+    """Why `example` cannot be trained on, given its audio file's length in seconds (or the
+    AudioError its header raised), or None: the audio, window, duration and empty-text checks
+    that screening makes before step 1 and `SpeechDataset` makes as it reads a clip."""
     origin = example.origin or example.audio
-    length = file_seconds[example.audio]
     if isinstance(length, AudioError):
         reason = "audio file not found" if "not found" in length.reason else "unreadable audio"
         return Skip(origin, reason, example.audio)
@@ -966,23 +994,57 @@ def _screen_audio(
     return None
 
 
-def _screening_key(
-    examples: Sequence[Example], max_label_tokens: int, max_seconds: float, salt: str
-) -> str:
-    """A digest of the examples, their audio files' sizes and times, the limits and `salt`."""
-    digest = hashlib.blake2b(digest_size=20)
-    digest.update(json.dumps([SCREENING_VERSION, max_label_tokens, max_seconds, salt]).encode())
-    files: dict[str, None] = {}
+def unusable_until_one_passes(
+    examples: Sequence[Example], max_seconds: float = CHUNK_LENGTH
+) -> list[Skip]:
+    """Reads headers in order until a clip passes `audio_problem`: [] once one does, else every
+    example's Skip. Before step 1 of a run whose loader checks each clip, this costs one header
+    read, and a set of which nothing can be read is still refused before training starts."""
+    skips = []
     for example in examples:
-        files[example.audio] = None
-        fields = (example.audio, example.text, example.language, example.start, example.end)
-        digest.update(repr((fields, example.segments, example.origin)).encode())
-    for path in files:
         try:
-            stat = os.stat(path)
-            digest.update(f"{stat.st_size}:{stat.st_mtime_ns}\n".encode())
-        except OSError:
-            digest.update(b"missing\n")
+            length: float | AudioError = audio_duration(example.audio)
+        except AudioError as exc:
+            length = exc
+        problem = audio_problem(example, length, max_seconds)
+        if problem is None:
+            return []
+        skips.append(problem)
+    return skips
+
+
+def _stated_problem(example: Example, max_seconds: float) -> Skip | None:
+    """`audio_problem`'s checks that need no audio file: the stated duration and the text."""
+    origin = example.origin or example.audio
+    if example.duration is not None and example.duration > max_seconds:
+        return Skip(origin, f"longer than {max_seconds:g} s", f"{example.duration:.1f} s")
+    if not example.text.strip():
+        return Skip(origin, "empty transcript", example.audio)
+    return None
+
+
+def _screening_key(
+    examples: Sequence[Example],
+    max_label_tokens: int,
+    max_seconds: float,
+    read_headers: bool,
+    salt: str,
+) -> str:
+    """A digest of the examples, the limits and `salt`, and with `read_headers` of their audio
+    files' sizes and times (what the header checks depend on)."""
+    digest = hashlib.blake2b(digest_size=20)
+    settings = [SCREENING_VERSION, max_label_tokens, max_seconds, read_headers, salt]
+    digest.update(json.dumps(settings).encode())
+    for example in examples:
+        fields = (example.audio, example.text, example.language, example.start, example.end)
+        digest.update(repr((fields, example.duration, example.segments, example.origin)).encode())
+    if read_headers:
+        for path in dict.fromkeys(example.audio for example in examples):
+            try:
+                stat = os.stat(path)
+                digest.update(f"{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+            except OSError:
+                digest.update(b"missing\n")
     return digest.hexdigest()
 
 
@@ -1050,7 +1112,9 @@ __all__ = [
     "Example",
     "Layout",
     "Skip",
+    "audio_problem",
     "load_examples",
+    "unusable_until_one_passes",
     "map_in_threads",
     "pack_segments",
     "parse_subtitles",

@@ -10,14 +10,13 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from whisper_train.audio import load_audio
-from whisper_train.data import Example
+from whisper_train.audio import audio_duration, load_audio
+from whisper_train.data import Example, Skip, audio_problem
 from whisper_train.errors import AudioError
 
 log = logging.getLogger(__name__)
@@ -119,19 +118,14 @@ def _audio_end(samples: np.ndarray, block: int = 16_000) -> int:
     return 0
 
 
-@dataclass
-class Skipped:
-    """A clip that could not be used, carried through the loader so the loop can count it."""
-
-    origin: str
-    reason: str
-
-
 class SpeechDataset(Dataset):
-    """Examples → {"audio", "tokens", "n_prefix", "text", "index"}; a bad clip → `Skipped`.
+    """Examples → {"audio", "tokens", "n_prefix", "text", "index"}; a bad clip → a `Skip`.
 
     Audio is decoded here (in data-loader workers when there are any); features are computed per
-    batch by the collator or on the accelerator, which is far cheaper than per clip.
+    batch by the collator or on the accelerator, which is far cheaper than per clip. Each clip's
+    header is checked first (`data.audio_problem`: it exists, decodes, lasts at most 30 s, holds
+    its window): a corpus screened without reading headers is checked here, clip by clip, and a
+    missing or two-hour file is skipped before anything is decoded.
     """
 
     def __init__(
@@ -150,13 +144,20 @@ class SpeechDataset(Dataset):
     def __len__(self) -> int:
         return len(self.examples)
 
-    def __getitem__(self, index: int) -> dict | Skipped:
+    def __getitem__(self, index: int) -> dict | Skip:
         example = self.examples[index]
         rng = random.Random(f"{self.seed}:{self.epoch}:{index}")
         try:
+            length: float | AudioError = audio_duration(example.audio)
+        except AudioError as exc:
+            length = exc
+        problem = audio_problem(example, length)
+        if problem is not None:
+            return problem
+        try:
             audio = load_audio(example.audio, start=example.start, end=example.end)
         except AudioError as exc:
-            return Skipped(example.origin or example.audio, exc.reason)
+            return Skip(example.origin or example.audio, "unreadable audio", exc.reason)
         if self.augmenter is not None:
             audio = self.augmenter(audio, rng)
         tokens, n_prefix = self.label_encoder.encode(example, rng=rng)

@@ -18,6 +18,7 @@ import itertools
 import logging
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from whisper_train.config import RunConfig, parse_bytes
 from whisper_train.data import (
     Example,
     Screening,
+    Skip,
     load_examples,
     raise_first_skip,
     screen,
@@ -41,6 +43,7 @@ from whisper_train.data import (
     screening_cache_folder,
     split_examples,
     summarize_skips,
+    unusable_until_one_passes,
 )
 from whisper_train.encoder_cache import EncoderCache, EncoderCacheCollator
 from whisper_train.encoder_cache import cache_dir as encoder_cache_dir
@@ -200,9 +203,16 @@ class FineTuneRecipe:
             max_label_tokens=self.model.config.max_target_positions,
         )
         sets = ", ".join(f"{len(ex)} in {name}" for name, ex in self.datasets.eval.items())
+        checked = (
+            ""
+            if self.config.data.strict
+            else " (training audio is checked as each clip is read; `whisper-train check-data` "
+            "checks it all first)"
+        )
         say(
             self.accelerator,
-            f"data: {len(self.datasets.train)} training utterances; evaluation: {sets or 'none'}",
+            f"data: {len(self.datasets.train)} training utterances; evaluation: {sets or 'none'}"
+            f"{checked}",
         )
 
     def _setup_stream_data(self) -> None:
@@ -577,6 +587,10 @@ class FineTuneRecipe:
         if self.guard is not None and self.max_regression is None:
             self.max_regression = DEFAULT_MAX_REGRESSION
         self.stopped_for_regression = False
+        # Clips the loader skipped on this process, by origin: said at the end of the epoch
+        # they were first met in (`_report_new_skips`), and at the end of the run.
+        self.clip_skips: dict[str, Skip] = {}
+        self.reported_skips = 0
         self.normalizer = get_normalizer(self.normalizer_name)
         self.decoding = self.config.decoding_options()
         # A bar only on a terminal: in a log file its \r redraws pile up into one unreadable
@@ -628,9 +642,12 @@ class FineTuneRecipe:
 
     def _epoch_batches(self, epoch: int):
         """The micro-batches of `epoch` in its seeded order; after a mid-epoch resume, without
-        the ones already trained on."""
+        the ones already trained on. At the epoch's end, the clips the loader skipped that no
+        earlier epoch had reported are said, and an epoch without one usable clip stops the run.
+        """
         if self.stream_source is not None:
-            return self._stream_batches()
+            yield from self._stream_batches()
+            return
         t, state = self.config.train, self.state
         skip = state.batches_in_epoch if epoch == state.epoch else 0
         self.train_set.set_epoch(epoch)
@@ -638,9 +655,40 @@ class FineTuneRecipe:
         if self.length_sampler is not None:
             self.length_sampler.set_epoch(epoch)
         state.epoch, state.batches_in_epoch = epoch, skip
-        if skip:
-            return self.accelerator.skip_first_batches(self.train_loader, skip)
-        return self.train_loader
+        batches = (
+            self.accelerator.skip_first_batches(self.train_loader, skip)
+            if skip
+            else self.train_loader
+        )
+        usable = 0
+        for batch in batches:
+            usable += batch["size"]
+            for item in batch["skipped"]:
+                self.clip_skips.setdefault(item.origin, item)
+            yield batch
+        if usable == 0 and not skip:
+            raise UserError(
+                f"--data {self.config.data.data}: no usable training utterances in a whole "
+                f"epoch ({len(self.clip_skips)} skipped: {self._skip_reasons()}); run "
+                "`whisper-train check-data` on it"
+            )
+        self._report_new_skips(f"epoch {epoch}")
+
+    def _skip_reasons(self) -> str:
+        counts = Counter(item.reason for item in self.clip_skips.values())
+        return ", ".join(f"{n} {reason}" for reason, n in counts.most_common())
+
+    def _report_new_skips(self, when: str) -> None:
+        """The clips skipped by the loader (this process) that were not reported yet."""
+        skips = list(self.clip_skips.values())[self.reported_skips :]
+        if skips:
+            self.reported_skips = len(self.clip_skips)
+            if self.accelerator.num_processes > 1:
+                when += " (process 0)"
+            say(
+                self.accelerator,
+                f"{when}: clips skipped as they were read: " + summarize_skips(skips),
+            )
 
     def _stream_batches(self):
         """This process's next pass over its stream, from its saved place after a resume: the
@@ -873,10 +921,13 @@ class FineTuneRecipe:
         best_folder = self.output_dir / f"{checkpoints.PREFIX}{choice.step}"
         if choice.step not in (None, state.step) and not best_folder.is_dir():
             choice = FinalChoice(state.step, f"the last step ({best_folder} is missing)")
+        if self.stream_source is None:
+            self._report_new_skips(f"step {state.step}")
         if state.skipped_clips:
             say(
                 accelerator,
-                f"skipped {state.skipped_clips} clips that could not be decoded during training",
+                f"skipped {state.skipped_clips} clips during training (a clip is counted each "
+                "time it is read)",
             )
         if state.skipped_steps:
             say(
@@ -979,12 +1030,22 @@ def prepare_datasets(
     if d.eval_subset:
         eval_sets = {name: subset[: d.eval_subset] for name, subset in eval_sets.items()}
 
-    train_screening = _screen_set(train_examples, label_encoder, max_label_tokens, d.strict)
+    # The training set's audio headers are read before step 1 only under --strict (which must
+    # stop on the first bad file); otherwise `SpeechDataset` checks each clip as it reads it, so
+    # start-up costs no file access per row. Evaluation sets are read whole before step 1: each
+    # evaluation scores the same utterances.
+    train_screening = _screen_set(
+        train_examples, label_encoder, max_label_tokens, d.strict, read_headers=d.strict
+    )
     kept_train = [train_examples[index] for index in train_screening.kept]
     skipped = list(train_screening.skips)
+    if not d.strict and (unusable := unusable_until_one_passes(kept_train)):
+        kept_train, skipped = [], skipped + unusable
     kept_eval = {}
     for name, subset in eval_sets.items():
-        screening = _screen_set(subset, label_encoder, max_label_tokens, d.strict)
+        screening = _screen_set(
+            subset, label_encoder, max_label_tokens, d.strict, read_headers=True
+        )
         kept_eval[name] = [subset[index] for index in screening.kept]
         skipped += screening.skips
     if skipped:
@@ -1000,7 +1061,12 @@ def prepare_datasets(
 
 
 def _screen_set(
-    examples: list[Example], label_encoder: LabelEncoder, max_label_tokens: int, strict: bool
+    examples: list[Example],
+    label_encoder: LabelEncoder,
+    max_label_tokens: int,
+    strict: bool,
+    *,
+    read_headers: bool,
 ) -> Screening:
     """One set's screening, shared through the screening cache by every rank and later runs;
     labels counted in batches as check-data counts them (`LabelEncoder.decoder_tokens`)."""
@@ -1008,6 +1074,7 @@ def _screen_set(
         examples,
         count_all=label_encoder.decoder_tokens_batch,
         max_label_tokens=max_label_tokens,
+        read_headers=read_headers,
         cache_folder=screening_cache_folder(),
         cache_salt=label_encoder.fingerprint(),
     )

@@ -14,7 +14,7 @@ buffer, `split_dataset_by_node` for the processes, and its own split of the shar
 DataLoader workers of each process, so that one pass over the stream reads every sample once
 across N processes x W workers. Audio is decoded in the workers from the bytes in memory
 (soundfile + soxr); a clip that does not decode, is empty or over 30 s, or whose label is too
-long becomes a `Skipped` item that the training loop counts: a bad clip never stops a run.
+long becomes a `Skip` item that the training loop counts: a bad clip never stops a run.
 
 Resuming is exact. `datasets`' own state_dict drops the shuffle buffer's contents, which would
 change the order after a resume, so the position saved in a checkpoint is instead (epoch, rows
@@ -51,9 +51,9 @@ from whisper_train.data import (
     LAYOUTS,
     TEXT_COLUMNS,
     Example,
+    Skip,
 )
 from whisper_train.errors import AudioError, UserError
-from whisper_train.features import Skipped
 
 STREAM_FORMATS = ("webdataset", "parquet")
 SHARD_SUFFIXES = {".tar": "webdataset", ".parquet": "parquet"}
@@ -349,7 +349,7 @@ REPLAYED = None
 
 class SpeechStream(torch.utils.data.IterableDataset):
     """This process's share of the shuffled stream → (worker, row, item) triples, where item is
-    what `SpeechDataset` gives ({"audio", "tokens", ...} or `Skipped`) or REPLAYED.
+    what `SpeechDataset` gives ({"audio", "tokens", ...} or a `Skip`) or REPLAYED.
 
     Made by `training_stream`. `set_epoch(e)` selects the pass (each pass is shuffled anew);
     `replay_rows` {worker: n} makes each worker re-read its first n rows of that pass without
@@ -379,7 +379,7 @@ class SpeechStream(torch.utils.data.IterableDataset):
         self.epoch = epoch
         self.dataset.set_epoch(epoch)
 
-    def __iter__(self) -> Iterator[tuple[int, int, dict | Skipped | None]]:
+    def __iter__(self) -> Iterator[tuple[int, int, dict | Skip | None]]:
         info = torch.utils.data.get_worker_info()
         worker = info.id if info is not None else 0
         replay = self.replay_rows.get(worker, 0)
@@ -390,17 +390,17 @@ class SpeechStream(torch.utils.data.IterableDataset):
             else:
                 yield worker, index, self._item(row, worker, index)
 
-    def _item(self, row: dict, worker: int, index: int) -> dict | Skipped:
+    def _item(self, row: dict, worker: int, index: int) -> dict | Skip:
         where = read_row(row, self.columns, f"stream row {worker}:{index}")
         if not where.text or not where.text.strip():
-            return Skipped(where.origin, "empty transcript")
+            return Skip(where.origin, "empty transcript")
         try:
             audio = decode_audio(where.audio, where.origin)
         except AudioError as exc:
-            return Skipped(f"{where.origin} ({exc.reason})", "unreadable audio")
+            return Skip(where.origin, "unreadable audio", exc.reason)
         seconds = len(audio) / SAMPLE_RATE
         if seconds > CHUNK_LENGTH:
-            return Skipped(f"{where.origin} ({seconds:.1f} s)", f"longer than {CHUNK_LENGTH} s")
+            return Skip(where.origin, f"longer than {CHUNK_LENGTH} s", f"{seconds:.1f} s")
         example = Example(
             audio=where.origin,
             text=where.text.strip(),
@@ -411,11 +411,12 @@ class SpeechStream(torch.utils.data.IterableDataset):
         try:
             tokens, n_prefix = self.label_encoder.encode(example, rng=rng)
         except UserError as exc:  # a language the model cannot write, for one row
-            return Skipped(f"{where.origin} ({exc})", "unusable language")
+            return Skip(where.origin, "unusable language", str(exc))
         if len(tokens) - 1 > self.max_label_tokens:
-            return Skipped(
-                f"{where.origin} ({len(tokens) - 1} tokens)",
+            return Skip(
+                where.origin,
                 f"label longer than {self.max_label_tokens} tokens",
+                f"{len(tokens) - 1} tokens",
             )
         if self.augmenter is not None:
             audio = self.augmenter(audio, rng)
@@ -505,7 +506,7 @@ class StreamPosition:
         for worker, n in stream_rows.items():
             self.rows[worker] = max(self.rows.get(worker, 0), n)
 
-    def count_skips(self, skipped: list[Skipped]) -> None:
+    def count_skips(self, skipped: list[Skip]) -> None:
         for item in skipped:
             self.skipped[item.reason] = self.skipped.get(item.reason, 0) + 1
 

@@ -16,7 +16,9 @@ Per N, two fresh subprocesses (nothing cached in memory, the package imported an
            data, memory, loaders; the optimiser, resume and run log do not grow with N) on a
            random tiny Whisper, with `--gradient-checkpointing auto --max-memory 8GB
            --group-by-length`, so every per-example pass a run can make is made. Reported: the
-           seconds of those phases, and the process's peak RSS (`ru_maxrss`).
+           seconds of those phases, the process's peak RSS (`ru_maxrss`) by then, and "worker
+           MB": the private memory (USS) of the larger of 2 forked DataLoader workers once they
+           have read every training example (no audio decoded): the rows each worker copies.
   check    `check_data(manifest)` without a model (headers, duplicates, labels in characters).
 
 The screening cache (`WHISPER_TRAIN_CACHE`) is pointed at an empty folder for every process,
@@ -135,6 +137,33 @@ def write_model(folder: Path) -> Path:
 
 
 # -- workers (one subprocess each) ------------------------------------------------------------
+def loader_worker_memory(examples, workers: int = 2) -> float:
+    """The largest private memory (USS, MB) of `workers` forked DataLoader workers that have
+    read every one of `examples` (the training set's container), shuffled, without decoding
+    any audio (that would take minutes): what the workers copy of the parent's rows."""
+    import psutil
+    import torch
+
+    class ExamplesOnly(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(examples)
+
+        def __getitem__(self, index):
+            return examples[index].audio
+
+    loader = torch.utils.data.DataLoader(
+        ExamplesOnly(), batch_size=64, shuffle=True, num_workers=workers, collate_fn=list
+    )
+    batches = iter(loader)
+    for _ in range(len(loader) - 1):  # the workers have read (almost) all; still alive
+        next(batches)
+    children = psutil.Process().children()
+    largest = max(child.memory_full_info().uss for child in children) / 2**20
+    for _ in batches:
+        pass
+    return largest
+
+
 def startup_worker(manifest: str, model: str, output_dir: str, mode: str) -> dict:
     import torch
 
@@ -162,10 +191,14 @@ def startup_worker(manifest: str, model: str, output_dir: str, mode: str) -> dic
         began = time.perf_counter()
         getattr(recipe, f"_setup_{phase}")()
         phases[phase] = time.perf_counter() - began
+    seconds = time.perf_counter() - start
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {
-        "seconds": time.perf_counter() - start,
+        "seconds": seconds,
         "phases": phases,
         "train": len(recipe.datasets.train),
+        "peak_rss_mb": peak_rss_mb,  # before the loader workers below
+        "worker_mb": loader_worker_memory(recipe.train_set.examples),
     }
 
 
@@ -200,7 +233,7 @@ def run_worker(source: Path, kind: str, args: list[str], cache: Path, timeout: f
 
 def worker_main(kind: str, args: list[str]) -> None:
     result = startup_worker(*args) if kind == "startup" else check_worker(*args)
-    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result.setdefault("peak_rss_mb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     print(json.dumps(result))
 
 
@@ -247,7 +280,7 @@ def main() -> None:
         )
         header = (
             f"{'source':<28} {'rows':>8} {'start-up s':>10} {'data s':>8} {'peak RSS MB':>11} "
-            f"{'check-data s':>12}"
+            f"{'worker MB':>9} {'check-data s':>12}"
         )
         if options.freeze_encoder_rows:
             header += f" {'freeze-enc s':>12}"
@@ -272,6 +305,7 @@ def main() -> None:
                     f"{label:<28} {n:>8} {_cell(startup, 'seconds', '.2f'):>10} "
                     f"{_cell({**startup, **startup.get('phases', {})}, 'data', '.2f'):>8} "
                     f"{_cell(startup, 'peak_rss_mb', '.0f'):>11} "
+                    f"{_cell(startup, 'worker_mb', '.0f'):>9} "
                     f"{_cell(check, 'seconds', '.2f'):>12}"
                 )
                 if options.freeze_encoder_rows:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -315,3 +316,49 @@ def test_jsonl_rows_end_at_newlines_only_and_columns_may_be_missing_on_some_rows
         ("in german", "de", f"{manifest}:2"),
         ("no language again", None, f"{manifest}:3"),
     ]
+
+
+# -- the training set as one buffer -------------------------------------------------------------
+def test_packed_examples_give_back_every_field_of_every_example():
+    examples = [
+        Example("/d/a.wav", "hello", origin="m.jsonl:1"),
+        Example(
+            "/d/ü b.flac",
+            "naïve café, 東京 \u2028 42%",
+            language="fr",
+            start=1.25,
+            end=7.5,
+            duration=6.25,
+            segments=((0.0, 1.5, "naïve"), (1.5, 6.25, "café, 東京")),
+            origin="subs.srt (1.25-7.50 s)",
+        ),
+        Example("/d/c.wav", "", duration=0.0),
+    ]
+    packed = data.PackedExamples(iter(examples))  # any iterable, read once
+    assert len(packed) == 3
+    assert list(packed) == examples
+    assert [packed[-1], packed[-3]] == [examples[2], examples[0]]
+    assert packed[1:] == examples[1:] and packed[::2] == examples[::2]
+    with pytest.raises(IndexError):
+        packed[3]
+    with pytest.raises(IndexError):
+        packed[-4]
+    # DataLoader workers started by spawn (macOS, Windows) receive it pickled.
+    assert list(pickle.loads(pickle.dumps(packed))) == examples
+    assert len(data.PackedExamples([])) == 0
+
+
+def test_the_training_set_reaches_the_loader_packed(tmp_path, monkeypatch, tone_dataset):
+    """No list of objects for forked workers to copy: prepare_datasets hands over the packed
+    set and SpeechDataset keeps it as it is (packing any other sequence itself)."""
+    from whisper_train.features import SpeechDataset
+
+    monkeypatch.setenv("WHISPER_TRAIN_CACHE", str(tmp_path / "cache"))
+    config = RunConfig()
+    config.update({"data": str(tone_dataset), "only_train": True, "output_dir": str(tmp_path)})
+    sets = prepare_datasets(config, _encoder(), max_label_tokens=448)
+    assert isinstance(sets.train, data.PackedExamples)
+    assert list(sets.train) == load_examples(tone_dataset)
+    assert SpeechDataset(sets.train, _encoder()).examples is sets.train
+    listed = SpeechDataset(list(sets.train), _encoder()).examples
+    assert isinstance(listed, data.PackedExamples) and list(listed) == list(sets.train)

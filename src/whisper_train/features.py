@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from whisper_train.audio import audio_duration, load_audio
-from whisper_train.data import Example, Skip, audio_problem
+from whisper_train.data import Example, PackedExamples, Skip, audio_problem
 from whisper_train.errors import AudioError
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,10 @@ class SpeechDataset(Dataset):
     def __init__(
         self, examples: Sequence[Example], label_encoder, *, augmenter=None, seed: int = 0
     ):
-        self.examples = list(examples)
+        # Packed: the forked loader workers read it without each copying it (PackedExamples).
+        self.examples = (
+            examples if isinstance(examples, PackedExamples) else PackedExamples(examples)
+        )
         self.label_encoder = label_encoder
         self.augmenter = augmenter
         self.seed = seed

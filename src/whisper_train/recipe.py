@@ -19,6 +19,7 @@ import logging
 import math
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from whisper_train.collate import IGNORE_INDEX, SpeechCollator
 from whisper_train.config import RunConfig, parse_bytes
 from whisper_train.data import (
     Example,
+    PackedExamples,
     Screening,
     Skip,
     load_examples,
@@ -79,7 +81,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Datasets:
-    train: list[Example]
+    train: Sequence[Example]  # a PackedExamples from prepare_datasets
     eval: dict[str, list[Example]]  # evaluation set name → its utterances, in --eval-data order
     # `LabelEncoder.count_tokens` of each training utterance, counted once (by screening)
     train_label_tokens: list[int] | None = None
@@ -1057,7 +1059,10 @@ def prepare_datasets(
         )
     # Screening counted decoder positions; the memory plan and the length sampler take whole
     # labels (`LabelEncoder.count_tokens`), one token more.
-    return Datasets(kept_train, kept_eval, [n + 1 for n in train_screening.label_tokens])
+    # Packed now, so that no list of objects outlives start-up (see PackedExamples).
+    return Datasets(
+        PackedExamples(kept_train), kept_eval, [n + 1 for n in train_screening.label_tokens]
+    )
 
 
 def _screen_set(

@@ -149,7 +149,7 @@ def loader_worker_memory(examples, workers: int = 2) -> float:
             return len(examples)
 
         def __getitem__(self, index):
-            return examples[index].audio
+            return examples[index]  # sent back pickled: every field read, as the loader does
 
     loader = torch.utils.data.DataLoader(
         ExamplesOnly(), batch_size=64, shuffle=True, num_workers=workers, collate_fn=list

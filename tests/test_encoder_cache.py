@@ -15,7 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import SAME_RUN_LOSS_ATOL, losses_and_evaluations
+from conftest import (
+    SAME_RUN_LOSS_ATOL,
+    losses_and_evaluations,
+    train_in_subprocess,
+    write_tone_dataset,
+)
 from safetensors.torch import save as save_safetensors
 from transformers.models.whisper import modeling_whisper
 
@@ -315,3 +320,29 @@ def test_a_cache_folder_that_cannot_be_written_is_one_clear_error(tmp_path, tiny
     not_a_folder.write_text("a file where the cache folder should be")
     with pytest.raises(UserError, match="--encoder-cache-dir .*cannot write"):
         _cache_with_entries(not_a_folder, tiny_whisper, 0, "fp32")
+
+
+def test_two_processes_each_encode_and_store_only_their_own_clips(tmp_path, tiny_whisper_dir):
+    """--nproc 2: every clip is encoded and written once over both processes (no clip by both,
+    so no file written twice), and the second epoch reads every one back."""
+    # 16 training clips, 2 processes x batch 4: 2 steps an epoch, no clip repeated to even out
+    # the last batch (which would let both processes meet on one clip).
+    data = write_tone_dataset(tmp_path / "data", n=16)
+    cache = tmp_path / "cache"
+    result = train_in_subprocess(
+        [
+            f"--data={data}",
+            f"--model={tiny_whisper_dir}",
+            f"--output-dir={tmp_path / 'run'}",
+            f"--encoder-cache-dir={cache}",
+            "--mode=freeze-encoder",
+            "--only-train",
+            "--nproc=2",
+            "--batch-size=4",
+            "--max-steps=4",
+        ]
+    )
+    assert "encoder cache: 16 clips encoded (16 stored), 16 read back, over 2 process(es)" in (
+        result.stdout
+    )
+    assert len(_clip_files(cache)) == 16

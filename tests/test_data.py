@@ -188,7 +188,7 @@ def test_kaldi_without_segments_and_piped_wav_scp(tmp_path):
 
 
 # -- Hugging Face datasets ------------------------------------------------------------------
-def test_hf_saved_dataset_bytes_become_cached_wavs(tmp_path, monkeypatch):
+def test_hf_saved_dataset_bytes_are_cached_once_as_they_are(tmp_path, monkeypatch):
     import datasets  # a test dependency (the `datasets` extra)
 
     monkeypatch.setenv("WHISPER_TRAIN_CACHE", str(tmp_path / "cache"))
@@ -213,8 +213,10 @@ def test_hf_saved_dataset_bytes_become_cached_wavs(tmp_path, monkeypatch):
 
     assert from_bytes.text == "from bytes"
     assert from_bytes.audio.startswith(str(tmp_path / "cache")) and from_bytes.audio.endswith(
-        ".wav"
+        ".flac"
     )
+    # The FLAC's own bytes, not a float32 WAV decoded from them (4x the disk).
+    assert Path(from_bytes.audio).read_bytes() == encoded.getvalue()
     samples, rate = soundfile.read(from_bytes.audio, dtype="float32")
     assert rate == 22_050 and np.allclose(samples, 0.25, atol=1e-4)  # decoded, not resampled
     assert load_audio(from_bytes.audio).shape == (SAMPLE_RATE,)

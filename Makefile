@@ -9,7 +9,7 @@ COMPAT_STAMP := $(COMPAT)/.setup-stamp
 # CUDA build on a GPU box; an unpinned torch would pull several GB of CUDA onto a CPU machine.
 TORCH  := torch==2.13.0
 
-.PHONY: setup demo test test-compat lint clean
+.PHONY: setup demo test test-gpu test-compat lint clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest
+
+# The CUDA tests (tests/test_gpu.py), on a machine with a GPU; docs/gpu-session.md for a lent one.
+test-gpu: setup
+	$(PY) -m pytest -m gpu
 
 # The checkpointing suite again on transformers 4.56.2, the release users report the
 # "backward through the graph a second time" error on.

@@ -70,19 +70,6 @@ def device():
     pytest.skip("needs a CUDA device")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    """accelerate keeps one process-wide AcceleratorState and refuses a second Accelerator with
-    another mixed precision; the CLI runs one training per process, this file runs fp32, bf16
-    and fp16 runs in one. Each test starts and ends with no state (accelerate's own tests reset
-    it the same way)."""
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state()
-    yield
-    AcceleratorState._reset_state()
-
-
 @pytest.fixture
 def float32_math():
     """Matrix products and convolutions in full float32 while a test compares float32 numbers.

@@ -253,3 +253,16 @@ def test_auto_checkpointing_refuses_an_impossible_budget(tiny_run_config):
 
     with pytest.raises(UserError, match="--max-memory"):
         train(tiny_run_config(gradient_checkpointing="auto", max_memory="1MB"))
+
+
+def test_a_second_run_in_one_process_may_use_another_precision(tiny_run_config, tmp_path):
+    """A notebook trains, then trains again in bf16: accelerate's process-wide state would
+    refuse the second precision ("restart your runtime") unless each run starts it afresh."""
+    first = train(tiny_run_config(max_steps=1, output_dir=str(tmp_path / "fp32")))
+    second = train(
+        tiny_run_config(max_steps=1, precision="bf16", output_dir=str(tmp_path / "bf16"))
+    )
+    assert first.steps == second.steps == 1
+    for run in (first, second):
+        (loss,) = losses_and_evaluations(run.output_dir)[0]
+        assert math.isfinite(loss)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedDataParallelKwargs, send_to_device, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -144,6 +145,10 @@ class FineTuneRecipe:
         # DDP needs no unused-parameter search (which also breaks reentrant checkpointing, T3)
         # and the graph is static. The handler is completed once the model's layerdrop is known.
         self.ddp_kwargs = DistributedDataParallelKwargs(find_unused_parameters=False)
+        # accelerate keeps one AcceleratorState a process and refuses an Accelerator with another
+        # mixed precision ("restart your runtime"): a second train() in a notebook starts from a
+        # clean one. The process group (PartialState) is kept.
+        AcceleratorState._reset_state(reset_partial_state=False)
         self.accelerator = Accelerator(
             mixed_precision=self.precision.mixed_precision,
             gradient_accumulation_steps=t.gradient_accumulation,

@@ -21,6 +21,7 @@ from tiny_models import (
     nonzero_lora_b,
     short_tiny_whisper,
     tiny_batch,
+    trainable_gradients,
 )
 
 from whisper_train.doctor import hooks_replay_on_recompute
@@ -84,11 +85,7 @@ def backward_once(model: torch.nn.Module, batch) -> dict:
     loss.backward()
     for handle in handles:
         handle.remove()
-    grads = {
-        name: (param.grad.detach().clone() if param.grad is not None else None)
-        for name, param in model.named_parameters()
-        if param.requires_grad
-    }
+    grads = trainable_gradients(model)
     return {"loss": loss.detach(), "grads": grads, **counts}
 
 

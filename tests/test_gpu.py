@@ -30,7 +30,13 @@ import pytest
 import torch
 from conftest import SAME_RUN_LOSS_ATOL, metric_rows
 from safetensors.torch import load_file
-from tiny_models import LORA, fresh_short_whisper, nonzero_lora_b, tiny_batch
+from tiny_models import (
+    LORA,
+    fresh_short_whisper,
+    nonzero_lora_b,
+    tiny_batch,
+    trainable_gradients,
+)
 from transformers import WhisperFeatureExtractor
 
 import whisper_train.recipe as recipe_module
@@ -188,11 +194,7 @@ def backward_once(model: torch.nn.Module, device: torch.device, precision: str) 
     loss.backward()
     for handle in handles:
         handle.remove()
-    grads = {
-        name: (param.grad.detach().clone() if param.grad is not None else None)
-        for name, param in model.named_parameters()
-        if param.requires_grad
-    }
+    grads = trainable_gradients(model)
     return {"loss": loss.detach().float(), "grads": grads, "fc1_forwards": fc1_forwards}
 
 

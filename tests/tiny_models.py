@@ -178,3 +178,12 @@ def nonzero_lora_b(model: torch.nn.Module, *, seed: int = 2, std: float = 0.05) 
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
     return model
+
+
+def trainable_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """A copy of every trainable parameter's gradient by name (None where backward left none)."""
+    return {
+        name: (param.grad.detach().clone() if param.grad is not None else None)
+        for name, param in model.named_parameters()
+        if param.requires_grad
+    }

@@ -32,9 +32,7 @@ def _header(path: str | Path) -> tuple[int, int]:
     """(frames, sample rate) from the file's header; AudioError when the file is missing or not
     audio soundfile can read. (`SoundFile` rather than `soundfile.info`, and no pathlib: this
     runs once per clip at start-up, and they cost 76 and 5 us of the ~115 us a read took.)"""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise AudioError(path, "file not found; check the path in your data")
+    path = _existing_file(path)
     try:
         with soundfile.SoundFile(path) as header:
             return header.frames, header.samplerate
@@ -42,6 +40,13 @@ def _header(path: str | Path) -> tuple[int, int]:
         raise AudioError(
             path, f"cannot decode audio ({_first_line(exc)}); convert it to WAV or FLAC"
         ) from None
+
+
+def _existing_file(path: str | Path) -> str:
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise AudioError(path, "file not found; check the path in your data")
+    return path
 
 
 def _first_line(exc: BaseException) -> str:
@@ -64,9 +69,7 @@ def load_audio(
     frames of the window are read from disk. Raises AudioError when the file is missing, cannot
     be decoded, or the (window of the) audio holds no samples.
     """
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise AudioError(path, "file not found; check the path in your data")
+    path = _existing_file(path)
     try:
         # One open for the rate, the seek and the read; always_2d gives (frames, channels) for
         # mono and multichannel alike.

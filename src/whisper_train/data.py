@@ -1045,15 +1045,20 @@ def unusable_until_one_passes(
     read, and a set of which nothing can be read is still refused before training starts."""
     skips = []
     for example in examples:
-        try:
-            length: float | AudioError = audio_duration(example.audio)
-        except AudioError as exc:
-            length = exc
-        problem = audio_problem(example, length, max_seconds)
+        problem = clip_problem(example, max_seconds)
         if problem is None:
             return []
         skips.append(problem)
     return skips
+
+
+def clip_problem(example: Example, max_seconds: float = CHUNK_LENGTH) -> Skip | None:
+    """`audio_problem` of one example, its file's header read now."""
+    try:
+        length: float | AudioError = audio_duration(example.audio)
+    except AudioError as exc:
+        length = exc
+    return audio_problem(example, length, max_seconds)
 
 
 def _stated_problem(example: Example, max_seconds: float) -> Skip | None:
@@ -1157,6 +1162,7 @@ __all__ = [
     "PackedExamples",
     "Skip",
     "audio_problem",
+    "clip_problem",
     "load_examples",
     "unusable_until_one_passes",
     "map_in_threads",

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from whisper_train.audio import audio_duration, load_audio
-from whisper_train.data import Example, PackedExamples, Skip, audio_problem
+from whisper_train.audio import load_audio
+from whisper_train.data import Example, PackedExamples, Skip, clip_problem
 from whisper_train.errors import AudioError
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ class SpeechDataset(Dataset):
 
     Audio is decoded here (in data-loader workers when there are any); features are computed per
     batch by the collator or on the accelerator, which is far cheaper than per clip. Each clip's
-    header is checked first (`data.audio_problem`: it exists, decodes, lasts at most 30 s, holds
+    header is checked first (`data.clip_problem`: it exists, decodes, lasts at most 30 s, holds
     its window): a corpus screened without reading headers is checked here, clip by clip, and a
     missing or two-hour file is skipped before anything is decoded.
     """
@@ -150,11 +150,7 @@ class SpeechDataset(Dataset):
     def __getitem__(self, index: int) -> dict | Skip:
         example = self.examples[index]
         rng = random.Random(f"{self.seed}:{self.epoch}:{index}")
-        try:
-            length: float | AudioError = audio_duration(example.audio)
-        except AudioError as exc:
-            length = exc
-        problem = audio_problem(example, length)
+        problem = clip_problem(example)
         if problem is not None:
             return problem
         try:

@@ -5,7 +5,8 @@
 
 Data: for each N a JSONL manifest of N rows whose audio paths are all distinct (check-data and
 `--strict` read one header per distinct path; a run reads the held-out evaluation set's before
-step 1 and leaves the training set's to the loader). `--files links` (default): hard links to --clips short tone WAVs
+step 1 and leaves the training set's to the loader). `--files links` (default): hard links to
+--clips short tone WAVs
 (1.2 s, 8/16/22.05 kHz, as tests/conftest.py writes them); check-data compares files by
 content, so every link is a duplicate and is hashed whole: its worst case. `--files distinct`:
 a 16-bit noise file of its own per row, 0.4-1.2 s (sizes mostly shared with a few others, as

@@ -262,6 +262,14 @@ def _rows_of(inputs: dict, rows: list[int], n: int) -> dict:
     return picked
 
 
+# Every generate call here decodes one window per utterance. Without this, transformers' Whisper
+# generate treats two consecutive time tokens in a sampled output as a segment boundary and goes
+# on to a "next window" of the same clip: from `encoder_outputs` (the fallback's input) it then
+# fails in `_maybe_reduce_batch` (TypeError on 5.24: its `input_features` is None), and from
+# `input_features` it returns only the last window's rows. Issue 24.
+ONE_WINDOW = {"force_unique_generate_call": True}
+
+
 def _batch_size(inputs: dict) -> int:
     if "encoder_outputs" in inputs:
         return int(inputs["encoder_outputs"].last_hidden_state.shape[0])
@@ -343,7 +351,9 @@ def hf_decoder(
         else:
             kwargs.update(num_beams=num_beams)
         batch = fallback_inputs(rows) if temperature > 0 else _rows_of(inputs, rows, n)
-        output = model.generate(**batch, return_dict_in_generate=True, output_scores=True, **kwargs)
+        output = model.generate(
+            **batch, return_dict_in_generate=True, output_scores=True, **ONE_WINDOW, **kwargs
+        )
         return decoded_from_output(output, tokenizer, temperature)
 
     return decode
@@ -366,7 +376,7 @@ def generate_decoded(
     options = DecodingOptions() if options is None else options
     if not options.fallback and options.temperatures[0] == 0:
         limit = {} if max_length is None else {"max_length": max_length}
-        ids = model.generate(**inputs, num_beams=num_beams, **limit)
+        ids = model.generate(**inputs, num_beams=num_beams, **ONE_WINDOW, **limit)
         texts = [text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True)]
         eot = tokenizer.eos_token_id
         plain = [

@@ -237,6 +237,15 @@ def test_multilingual_large_v3_shape_round_trips_with_languages(tmp_path):
     assert generation.no_timestamps_token_id == 50364
     assert loaded_processor.tokenizer.convert_tokens_to_ids("<|0.00|>") == 50365
     assert generation.alignment_heads == [[1, 0]]
+    # No language (each clip's is detected) but a task: without it, transformers' detection
+    # leaves <|transcribe|> out of the prompt and a multilingual model loops (issue 24).
+    assert getattr(generation, "language", None) is None and generation.task == "transcribe"
+    with torch.no_grad():
+        prompted = loaded.generate(
+            torch.zeros(1, 128, 3000), max_length=8, return_dict_in_generate=True
+        ).sequences[0, :4]
+    assert prompted[0] == sot and 50259 <= prompted[1] <= 50358  # a detected language
+    assert prompted[2:].tolist() == [50360, 50364]  # <|transcribe|> <|notimestamps|>
 
     # CTranslate2 itself runs the folder from a multilingual prompt (SOT, <|en|>, transcribe).
     ct2_model = ctranslate2.models.Whisper(str(tmp_path / "ct2"), device="cpu")

@@ -377,6 +377,10 @@ def _generation_config(
             "transcribe": ids("<|transcribe|>"),
             "translate": ids("<|translate|>"),
         }
+        # No language: generate detects each clip's. But a task: with neither, transformers
+        # detects the language and then leaves <|transcribe|> out of the prompt (the hub's
+        # configs carry it in forced_decoder_ids), and a multilingual model loops.
+        settings["task"] = "transcribe"
     return GenerationConfig(**settings)
 
 

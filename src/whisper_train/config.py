@@ -27,24 +27,39 @@ OPTIMIZERS = ("adamw", "adamw-fused", "adamw8bit")
 TASKS = ("transcribe", "translate")
 
 
-def named_paths(entries: list[str], flag: str) -> dict[str, str]:
-    """["target=t/", "general=g/"] → {"target": "t/", "general": "g/"}, in order; a bare PATH
-    is named "eval". The one reading of NAME=PATH for `train --eval-data` and `evaluate --data`.
-    """
-    sets: dict[str, str] = {}
+def named_sets(entries: list[str], flag: str) -> dict[str, tuple[str, str | None]]:
+    """["target:es=t/", "general=g/"] → {"target": ("t/", "es"), "general": ("g/", None)}, in
+    order: NAME=PATH, or NAME:LANG=PATH to state the set's language (a code or name Whisper
+    knows); a bare PATH is named "eval". The one reading of NAME[:LANG]=PATH for `train
+    --eval-data` and `evaluate --data`. The language sits on the name's side of `=`, so paths
+    (and hub ids such as `name:config:split`) are never split."""
+    sets: dict[str, tuple[str, str | None]] = {}
     for entry in entries:
-        name, sep, path = entry.partition("=")
+        label, sep, path = entry.partition("=")
+        name, _, language = label.partition(":")
         if not sep:  # a bare PATH
-            name, path = "eval", entry
+            name, language, path = "eval", "", entry
         elif not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name) or not path:
             raise UserError(
-                f"{flag} {entry}: expected NAME=PATH with NAME of letters, digits, '-', '_' or "
-                "'.', or a bare PATH"
+                f"{flag} {entry}: expected NAME=PATH (or NAME:LANG=PATH) with NAME of letters, "
+                "digits, '-', '_' or '.', or a bare PATH"
             )
         if name in sets:
             raise UserError(f"{flag} {entry}: the name {name} is used twice")
-        sets[name] = path
+        if language:
+            from whisper_train.labels import language_code
+
+            try:
+                language = language_code(language)
+            except UserError as exc:
+                raise UserError(f"{flag} {entry}: {exc}") from None
+        sets[name] = (path, language or None)
     return sets
+
+
+def named_paths(entries: list[str], flag: str) -> dict[str, str]:
+    """{name: path} of `named_sets`."""
+    return {name: path for name, (path, _) in named_sets(entries, flag).items()}
 
 
 def _is_checkpoint_policy(policy: str) -> bool:
@@ -74,7 +89,10 @@ class DataConfig:
         metadata={
             "help": "Held-out data in any accepted layout, as NAME=PATH (repeat the flag for "
             "several sets, each scored at every evaluation; a bare PATH is named 'eval'). "
-            "Default: a seeded split of --data, named 'eval'.",
+            "NAME:LANG=PATH states the set's language (e.g. general:en=general-english/); a "
+            "row's `language` column wins, and a set with neither is decoded in the language "
+            "detected in each clip, never in --language. "
+            "Default: a seeded split of --data, named 'eval' (decoded in --language).",
             "repeatable": True,
         },
     )
@@ -98,6 +116,12 @@ class DataConfig:
         "Language of the speech (e.g. en, de); a per-row `language` column wins. "
         "English-only checkpoints (*.en) accept only English.",
         default=None,
+    )
+    pin_language: bool = _help(
+        "Save --language as the fine-tuned model's language, so that transformers' pipeline, "
+        "`transcribe` and the exports decode every clip in it. Off by default: the saved model "
+        "detects each clip's language, as the base did.",
+        default=False,
     )
     task: str = _help("transcribe or translate (to English).", default="transcribe")
     timestamps: bool = _help(
@@ -389,6 +413,8 @@ class RunConfig:
         _one_of("--optim", mem.optim, OPTIMIZERS)
         _one_of("--lr-scheduler", t.lr_scheduler, SCHEDULERS)
         _one_of("--attn-implementation", m.attn_implementation, ("sdpa", "eager"))
+        if d.pin_language and d.language is None:
+            raise UserError("--pin-language saves --language in the model: add --language")
         policy = mem.gradient_checkpointing
         if policy is not None and not _is_checkpoint_policy(policy):
             raise UserError(
@@ -538,6 +564,15 @@ class RunConfig:
     def eval_sets(self) -> dict[str, str]:
         """{name: path} of --eval-data, in the order given (empty: split --data instead)."""
         return named_paths(self.data.eval_data or [], "--eval-data")
+
+    def eval_set_language(self, name: str) -> str | None:
+        """The language evaluation set `name` is decoded in where its rows state none: its
+        NAME:LANG, else --language for the split of --data (the training speech), else None
+        (detected per clip)."""
+        sets = named_sets(self.data.eval_data or [], "--eval-data")
+        if name in sets:
+            return sets[name][1]
+        return self.data.language
 
     @property
     def primary_eval_set(self) -> str:

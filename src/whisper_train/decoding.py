@@ -172,16 +172,29 @@ class Decoded:
     temperature: float  # of the decode that was kept
     fallback: bool = False  # the first decode failed a test, so it was decoded again
     passed: bool = True  # the kept decode passes both tests (False: every temperature failed)
+    # Multilingual models only (None on English-only ones): the language the text was decoded
+    # in (its <|lang|> prompt token, as a code), and the one the model detects in the clip
+    # with its probability, measured whether or not the decode was told a language.
+    language: str | None = None
+    detected_language: str | None = None
+    detected_probability: float | None = None
 
     def report(self) -> dict:
         """The per-utterance figures of a JSON report."""
         logprob = None if self.avg_logprob is None else round(self.avg_logprob, 4)
-        return {
+        figures = {
             "temperature": self.temperature,
             "avg_logprob": logprob,
             "compression_ratio": round(self.compression_ratio, 4),
             "fallback": self.fallback,
         }
+        if self.detected_language is not None:
+            figures.update(
+                language=self.language,
+                detected_language=self.detected_language,
+                detected_probability=round(self.detected_probability, 4),
+            )
+        return figures
 
 
 # decode(rows, temperature) → one Decoded per row (the indices of the batch to decode).
@@ -319,28 +332,104 @@ def decoded_from_output(output, tokenizer, temperature: float) -> list[Decoded]:
     return decoded
 
 
-def hf_decoder(
-    model, inputs: dict, tokenizer, *, max_length: int | None, num_beams: int = 1
-) -> DecodeFn:
-    """A DecodeFn over one batch of generate inputs (`input_features`, or `encoder_outputs`);
-    `max_length` None leaves it to the model's generation config."""
-    n = _batch_size(inputs)
-    encoded: dict[int, torch.Tensor] = {}  # row → its encoder output, for the fallback passes
+class _Window:
+    """One batch of generate inputs (`input_features`, or an encoder cache's `encoder_outputs`)
+    and the encoder outputs of its rows, each computed once however often a row is decoded."""
 
-    def fallback_inputs(rows: list[int]) -> dict:
-        # Run the encoder once for the rows that fell back, not once per temperature.
-        if "input_features" not in inputs:
-            return _rows_of(inputs, rows, n)
+    def __init__(self, model, inputs: dict):
+        self.model = model
+        self.inputs = inputs
+        self.n = _batch_size(inputs)
+        self.encoded: dict[int, torch.Tensor] = {}
+
+    def rows(self, rows: list[int]) -> dict:
+        """The generate inputs of `rows`, as given."""
+        return _rows_of(self.inputs, rows, self.n)
+
+    def encoder_outputs(self, rows: list[int]) -> dict:
+        """`{"encoder_outputs": ...}` of `rows`, running the encoder only for rows not yet seen."""
+        if "input_features" not in self.inputs:
+            return self.rows(rows)
         from transformers.modeling_outputs import BaseModelOutput
 
-        missing = [row for row in rows if row not in encoded]
+        missing = [row for row in rows if row not in self.encoded]
         if missing:
-            features = _rows_of(inputs, missing, n)["input_features"]
+            features = self.rows(missing)["input_features"]
             with torch.no_grad():
-                hidden = model.get_encoder()(features).last_hidden_state
-            encoded.update(zip(missing, hidden, strict=True))
-        hidden = torch.stack([encoded[row] for row in rows])
+                hidden = self.model.get_encoder()(features).last_hidden_state
+            self.encoded.update(zip(missing, hidden, strict=True))
+        hidden = torch.stack([self.encoded[row] for row in rows])
         return {"encoder_outputs": BaseModelOutput(last_hidden_state=hidden)}
+
+
+def is_multilingual_generation(model) -> bool:
+    """Whether generate takes a language (and task) token: a multilingual checkpoint."""
+    config = model.generation_config
+    return bool(getattr(config, "is_multilingual", False)) and bool(
+        getattr(config, "lang_to_id", None)
+    )
+
+
+def detect_languages(model, inputs: dict) -> list[tuple[str, float]]:
+    """(language code, probability) of each row of `inputs`, as openai-whisper detects it: the
+    decoder's distribution over the language tokens after <|startoftranscript|>, on the
+    window's encoder output. A multilingual model only."""
+    config = model.generation_config
+    codes = {token_id: token.strip("<|>") for token, token_id in config.lang_to_id.items()}
+    language_ids = sorted(codes)
+    if "encoder_outputs" in inputs:
+        hidden = inputs["encoder_outputs"].last_hidden_state
+        batch, device = {"encoder_outputs": inputs["encoder_outputs"]}, hidden.device
+    else:
+        batch, device = (
+            {"input_features": inputs["input_features"]},
+            inputs["input_features"].device,
+        )
+    start = torch.full(
+        (_batch_size(inputs), 1), config.decoder_start_token_id, dtype=torch.long, device=device
+    )
+    with torch.no_grad():
+        logits = model(**batch, decoder_input_ids=start, use_cache=False).logits[:, -1]
+    probabilities = torch.softmax(logits[:, language_ids].float(), dim=-1)
+    best, index = probabilities.max(dim=-1)
+    return [
+        (codes[language_ids[i]], float(p))
+        for i, p in zip(index.tolist(), best.tolist(), strict=True)
+    ]
+
+
+def _chosen_languages(
+    model, detected: list[tuple[str, float]], languages: Sequence[str | None] | None
+) -> list[str]:
+    """The language each row is decoded in: its given one, else (None) the detected one.
+    `languages` None: the model's generation config decides (its language, else detection)."""
+    if languages is None:
+        forced = getattr(model.generation_config, "language", None)
+        languages = [forced] * len(detected)
+    if len(languages) != len(detected):
+        raise ValueError(f"{len(languages)} languages for a batch of {len(detected)}")
+    from whisper_train.labels import language_code
+
+    return [
+        language_code(given) if given is not None else code
+        for given, (code, _) in zip(languages, detected, strict=True)
+    ]
+
+
+def hf_decoder(
+    model,
+    inputs: dict,
+    tokenizer,
+    *,
+    max_length: int | None,
+    num_beams: int = 1,
+    languages: Sequence[str] | None = None,
+    window: _Window | None = None,
+) -> DecodeFn:
+    """A DecodeFn over one batch of generate inputs (`input_features`, or `encoder_outputs`);
+    `max_length` None leaves it to the model's generation config. `languages` (multilingual
+    models): the language of each row, as codes; None leaves it to the generation config."""
+    window = window or _Window(model, inputs)
 
     def decode(rows: list[int], temperature: float) -> list[Decoded]:
         kwargs: dict = {} if max_length is None else {"max_length": max_length}
@@ -350,13 +439,28 @@ def hf_decoder(
             kwargs.update(temperature=temperature, do_sample=True, top_k=0, num_beams=1)
         else:
             kwargs.update(num_beams=num_beams)
-        batch = fallback_inputs(rows) if temperature > 0 else _rows_of(inputs, rows, n)
+        if languages is not None:
+            kwargs["language"] = _language_argument([languages[row] for row in rows])
+        # Sampled passes reuse the encoder outputs of the first (run once per row); so does a
+        # first pass that detection already encoded.
+        encoded = temperature > 0 or all(row in window.encoded for row in rows)
+        batch = window.encoder_outputs(rows) if encoded else window.rows(rows)
         output = model.generate(
             **batch, return_dict_in_generate=True, output_scores=True, **ONE_WINDOW, **kwargs
         )
-        return decoded_from_output(output, tokenizer, temperature)
+        decoded = decoded_from_output(output, tokenizer, temperature)
+        if languages is None:
+            return decoded
+        return [
+            replace(item, language=languages[row]) for row, item in zip(rows, decoded, strict=True)
+        ]
 
     return decode
+
+
+def _language_argument(codes: list[str]) -> str | list[str]:
+    """generate's `language`: one code for a batch in one language, else one per row."""
+    return codes[0] if len(set(codes)) == 1 else codes
 
 
 def generate_decoded(
@@ -367,27 +471,59 @@ def generate_decoded(
     max_length: int | None,
     num_beams: int = 1,
     options: DecodingOptions | None = None,
+    languages: Sequence[str | None] | None = None,
 ) -> list[Decoded]:
     """Decode one batch of generate inputs with `options` (default: the fallback on).
+
+    On a multilingual model every row's language is detected first (one decoder step on its
+    encoder output, which the decodes then reuse) and recorded; the row is decoded in
+    `languages[row]` when given, else in the detected language, as openai-whisper does with no
+    language. `languages` None: the generation config's language for every row when it has
+    one, else each row's detected one. English-only models take no language (`languages` must
+    be None or all None/"en").
 
     Without a fallback (`NO_FALLBACK`), one plain generate call, as before the fallback existed
     (no scores asked for: `avg_logprob` None, `tokens` the text tokens).
     """
     options = DecodingOptions() if options is None else options
+    window = _Window(model, inputs)
+    chosen: list[str] | None = None
+    detected: list[tuple[str, float]] = []
+    if is_multilingual_generation(model):
+        detected = detect_languages(model, window.encoder_outputs(list(range(window.n))))
+        chosen = _chosen_languages(model, detected, languages)
     if not options.fallback and options.temperatures[0] == 0:
         limit = {} if max_length is None else {"max_length": max_length}
-        ids = model.generate(**inputs, num_beams=num_beams, **ONE_WINDOW, **limit)
+        if chosen is not None:
+            limit["language"] = _language_argument(chosen)
+        batch = window.encoder_outputs(list(range(window.n))) if chosen is not None else inputs
+        ids = model.generate(**batch, num_beams=num_beams, **ONE_WINDOW, **limit)
         texts = [text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True)]
         eot = tokenizer.eos_token_id
         plain = [
             Decoded(text, tuple(t for t in row if t < eot), None, compression_ratio(text), 0.0)
             for text, row in zip(texts, ids.tolist(), strict=True)
         ]
-        return [replace(item, passed=not options.fails(item)) for item in plain]
-    decode = hf_decoder(model, inputs, tokenizer, max_length=max_length, num_beams=num_beams)
-    device = _first_device(inputs)
-    with seeded(options.seed, device):
-        return decode_with_fallback(decode, _batch_size(inputs), options)
+        kept = [replace(item, passed=not options.fails(item)) for item in plain]
+    else:
+        decode = hf_decoder(
+            model,
+            inputs,
+            tokenizer,
+            max_length=max_length,
+            num_beams=num_beams,
+            languages=chosen,
+            window=window,
+        )
+        device = _first_device(inputs)
+        with seeded(options.seed, device):
+            kept = decode_with_fallback(decode, window.n, options)
+    if chosen is None:
+        return kept
+    return [
+        replace(item, language=code, detected_language=found, detected_probability=p)
+        for item, code, (found, p) in zip(kept, chosen, detected, strict=True)
+    ]
 
 
 def _first_device(inputs: dict) -> torch.device:

@@ -20,6 +20,7 @@ divides all errors by all reference words; if every reference is empty it is und
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -51,6 +52,13 @@ Normalizer = Callable[[str], str]
 
 def _collapse_whitespace(text: str) -> str:
     return " ".join(text.split())
+
+
+def normalizer_for(languages: Iterable[str | None]) -> str:
+    """The default normaliser of texts in `languages` (codes; None: English-only model):
+    `english` when they are all English, else `basic` (Whisper's English rules would mangle
+    other languages' spellings and numbers)."""
+    return "english" if all(code in (None, "en") for code in languages) else "basic"
 
 
 def get_normalizer(name: str | None = None, language: str | None = None) -> Normalizer:
@@ -259,6 +267,7 @@ def _generate_batch(
         max_length=max_length,
         num_beams=num_beams,
         options=decoding,
+        languages=batch.get("languages"),
     )
 
 
@@ -276,8 +285,10 @@ def generate_texts(
 
     `batches` are dicts from `SpeechCollator`: `input_features` (batch, n_mels, 3000),
     `encoder_hidden_states` (batch, 1500, d_model) from an encoder cache, or `audio` (a list of
-    16 kHz waveforms). Language and task come from
-    `model.generation_config`. Works for peft-wrapped models. The model is put in eval mode
+    16 kHz waveforms), and optionally `languages`: each row's language on a multilingual model
+    (a code, or None: detect it). Without `languages`, language and task come from
+    `model.generation_config` (no language there: each clip's is detected). Works for
+    peft-wrapped models. The model is put in eval mode
     (dropout off) and its training mode is restored afterwards.
 
     `decoding`: the temperature fallback (whisper_train.decoding); None is the default one
@@ -326,6 +337,15 @@ class EvalReport:
     # which options; empty / None for a report built elsewhere.
     decoded: list[Decoded] = field(default_factory=list)
     decoding: DecodingOptions | None = None
+    # The language each clip is in, where the data (a `language` column) or the user
+    # (--language) says it; what the model's detected language is scored against.
+    expected_languages: list[str | None] = field(default_factory=list)
+
+    @property
+    def language_id(self) -> LanguageId | None:
+        """Language identification on the clips whose language is known (None: not measured,
+        an English-only model or no stated language)."""
+        return language_id(self.expected_languages, self.decoded)
 
     @property
     def fallbacks(self) -> int:
@@ -347,8 +367,58 @@ class EvalReport:
         return self.scores.cer
 
 
-def _feature_batches(examples, processor, batch_size: int, skipped: list[dict], kept: list):
-    """Examples → batches {"input_features": (batch, n_mels, 3000), "texts"}; bad clips skipped."""
+@dataclass(frozen=True)
+class LanguageId:
+    """How often the detected language was the stated one, over `n` clips."""
+
+    correct: int
+    n: int
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.n
+
+
+def language_id(expected: Sequence[str | None], decoded: Sequence[Decoded]) -> LanguageId | None:
+    """Detected vs stated language over the clips that have both; None when there are none."""
+    pairs = [
+        (want, item.detected_language)
+        for want, item in zip(expected, decoded, strict=False)
+        if want is not None and item.detected_language is not None
+    ]
+    if not pairs:
+        return None
+    return LanguageId(sum(want == found for want, found in pairs), len(pairs))
+
+
+def detected_counts(decoded: Iterable[Decoded]) -> dict[str, int]:
+    """{language code: clips detected in it}, most frequent first."""
+    counts: dict[str, int] = {}
+    for item in decoded:
+        if item.detected_language is not None:
+            counts[item.detected_language] = counts.get(item.detected_language, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def row_languages(examples: Iterable, default: str | None) -> list[str | None]:
+    """The language each example is decoded in on a multilingual model: its own `language`
+    (the data's column), else `default` (the set's), else None: detected from its audio."""
+    from whisper_train.labels import language_code
+
+    default = language_code(default)
+    return [language_code(example.language) or default for example in examples]
+
+
+def _feature_batches(
+    examples,
+    processor,
+    batch_size: int,
+    skipped: list[dict],
+    kept: list,
+    default_language: str | None = None,
+):
+    """Examples → batches {"input_features": (batch, n_mels, 3000), "texts", "languages"}
+    (`row_languages`); bad clips skipped."""
     from whisper_train.audio import load_audio
     from whisper_train.features import LogMel
 
@@ -364,7 +434,13 @@ def _feature_batches(examples, processor, batch_size: int, skipped: list[dict], 
             texts.append(example.text)
             kept.append(example)
         if clips:
-            yield {"input_features": log_mel(clips), "texts": texts, "size": len(clips)}
+            languages = row_languages(kept[-len(clips) :], default_language)
+            yield {
+                "input_features": log_mel(clips),
+                "texts": texts,
+                "languages": languages,
+                "size": len(clips),
+            }
 
 
 def set_language(model, language: str | None, task: str | None = None) -> None:
@@ -388,19 +464,26 @@ def run_evaluation(
     loader,
     processor,
     accelerator,
-    normalizer,
+    normalizer: Normalizer | None,
     max_length: int,
     step: int,
     decoding: DecodingOptions | None = None,
+    languages: Sequence[str | None] | None = None,
 ) -> dict:
     """Evaluation during training: validation loss (teacher-forced, mean over all label
     tokens) and WER of generated transcripts, gathered over processes (each evaluates its share
     of the loader). Returns a metrics row: {"step", "eval_loss", "wer", "repeated_ngram_rate",
-    "insertion_rate"}."""
+    "insertion_rate"}, plus on a multilingual model the languages detected
+    (`detected_languages`: {code: clips}) and, where `languages` states them,
+    `language_id_accuracy`.
+
+    `languages`: the language of each example of the loader's dataset (indexed by the batch's
+    `indices`), a code or None (detect it); None: the model's generation config decides.
+    `normalizer` None: `normalizer_for` the languages the clips were decoded in."""
     was_training = model.training
     model.eval()
     loss_and_tokens = torch.zeros(2, device=accelerator.device)  # summed token losses, tokens
-    references, hypotheses = [], []
+    references, hypotheses, decoded, expected = [], [], [], []
     unwrapped = accelerator.unwrap_model(model)
     for batch in loader:
         if not batch["size"]:
@@ -409,19 +492,27 @@ def run_evaluation(
         loss_and_tokens += torch.stack(
             [training_loss(model, batch).detach().float() * n_tokens, n_tokens]
         )
+        if languages is not None:
+            batch = {**batch, "languages": [languages[i] for i in batch["indices"].tolist()]}
+        details: list[Decoded] = []
         texts = generate_texts(
-            unwrapped, processor, [batch], max_length=max_length, decoding=decoding
+            unwrapped, processor, [batch], max_length=max_length, decoding=decoding, details=details
         )
-        references.extend(accelerator.gather_for_metrics(batch["texts"], use_gather_object=True))
-        hypotheses.extend(accelerator.gather_for_metrics(texts, use_gather_object=True))
+        gather = functools.partial(accelerator.gather_for_metrics, use_gather_object=True)
+        references.extend(gather(batch["texts"]))
+        hypotheses.extend(gather(texts))
+        decoded.extend(gather(details))
+        expected.extend(gather(batch.get("languages") or [None] * len(texts)))
     model.train(was_training)
     if accelerator.num_processes > 1:
         loss_and_tokens = accelerator.reduce(loss_and_tokens, reduction="sum")
     loss_sum, n_tokens = loss_and_tokens.tolist()
     if not references:
         return {"step": step, "eval_loss": float("nan"), "wer": float("nan")}
+    if normalizer is None:
+        normalizer = get_normalizer(normalizer_for(item.language for item in decoded))
     scores = score(references, hypotheses, normalizer=normalizer)
-    return {
+    row = {
         "step": step,
         "eval_loss": round(loss_sum / max(n_tokens, 1.0), 6),
         "wer": round(scores.wer, 6),
@@ -429,6 +520,11 @@ def run_evaluation(
         "repeated_ngram_rate": round(scores.repeated_ngram_rate, 6),
         "insertion_rate": round(scores.insertion_rate, 6),
     }
+    if counts := detected_counts(decoded):
+        row["detected_languages"] = counts
+    if (identified := language_id(expected, decoded)) is not None:
+        row["language_id_accuracy"] = round(identified.accuracy, 6)
+    return row
 
 
 def evaluate_examples(
@@ -437,7 +533,7 @@ def evaluate_examples(
     examples: Sequence,
     *,
     batch_size: int = 8,
-    normalizer: str = "english",
+    normalizer: str | None = None,
     language: str | None = None,
     max_length: int = 225,
     num_beams: int = 1,
@@ -447,19 +543,31 @@ def evaluate_examples(
 ) -> EvalReport:
     """Transcribe `examples` (whisper_train.data.Example) and score them against their text.
 
+    On a multilingual model each clip is decoded in its own `language` (the data's), else in
+    `language`, else in the model's configured one, else in the language detected in it
+    (openai-whisper's rule); every clip's detected language is recorded, and scored against
+    the stated ones. `normalizer` None: `normalizer_for` the languages decoded in.
+
     `decoding`: the temperature fallback (None: on, openai-whisper's defaults); the report
-    counts the utterances that needed it. Loop figures are scored on the kept transcripts."""
+    counts the utterances that needed it. Loop figures are scored on the kept transcripts.
+    `progress`: a bar on a terminal, else a line every tenth of the batches (a log file)."""
     from tqdm.auto import tqdm
+
+    from whisper_train.labels import language_code
 
     decoding = DecodingOptions() if decoding is None else decoding
 
     started = time.perf_counter()
-    set_language(model, language)
+    language = language_code(language)
+    default = language or language_code(getattr(model.generation_config, "language", None))
     skipped: list[dict] = []
     kept: list = []
-    batches = _feature_batches(list(examples), processor, batch_size, skipped, kept)
+    examples = list(examples)
+    batches = _feature_batches(examples, processor, batch_size, skipped, kept, default)
     total = -(-len(examples) // batch_size)
     show_bar = progress and progress_bars_wanted()
+    if progress and not show_bar:
+        batches = _progress_lines(batches, total, len(examples), started)
     batches = tqdm(batches, total=total, desc="evaluate", unit="batch", disable=not show_bar)
     decoded: list[Decoded] = []
     hypotheses = generate_texts(
@@ -475,11 +583,14 @@ def evaluate_examples(
         raise UserError(
             f"none of the {len(examples)} clips could be read; run `whisper-train check-data`"
         )
+    if normalizer is None:
+        normalizer = normalizer_for(item.language for item in decoded)
     scores = score([e.text for e in kept], hypotheses, normalizer=get_normalizer(normalizer))
     return EvalReport(
         model=model_name,
         normalizer=normalizer,
         language=language,
+        expected_languages=row_languages(kept, language),
         scores=scores,
         audio=[e.audio for e in kept],
         skipped=skipped,
@@ -489,21 +600,54 @@ def evaluate_examples(
     )
 
 
+def _progress_lines(batches, total: int, clips: int, started: float):
+    """The batches, with a line on stderr after about every tenth of them: where no bar is
+    drawn (a log file, a pipe), a long evaluation still says how far it got."""
+    import sys
+
+    every = max(1, total // 10)
+    done = 0
+    for number, batch in enumerate(batches, start=1):
+        yield batch  # transcribed before the generator is asked for the next one
+        done += batch["size"]
+        if number % every == 0 or number == total:
+            seconds = time.perf_counter() - started
+            print(
+                f"evaluate: {done} of {clips} clips transcribed in {seconds:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
 def report_to_dict(report: EvalReport) -> dict:
     """The JSON report: top-level `wer`, `cer`, `n`, every corpus figure, the fallback count
     (`fallback_utterances`) and decoding options, then the utterances (each with its
     temperature, mean log-prob, compression ratio and whether it needed the fallback)."""
     utterances = []
-    decoded = report.decoded or [None] * len(report.scores.rows)
-    for audio, row, item in zip(report.audio, report.scores.rows, decoded, strict=True):
+    n = len(report.scores.rows)
+    decoded = report.decoded or [None] * n
+    expected = report.expected_languages or [None] * n
+    for audio, row, item, want in zip(
+        report.audio, report.scores.rows, decoded, expected, strict=True
+    ):
         utterance = {"audio": audio, **asdict(row), "errors": row.errors}
         if item is not None:
             utterance.update(item.report())
+            if want is not None and item.detected_language is not None:
+                utterance["stated_language"] = want
         utterances.append(utterance)
+    identified = report.language_id
+    languages = {}
+    if counts := detected_counts(item for item in decoded if item is not None):
+        languages["detected_languages"] = counts
+    if identified is not None:
+        languages["language_id_accuracy"] = round(identified.accuracy, 6)
+        languages["language_id_clips"] = identified.n
     return {
         "model": report.model,
         "normalizer": report.normalizer,
         "language": report.language,
+        **languages,
         **report.scores.summary(),
         "fallback_utterances": report.fallbacks,
         "fallback_unresolved": report.unresolved,
@@ -603,7 +747,8 @@ def evaluate(
         examples = examples[:eval_subset]
     if not examples:
         raise UserError(f"--data {data}: no utterances found")
-    normalizer = normalizer or ("english" if language in (None, "en") else "basic")
+    # None: chosen from the languages the model's clips are decoded in (`normalizer_for`); the
+    # baseline is then scored with the model's choice, so the two are comparable.
     # Refuse before the (long) transcription, not after it.
     paths = report_paths(model, output=output, baseline=baseline)
     existing = [path for path in paths if path.exists()]
@@ -615,6 +760,7 @@ def evaluate(
         )
 
     def run(spec: str, role: str) -> EvalReport:
+        nonlocal normalizer
         loaded, processor = load_model(spec)
         if torch.cuda.is_available():
             loaded = loaded.to("cuda")
@@ -631,6 +777,7 @@ def evaluate(
             progress=True,
             decoding=decoding,
         )
+        normalizer = report.normalizer
         if on_report is not None:
             on_report(role, report)
         return report

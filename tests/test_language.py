@@ -213,3 +213,32 @@ def test_each_evaluation_set_is_decoded_in_its_own_language_not_the_training_one
     assert split_languages == ["es", "es"]  # the split of --data: the training language
     saved = json.loads((pinned.final_dir / "generation_config.json").read_text())
     assert saved["language"] == "es"
+
+
+def test_check_data_says_a_multilingual_model_needs_the_clips_language(
+    tone_dataset, tiny_multilingual_dir, tiny_whisper_dir
+):
+    from whisper_train.checkdata import check_data, format_report
+
+    report = check_data(tone_dataset, model=str(tiny_multilingual_dir))
+    assert report.languages == {"unspecified": 12} and report.without_language == 12
+    assert "12 clip(s) state no language and --model is multilingual" in format_report(report)
+    english_only = check_data(tone_dataset, model=str(tiny_whisper_dir))
+    assert english_only.without_language == 0
+    assert "state no language" not in format_report(english_only)
+
+
+def test_evaluate_says_how_far_it_got_where_no_bar_is_drawn(tiny_whisper, tone_dataset, capsys):
+    from whisper_train.data import load_examples
+    from whisper_train.decoding import NO_FALLBACK
+    from whisper_train.evaluate import evaluate_examples
+
+    model, processor = tiny_whisper
+    examples = load_examples(tone_dataset)
+    evaluate_examples(
+        model, processor, examples, batch_size=4, max_length=4, progress=True, decoding=NO_FALLBACK
+    )
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("evaluate:")]
+    assert [line.split(" in ")[0] for line in lines] == [
+        f"evaluate: {n} of 12 clips transcribed" for n in (4, 8, 12)
+    ]

@@ -96,3 +96,13 @@ def test_checkpoint_state_loads_with_weights_only(tmp_path, tiny_run_config):
     for name in ("optimizer.pt", "scheduler.pt", "rng-0.pt"):
         assert torch.load(folder / name, weights_only=True)  # no pickled code needed
     assert not list((tmp_path / "out").glob("*.tmp"))
+
+
+def test_the_closing_line_after_a_resume_times_only_the_steps_it_ran():
+    from whisper_train.recipe import trained_line
+
+    assert trained_line(0, 30, 595.5) == "trained 30 steps in 595.5 s"
+    assert trained_line(20, 30, 190.0) == (
+        "trained steps 21-30 (10 after resuming at step 20; 30 in all) in 190.0 s"
+    )
+    assert trained_line(30, 30, 0.0) == "trained no further step: resumed at step 30, the last"

@@ -103,6 +103,8 @@ class DataReport:
     sample_rates: dict[int, int] = field(default_factory=dict)  # Hz → files
     channels: dict[int, int] = field(default_factory=dict)  # channel count → files
     languages: dict[str, int] = field(default_factory=dict)  # code (or "unspecified") → clips
+    # Clips with no language while --model is multilingual: `train` needs --language for them.
+    without_language: int = 0
     tokenizer: str | None = None  # name of the tokenizer that measured labels, if any
     # Decoder positions per non-empty label, prefix included (`LabelEncoder.decoder_tokens`, as
     # train's screening counts them); empty without a tokenizer.
@@ -216,6 +218,8 @@ def check_data(
         type(tokenizer).__name__ if tokenizer is not None else None
     )
     report.languages = dict(Counter(example.language or "unspecified" for example in examples))
+    if encoder is not None and encoder.multilingual and encoder.language is None:
+        report.without_language = report.languages.get("unspecified", 0)
     _check_labels(examples, encoder, report)
     _check_characters(examples, tokenizer, report)
     if spec is not None:
@@ -468,6 +472,12 @@ def format_report(report: DataReport) -> str:
     lines.append("sample rates: " + _counts(report.sample_rates, " Hz") + " (files)")
     lines.append("channels: " + _counts(report.channels, "") + " (files)")
     lines.append("languages: " + _counts(report.languages, ""))
+    if report.without_language:
+        lines.append(
+            f"  {report.without_language} clip(s) state no language and --model is "
+            "multilingual: set one with `train --language CODE` (e.g. --language es) or a "
+            "`language` column; `train` stops on them without it"
+        )
     lines.append(_label_line(report))
 
     for title, kinds in (("problems", PROBLEM_KINDS), ("notes", NOTE_KINDS)):

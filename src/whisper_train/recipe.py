@@ -623,6 +623,7 @@ class FineTuneRecipe:
         self.losses_since_log: list[float] = []  # finite step losses since the last log line
         self.running_loss, self.running_batches = 0.0, 0  # over the micro-batches of a step
         self.train_seconds = 0.0
+        self.first_step = self.state.step  # 0, or the step a --resume starts from
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -950,7 +951,7 @@ class FineTuneRecipe:
                 f"skipped {state.skipped_steps} optimizer steps with a NaN or infinite loss or "
                 "gradient",
             )
-        say(accelerator, f"trained {state.step} steps in {self.train_seconds:.1f} s")
+        say(accelerator, trained_line(self.first_step, state.step, self.train_seconds))
         if getattr(self, "encoder_cache", None) is not None:
             say(accelerator, self._encoder_cache_counts())
         result = TrainResult(
@@ -995,6 +996,19 @@ class FineTuneRecipe:
 
 # ---------------------------------------------------------------------------------------------
 # The recipe's pieces that need no recipe state
+
+
+def trained_line(first_step: int, last_step: int, seconds: float) -> str:
+    """What the run trained and how long that took: after a resume, only the steps this
+    process ran are timed, and the line says so."""
+    if first_step == 0:
+        return f"trained {last_step} steps in {seconds:.1f} s"
+    if last_step == first_step:
+        return f"trained no further step: resumed at step {last_step}, the last"
+    return (
+        f"trained steps {first_step + 1}-{last_step} ({last_step - first_step} after resuming "
+        f"at step {first_step}; {last_step} in all) in {seconds:.1f} s"
+    )
 
 
 def data_parallel_loss(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import csv
 import inspect
+from dataclasses import astuple
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -43,6 +44,29 @@ def test_demo_data_holds_out_speakers_and_words(tmp_path):
     assert content("held-out") and not content("held-out") & train_words.words()
     guard_texts = {row["transcription"] for row in rows["guard"]}
     assert not guard_texts & {row["transcription"] for row in rows["train"]}
+
+
+def test_spanish_demo_data_holds_out_voices_and_words_and_states_its_language(tmp_path):
+    dirs = prepare_demo_data(
+        tmp_path,
+        train_utterances=4,
+        eval_utterances=3,
+        guard_utterances=2,
+        seed=5,
+        language="es",
+    )
+    rows = {name: _rows(folder) for name, folder in dirs.items()}
+    assert {row["language"] for name in ("train", "held-out") for row in rows[name]} == {"es"}
+    assert "language" not in rows["guard"][0]  # English, stated by the demo as guard:en=
+    assert {row["voice"] for row in rows["train"]} <= set(synth.SPANISH_TRAIN_VOICES)
+    assert {row["voice"] for row in rows["held-out"]} <= set(synth.SPANISH_HELD_OUT_VOICES)
+    train_words, held_out_words = synth.split_spanish_words()
+    held_out_phrases = [w for words in astuple(held_out_words) for w in words]
+    train_phrases = [w for words in astuple(train_words) for w in words]
+    for row in rows["held-out"]:  # every held-out sentence holds a phrase training never says
+        assert any(phrase in row["transcription"].lower() for phrase in held_out_phrases)
+    assert not set(held_out_phrases) & set(train_phrases)
+    assert dirs["guard"] == tmp_path / "guard"  # the English guard is shared with the en demo
 
 
 def test_demo_data_is_reused_only_for_the_same_plan(tmp_path):

@@ -19,6 +19,13 @@ on cached encoder outputs cannot change how the encoder hears new voices. No ste
 first and the last is evaluated: picking the best of several evaluations by held-out WER would
 tune on the held-out set.
 
+`--language es` is the second demo: OpenAI's multilingual base (`--model base`, the
+`multilingual` extra) fine-tuned on Spanish (Castilian voices and one part of a Spanish
+lexicon; `synth.SPANISH_WORDS`), held-out Latin American voices and words, and the same
+English guard, stated English (`guard:en=`) so that it is scored in English, and its language
+identification counted before and after (fine-tuning on one language can make a model answer
+every clip in it).
+
 Everything lands in one folder: `data/` (synthesised once, reused by a next demo with the same
 plan) and `run/` (the training run; a second demo moves the first's aside to `run.old-<time>`,
 as `train --overwrite` does).
@@ -66,10 +73,14 @@ class DemoResult:
         return {name: self.scores(name, self.train.final_step) for name in SCORED_SETS}
 
 
+DEMO_LANGUAGES = ("en", "es")
+
+
 def run_demo(
     *,
     output_dir: str | Path = "whisper-train-demo",
-    model: str = "tiny.en",
+    model: str | None = None,
+    language: str = "en",
     train_utterances: int = 192,
     eval_utterances: int = 40,
     guard_utterances: int = 40,
@@ -79,7 +90,13 @@ def run_demo(
     seed: int = 0,
 ) -> DemoResult:
     """Synthesise, fine-tune with held-out and guard sets scored before and after; prints the
-    comparison and returns it."""
+    comparison and returns it. `language` en: tiny.en on English; es: the multilingual base on
+    Spanish, with the English guard scored in English. `model` None: the language's default."""
+    from whisper_train.errors import UserError
+
+    if language not in DEMO_LANGUAGES:
+        raise UserError(f"--language {language}: the demo speaks {' or '.join(DEMO_LANGUAGES)}")
+    model = model or ("tiny.en" if language == "en" else "base")
     output_dir = Path(output_dir)
     started = time.perf_counter()
     data_dirs = prepare_demo_data(
@@ -88,12 +105,15 @@ def run_demo(
         eval_utterances=eval_utterances,
         guard_utterances=guard_utterances,
         seed=seed,
+        language=language,
     )
+    # The guard is English whatever the demo's language: stated, so it is decoded in English.
+    guard = "guard" if language == "en" else "guard:en"
     config = RunConfig()
     config.update(
         {
             "data": str(data_dirs["train"]),
-            "eval_data": [f"{name}={data_dirs[name]}" for name in SCORED_SETS],
+            "eval_data": [f"held-out={data_dirs['held-out']}", f"{guard}={data_dirs['guard']}"],
             "guard": "guard",
             "model": model,
             "mode": mode,
@@ -110,26 +130,48 @@ def run_demo(
     )
     result = train(config)
     demo = DemoResult(result, data_dirs, time.perf_counter() - started)
-    print_comparison(demo, model=model, mode=mode)
+    print_comparison(demo, model=model, mode=mode, language=language)
     return demo
 
 
 def prepare_demo_data(
-    data_dir: Path, *, train_utterances: int, eval_utterances: int, guard_utterances: int, seed: int
+    data_dir: Path,
+    *,
+    train_utterances: int,
+    eval_utterances: int,
+    guard_utterances: int,
+    seed: int,
+    language: str = "en",
 ) -> dict[str, Path]:
-    """Synthesise (or reuse) `train/`, `held-out/` and `guard/` under `data_dir`."""
+    """Synthesise (or reuse) `train/`, `held-out/` and `guard/` under `data_dir` (Spanish
+    train/ and held-out/ under `data_dir/es` for `language` es, with a `language` column)."""
     from whisper_train import synth
 
-    train_words, held_out_words = synth.split_vocabulary()
+    if language == "es":
+        train_words, held_out_words = synth.split_spanish_words()
+        train_voices, held_out_voices = synth.SPANISH_TRAIN_VOICES, synth.SPANISH_HELD_OUT_VOICES
+        spoken = {"language": "es"}
+    else:
+        train_words, held_out_words = synth.split_vocabulary()
+        train_voices, held_out_voices = synth.TRAIN_VOICES, synth.HELD_OUT_VOICES
+        spoken = {}
+    folders = {name: data_dir / name for name in SETS}
+    if language == "es":
+        folders.update({name: data_dir / "es" / name for name in ("train", "held-out")})
     plans = {
         "train": dict(
-            n_utterances=train_utterances, seed=seed, voices=synth.TRAIN_VOICES, words=train_words
+            n_utterances=train_utterances,
+            seed=seed,
+            voices=train_voices,
+            words=train_words,
+            **spoken,
         ),
         "held-out": dict(
             n_utterances=eval_utterances,
             seed=seed + 1,
-            voices=synth.HELD_OUT_VOICES,
+            voices=held_out_voices,
             words=held_out_words,
+            **spoken,
         ),
         # The default voice at its default speed and pitch, words from the whole vocabulary.
         "guard": dict(
@@ -140,14 +182,14 @@ def prepare_demo_data(
             pitch_range=(synth.DEFAULT_PITCH, synth.DEFAULT_PITCH),
         ),
     }
-    return {name: _synthesised(data_dir / name, plans[name]) for name in SETS}
+    return {name: _synthesised(folders[name], plans[name]) for name in SETS}
 
 
 def _synthesised(folder: Path, plan: dict) -> Path:
     """Synthesise once: a next demo reuses the clips when it would say the same things."""
     from whisper_train import synth
 
-    planned = synth.plan_utterances(**plan)
+    planned = synth.plan_utterances(**{k: v for k, v in plan.items() if k != "language"})
     plan_file = folder / "plan.json"
     metadata = folder / synth.METADATA_FILE
     if (
@@ -162,7 +204,7 @@ def _synthesised(folder: Path, plan: dict) -> Path:
     return folder
 
 
-def print_comparison(demo: DemoResult, *, model: str, mode: str) -> None:
+def print_comparison(demo: DemoResult, *, model: str, mode: str, language: str = "en") -> None:
     """The demo's closing table: each figure before and after fine-tuning."""
     from whisper_train import synth
 
@@ -171,6 +213,10 @@ def print_comparison(demo: DemoResult, *, model: str, mode: str) -> None:
     def row(label: str, name: str, key: str) -> str:
         was, now = before[name][key], after[name][key]
         return f"  {label:<36} {100 * was:7.1f}%  {100 * now:7.1f}%  {100 * (now - was):+7.1f}"
+
+    if language == "es":
+        _print_spanish(demo, row, model=model, mode=mode)
+        return
 
     sizes = {name: _count(demo.data_dirs[name]) for name in SCORED_SETS}
     print()
@@ -194,6 +240,38 @@ def print_comparison(demo: DemoResult, *, model: str, mode: str) -> None:
     print(
         f"try it: whisper-train evaluate --model {result.final_dir} "
         f"--data {demo.data_dirs['held-out']}"
+    )
+
+
+def _print_spanish(demo: DemoResult, row, *, model: str, mode: str) -> None:
+    from whisper_train import synth
+
+    result = demo.train
+    sizes = {name: _count(demo.data_dirs[name]) for name in SCORED_SETS}
+    print()
+    print(f"  {'':<36} {'before':>8}  {'after':>8}  {'points':>7}")
+    print(row(f"held-out Spanish WER ({sizes['held-out']})", "held-out", "wer"))
+    print(row("held-out repeated 3-grams (loops)", "held-out", "repeated_ngram_rate"))
+    print(row("held-out language ID (es)", "held-out", "language_id_accuracy"))
+    print(row(f"English guard WER ({sizes['guard']}, in English)", "guard", "wer"))
+    print(row("English guard language ID (en)", "guard", "language_id_accuracy"))
+    print()
+    print(
+        "held-out: Spanish speakers and content words that training never saw: espeak-ng "
+        f"{', '.join(synth.SPANISH_HELD_OUT_ACCENTS)} with variants "
+        f"{', '.join(synth.HELD_OUT_VARIANTS)}; language ID: the language the model detects "
+        "in each clip, whatever it was told to decode in"
+    )
+    print(f"guard: general English sentences in espeak-ng's default voice, {synth.GUARD_VOICE}")
+    print(
+        f"before: {model}; after: step {result.final_step} of {result.steps} of --mode {mode} "
+        f"({result.final_reason}) on {result.train_examples} utterances in espeak-ng "
+        f"{', '.join(synth.SPANISH_TRAIN_ACCENTS)} with {len(synth.TRAIN_VARIANTS)} variants"
+    )
+    print(f"fine-tuned model: {result.final_dir}   (whole demo: {demo.seconds / 60:.1f} min)")
+    print(
+        f"try it: whisper-train transcribe --model {result.final_dir} "
+        f"{demo.data_dirs['held-out']}/utt_00000.wav"
     )
 
 

@@ -406,6 +406,87 @@ def content_words(sentence: str) -> set[str]:
     return set(re.findall(r"[a-z]+", sentence.lower())) - FUNCTION_WORDS
 
 
+# -- Spanish (the second demo) -----------------------------------------------------------------
+# espeak-ng speaks Spanish well. Castilian (es) voices train, Latin American (es-419) ones are
+# held out; content words are split as the English ones are, by a fixed hash, so held-out
+# sentences hold words training never heard. A small built-in lexicon (the articles agree with
+# their nouns) in templates whose function words every set shares.
+
+SPANISH_TRAIN_VOICES = tuple(f"es+{v}" for v in TRAIN_VARIANTS)
+SPANISH_HELD_OUT_VOICES = tuple(f"es-419+{v}" for v in HELD_OUT_VARIANTS)
+SPANISH_TRAIN_ACCENTS, SPANISH_HELD_OUT_ACCENTS = ("es",), ("es-419",)
+
+
+@dataclass(frozen=True)
+class SpanishWords:
+    """Content words of the Spanish templates: subjects, verbs (3rd person present), objects
+    (with their article), places and times."""
+
+    subjects: tuple[str, ...]
+    verbs: tuple[str, ...]
+    objects: tuple[str, ...]
+    places: tuple[str, ...]
+    times: tuple[str, ...]
+
+    def only(self, keep) -> SpanishWords:
+        return SpanishWords(*(tuple(w for w in ws if keep(w)) for ws in astuple(self)))
+
+
+SPANISH_WORDS = SpanishWords(
+    subjects=("mi hermano", "la profesora", "el médico", "nuestra vecina", "tu amigo", "la niña",
+              "el cocinero", "mi abuela", "el conductor", "la alcaldesa", "el pintor",
+              "la enfermera", "mi primo", "la panadera", "el cartero", "su hija"),
+    verbs=("compra", "prepara", "busca", "lleva", "vende", "limpia", "encuentra", "pinta",
+           "guarda", "necesita", "mira", "trae", "abre", "cierra", "pide", "quiere", "rompe",
+           "esconde", "arregla", "olvida"),
+    objects=("el pan", "la leche", "el libro", "la carta", "el coche", "la mesa",
+             "el periódico", "la fruta", "el café", "la camisa", "el regalo", "la llave",
+             "el vino", "la silla", "el queso", "la maleta", "el sombrero", "la ventana",
+             "el pescado", "la bicicleta", "el cuaderno", "la manzana", "el teléfono",
+             "la puerta", "el paraguas", "la cuchara", "el espejo", "la almohada"),
+    places=("en el mercado", "en la cocina", "cerca de la estación", "en el jardín",
+            "detrás de la casa", "en la oficina", "junto al río", "en la plaza",
+            "dentro del armario", "en la biblioteca", "sobre la montaña", "en el hospital"),
+    times=("por la mañana", "después de la cena", "todos los domingos", "antes de las ocho",
+           "cada tarde", "esta noche", "durante el verano", "el lunes"),
+)  # fmt: skip
+_SPANISH_TEMPLATES = (
+    "{S} {V} {O} {L}.",
+    "{T}, {S} {V} {O}.",
+    "¿{S} {V} {O} {L}?",
+    "{S} no {V} {O} {T}.",
+    "{S} {V} {O} y {O} {L}.",
+    "{T}, {S} {V} {O} {L}.",
+)
+
+
+def split_spanish_words(held_out_percent: int = 25) -> tuple[SpanishWords, SpanishWords]:
+    """(training words, held-out words) by a fixed hash of each word, as `split_vocabulary`."""
+
+    def held_out(word: str) -> bool:
+        return zlib.crc32(word.encode()) % 100 < held_out_percent
+
+    return SPANISH_WORDS.only(lambda w: not held_out(w)), SPANISH_WORDS.only(held_out)
+
+
+def make_spanish_sentences(words: SpanishWords, n: int, seed: int) -> list[str]:
+    """`n` different Spanish sentences from `words`, the same for the same seed."""
+    rng = random.Random(seed)
+    slots = {"S": words.subjects, "V": words.verbs, "O": words.objects, "L": words.places,
+             "T": words.times}  # fmt: skip
+    sentences: list[str] = []
+    seen: set[str] = set()
+    while len(sentences) < n:
+        template = rng.choice(_SPANISH_TEMPLATES)
+        sentence = re.sub(r"\{(\w)\}", lambda m: rng.choice(slots[m.group(1)]), template)
+        start = 2 if sentence.startswith("¿") else 1  # capitalise after an opening ¿
+        sentence = sentence[: start - 1] + sentence[start - 1].upper() + sentence[start:]
+        if sentence not in seen:
+            seen.add(sentence)
+            sentences.append(sentence)
+    return sentences
+
+
 # -- speech datasets ----------------------------------------------------------------------------
 
 
@@ -414,18 +495,20 @@ def plan_utterances(
     *,
     seed: int,
     voices: Sequence[str],
-    words: Vocabulary | None = None,
+    words: Vocabulary | SpanishWords | None = None,
     speed_wpm_range: tuple[int, int] = SPEED_WPM_RANGE,
     pitch_range: tuple[int, int] = PITCH_RANGE,
 ) -> list[dict]:
     """What `make_speech_dataset` will say, without saying it: one dict per utterance with
-    `file_name`, `text`, `voice`, `speed_wpm` and `pitch`, all drawn from `seed`."""
+    `file_name`, `text`, `voice`, `speed_wpm` and `pitch`, all drawn from `seed`. Spanish
+    `words` (`SpanishWords`) make Spanish sentences."""
     if n_utterances < 1:
         raise UserError(f"n_utterances must be at least 1, not {n_utterances}")
     if not voices:
         raise UserError("name at least one espeak-ng voice")
     rng = random.Random(seed)
-    texts = make_sentences(words or vocabulary(), n_utterances, seed=rng.randrange(2**32))
+    make = make_spanish_sentences if isinstance(words, SpanishWords) else make_sentences
+    texts = make(words or vocabulary(), n_utterances, seed=rng.randrange(2**32))
     return [
         {
             "file_name": f"utt_{index:05d}.wav",
@@ -444,15 +527,16 @@ def make_speech_dataset(
     n_utterances: int,
     seed: int,
     voices: Sequence[str] = TRAIN_VOICES,
-    words: Vocabulary | None = None,
+    words: Vocabulary | SpanishWords | None = None,
     speed_wpm_range: tuple[int, int] = SPEED_WPM_RANGE,
     pitch_range: tuple[int, int] = PITCH_RANGE,
     engine: str = "auto",
+    language: str | None = None,
 ) -> Path:
     """Write an audiofolder of `n_utterances` synthetic sentences; returns the folder.
 
     Files: `utt_00000.wav` ... (16 kHz, 16-bit PCM) and `metadata.csv` with the columns
-    `file_name,transcription,voice`. Sentences (content words from `words`, default: the whole
+    `file_name,transcription,voice` (and `language` when `language` is given). Sentences (content words from `words`, default: the whole
     vocabulary), voice, speed and pitch are drawn from `seed` (`plan_utterances`), and the
     speech is made in a fresh Python process: libespeak-ng carries pitch-jitter state from one
     utterance to the next that no API resets, so only a fresh process gives the same audio for
@@ -472,8 +556,11 @@ def make_speech_dataset(
     _run_in_fresh_process(job)
     with (output_dir / METADATA_FILE).open("w", newline="", encoding="utf-8") as stream:
         writer = csv.writer(stream)
-        writer.writerow(["file_name", "transcription", "voice"])
-        writer.writerows((u["file_name"], u["text"], u["voice"]) for u in utterances)
+        writer.writerow(["file_name", "transcription", "voice"] + ["language"] * bool(language))
+        writer.writerows(
+            (u["file_name"], u["text"], u["voice"]) + (language,) * bool(language)
+            for u in utterances
+        )
     return output_dir
 
 

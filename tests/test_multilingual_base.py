@@ -6,7 +6,7 @@ language); with no language given, the English clips come out word-perfect and t
 at 8 errors in 26 words (31%), no fallback, no repeated 3-gram; translated, the Spanish clips read
 "My brother works in a hospital near the station of Len." and "We are going to buy a
 wheelchair in the market.". Before issue 24's fixes the same model, with no language, dropped
-<|transcribe|> from its prompt and looped on real English (67.7% WER).
+<|transcribe|> from its prompt and looped on real English (67.7% WER, as issue 24 reports).
 """
 
 from __future__ import annotations

@@ -1174,8 +1174,8 @@ def save_final(model, processor, config: RunConfig, final_dir: Path) -> Path:
     _remove(tmp_dir)
     model.config.use_cache = True  # inference default; training turned the cache off
     if not config.data.pin_language:
-        # Training decoded with --language; the saved model detects each clip's language, as
-        # the base did (transformers' pipeline, `transcribe`, exports), unless --pin-language.
+        # --language chose the training prefixes; the saved model detects each clip's language,
+        # as the base did (transformers' pipeline, `transcribe`, exports), unless pinned.
         model.generation_config.language = None
     model.save_pretrained(tmp_dir, safe_serialization=True)
     processor.save_pretrained(tmp_dir)

@@ -472,8 +472,10 @@ def evaluate_examples(
         details=decoded,
     )
     if not kept:
+        first = skipped[0] if skipped else {"audio": "?", "reason": "no clips"}
         raise UserError(
-            f"none of the {len(examples)} clips could be read; run `whisper-train check-data`"
+            f"none of the {len(examples)} clips could be read; the first, {first['audio']}: "
+            f"{first['reason']}"
         )
     scores = score([e.text for e in kept], hypotheses, normalizer=get_normalizer(normalizer))
     return EvalReport(

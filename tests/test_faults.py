@@ -188,3 +188,82 @@ def test_an_epoch_of_clips_that_pass_their_header_but_never_decode_stops_with_on
         match=r"no usable training utterances in a whole epoch \(12 skipped: 12 unreadable audio\)",
     ):
         train(tiny_run_config(max_steps=2))
+
+
+# torch.save's error when the disk fills (PyTorchStreamWriter): a RuntimeError, not an OSError.
+TORCH_SAVE_DISK_FULL = (
+    "[enforce fail at inline_container.cc:664] . unexpected pos 1216 vs 1114\n"
+    "PytorchStreamWriter failed writing file data/0: file write failed"
+)
+
+
+def test_a_runtime_error_in_torch_save_keeps_the_previous_checkpoint_and_says_why(
+    tmp_path, tone_dataset, tiny_whisper_dir, monkeypatch, capsys
+):
+    real_save = torch.save
+    calls = {"n": 0}
+
+    def disk_fills_up(obj, path, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 3:  # checkpoint-1: rng, optimizer, scheduler; checkpoint-2 fails
+            raise RuntimeError(TORCH_SAVE_DISK_FULL)
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoints_module.torch, "save", disk_fills_up)
+    out = tmp_path / "out"
+    argv = train_argv(tone_dataset, tiny_whisper_dir, out, "--max-steps=3", "--save-steps=1")
+    code = main([*argv, "--batch-size=4", "--only-train", "--eval-split=0.25"])
+
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    [line] = [line for line in err.splitlines() if "could not write checkpoint" in line]
+    assert "checkpoint-2" in line and "checkpoint-1 is intact" in line
+    assert "disk full" in line and " free, a checkpoint needs about " in line
+    assert [p.name for p in checkpoints_module.list_checkpoints(out)] == ["checkpoint-1"]
+    assert not list(out.glob("*.tmp"))
+    assert load_file(out / "checkpoint-1" / "trainable.safetensors")
+
+
+def test_with_two_processes_a_failed_save_on_one_stops_both_with_the_line(
+    tmp_path, tone_dataset, tiny_whisper_dir
+):
+    # Process 1's torch.save fails from its second call (its rng file of checkpoint-2); process
+    # 0 writes everything else and would wait at the next collective for ever if it did not
+    # learn of the failure at save time. A sitecustomize in the workers injects the fault.
+    hook = tmp_path / "fault"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import torch\n"
+        "    real_save, calls = torch.save, []\n"
+        "    def save(*args, **kwargs):\n"
+        "        calls.append(1)\n"
+        "        if len(calls) > 1:\n"
+        f"            raise RuntimeError({TORCH_SAVE_DISK_FULL!r})\n"
+        "        return real_save(*args, **kwargs)\n"
+        "    torch.save = save\n"
+    )
+    out = tmp_path / "out"
+    argv = train_argv(tone_dataset, tiny_whisper_dir, out, "--max-steps=3", "--save-steps=1")
+    path = os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    flags = ["--nproc=2", "--batch-size=2", "--only-train", "--eval-split=0.25"]
+    result = subprocess.run(
+        [sys.executable, "-m", "whisper_train", *argv, *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if "could not write checkpoint" in line]
+    # Process 0 names process 1's failure: it learned of it at the save and stopped (process 1
+    # says it too, unless the launcher stops it first: both exit at the same moment).
+    assert any("(process 1: disk full: RuntimeError: " in line for line in lines), lines
+    assert all("file write failed" in line and "checkpoint-1 is intact" in line for line in lines)
+    assert "Traceback" not in result.stderr
+    assert "a training process failed" in result.stderr.splitlines()[-1]
+    assert [p.name for p in checkpoints_module.list_checkpoints(out)] == ["checkpoint-1"]
+    assert not list(out.glob("*.tmp"))

@@ -31,6 +31,7 @@ it needs GPUs), and `trainer_state.json` is written the same way.
 
 from __future__ import annotations
 
+import errno
 import json
 import random
 import re
@@ -169,12 +170,15 @@ def save_checkpoint(
     """
     tmp = folder.with_name(folder.name + ".tmp")
     main = accelerator.is_main_process
+    needed = estimate_checkpoint_bytes(model)
+    # Any exception counts (torch.save raises RuntimeError on a full disk, not OSError): every
+    # process must reach the agreement below, or the others would wait there for ever.
     error = None
     if main:
         try:
             _remove(tmp)
             tmp.mkdir(parents=True)
-        except OSError as exc:
+        except Exception as exc:
             error = exc
     accelerator.wait_for_everyone()
     if error is None and tmp.is_dir():
@@ -183,16 +187,19 @@ def save_checkpoint(
             if stream_position is not None:
                 name = STREAM_FILE.format(rank=accelerator.process_index)
                 (tmp / name).write_text(json.dumps(stream_position) + "\n", encoding="utf-8")
-        except OSError as exc:  # disk full, quota, permissions
+        except Exception as exc:  # disk full, quota, permissions, a serialiser's RuntimeError
             error = exc
     elif error is None:
         error = OSError(f"{tmp} was not created")
-    # Every process must agree whether the write succeeded, or they would part ways here.
-    failed = torch.tensor([0 if error is None else 1], device=accelerator.device)
-    if accelerator.num_processes > 1:
-        failed = accelerator.reduce(failed, reduction="sum")
-    accelerator.wait_for_everyone()
-    if failed.item():
+    failure = _agree_on_failure(accelerator, error, folder, needed)
+    if failure is None and main:
+        try:
+            _publish(tmp, folder)
+        except Exception as exc:
+            error = exc
+    if failure is None:
+        failure = _agree_on_failure(accelerator, error, folder, needed)
+    if failure is not None:
         if main:
             _remove(tmp, ignore_errors=True)
         previous = list_checkpoints(folder.parent)
@@ -201,22 +208,62 @@ def save_checkpoint(
             if previous
             else "no earlier checkpoint"
         )
-        reason = error.strerror or str(error) if error is not None else "another process failed"
         raise UserError(
-            f"could not write checkpoint {folder} ({reason}); {kept}; "
+            f"could not write checkpoint {folder} ({failure}); {kept}; "
             "free some space or fix permissions, then resume with --resume latest"
         )
-    if main:
-        if folder.exists():  # the same step saved again (a resumed run stopped at once)
-            old = folder.with_name(folder.name + ".old")
-            _remove(old)
-            folder.rename(old)
-            tmp.rename(folder)
-            _remove(old)
-        else:
-            tmp.rename(folder)
     accelerator.wait_for_everyone()
     return folder
+
+
+def _publish(tmp: Path, folder: Path) -> None:
+    """Rename the complete `tmp` to `folder` (replacing the same step saved again)."""
+    if folder.exists():  # the same step saved again (a resumed run stopped at once)
+        old = folder.with_name(folder.name + ".old")
+        _remove(old)
+        folder.rename(old)
+        tmp.rename(folder)
+        _remove(old)
+    else:
+        tmp.rename(folder)
+
+
+def _agree_on_failure(accelerator, error: BaseException | None, folder: Path, needed: int):
+    """The first process's failure as one line (None when every process succeeded), known to
+    every process: all of them run this gather, whatever happened to each."""
+    reason = None if error is None else _failure_reason(error, folder, needed)
+    if accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        reasons = gather_object([reason])
+        failed = [(rank, r) for rank, r in enumerate(reasons) if r is not None]
+        if not failed:
+            return None
+        rank, reason = failed[0]
+        return reason if rank == accelerator.process_index else f"process {rank}: {reason}"
+    return reason
+
+
+def _failure_reason(error: BaseException, folder: Path, needed: int) -> str:
+    """Why a save failed, in one line; for a full disk, the space free and the space needed."""
+    text = getattr(error, "strerror", None) or _last_line(error)
+    probe = next((p for p in (folder.parent, *folder.parents) if p.exists()), None)
+    free = shutil.disk_usage(probe).free if probe is not None else None
+    full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
+        sign in str(error) for sign in ("No space left", "file write failed", "Disk quota")
+    )
+    if full or (free is not None and free < needed):
+        if free is not None:
+            return f"disk full: {text}; {_gb(free)} free, a checkpoint needs about {_gb(needed)}"
+        return f"disk full: {text}; a checkpoint needs about {_gb(needed)}"
+    return text
+
+
+def _last_line(error: BaseException) -> str:
+    """The error's type and its last line: torch's RuntimeErrors put the cause last, after a
+    line naming the C++ source ("[enforce fail at inline_container.cc:664] ...")."""
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[-1].strip()}" if lines else type(error).__name__
 
 
 def _write_contents(

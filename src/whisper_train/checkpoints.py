@@ -304,6 +304,67 @@ def rotate_checkpoints(output_dir: Path, *, keep_last: int, keep_step: int | Non
 
 # -- loading -------------------------------------------------------------------------------
 
+# Options an exact resume depends on: they fix which clips make each batch and in what order
+# (the data-order state in the checkpoint counts batches of them), so a resume that changed one
+# would silently train on other data than the run it continues. Refused on --resume, naming the
+# checkpoint's value. The learning rate and its schedule (--learning-rate, --lr-scheduler,
+# --warmup-steps, --max-steps, --epochs) are instead applied from the resume point: see
+# `load_checkpoint`.
+FIXED_ON_RESUME = (
+    ("train", "batch_size", "--batch-size"),
+    ("train", "gradient_accumulation", "--gradient-accumulation"),
+    ("train", "seed", "--seed"),
+    ("train", "group_by_length", "--group-by-length"),
+    ("data", "data", "--data"),
+    ("data", "data_format", "--data-format"),
+    ("data", "train_subset", "--train-subset"),
+    ("data", "eval_split", "--eval-split"),
+)
+
+
+def check_resume_options(folder: Path, config) -> None:
+    """Refuse (UserError, one line) a --resume whose FIXED_ON_RESUME options differ from those
+    `folder` was saved with; the first difference is named with the checkpoint's value."""
+    import yaml
+
+    saved_file = folder / CONFIG_FILE
+    if not saved_file.is_file():
+        return  # a checkpoint of an older version: nothing to compare with
+    saved = yaml.safe_load(saved_file.read_text(encoding="utf-8")) or {}
+    for group, name, flag in FIXED_ON_RESUME:
+        if name not in saved.get(group, {}):
+            continue
+        before, now = saved[group][name], getattr(getattr(config, group), name)
+        if name == "data" and before and now and _same_path(before, now):
+            continue
+        if before != now:
+            raise UserError(
+                f"--resume {folder}: {flag} {now} differs from the checkpoint's {before}, and "
+                f"an exact resume depends on it; resume with {flag} {before}, or start a new run "
+                "(a new --output-dir) to change it"
+            )
+
+
+def _same_path(a: str, b: str) -> bool:
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
+def _apply_new_learning_rate(optimizer, scheduler, new_base_lrs: list[float]) -> None:
+    """After loading, the scheduler holds the checkpoint's base learning rates; a --resume with
+    another --learning-rate scales each group from this step on: the schedule keeps its shape
+    (warmup, decay) and the rate at step s becomes the new base times the schedule at s."""
+    inner = getattr(scheduler, "scheduler", scheduler)  # accelerate wraps the scheduler
+    if not hasattr(inner, "base_lrs") or list(inner.base_lrs) == list(new_base_lrs):
+        return
+    for index, (group, old, new) in enumerate(
+        zip(optimizer.param_groups, inner.base_lrs, new_base_lrs, strict=True)
+    ):
+        scale = new / old if old else 0.0
+        group["lr"] = group["lr"] * scale if old else new
+        group["initial_lr"] = new
+        inner.base_lrs[index] = new
+    inner._last_lr = [group["lr"] for group in optimizer.param_groups]
+
 
 def load_checkpoint(folder: Path, *, accelerator, model, optimizer, scheduler) -> TrainerState:
     """Restore weights, optimiser, scheduler, scaler and this process's random state.
@@ -322,8 +383,12 @@ def load_checkpoint(folder: Path, *, accelerator, model, optimizer, scheduler) -
         accelerator.load_state(str(folder / "accelerate"))
     else:
         _load_weights(folder, accelerator.unwrap_model(model, keep_torch_compile=False))
+        # This run's base learning rates (its --learning-rate), before the checkpoint's replace
+        # them: a changed one applies from the resume point.
+        new_base_lrs = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
         optimizer.load_state_dict(_load_pt(folder / "optimizer.pt"))
         scheduler.load_state_dict(_load_pt(folder / "scheduler.pt"))
+        _apply_new_learning_rate(optimizer, scheduler, new_base_lrs)
         if accelerator.scaler is not None and (folder / "scaler.pt").is_file():
             accelerator.scaler.load_state_dict(_load_pt(folder / "scaler.pt"))
     _set_rng_state(_load_pt(folder / f"rng-{accelerator.process_index}.pt"))

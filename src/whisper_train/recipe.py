@@ -578,7 +578,7 @@ class FineTuneRecipe:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if main:
             (self.output_dir / runfolder.CONFIG_FILE).write_text(
-                self.config.to_yaml(), encoding="utf-8"
+                self.config.to_saved_yaml(), encoding="utf-8"
             )
             metrics_file = self.output_dir / runfolder.METRICS_FILE
             if self.resume_from is not None:
@@ -900,7 +900,7 @@ class FineTuneRecipe:
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             state=self.state,
-            config_yaml=self.config.to_yaml(),
+            config_yaml=self.config.to_saved_yaml(),
             stream_position=(
                 self.stream_position.to_dict() if self.stream_source is not None else None
             ),
@@ -1150,7 +1150,7 @@ def save_final(model, processor, config: RunConfig, final_dir: Path) -> Path:
     model.config.use_cache = True  # inference default; training turned the cache off
     model.save_pretrained(tmp_dir, safe_serialization=True)
     processor.save_pretrained(tmp_dir)
-    (tmp_dir / runfolder.CONFIG_FILE).write_text(config.to_yaml(), encoding="utf-8")
+    (tmp_dir / runfolder.CONFIG_FILE).write_text(config.to_saved_yaml(), encoding="utf-8")
     # Write to a temporary folder and rename: a crash mid-write never leaves a half model.
     _remove(final_dir)
     tmp_dir.rename(final_dir)

@@ -177,3 +177,21 @@ def test_the_guard_stops_a_run_and_final_holds_the_best_allowed_step(
     name = "model.decoder.layers.0.fc1.weight"
     assert torch.equal(final[name], best[name])
     assert not torch.equal(final[name], last[name])
+
+
+def test_an_evaluation_set_in_another_layout_than_a_forced_data_format_is_read(
+    tmp_path, tiny_run_config
+):
+    from tiny_models import english_tokenizer
+
+    from whisper_train.labels import LabelEncoder
+    from whisper_train.recipe import prepare_datasets
+
+    manifest = write_tone_dataset(tmp_path / "held", n=3, layout="jsonl")  # not an audiofolder
+    config = tiny_run_config(data_format="audiofolder", only_train=False)
+    config.update({"eval_data": [str(manifest)]})
+    encoder = LabelEncoder(english_tokenizer(), language=None, multilingual=False)
+
+    datasets = prepare_datasets(config, encoder, max_label_tokens=448)
+
+    assert len(datasets.eval["eval"]) == 3

@@ -267,3 +267,66 @@ def test_with_two_processes_a_failed_save_on_one_stops_both_with_the_line(
     assert "a training process failed" in result.stderr.splitlines()[-1]
     assert [p.name for p in checkpoints_module.list_checkpoints(out)] == ["checkpoint-1"]
     assert not list(out.glob("*.tmp"))
+
+
+def test_two_processes_evaluate_when_one_process_holds_no_usable_clip(
+    tmp_path, tone_dataset, tiny_whisper_dir
+):
+    # Two evaluation clips, one a process at --batch-size 1; process 1's FLAC has a header that
+    # reads (it passes the check before step 1) but frames that do not decode, so its batch is
+    # empty. It must still join the gathers, or process 0 waits for it for ever.
+    import json
+
+    import numpy as np
+    import soundfile
+
+    eval_dir = tmp_path / "eval"
+    eval_dir.mkdir()
+    tone = (0.3 * np.sin(np.arange(16_000) / 5)).astype(np.float32)
+    soundfile.write(eval_dir / "good.wav", tone, 16_000)
+    soundfile.write(eval_dir / "zeroed.flac", tone, 16_000)
+    data = (eval_dir / "zeroed.flac").read_bytes()
+    (eval_dir / "zeroed.flac").write_bytes(data[:200] + bytes(len(data) - 200))
+    rows = [{"audio": "good.wav", "text": "alpha"}, {"audio": "zeroed.flac", "text": "bravo"}]
+    manifest = eval_dir / "eval.jsonl"
+    manifest.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "out"
+    flags = ["--nproc=2", "--batch-size=1", "--max-steps=1", f"--eval-data={manifest}"]
+    flags += ["--generation-max-length=4", "--temperatures=0"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "whisper_train", *train_argv(tone_dataset, tiny_whisper_dir, out)]
+        + flags,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    [evaluation] = [row for row in metric_rows(out) if "wer" in row]
+    assert evaluation["step"] == 1 and np.isfinite(evaluation["eval_loss"])
+
+
+def test_sigterm_is_honoured_before_an_evaluation_that_is_due(
+    tmp_path, tiny_run_config, monkeypatch
+):
+    # SIGTERM arrives during step 2, when an evaluation is due (--eval-steps 2): the run saves
+    # and exits first, inside the grace period, instead of evaluating and then being killed.
+    real = recipe_module.loss_terms
+    calls = {"n": 0}
+
+    def terminated_in_step_2(model, batch, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(model, batch, **kwargs)
+
+    monkeypatch.setattr(recipe_module, "loss_terms", terminated_in_step_2)
+    with pytest.raises(SystemExit) as stopped:
+        train(tiny_run_config(max_steps=4, eval_steps=2, only_train=False))
+
+    assert stopped.value.code == 128 + signal.SIGTERM
+    out = tmp_path / "out"
+    assert [p.name for p in checkpoints_module.list_checkpoints(out)] == ["checkpoint-2"]
+    assert [row["step"] for row in metric_rows(out) if "wer" in row] == []

@@ -173,3 +173,12 @@ def test_a_new_learning_rate_applies_from_the_resume_point(tmp_path, tiny_run_co
     # The checkpoint holds the new rate as its base: resuming again at that rate keeps it.
     train(tiny_run_config(max_steps=5, learning_rate=2.5e-4, resume="latest", **constant))
     assert metric_rows(tmp_path / "out")[-1]["lr"] == pytest.approx(2.5e-4, rel=1e-9)
+
+
+def test_a_half_written_last_metrics_line_is_dropped_on_resume(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n{"step": 3, "lo')
+
+    checkpoints.truncate_metrics(metrics, step=2)  # what --resume does before it continues
+
+    assert metrics.read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n'

@@ -472,11 +472,14 @@ def truncate_metrics(metrics_file: Path, step: int) -> None:
     """Drop metrics lines past `step`, so a resumed run's file reads like one run."""
     if not metrics_file.is_file():
         return
-    kept = [
-        line
-        for line in metrics_file.read_text(encoding="utf-8").splitlines()
-        if line.strip() and json.loads(line).get("step", 0) <= step
-    ]
+    kept = []
+    for line in metrics_file.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # half a line: the crash came while it was being written
+            continue
+        if isinstance(row, dict) and row.get("step", 0) <= step:
+            kept.append(line)
     metrics_file.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
 

@@ -78,7 +78,10 @@ class DataConfig:
             "repeatable": True,
         },
     )
-    data_format: str | None = _help("Force a layout instead of detecting it.", default=None)
+    data_format: str | None = _help(
+        "Force --data's layout instead of detecting it (evaluation sets are detected).",
+        default=None,
+    )
     streaming: bool = _help(
         "Stream --data instead of reading it whole: a hub id is then streamed, not downloaded "
         "(WebDataset .tar and Parquet shards always stream).",

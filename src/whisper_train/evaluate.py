@@ -403,16 +403,20 @@ def run_evaluation(
     references, hypotheses = [], []
     unwrapped = accelerator.unwrap_model(model)
     for batch in loader:
-        if not batch["size"]:
-            continue
-        n_tokens = (batch["labels"] != IGNORE_INDEX).sum().float()
-        loss_and_tokens += torch.stack(
-            [training_loss(model, batch).detach().float() * n_tokens, n_tokens]
+        texts = []
+        if batch["size"]:
+            n_tokens = (batch["labels"] != IGNORE_INDEX).sum().float()
+            loss_and_tokens += torch.stack(
+                [training_loss(model, batch).detach().float() * n_tokens, n_tokens]
+            )
+            texts = generate_texts(
+                unwrapped, processor, [batch], max_length=max_length, decoding=decoding
+            )
+        # A batch with no usable clip (none decoded) still joins the gathers: every process
+        # runs the same collectives, or the others would wait for this one for ever.
+        references.extend(
+            accelerator.gather_for_metrics(batch.get("texts", []), use_gather_object=True)
         )
-        texts = generate_texts(
-            unwrapped, processor, [batch], max_length=max_length, decoding=decoding
-        )
-        references.extend(accelerator.gather_for_metrics(batch["texts"], use_gather_object=True))
         hypotheses.extend(accelerator.gather_for_metrics(texts, use_gather_object=True))
     model.train(was_training)
     if accelerator.num_processes > 1:

@@ -3,7 +3,7 @@
     recipe = FineTuneRecipe(config)
     recipe.setup()    # accelerator, model and labels, data, memory, loaders, optimisation, restore
     recipe.train()    # micro-batches → `_train_step`; after each optimizer step `_after_step`:
-                      #   log, bad-step guard, evaluate, stop if asked, save a checkpoint
+                      #   log, bad-step guard, stop if asked, evaluate, save a checkpoint
     result = recipe.finish()   # last evaluation, OUTPUT/final/, result.json, curves, report
 
 Where things are decided: memory (freezing, LoRA, checkpointing, precision, optimiser) in
@@ -229,8 +229,7 @@ class FineTuneRecipe:
         c, accelerator = self.config, self.accelerator
         max_label_tokens = self.model.config.max_target_positions
         eval_sets = {}
-        # --data-format webdataset/parquet names the stream's format, not the evaluation sets'.
-        eval_format = None if c.data.data_format in streaming.STREAM_FORMATS else c.data.data_format
+        # --data-format names the stream's format, not the evaluation sets': theirs is detected.
         if not c.train.only_train:
             for name, path in c.eval_sets().items():
                 if streaming.stream_source(path) is not None:
@@ -238,7 +237,7 @@ class FineTuneRecipe:
                         f"--eval-data {path}: evaluation sets are read whole, not streamed; "
                         "give a manifest or folder layout (see `whisper-train check-data`)"
                     )
-                examples = load_examples(path, data_format=eval_format)
+                examples = load_examples(path)
                 if c.data.eval_subset:
                     examples = examples[: c.data.eval_subset]
                 eval_sets[name], skipped = screen_examples(
@@ -585,7 +584,11 @@ class FineTuneRecipe:
                 checkpoints.truncate_metrics(metrics_file, self.state.step)
             else:
                 metrics_file.unlink(missing_ok=True)
-        self.metrics = MetricsLog(self.output_dir, enabled=main)
+        self.metrics = MetricsLog(
+            self.output_dir,
+            enabled=main,
+            purge_step=None if self.resume_from is None else self.state.step + 1,
+        )
         self.primary_set = self.config.primary_eval_set
         self.table = ProgressTable(main, primary_set=self.primary_set)
         self.evaluations: list[dict] = list(self.state.evaluations)
@@ -775,8 +778,8 @@ class FineTuneRecipe:
         return OptimizerStep(step_loss, grad_norm, skipped)
 
     def _after_step(self, step: OptimizerStep) -> None:
-        """After an optimizer step, in order: log it, stop after too many bad steps, evaluate,
-        stop if asked (SIGINT/SIGTERM), save a checkpoint."""
+        """After an optimizer step, in order: log it, stop after too many bad steps, stop if
+        asked (SIGINT/SIGTERM), evaluate, save a checkpoint."""
         t, state = self.config.train, self.state
         self._log_step(step)
         if state.bad_steps_in_a_row >= t.max_bad_steps:
@@ -788,17 +791,19 @@ class FineTuneRecipe:
                 "overflow: try --precision bf16 or a lower --learning-rate, then add --resume "
                 "latest"
             )
+        # A stop request first: an evaluation due now would outlast the grace period a
+        # scheduler or torchrun gives after SIGTERM (torchrun kills workers after 30 s).
+        if self.stop.requested():
+            folder = self.save_checkpoint("interrupted")
+            config_file = self.output_dir / runfolder.CONFIG_FILE
+            say(self.accelerator, f"to continue: {resume_command(config_file, folder)}")
+            raise TrainingInterrupted(self.stop.exit_code)
         last = state.step >= self.total_steps  # finish() evaluates and saves the last step
         new_best = False
         if self.evaluating and t.eval_steps and state.step % t.eval_steps == 0 and not last:
             self.evaluate(state.step)
             # final/ may be this step: keep its weights in a checkpoint until a better one.
             new_best = self._final_choice().step == state.step
-        if self.stop.requested():
-            folder = self.save_checkpoint("interrupted")
-            config_file = self.output_dir / runfolder.CONFIG_FILE
-            say(self.accelerator, f"to continue: {resume_command(config_file, folder)}")
-            raise TrainingInterrupted(self.stop.exit_code)
         if self.stopped_for_regression:
             self.save_checkpoint("stopped: the guard set regressed (--stop-on-regression)")
         elif t.save_steps and state.step % t.save_steps == 0 and not last:
@@ -1023,10 +1028,9 @@ def prepare_datasets(
         train_examples, eval_sets = examples, {}
     elif eval_paths:
         train_examples = examples
-        eval_sets = {
-            name: load_examples(path, data_format=d.data_format)
-            for name, path in eval_paths.items()
-        }
+        # --data-format names --data's layout; each evaluation set's is detected on its own
+        # (as on the streamed path: an evaluation set often comes from elsewhere).
+        eval_sets = {name: load_examples(path) for name, path in eval_paths.items()}
     elif d.eval_split == 0:
         train_examples, eval_sets = examples, {}
     else:

@@ -10,6 +10,9 @@ import soxr
 from whisper_train.audio import SAMPLE_RATE, audio_duration, load_audio
 from whisper_train.errors import AudioError
 
+# `make test-compat` runs these on the lowest soundfile, soxr and PyAV pyproject allows.
+pytestmark = pytest.mark.compat
+
 
 def sine(seconds: float, rate: int, hz: float = 440.0) -> np.ndarray:
     t = np.arange(round(seconds * rate)) / rate

@@ -208,9 +208,16 @@ def save_checkpoint(
             if previous
             else "no earlier checkpoint"
         )
+        remedy = (
+            "free some space"
+            if "disk full" in failure
+            else "free some space or fix permissions"
+            if "Error" not in failure  # an OSError's text: "Permission denied", ...
+            else "fix the cause"
+        )
         raise UserError(
             f"could not write checkpoint {folder} ({failure}); {kept}; "
-            "free some space or fix permissions, then resume with --resume latest"
+            f"{remedy}, then resume with --resume latest"
         )
     accelerator.wait_for_everyone()
     return folder

@@ -1168,8 +1168,16 @@ def compare_with_baseline(
     from whisper_train.evaluate import evaluate_examples, write_report_json
     from whisper_train.report import write_comparison
 
+    import gc
+
     reports = []
     for spec in (config.model.model, str(final_dir)):
+        # One model at a time beside the training model: the first is freed before the second
+        # loads (on a GPU sized for the run, two more full models may not fit).
+        model = processor = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         model, processor = load_model(spec, attn_implementation=config.model.attn_implementation)
         if torch.cuda.is_available():
             model = model.to("cuda")
@@ -1191,6 +1199,10 @@ def compare_with_baseline(
                 decoding=config.decoding_options(),
             )
         )
+    model = processor = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     before, after = reports
     json_file, baseline_file, markdown, png = (output_dir / n for n in runfolder.REPORT_FILES)
     write_report_json(after, json_file)

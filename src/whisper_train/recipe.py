@@ -1165,10 +1165,10 @@ def compare_with_baseline(
     config: RunConfig, final_dir: Path, examples: list[Example], output_dir: Path, normalizer: str
 ) -> None:
     """The starting model and the fine-tuned one on the same utterances: report.md / report.png."""
+    import gc
+
     from whisper_train.evaluate import evaluate_examples, write_report_json
     from whisper_train.report import write_comparison
-
-    import gc
 
     reports = []
     for spec in (config.model.model, str(final_dir)):

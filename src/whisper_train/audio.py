@@ -138,8 +138,8 @@ def load_audio(
 def _soundfile_decode(
     audio: soundfile.SoundFile, start: float | None, end: float | None
 ) -> tuple[np.ndarray, int]:
-    """(frames, channels) float32 of the window, and the file's rate. The frame count is always
-    given: GSM 6.10 and G.721 WAVs are not seekable, and libsndfile refuses `read(-1)` on them."""
+    """(frames, channels) float32 of the window, and the file's rate. A file that cannot seek
+    (GSM 6.10 and G.721 WAVs) is read with a frame count: libsndfile refuses `read(-1)` on it."""
     source_rate = audio.samplerate
     first_frame = 0 if start is None else max(0, round(start * source_rate))
     stop_frame = audio.frames if end is None else max(first_frame, round(end * source_rate))
@@ -149,6 +149,8 @@ def _soundfile_decode(
     else:
         skip = first_frame  # read from the start and drop what precedes the window
     n_frames = max(0, min(stop_frame, audio.frames) - first_frame) + skip
+    if end is None and audio.seekable():
+        n_frames = -1  # to the end of the data, whatever a header that lies says
     # always_2d gives (frames, channels) for mono and multichannel alike.
     samples = audio.read(n_frames, dtype="float32", always_2d=True)
     return samples[skip:], source_rate

@@ -10,7 +10,7 @@ Four ways to get the same (batch, 80, 3000) log-mel features:
     WFE batch         WhisperFeatureExtractor called once on the batch (its torch path)
     WFE per clip      called once per clip, as the fine-tuning blog's `dataset.map` does
     WFE numpy         its numpy path, per clip (what it runs without torch, and what the
-                      "numpy ~40 ms a clip" figure in notes/anchors.md measured); a private
+                      path BENCHMARKS.md's "WFE numpy" column measures); a private
                       method, called here only to time it
 
 Runs alternate (LogMel, WFE batch, WFE per clip, LogMel, ...) so that load from other processes

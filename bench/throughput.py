@@ -21,7 +21,7 @@ whisper-train, ...). Times are CPU seconds of the worker process (`time.process_
 time: on a machine shared with other jobs wall time swung 6x between identical runs, CPU time
 does not (with --threads 1 there are no idle OpenMP threads spinning either). On CUDA, where
 the GPU does the work, wall time is used. On CUDA each
-worker also reports peak allocated memory and MFU (FLOP formula of notes/anchors.md; peak
+worker also reports peak allocated memory and MFU (FLOP formula of docs/compute.md; peak
 FLOP/s from --peak-tflops, default H100 SXM dense bf16).
 """
 

@@ -255,3 +255,42 @@ def test_without_a_model_no_token_figures_are_claimed(clean_data):
     text = format_report(report)
     assert "labels measured in characters (pass --model" in text
     assert text.count("median") == 1  # the durations' only
+
+
+def _flac_that_does_not_decode(path: Path) -> None:
+    """A FLAC whose header reads (16 kHz, 1 s) but whose frames are zeroed: decoding fails."""
+    write_wav(path, 1.0)  # soundfile picks FLAC from the suffix
+    data = path.read_bytes()
+    path.write_bytes(data[:200] + bytes(len(data) - 200))
+
+
+def test_clips_that_open_but_do_not_decode_are_problems(tmp_path):
+    from test_audio import encode_with_pyav, speech_band_signal
+
+    soundfile.write(tmp_path / "call.wav", speech_band_signal(1.0, 8_000), 8_000, subtype="GSM610")
+    encode_with_pyav(tmp_path / "phone.m4a", speech_band_signal(1.0, 16_000), 16_000, "ipod", "aac")
+    _flac_that_does_not_decode(tmp_path / "zeroed.flac")
+    rows = [{"audio": n, "text": "words"} for n in ("call.wav", "phone.m4a", "zeroed.flac")]
+
+    report = check_data(write_manifest(tmp_path, rows))
+
+    # The GSM WAV and the M4A decode and count; the FLAC's header opened, its samples do not.
+    assert list(found(report, "unreadable")) == ["train.jsonl:3"]
+    assert "zeroed.flac" in found(report, "unreadable")["train.jsonl:3"]
+    assert report.sample_rates == {8_000: 1, 16_000: 2}
+    assert report.total_seconds == pytest.approx(2.0, abs=0.1)
+
+
+def test_a_sample_of_each_format_is_decoded_and_every_clip_under_strict(tmp_path):
+    from whisper_train.checkdata import DECODED_PER_FORMAT
+
+    for index in range(DECODED_PER_FORMAT):
+        write_wav(tmp_path / f"good{index}.flac", 1.0)
+    _flac_that_does_not_decode(tmp_path / "late.flac")  # after the sample of FLACs
+    names = [f"good{index}.flac" for index in range(DECODED_PER_FORMAT)] + ["late.flac"]
+    manifest = write_manifest(tmp_path, [{"audio": n, "text": "words"} for n in names])
+
+    assert found(check_data(manifest), "unreadable") == {}
+    strict = found(check_data(manifest, strict=True), "unreadable")
+    assert list(strict) == [f"train.jsonl:{len(names)}"]
+    assert main(["check-data", str(manifest), "--strict"]) == 1

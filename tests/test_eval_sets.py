@@ -177,3 +177,50 @@ def test_the_guard_stops_a_run_and_final_holds_the_best_allowed_step(
     name = "model.decoder.layers.0.fc1.weight"
     assert torch.equal(final[name], best[name])
     assert not torch.equal(final[name], last[name])
+
+
+def test_an_evaluation_set_in_another_layout_than_a_forced_data_format_is_read(
+    tmp_path, tiny_run_config
+):
+    from tiny_models import english_tokenizer
+
+    from whisper_train.labels import LabelEncoder
+    from whisper_train.recipe import prepare_datasets
+
+    manifest = write_tone_dataset(tmp_path / "held", n=3, layout="jsonl")  # not an audiofolder
+    config = tiny_run_config(data_format="audiofolder", only_train=False)
+    config.update({"eval_data": [str(manifest)]})
+    encoder = LabelEncoder(english_tokenizer(), language=None, multilingual=False)
+
+    datasets = prepare_datasets(config, encoder, max_label_tokens=448)
+
+    assert len(datasets.eval["eval"]) == 3
+
+
+def test_the_baseline_comparison_holds_one_model_at_a_time(
+    tmp_path, tiny_run_config, tiny_whisper_dir, monkeypatch
+):
+    import gc
+    import weakref
+
+    from whisper_train.data import Example
+
+    live = []
+    real_load = recipe_module.load_model
+
+    def load_model(spec, **kwargs):
+        gc.collect()
+        assert not [ref for ref in live if ref() is not None], "a model is still loaded"
+        model, processor = real_load(spec, **kwargs)
+        live.append(weakref.ref(model))
+        return model, processor
+
+    monkeypatch.setattr(recipe_module, "load_model", load_model)
+    clips = write_tone_dataset(tmp_path / "clips", n=2, layout="jsonl")
+    rows = [json.loads(line) for line in clips.read_text().splitlines()]
+    examples = [Example(str(clips.parent / row["audio"]), row["text"]) for row in rows]
+    config = tiny_run_config(generation_max_length=4)
+
+    recipe_module.compare_with_baseline(config, tiny_whisper_dir, examples, tmp_path, "english")
+
+    assert len(live) == 2 and (tmp_path / "report.md").is_file()

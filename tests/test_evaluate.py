@@ -169,6 +169,18 @@ def test_evaluate_examples_reports_every_clip_and_skips_unreadable(tiny_whisper,
     assert all({"hypothesis", "errors", "audio"} <= set(u) for u in written["utterances"])
 
 
+def test_when_no_clip_reads_the_error_names_the_first_clip_and_why(tiny_whisper, tmp_path):
+    model, processor = tiny_whisper
+    examples = [Example(audio=str(tmp_path / f"gone{i}.wav"), text="lost") for i in range(2)]
+
+    with pytest.raises(UserError) as caught:
+        evaluate_examples(model, processor, examples, batch_size=2, max_length=20)
+
+    message = str(caught.value)
+    assert "none of the 2 clips could be read" in message
+    assert f"{tmp_path / 'gone0.wav'}: file not found" in message
+
+
 def test_evaluate_command_with_baseline_writes_comparison(tiny_whisper_dir, tmp_path):
     from whisper_train.synth import synthesize
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import errno
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
 from collections import namedtuple
+from pathlib import Path
 
 import pytest
 import torch
@@ -188,3 +190,136 @@ def test_an_epoch_of_clips_that_pass_their_header_but_never_decode_stops_with_on
         match=r"no usable training utterances in a whole epoch \(12 skipped: 12 unreadable audio\)",
     ):
         train(tiny_run_config(max_steps=2))
+
+
+# torch.save's error when the disk fills (PyTorchStreamWriter): a RuntimeError, not an OSError.
+TORCH_SAVE_DISK_FULL = (
+    "[enforce fail at inline_container.cc:664] . unexpected pos 1216 vs 1114\n"
+    "PytorchStreamWriter failed writing file data/0: file write failed"
+)
+
+
+def test_a_runtime_error_in_torch_save_keeps_the_previous_checkpoint_and_says_why(
+    tmp_path, tone_dataset, tiny_whisper_dir, monkeypatch, capsys
+):
+    real_save = torch.save
+    calls = {"n": 0}
+
+    def disk_fills_up(obj, path, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 3:  # checkpoint-1: rng, optimizer, scheduler; checkpoint-2 fails
+            raise RuntimeError(TORCH_SAVE_DISK_FULL)
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoints_module.torch, "save", disk_fills_up)
+    out = tmp_path / "out"
+    argv = train_argv(tone_dataset, tiny_whisper_dir, out, "--max-steps=3", "--save-steps=1")
+    code = main([*argv, "--batch-size=4", "--only-train", "--eval-split=0.25"])
+
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    [line] = [line for line in err.splitlines() if "could not write checkpoint" in line]
+    assert "checkpoint-2" in line and "checkpoint-1 is intact" in line
+    assert "disk full" in line and " free, a checkpoint needs about " in line
+    assert [p.name for p in checkpoints_module.list_checkpoints(out)] == ["checkpoint-1"]
+    assert not list(out.glob("*.tmp"))
+    assert load_file(out / "checkpoint-1" / "trainable.safetensors")
+
+
+def _evaluation_set_one_process_cannot_use(folder) -> Path:
+    """Two evaluation clips, one a process at --batch-size 1: process 1's FLAC has a header that
+    reads (it passes the check before step 1) but frames that do not decode, so its batch is
+    empty."""
+    import json
+
+    import numpy as np
+    import soundfile
+
+    folder.mkdir()
+    tone = (0.3 * np.sin(np.arange(16_000) / 5)).astype(np.float32)
+    soundfile.write(folder / "good.wav", tone, 16_000)
+    soundfile.write(folder / "zeroed.flac", tone, 16_000)
+    data = (folder / "zeroed.flac").read_bytes()
+    (folder / "zeroed.flac").write_bytes(data[:200] + bytes(len(data) - 200))
+    rows = [{"audio": "good.wav", "text": "alpha"}, {"audio": "zeroed.flac", "text": "bravo"}]
+    manifest = folder / "eval.jsonl"
+    manifest.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return manifest
+
+
+def test_two_processes_evaluate_with_an_unusable_share_and_stop_together_on_a_failed_save(
+    tmp_path, tone_dataset, tiny_whisper_dir
+):
+    # One two-process run meets two faults (a run apiece would double the cost):
+    # 1. at steps 1 and 2 an evaluation where process 1's batch holds no usable clip: it must
+    #    still join the gathers, or process 0 waits for it for ever;
+    # 2. at step 2 process 1's torch.save fails (a full disk; its first call, checkpoint-1's
+    #    rng file, succeeds): process 0, which wrote everything else, must learn of it at the
+    #    save and stop with the same line, not wait at the next collective for ever.
+    # A sitecustomize in the workers injects the save fault.
+    hook = tmp_path / "fault"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import torch\n"
+        "    real_save, calls = torch.save, []\n"
+        "    def save(*args, **kwargs):\n"
+        "        calls.append(1)\n"
+        "        if len(calls) > 1:\n"
+        f"            raise RuntimeError({TORCH_SAVE_DISK_FULL!r})\n"
+        "        return real_save(*args, **kwargs)\n"
+        "    torch.save = save\n"
+    )
+    manifest = _evaluation_set_one_process_cannot_use(tmp_path / "eval")
+    out = tmp_path / "out"
+    argv = train_argv(tone_dataset, tiny_whisper_dir, out, "--max-steps=3", "--save-steps=1")
+    flags = ["--nproc=2", "--batch-size=1", "--eval-steps=1", f"--eval-data={manifest}"]
+    flags += ["--generation-max-length=4", "--temperatures=0"]
+    path = os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "whisper_train", *argv, *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+    assert result.returncode == 2, result.stderr[-3000:]
+    evaluations = [row for row in metric_rows(out) if "wer" in row]
+    assert [row["step"] for row in evaluations] == [1, 2]
+    assert all(math.isfinite(row["eval_loss"]) for row in evaluations)
+    lines = [line for line in result.stderr.splitlines() if "could not write checkpoint" in line]
+    # Process 0 names process 1's failure: it learned of it at the save and stopped (process 1
+    # says it too, unless the launcher stops it first: both exit at the same moment).
+    assert any("(process 1: disk full: RuntimeError: " in line for line in lines), lines
+    assert all("file write failed" in line and "checkpoint-1 is intact" in line for line in lines)
+    assert "Traceback" not in result.stderr
+    assert "a training process failed" in result.stderr.splitlines()[-1]
+    assert [p.name for p in checkpoints_module.list_checkpoints(out)] == ["checkpoint-1"]
+    assert not list(out.glob("*.tmp"))
+
+
+def test_sigterm_is_honoured_before_an_evaluation_that_is_due(
+    tmp_path, tiny_run_config, monkeypatch
+):
+    # SIGTERM arrives during step 2, when an evaluation is due (--eval-steps 2): the run saves
+    # and exits first, inside the grace period, instead of evaluating and then being killed.
+    real = recipe_module.loss_terms
+    calls = {"n": 0}
+
+    def terminated_in_step_2(model, batch, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(model, batch, **kwargs)
+
+    monkeypatch.setattr(recipe_module, "loss_terms", terminated_in_step_2)
+    with pytest.raises(SystemExit) as stopped:
+        train(tiny_run_config(max_steps=4, eval_steps=2, only_train=False))
+
+    assert stopped.value.code == 128 + signal.SIGTERM
+    out = tmp_path / "out"
+    assert [p.name for p in checkpoints_module.list_checkpoints(out)] == ["checkpoint-2"]
+    assert [row["step"] for row in metric_rows(out) if "wer" in row] == []

@@ -118,5 +118,6 @@ def test_flop_formula_matches_the_published_figure_for_whisper_small():
     from transformers import WhisperConfig
 
     small = WhisperConfig(d_model=768, encoder_layers=12, decoder_layers=12, vocab_size=51865)
-    # anchors.md: ~1.2 TFLOP per training sample at T = 64 (3 x forward)
+    # docs/compute.md: ~1.2 TFLOP per training sample at T = 64 (3 x forward), by 2 FLOPs
+    # per weight and position plus attention
     assert 3 * planner.model_flops_per_sample(small, 64) == pytest.approx(1.2e12, rel=0.1)

@@ -90,6 +90,7 @@ def test_rotation_keeps_the_newest_and_the_best_step(tmp_path):
     assert checkpoints.resolve_resume("latest", tmp_path).name == "checkpoint-5"
 
 
+@pytest.mark.compat  # a save and a load on the lowest accelerate (unwrap_model's arguments)
 def test_checkpoint_state_loads_with_weights_only(tmp_path, tiny_run_config):
     train(tiny_run_config(max_steps=1, save_steps=1))
     folder = tmp_path / "out" / "checkpoint-1"
@@ -106,3 +107,86 @@ def test_the_closing_line_after_a_resume_times_only_the_steps_it_ran():
         "trained steps 21-30 (10 after resuming at step 20; 30 in all) in 190.0 s"
     )
     assert trained_line(30, 30, 0.0) == "trained no further step: resumed at step 30, the last"
+
+
+def test_the_printed_resume_command_works_after_an_overwrite_run(tmp_path, tiny_run_config):
+    import shlex
+
+    from whisper_train.cli import main
+    from whisper_train.runlog import resume_command
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')  # an earlier run, for --overwrite to move
+    train(tiny_run_config(max_steps=2, save_steps=2, overwrite=True))
+    command = resume_command(out / "whisper-train.yaml", out / "checkpoint-2")
+
+    # The saved config records the run, not the first command's --overwrite (or --resume).
+    argv = shlex.split(command)[1:]
+    assert main([*argv, "--max-steps=3"]) == 0
+    assert [row["step"] for row in metric_rows(out)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("option", "changed", "saved"),
+    [
+        ("batch_size", 2, 4),
+        ("gradient_accumulation", 2, 1),
+        ("seed", 1, 0),
+        ("train_subset", 6, None),
+        ("eval_split", 0.5, 0.25),
+    ],
+)
+def test_resume_refuses_options_an_exact_resume_depends_on(
+    tmp_path, tiny_run_config, option, changed, saved
+):
+    out = tmp_path / "out"
+    checkpoint = out / "checkpoint-1"
+    checkpoint.mkdir(parents=True)  # what refuses is read before any training: no run needed
+    (checkpoint / "whisper-train.yaml").write_text(tiny_run_config().to_saved_yaml())
+    (checkpoint / "trainer_state.json").write_text("{}")
+    flag = "--" + option.replace("_", "-")
+
+    with pytest.raises(UserError) as caught:
+        train(tiny_run_config(max_steps=2, resume="latest", **{option: changed}))
+
+    assert f"{flag} {changed} differs from the checkpoint's {saved}" in str(caught.value)
+    assert f"resume with {flag} {saved}" in str(caught.value)
+
+
+def test_resume_refuses_other_data_but_not_the_same_folder_spelled_otherwise(
+    tmp_path, tiny_run_config, tone_dataset
+):
+    checkpoint = tmp_path / "out" / "checkpoint-1"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text("{}")
+    saved = tiny_run_config(data=str(tmp_path / "recordings")).to_saved_yaml()
+    (checkpoint / "whisper-train.yaml").write_text(saved)
+    with pytest.raises(UserError, match=r"--data .* differs from the checkpoint's .*recordings"):
+        train(tiny_run_config(max_steps=2, resume="latest"))
+
+    respelled = tiny_run_config(data=str(tone_dataset / ".." / tone_dataset.name))
+    (checkpoint / "whisper-train.yaml").write_text(respelled.to_saved_yaml())
+    checkpoints.check_resume_options(checkpoint, tiny_run_config())  # no error
+
+
+def test_a_new_learning_rate_applies_from_the_resume_point(tmp_path, tiny_run_config):
+    constant = {"lr_scheduler": "constant_with_warmup", "warmup_steps": 0}
+    train(tiny_run_config(max_steps=2, save_steps=2, learning_rate=1e-3, **constant))
+    train(
+        tiny_run_config(
+            max_steps=4, save_steps=4, learning_rate=2.5e-4, resume="latest", **constant
+        )
+    )
+
+    lrs = [row["lr"] for row in metric_rows(tmp_path / "out")]
+    assert lrs == pytest.approx([1e-3, 1e-3, 2.5e-4, 2.5e-4], rel=1e-9)
+
+
+def test_a_half_written_last_metrics_line_is_dropped_on_resume(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n{"step": 3, "lo')
+
+    checkpoints.truncate_metrics(metrics, step=2)  # what --resume does before it continues
+
+    assert metrics.read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n'

@@ -1,13 +1,17 @@
-"""Reading audio: any file soundfile decodes → float32 mono at Whisper's 16 kHz.
+"""Reading audio: any file soundfile or PyAV decodes → float32 mono at Whisper's 16 kHz.
 
-soundfile (libsndfile) decodes WAV, FLAC, OGG/Opus and MP3 and can seek, so a window of a long
-recording is read without decoding the rest; soxr resamples (its "HQ" quality is transparent
-for speech and much faster than a polyphase filter in numpy).
+soundfile (libsndfile) decodes WAV (PCM of any width, float, u-law, A-law, ADPCM, GSM 6.10),
+FLAC, OGG/Vorbis/Opus, MP3 and AIFF and can seek, so a window of a long recording is read
+without decoding the rest. What libsndfile cannot open (M4A/AAC from phones, MP4 and WebM from
+video and browsers, AMR, WMA...) is decoded by PyAV, which bundles FFmpeg's decoders. soxr
+resamples (its "HQ" quality is transparent for speech and much faster than a polyphase filter in
+numpy).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,23 +27,63 @@ CHUNK_LENGTH = 30  # seconds: Whisper's encoder sees exactly one 30 s window
 N_SAMPLES = CHUNK_LENGTH * SAMPLE_RATE  # 480000 samples in one window
 N_FRAMES = N_SAMPLES // HOP_LENGTH  # 3000 mel frames in one window
 
+# File names a folder of audio is searched for (lower case): libsndfile's formats, then the
+# containers PyAV reads (phones record M4A, browsers WebM, video is MP4/MKV).
+AUDIO_SUFFIXES = (
+    ".wav", ".flac", ".mp3", ".ogg", ".oga", ".opus", ".aiff", ".aif", ".au", ".caf",
+    ".m4a", ".aac", ".mp4", ".webm", ".mka", ".mkv", ".amr", ".wma",
+)  # fmt: skip
+
 # soxr's "HQ" preset: 20-bit precision, passband to 95% of Nyquist; "VHQ" costs more for no
 # audible gain on speech.
 _RESAMPLE_QUALITY = "HQ"
+# A window starting this far into a file PyAV decodes is reached by a seek to the packet before
+# it; nearer the start, decoding from the beginning costs less than the seek's uncertainty.
+_PYAV_SEEK_AFTER_SECONDS = 10.0
+_REMEDY = "convert it to WAV or FLAC"
+
+
+@dataclass(frozen=True)
+class AudioHeader:
+    """What a file says about itself, without decoding it (PyAV files with no stated duration
+    are decoded once to count their samples)."""
+
+    frames: int
+    sample_rate: int
+    channels: int
+    format: str  # "WAV/GSM610", "FLAC/PCM_16", "mov,mp4,m4a,3gp,3g2,mj2/aac", ...
+
+    @property
+    def seconds(self) -> float:
+        return self.frames / self.sample_rate if self.sample_rate else 0.0
+
+
+def read_header(path: str | Path) -> AudioHeader:
+    """The header of `path`; AudioError when the file is missing or neither soundfile nor PyAV
+    can read it (the message gives both reasons)."""
+    path = _existing_file(path)
+    try:
+        with soundfile.SoundFile(path) as audio:
+            return AudioHeader(
+                audio.frames, audio.samplerate, audio.channels, f"{audio.format}/{audio.subtype}"
+            )
+    except (soundfile.LibsndfileError, RuntimeError, TypeError) as exc:
+        libsndfile_reason = _first_line(exc)
+    return _pyav_header(path, libsndfile_reason)
 
 
 def _header(path: str | Path) -> tuple[int, int]:
     """(frames, sample rate) from the file's header; AudioError when the file is missing or not
-    audio soundfile can read. (`SoundFile` rather than `soundfile.info`, and no pathlib: this
-    runs once per clip at start-up, and they cost 76 and 5 us of the ~115 us a read took.)"""
+    audio soundfile or PyAV can read. (`SoundFile` rather than `soundfile.info`, and no pathlib:
+    this runs once per clip at start-up, and they cost 76 and 5 us of the ~115 us a read took.)"""
     path = _existing_file(path)
     try:
         with soundfile.SoundFile(path) as header:
             return header.frames, header.samplerate
     except (soundfile.LibsndfileError, RuntimeError, TypeError) as exc:
-        raise AudioError(
-            path, f"cannot decode audio ({_first_line(exc)}); convert it to WAV or FLAC"
-        ) from None
+        libsndfile_reason = _first_line(exc)
+    header = _pyav_header(path, libsndfile_reason)
+    return header.frames, header.sample_rate
 
 
 def _existing_file(path: str | Path) -> str:
@@ -66,25 +110,21 @@ def load_audio(
     """Decode `path` (or the window [start, end) seconds of it) to mono 16 kHz.
 
     Returns a float32 array of shape (n_samples,) in [-1, 1]. Channels are averaged. Only the
-    frames of the window are read from disk. Raises AudioError when the file is missing, cannot
-    be decoded, or the (window of the) audio holds no samples.
+    frames of the window are read from disk (PyAV files: decoded from the packet before the
+    window). Raises AudioError when the file is missing, cannot be decoded, or the (window of
+    the) audio holds no samples.
     """
     path = _existing_file(path)
     try:
-        # One open for the rate, the seek and the read; always_2d gives (frames, channels) for
-        # mono and multichannel alike.
-        with soundfile.SoundFile(path) as audio:
-            source_rate = audio.samplerate
-            first_frame = 0 if start is None else max(0, round(start * source_rate))
-            stop_frame = None if end is None else max(first_frame, round(end * source_rate))
-            if first_frame:
-                audio.seek(min(first_frame, audio.frames))
-            n_frames = -1 if stop_frame is None else stop_frame - first_frame
-            samples = audio.read(n_frames, dtype="float32", always_2d=True)
-    except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
-        raise AudioError(
-            path, f"cannot decode audio ({_first_line(exc)}); convert it to WAV or FLAC"
-        ) from None
+        audio = soundfile.SoundFile(path)
+    except (soundfile.LibsndfileError, RuntimeError, TypeError) as exc:
+        samples, source_rate = _pyav_decode(path, start, end, _first_line(exc))
+    else:
+        try:
+            with audio:
+                samples, source_rate = _soundfile_decode(audio, start, end)
+        except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
+            raise AudioError(path, f"cannot decode audio ({_first_line(exc)}); {_REMEDY}") from None
     if samples.size == 0:
         where = "" if start is None and end is None else f" in the window {start}-{end} s"
         raise AudioError(path, f"no audio samples{where}; remove it from your data")
@@ -93,3 +133,110 @@ def load_audio(
     if source_rate != SAMPLE_RATE:
         mono = soxr.resample(mono, source_rate, SAMPLE_RATE, quality=_RESAMPLE_QUALITY)
     return np.ascontiguousarray(mono, dtype=np.float32)
+
+
+def _soundfile_decode(
+    audio: soundfile.SoundFile, start: float | None, end: float | None
+) -> tuple[np.ndarray, int]:
+    """(frames, channels) float32 of the window, and the file's rate. A file that cannot seek
+    (GSM 6.10 and G.721 WAVs) is read with a frame count: libsndfile refuses `read(-1)` on it."""
+    source_rate = audio.samplerate
+    first_frame = 0 if start is None else max(0, round(start * source_rate))
+    stop_frame = audio.frames if end is None else max(first_frame, round(end * source_rate))
+    skip = 0
+    if first_frame and audio.seekable():
+        audio.seek(min(first_frame, audio.frames))
+    else:
+        skip = first_frame  # read from the start and drop what precedes the window
+    n_frames = max(0, min(stop_frame, audio.frames) - first_frame) + skip
+    if end is None and audio.seekable():
+        n_frames = -1  # to the end of the data, whatever a header that lies says
+    # always_2d gives (frames, channels) for mono and multichannel alike.
+    samples = audio.read(n_frames, dtype="float32", always_2d=True)
+    return samples[skip:], source_rate
+
+
+# -- PyAV (FFmpeg) for what libsndfile cannot open --------------------------------------------
+
+
+def _pyav_open(path: str, libsndfile_reason: str):
+    """(container, its first audio stream); AudioError naming both decoders' reasons."""
+    import av
+
+    try:
+        container = av.open(path)
+    except (av.FFmpegError, OSError, ValueError) as exc:
+        raise AudioError(
+            path,
+            f"cannot decode audio (libsndfile: {libsndfile_reason}; FFmpeg: {_first_line(exc)}); "
+            f"{_REMEDY}",
+        ) from None
+    if not container.streams.audio:
+        container.close()
+        raise AudioError(path, f"no audio stream in this file; {_REMEDY}")
+    return container, container.streams.audio[0]
+
+
+def _pyav_header(path: str, libsndfile_reason: str) -> AudioHeader:
+    import av
+
+    container, stream = _pyav_open(path, libsndfile_reason)
+    with container:
+        rate = stream.codec_context.sample_rate or stream.sample_rate or 0
+        channels = stream.codec_context.channels or 1
+        if stream.duration is not None and stream.time_base is not None:
+            seconds = float(stream.duration * stream.time_base)
+        elif container.duration is not None:
+            seconds = container.duration / av.time_base
+        else:
+            seconds = None
+        fmt = f"{container.format.name}/{stream.codec_context.name}"
+    if seconds is None:  # live recordings (browser WebM) often state no duration: count
+        samples, rate = _pyav_decode(path, None, None, libsndfile_reason)
+        return AudioHeader(len(samples), rate, channels, fmt)
+    return AudioHeader(round(seconds * rate), rate, channels, fmt)
+
+
+def _pyav_decode(
+    path: str, start: float | None, end: float | None, libsndfile_reason: str
+) -> tuple[np.ndarray, int]:
+    """(frames, channels) float32 of the window [start, end) and the stream's rate."""
+    import av
+
+    container, stream = _pyav_open(path, libsndfile_reason)
+    with container:
+        rate = stream.codec_context.sample_rate
+        first = 0 if start is None else max(0, round(start * rate))
+        stop = None if end is None else max(first, round(end * rate))
+        # Sample formats differ per codec (s16, fltp, s32p...): one float-planar conversion at
+        # the stream's own rate and layout, so channels are averaged here as for soundfile.
+        to_float = av.AudioResampler(format="fltp", rate=rate)
+        position = 0  # index in the stream of the next decoded sample
+        if start is not None and start >= _PYAV_SEEK_AFTER_SECONDS and stream.time_base:
+            container.seek(int(start / stream.time_base), stream=stream)
+            position = None  # taken from the first decoded frame's time
+        pieces = []
+        try:
+            for frame in container.decode(stream):
+                if position is None:
+                    position = round(frame.time * rate) if frame.time is not None else 0
+                for converted in to_float.resample(frame):
+                    block = converted.to_ndarray()  # (channels, samples)
+                    lo, hi = position, position + block.shape[1]
+                    position = hi
+                    if hi > first and (stop is None or lo < stop):
+                        a = max(first - lo, 0)
+                        b = block.shape[1] if stop is None else min(stop - lo, block.shape[1])
+                        pieces.append(block[:, a:b])
+                if stop is not None and position is not None and position >= stop:
+                    break
+            else:
+                for converted in to_float.resample(None):  # what the converter still holds
+                    pieces.append(
+                        converted.to_ndarray()[:, : None if stop is None else stop - position]
+                    )
+        except (av.FFmpegError, ValueError) as exc:
+            raise AudioError(path, f"cannot decode audio ({_first_line(exc)}); {_REMEDY}") from None
+    if not pieces:
+        return np.zeros((0, 1), dtype=np.float32), rate
+    return np.concatenate(pieces, axis=1).T.astype(np.float32, copy=False), rate

@@ -31,6 +31,7 @@ it needs GPUs), and `trainer_state.json` is written the same way.
 
 from __future__ import annotations
 
+import errno
 import json
 import random
 import re
@@ -169,12 +170,15 @@ def save_checkpoint(
     """
     tmp = folder.with_name(folder.name + ".tmp")
     main = accelerator.is_main_process
+    needed = estimate_checkpoint_bytes(model)
+    # Any exception counts (torch.save raises RuntimeError on a full disk, not OSError): every
+    # process must reach the agreement below, or the others would wait there for ever.
     error = None
     if main:
         try:
             _remove(tmp)
             tmp.mkdir(parents=True)
-        except OSError as exc:
+        except Exception as exc:
             error = exc
     accelerator.wait_for_everyone()
     if error is None and tmp.is_dir():
@@ -183,16 +187,19 @@ def save_checkpoint(
             if stream_position is not None:
                 name = STREAM_FILE.format(rank=accelerator.process_index)
                 (tmp / name).write_text(json.dumps(stream_position) + "\n", encoding="utf-8")
-        except OSError as exc:  # disk full, quota, permissions
+        except Exception as exc:  # disk full, quota, permissions, a serialiser's RuntimeError
             error = exc
     elif error is None:
         error = OSError(f"{tmp} was not created")
-    # Every process must agree whether the write succeeded, or they would part ways here.
-    failed = torch.tensor([0 if error is None else 1], device=accelerator.device)
-    if accelerator.num_processes > 1:
-        failed = accelerator.reduce(failed, reduction="sum")
-    accelerator.wait_for_everyone()
-    if failed.item():
+    failure = _agree_on_failure(accelerator, error, folder, needed)
+    if failure is None and main:
+        try:
+            _publish(tmp, folder)
+        except Exception as exc:
+            error = exc
+    if failure is None:
+        failure = _agree_on_failure(accelerator, error, folder, needed)
+    if failure is not None:
         if main:
             _remove(tmp, ignore_errors=True)
         previous = list_checkpoints(folder.parent)
@@ -201,22 +208,69 @@ def save_checkpoint(
             if previous
             else "no earlier checkpoint"
         )
-        reason = error.strerror or str(error) if error is not None else "another process failed"
-        raise UserError(
-            f"could not write checkpoint {folder} ({reason}); {kept}; "
-            "free some space or fix permissions, then resume with --resume latest"
+        remedy = (
+            "free some space"
+            if "disk full" in failure
+            else "free some space or fix permissions"
+            if "Error" not in failure  # an OSError's text: "Permission denied", ...
+            else "fix the cause"
         )
-    if main:
-        if folder.exists():  # the same step saved again (a resumed run stopped at once)
-            old = folder.with_name(folder.name + ".old")
-            _remove(old)
-            folder.rename(old)
-            tmp.rename(folder)
-            _remove(old)
-        else:
-            tmp.rename(folder)
+        raise UserError(
+            f"could not write checkpoint {folder} ({failure}); {kept}; "
+            f"{remedy}, then resume with --resume latest"
+        )
     accelerator.wait_for_everyone()
     return folder
+
+
+def _publish(tmp: Path, folder: Path) -> None:
+    """Rename the complete `tmp` to `folder` (replacing the same step saved again)."""
+    if folder.exists():  # the same step saved again (a resumed run stopped at once)
+        old = folder.with_name(folder.name + ".old")
+        _remove(old)
+        folder.rename(old)
+        tmp.rename(folder)
+        _remove(old)
+    else:
+        tmp.rename(folder)
+
+
+def _agree_on_failure(accelerator, error: BaseException | None, folder: Path, needed: int):
+    """The first process's failure as one line (None when every process succeeded), known to
+    every process: all of them run this gather, whatever happened to each."""
+    reason = None if error is None else _failure_reason(error, folder, needed)
+    if accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        reasons = gather_object([reason])
+        failed = [(rank, r) for rank, r in enumerate(reasons) if r is not None]
+        if not failed:
+            return None
+        rank, reason = failed[0]
+        return reason if rank == accelerator.process_index else f"process {rank}: {reason}"
+    return reason
+
+
+def _failure_reason(error: BaseException, folder: Path, needed: int) -> str:
+    """Why a save failed, in one line; for a full disk, the space free and the space needed."""
+    text = getattr(error, "strerror", None) or _last_line(error)
+    probe = next((p for p in (folder.parent, *folder.parents) if p.exists()), None)
+    free = shutil.disk_usage(probe).free if probe is not None else None
+    full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
+        sign in str(error) for sign in ("No space left", "file write failed", "Disk quota")
+    )
+    if full or (free is not None and free < needed):
+        if free is not None:
+            return f"disk full: {text}; {_gb(free)} free, a checkpoint needs about {_gb(needed)}"
+        return f"disk full: {text}; a checkpoint needs about {_gb(needed)}"
+    return text
+
+
+def _last_line(error: BaseException) -> str:
+    """The error's type and its last line: torch's RuntimeErrors put the cause last, after a
+    line naming the C++ source ("[enforce fail at inline_container.cc:664] ...")."""
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[-1].strip()}" if lines else type(error).__name__
 
 
 def _write_contents(
@@ -257,6 +311,67 @@ def rotate_checkpoints(output_dir: Path, *, keep_last: int, keep_step: int | Non
 
 # -- loading -------------------------------------------------------------------------------
 
+# Options an exact resume depends on: they fix which clips make each batch and in what order
+# (the data-order state in the checkpoint counts batches of them), so a resume that changed one
+# would silently train on other data than the run it continues. Refused on --resume, naming the
+# checkpoint's value. The learning rate and its schedule (--learning-rate, --lr-scheduler,
+# --warmup-steps, --max-steps, --epochs) are instead applied from the resume point: see
+# `load_checkpoint`.
+FIXED_ON_RESUME = (
+    ("train", "batch_size", "--batch-size"),
+    ("train", "gradient_accumulation", "--gradient-accumulation"),
+    ("train", "seed", "--seed"),
+    ("train", "group_by_length", "--group-by-length"),
+    ("data", "data", "--data"),
+    ("data", "data_format", "--data-format"),
+    ("data", "train_subset", "--train-subset"),
+    ("data", "eval_split", "--eval-split"),
+)
+
+
+def check_resume_options(folder: Path, config) -> None:
+    """Refuse (UserError, one line) a --resume whose FIXED_ON_RESUME options differ from those
+    `folder` was saved with; the first difference is named with the checkpoint's value."""
+    import yaml
+
+    saved_file = folder / CONFIG_FILE
+    if not saved_file.is_file():
+        return  # a checkpoint of an older version: nothing to compare with
+    saved = yaml.safe_load(saved_file.read_text(encoding="utf-8")) or {}
+    for group, name, flag in FIXED_ON_RESUME:
+        if name not in saved.get(group, {}):
+            continue
+        before, now = saved[group][name], getattr(getattr(config, group), name)
+        if name == "data" and before and now and _same_path(before, now):
+            continue
+        if before != now:
+            raise UserError(
+                f"--resume {folder}: {flag} {now} differs from the checkpoint's {before}, and "
+                f"an exact resume depends on it; resume with {flag} {before}, or start a new run "
+                "(a new --output-dir) to change it"
+            )
+
+
+def _same_path(a: str, b: str) -> bool:
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
+def _apply_new_learning_rate(optimizer, scheduler, new_base_lrs: list[float]) -> None:
+    """After loading, the scheduler holds the checkpoint's base learning rates; a --resume with
+    another --learning-rate scales each group from this step on: the schedule keeps its shape
+    (warmup, decay) and the rate at step s becomes the new base times the schedule at s."""
+    inner = getattr(scheduler, "scheduler", scheduler)  # accelerate wraps the scheduler
+    if not hasattr(inner, "base_lrs") or list(inner.base_lrs) == list(new_base_lrs):
+        return
+    for index, (group, old, new) in enumerate(
+        zip(optimizer.param_groups, inner.base_lrs, new_base_lrs, strict=True)
+    ):
+        scale = new / old if old else 0.0
+        group["lr"] = group["lr"] * scale if old else new
+        group["initial_lr"] = new
+        inner.base_lrs[index] = new
+    inner._last_lr = [group["lr"] for group in optimizer.param_groups]
+
 
 def load_checkpoint(folder: Path, *, accelerator, model, optimizer, scheduler) -> TrainerState:
     """Restore weights, optimiser, scheduler, scaler and this process's random state.
@@ -275,8 +390,12 @@ def load_checkpoint(folder: Path, *, accelerator, model, optimizer, scheduler) -
         accelerator.load_state(str(folder / "accelerate"))
     else:
         _load_weights(folder, accelerator.unwrap_model(model, keep_torch_compile=False))
+        # This run's base learning rates (its --learning-rate), before the checkpoint's replace
+        # them: a changed one applies from the resume point.
+        new_base_lrs = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
         optimizer.load_state_dict(_load_pt(folder / "optimizer.pt"))
         scheduler.load_state_dict(_load_pt(folder / "scheduler.pt"))
+        _apply_new_learning_rate(optimizer, scheduler, new_base_lrs)
         if accelerator.scaler is not None and (folder / "scaler.pt").is_file():
             accelerator.scaler.load_state_dict(_load_pt(folder / "scaler.pt"))
     _set_rng_state(_load_pt(folder / f"rng-{accelerator.process_index}.pt"))
@@ -360,11 +479,14 @@ def truncate_metrics(metrics_file: Path, step: int) -> None:
     """Drop metrics lines past `step`, so a resumed run's file reads like one run."""
     if not metrics_file.is_file():
         return
-    kept = [
-        line
-        for line in metrics_file.read_text(encoding="utf-8").splitlines()
-        if line.strip() and json.loads(line).get("step", 0) <= step
-    ]
+    kept = []
+    for line in metrics_file.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # half a line: the crash came while it was being written
+            continue
+        if isinstance(row, dict) and row.get("step", 0) <= step:
+            kept.append(line)
     metrics_file.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
 

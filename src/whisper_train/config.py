@@ -96,7 +96,10 @@ class DataConfig:
             "repeatable": True,
         },
     )
-    data_format: str | None = _help("Force a layout instead of detecting it.", default=None)
+    data_format: str | None = _help(
+        "Force --data's layout instead of detecting it (evaluation sets are detected).",
+        default=None,
+    )
     streaming: bool = _help(
         "Stream --data instead of reading it whole: a hub id is then streamed, not downloaded "
         "(WebDataset .tar and Parquet shards always stream).",
@@ -402,6 +405,15 @@ class RunConfig:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def to_saved_yaml(self) -> str:
+        """The run's record (OUTPUT/whisper-train.yaml, each checkpoint's copy): `to_yaml` less
+        the one-shot actions --resume and --overwrite, which describe how this invocation
+        began, not the run. The resume command the tool prints (`--config` that file plus
+        `--resume`) then works whatever flags the first invocation had."""
+        values = self.to_dict()
+        values["train"].update(resume=None, overwrite=False)
+        return yaml.safe_dump(values, sort_keys=False)
 
     # -- the one place that validates -----------------------------------------------------
     def validate(self) -> RunConfig:

@@ -40,14 +40,13 @@ import numpy as np
 from filelock import FileLock
 
 from whisper_train import runfolder
-from whisper_train.audio import CHUNK_LENGTH, audio_duration
+from whisper_train.audio import AUDIO_SUFFIXES, CHUNK_LENGTH, audio_duration
 from whisper_train.errors import AudioError, UserError
 from whisper_train.labels import MAX_DECODER_TOKENS
 
 AUDIO_COLUMNS = ("audio", "audio_filepath", "path", "file_name")
 TEXT_COLUMNS = ("transcription", "text", "sentence", "normalized_text")
 LANGUAGE_COLUMNS = ("language", "locale")
-AUDIO_SUFFIXES = (".wav", ".flac", ".mp3", ".ogg", ".opus", ".aiff", ".aif")
 SUBTITLE_SUFFIXES = (".srt", ".vtt")
 COMMONVOICE_SPLITS = ("train", "dev", "test", "validated", "other", "invalidated")
 DATASETS_EXTRA = "pip install 'whisper-train[datasets]'"

@@ -3,7 +3,7 @@ evaluation and every later run with the same encoder.
 
 With the encoder frozen and the audio not augmented, the encoder maps each clip to the same
 (1500, d_model) tensor every time, and it is ~84% of Whisper's training FLOPs
-(`../shared/notes/anchors.md`). Caching it turns each later epoch into decoder-only work.
+(docs/compute.md). Caching it turns each later epoch into decoder-only work.
 
 Layout: ROOT/<model key>/<2 hex digits>/<clip key>.safetensors, one float16 tensor a clip
 (tiny 1.15 MB ... large-v3 3.84 MB), and ROOT/<model key>/info.json (what `cache ls` shows).

@@ -485,21 +485,28 @@ def run_evaluation(
     loss_and_tokens = torch.zeros(2, device=accelerator.device)  # summed token losses, tokens
     references, hypotheses, decoded, expected = [], [], [], []
     unwrapped = accelerator.unwrap_model(model)
+    gather = functools.partial(accelerator.gather_for_metrics, use_gather_object=True)
     for batch in loader:
-        if not batch["size"]:
-            continue
-        n_tokens = (batch["labels"] != IGNORE_INDEX).sum().float()
-        loss_and_tokens += torch.stack(
-            [training_loss(model, batch).detach().float() * n_tokens, n_tokens]
-        )
         if languages is not None:
             batch = {**batch, "languages": [languages[i] for i in batch["indices"].tolist()]}
+        texts: list[str] = []
         details: list[Decoded] = []
-        texts = generate_texts(
-            unwrapped, processor, [batch], max_length=max_length, decoding=decoding, details=details
-        )
-        gather = functools.partial(accelerator.gather_for_metrics, use_gather_object=True)
-        references.extend(gather(batch["texts"]))
+        if batch["size"]:
+            n_tokens = (batch["labels"] != IGNORE_INDEX).sum().float()
+            loss_and_tokens += torch.stack(
+                [training_loss(model, batch).detach().float() * n_tokens, n_tokens]
+            )
+            texts = generate_texts(
+                unwrapped,
+                processor,
+                [batch],
+                max_length=max_length,
+                decoding=decoding,
+                details=details,
+            )
+        # A batch with no usable clip (none decoded) still joins the gathers: every process
+        # runs the same collectives, or the others would wait for this one for ever.
+        references.extend(gather(batch.get("texts", [])))
         hypotheses.extend(gather(texts))
         decoded.extend(gather(details))
         expected.extend(gather(batch.get("languages") or [None] * len(texts)))
@@ -580,8 +587,10 @@ def evaluate_examples(
         details=decoded,
     )
     if not kept:
+        first = skipped[0] if skipped else {"audio": "?", "reason": "no clips"}
         raise UserError(
-            f"none of the {len(examples)} clips could be read; run `whisper-train check-data`"
+            f"none of the {len(examples)} clips could be read; the first, {first['audio']}: "
+            f"{first['reason']}"
         )
     if normalizer is None:
         normalizer = normalizer_for(item.language for item in decoded)

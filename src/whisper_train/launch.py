@@ -55,7 +55,7 @@ def launch_data_parallel(config: RunConfig) -> TrainResult:
     command = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "whisper_train.launch",  # torchrun (`_torchrun` below)
         "--standalone",
         f"--nproc-per-node={n}",
         "-m",
@@ -88,3 +88,22 @@ def launch_data_parallel(config: RunConfig) -> TrainResult:
             f"--nproc {n}: a training process failed (exit code {code}); its error is printed above"
         )
     return read_result(output_dir)
+
+
+def _torchrun(argv: list[str]) -> int:
+    """torchrun on `argv`. When a worker fails, torchrun raises ChildFailedError: a launcher
+    traceback and a report table after the worker's own one-line error. Each worker has printed
+    its error already (every process learns of a failure: see checkpoints.save_checkpoint), so
+    the launcher only passes the failure on as its exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(argv))
+    except ChildFailedError:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_torchrun(sys.argv[1:]))

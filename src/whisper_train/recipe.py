@@ -3,7 +3,7 @@
     recipe = FineTuneRecipe(config)
     recipe.setup()    # accelerator, model and labels, data, memory, loaders, optimisation, restore
     recipe.train()    # micro-batches → `_train_step`; after each optimizer step `_after_step`:
-                      #   log, bad-step guard, evaluate, stop if asked, save a checkpoint
+                      #   log, bad-step guard, stop if asked, evaluate, save a checkpoint
     result = recipe.finish()   # last evaluation, OUTPUT/final/, result.json, curves, report
 
 Where things are decided: memory (freezing, LoRA, checkpointing, precision, optimiser) in
@@ -230,8 +230,7 @@ class FineTuneRecipe:
         c, accelerator = self.config, self.accelerator
         max_label_tokens = self.model.config.max_target_positions
         eval_sets = {}
-        # --data-format webdataset/parquet names the stream's format, not the evaluation sets'.
-        eval_format = None if c.data.data_format in streaming.STREAM_FORMATS else c.data.data_format
+        # --data-format names the stream's format, not the evaluation sets': theirs is detected.
         if not c.train.only_train:
             for name, path in c.eval_sets().items():
                 if streaming.stream_source(path) is not None:
@@ -239,9 +238,7 @@ class FineTuneRecipe:
                         f"--eval-data {path}: evaluation sets are read whole, not streamed; "
                         "give a manifest or folder layout (see `whisper-train check-data`)"
                     )
-                examples = with_language(
-                    load_examples(path, data_format=eval_format), c.eval_set_language(name)
-                )
+                examples = with_language(load_examples(path), c.eval_set_language(name))
                 if c.data.eval_subset:
                     examples = examples[: c.data.eval_subset]
                 eval_sets[name], skipped = screen_examples(
@@ -585,14 +582,18 @@ class FineTuneRecipe:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if main:
             (self.output_dir / runfolder.CONFIG_FILE).write_text(
-                self.config.to_yaml(), encoding="utf-8"
+                self.config.to_saved_yaml(), encoding="utf-8"
             )
             metrics_file = self.output_dir / runfolder.METRICS_FILE
             if self.resume_from is not None:
                 checkpoints.truncate_metrics(metrics_file, self.state.step)
             else:
                 metrics_file.unlink(missing_ok=True)
-        self.metrics = MetricsLog(self.output_dir, enabled=main)
+        self.metrics = MetricsLog(
+            self.output_dir,
+            enabled=main,
+            purge_step=None if self.resume_from is None else self.state.step + 1,
+        )
         self.primary_set = self.config.primary_eval_set
         self.table = ProgressTable(main, primary_set=self.primary_set)
         self.evaluations: list[dict] = list(self.state.evaluations)
@@ -783,8 +784,8 @@ class FineTuneRecipe:
         return OptimizerStep(step_loss, grad_norm, skipped)
 
     def _after_step(self, step: OptimizerStep) -> None:
-        """After an optimizer step, in order: log it, stop after too many bad steps, evaluate,
-        stop if asked (SIGINT/SIGTERM), save a checkpoint."""
+        """After an optimizer step, in order: log it, stop after too many bad steps, stop if
+        asked (SIGINT/SIGTERM), evaluate, save a checkpoint."""
         t, state = self.config.train, self.state
         self._log_step(step)
         if state.bad_steps_in_a_row >= t.max_bad_steps:
@@ -796,17 +797,19 @@ class FineTuneRecipe:
                 "overflow: try --precision bf16 or a lower --learning-rate, then add --resume "
                 "latest"
             )
+        # A stop request first: an evaluation due now would outlast the grace period a
+        # scheduler or torchrun gives after SIGTERM (torchrun kills workers after 30 s).
+        if self.stop.requested():
+            folder = self.save_checkpoint("interrupted")
+            config_file = self.output_dir / runfolder.CONFIG_FILE
+            say(self.accelerator, f"to continue: {resume_command(config_file, folder)}")
+            raise TrainingInterrupted(self.stop.exit_code)
         last = state.step >= self.total_steps  # finish() evaluates and saves the last step
         new_best = False
         if self.evaluating and t.eval_steps and state.step % t.eval_steps == 0 and not last:
             self.evaluate(state.step)
             # final/ may be this step: keep its weights in a checkpoint until a better one.
             new_best = self._final_choice().step == state.step
-        if self.stop.requested():
-            folder = self.save_checkpoint("interrupted")
-            config_file = self.output_dir / runfolder.CONFIG_FILE
-            say(self.accelerator, f"to continue: {resume_command(config_file, folder)}")
-            raise TrainingInterrupted(self.stop.exit_code)
         if self.stopped_for_regression:
             self.save_checkpoint("stopped: the guard set regressed (--stop-on-regression)")
         elif t.save_steps and state.step % t.save_steps == 0 and not last:
@@ -909,7 +912,7 @@ class FineTuneRecipe:
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             state=self.state,
-            config_yaml=self.config.to_yaml(),
+            config_yaml=self.config.to_saved_yaml(),
             stream_position=(
                 self.stream_position.to_dict() if self.stream_source is not None else None
             ),
@@ -1045,11 +1048,11 @@ def prepare_datasets(
         train_examples, eval_sets = examples, {}
     elif eval_paths:
         train_examples = examples
-        # A set's stated language (NAME:LANG=PATH) is its rows' label prefix too.
+        # --data-format names --data's layout; each evaluation set's is detected on its own
+        # (as on the streamed path: an evaluation set often comes from elsewhere). A set's stated
+        # language (NAME:LANG=PATH) is its rows' label prefix too.
         eval_sets = {
-            name: with_language(
-                load_examples(path, data_format=d.data_format), config.eval_set_language(name)
-            )
+            name: with_language(load_examples(path), config.eval_set_language(name))
             for name, path in eval_paths.items()
         }
     elif d.eval_split == 0:
@@ -1179,7 +1182,7 @@ def save_final(model, processor, config: RunConfig, final_dir: Path) -> Path:
         model.generation_config.language = None
     model.save_pretrained(tmp_dir, safe_serialization=True)
     processor.save_pretrained(tmp_dir)
-    (tmp_dir / runfolder.CONFIG_FILE).write_text(config.to_yaml(), encoding="utf-8")
+    (tmp_dir / runfolder.CONFIG_FILE).write_text(config.to_saved_yaml(), encoding="utf-8")
     # Write to a temporary folder and rename: a crash mid-write never leaves a half model.
     _remove(final_dir)
     tmp_dir.rename(final_dir)
@@ -1191,12 +1194,20 @@ def compare_with_baseline(
 ) -> None:
     """The starting model and the fine-tuned one on the same utterances (evaluation set
     `set_name`, decoded in its language): report.md / report.png."""
+    import gc
+
     from whisper_train.evaluate import evaluate_examples, write_report_json
     from whisper_train.report import write_comparison
 
     reports = []
     normalizer = None  # the baseline's choice (`normalizer_for`), then the same for both
     for spec in (config.model.model, str(final_dir)):
+        # One model at a time beside the training model: the first is freed before the second
+        # loads (on a GPU sized for the run, two more full models may not fit).
+        model = processor = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         model, processor = load_model(spec, attn_implementation=config.model.attn_implementation)
         if torch.cuda.is_available():
             model = model.to("cuda")
@@ -1220,6 +1231,10 @@ def compare_with_baseline(
             )
         )
         normalizer = reports[-1].normalizer
+    model = processor = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     before, after = reports
     json_file, baseline_file, markdown, png = (output_dir / n for n in runfolder.REPORT_FILES)
     write_report_json(after, json_file)

@@ -87,7 +87,10 @@ def read_result(output_dir: Path) -> TrainResult:
 class MetricsLog:
     """OUTPUT/metrics.jsonl (one JSON line per optimizer step and per evaluation) + TensorBoard."""
 
-    def __init__(self, output_dir: Path, *, enabled: bool):
+    def __init__(self, output_dir: Path, *, enabled: bool, purge_step: int | None = None):
+        """`purge_step`: on --resume, the first step after the checkpoint; TensorBoard then
+        hides the events the interrupted run logged from that step on, as metrics.jsonl is cut
+        back (without it, both runs' steps after the checkpoint show, one over the other)."""
         self.enabled = enabled
         self.file = None
         self.writer = None
@@ -97,7 +100,9 @@ class MetricsLog:
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(output_dir / runfolder.TENSORBOARD_DIR))
+            self.writer = SummaryWriter(
+                log_dir=str(output_dir / runfolder.TENSORBOARD_DIR), purge_step=purge_step
+            )
         except ImportError:  # tensorboard is a dependency, but never fail a run over logging
             self.writer = None
 

@@ -32,6 +32,9 @@ def train(config: RunConfig) -> TrainResult:
     runfolder.check_writable(output_dir)
     if not claimed_by_parent(output_dir):
         claim_output_dir(config)  # refuse an earlier run's folder, or move it aside
+        if config.train.resume:  # options an exact resume depends on must not change
+            resume_from = checkpoints.resolve_resume(config.train.resume, output_dir)
+            checkpoints.check_resume_options(resume_from, config)
     if config.train.nproc > 1 and not inside_launcher():
         return launch_data_parallel(config)
     recipe = FineTuneRecipe(config)

@@ -31,14 +31,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from whisper_train.audio import N_SAMPLES, SAMPLE_RATE, load_audio
+from whisper_train.audio import AUDIO_SUFFIXES, N_SAMPLES, SAMPLE_RATE, load_audio
 from whisper_train.decoding import DecodingOptions, compression_ratio, generate_decoded, seeded
 from whisper_train.errors import UserError
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("txt", "srt", "vtt", "json")
-AUDIO_EXTENSIONS = {".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aiff", ".aif"}
+AUDIO_EXTENSIONS = set(AUDIO_SUFFIXES)
 MANIFEST_EXTENSIONS = {".jsonl", ".json", ".csv", ".tsv"}
 
 

@@ -563,7 +563,7 @@ def _gib(n_bytes: float) -> str:
 
 
 def model_flops_per_sample(config, label_tokens: int) -> float:
-    """Forward FLOPs of one sample (2 per multiply-add), the formula in notes/anchors.md.
+    """Forward FLOPs of one sample (2 per multiply-add), derived in docs/compute.md.
 
     Training counts 3x this (forward + backward); recompute under checkpointing is not counted.
     """

@@ -187,8 +187,8 @@ def load_openai(path: str | Path):
     except Exception as exc:  # truncated zip, bad pickle, not a torch file at all
         raise UserError(
             f"--model {model_file}: not a readable openai-whisper checkpoint "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}); "
-            "re-export it or check the download"
+            f"({type(exc).__name__}: {str(exc).split('.')[0][:100]}); re-export it or check "
+            "the download"
         ) from None
     if not isinstance(checkpoint, dict) or not {"dims", "model_state_dict"} <= set(checkpoint):
         raise UserError(

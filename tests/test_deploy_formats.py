@@ -72,6 +72,14 @@ SHAPES = {
 }
 
 
+BACKENDS = {
+    "hf": "TransformersBackend",
+    "ct2": "CTranslate2Backend",
+    "ggml": "WhisperCppBackend",
+    "openai": "OpenAIWhisperBackend",
+}
+
+
 @pytest.fixture(scope="module")
 def tiny_en():
     from whisper_train.models import load_model
@@ -110,6 +118,15 @@ def test_real_tiny_en_transcribes_within_the_check_threshold_in_each_runtime(
     assert check.passed, check.summary()
     assert check.export_wer <= 0.1, "tiny.en understands these espeak-ng sentences"
 
+    # `transcribe` runs the export in the same runtime, with that runtime's own fallback.
+    from whisper_train.evaluate import score
+    from whisper_train.transcribe import load_backend
+
+    backend = load_backend(str(tmp_path))
+    assert type(backend).__name__ == BACKENDS[format]
+    text, segments = backend.transcribe(audio[0])
+    assert segments and score([check_set[0][2]], [text]).wer <= 0.1, text
+
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_random_models_shaped_like_large_v3_and_turbo_load_in_every_runtime(shape, tmp_path):
@@ -126,7 +143,9 @@ def test_random_models_shaped_like_large_v3_and_turbo_load_in_every_runtime(shap
         save_export(model, processor, tmp_path / format, format=format, quantization=quantization)
 
     fw = WhisperModel(str(tmp_path / "ct2"), device="cpu")
-    assert fw.feature_extractor.mel_filters.shape[0] == 128  # from preprocessor_config.json, not the default 80
+    assert (
+        fw.feature_extractor.mel_filters.shape[0] == 128
+    )  # from preprocessor_config.json, not the default 80
     segments, _ = fw.transcribe(audio, without_timestamps=True, max_new_tokens=4, beam_size=1)
     list(segments)
 
@@ -212,7 +231,10 @@ def test_export_folders_load_with_the_hub_unreachable(tmp_path, monkeypatch):
     from whisper_train.models import load_model
 
     assert (tmp_path / "ct2" / "tokenizer.json").is_file()
-    assert WhisperModel(str(tmp_path / "ct2"), device="cpu").feature_extractor.mel_filters.shape[0] == 128
+    assert (
+        WhisperModel(str(tmp_path / "ct2"), device="cpu").feature_extractor.mel_filters.shape[0]
+        == 128
+    )
     for format in ("hf", "ct2", "ggml", "openai"):
         back, _ = load_model(str(tmp_path / format))
         assert back.config.num_mel_bins == 128

@@ -312,7 +312,12 @@ class WhisperCppBackend:
         self.translate = (task or saved_task) == "translate"
         self.beam_size = beam_size
         self.decoding = DecodingOptions() if decoding is None else decoding
-        self.model = Model(str(model_file), redirect_whispercpp_logs_to=None)
+        self.model = Model(
+            str(model_file),
+            redirect_whispercpp_logs_to=None,
+            print_progress=False,
+            print_realtime=False,
+        )
 
     def transcribe(self, audio: np.ndarray, *, timestamps: bool = True):
         options = self.decoding

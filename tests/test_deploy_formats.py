@@ -244,3 +244,51 @@ def test_export_folders_load_with_the_hub_unreachable(tmp_path, monkeypatch):
     for format in ("hf", "ct2", "ggml", "openai"):
         back, _ = load_model(str(tmp_path / format))
         assert back.config.num_mel_bins == 128
+
+
+@pytest.mark.parametrize(("format", "module", "extra"), [("ggml", "pywhispercpp", "whispercpp")])
+def test_missing_client_is_one_line_naming_the_extra_and_no_check_still_exports(
+    format, module, extra, tmp_path, monkeypatch
+):
+    from whisper_train.errors import UserError
+    from whisper_train.export import export_model, save_hf
+
+    model, processor = _shaped_like(**SHAPES["large-v3"])
+    save_hf(model, processor, tmp_path / "source")
+    monkeypatch.setitem(sys.modules, module, None)  # `import pywhispercpp` raises ImportError
+    with pytest.raises(UserError, match=rf"whisper-train\[{extra}\].*--no-check") as error:
+        export_model(str(tmp_path / "source"), format=format, output=tmp_path / "checked")
+    assert "\n" not in str(error.value)
+    assert not (tmp_path / "checked").exists()  # refused before any work
+    result = export_model(
+        str(tmp_path / "source"), format=format, output=tmp_path / "unchecked", check=False
+    )
+    assert result.parity is None and (tmp_path / "unchecked" / ggml.MODEL_FILE).is_file()
+
+
+def test_missing_openai_whisper_names_its_extra(monkeypatch):
+    from whisper_train.runtimes import MissingRuntimeError, require_client
+
+    monkeypatch.setitem(sys.modules, "whisper", None)
+    with pytest.raises(MissingRuntimeError, match=r"whisper-train\[openai\]"):
+        require_client("openai")
+
+
+def test_a_float32_ggml_export_needs_no_check_because_whisper_cpp_aborts_on_it(tmp_path):
+    from whisper_train.errors import UserError
+    from whisper_train.export import export_model, save_hf
+
+    model, processor = _shaped_like(**SHAPES["large-v3"])
+    save_hf(model, processor, tmp_path / "source")
+    with pytest.raises(UserError, match="--no-check"):
+        export_model(
+            str(tmp_path / "source"), format="ggml", quantization="float32", output=tmp_path / "a"
+        )
+    export_model(
+        str(tmp_path / "source"),
+        format="ggml",
+        quantization="float32",
+        output=tmp_path / "b",
+        check=False,
+    )
+    assert struct.unpack("<I11i", (tmp_path / "b" / ggml.MODEL_FILE).read_bytes()[:48])[-1] == 0

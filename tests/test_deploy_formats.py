@@ -122,6 +122,14 @@ def test_real_tiny_en_transcribes_within_the_check_threshold_in_each_runtime(
     assert check.passed, check.summary()
     assert check.export_wer <= 0.1, "tiny.en understands these espeak-ng sentences"
 
+    if format == "openai":  # tiny.en's alignment heads (word timestamps) ride along
+        import whisper
+
+        checkpoint = torch.load(tmp_path / openai_whisper.MODEL_FILE, weights_only=True)
+        loaded = whisper.load_model(str(tmp_path / openai_whisper.MODEL_FILE), device="cpu")
+        loaded.set_alignment_heads(checkpoint["alignment_heads"])
+        heads = loaded.alignment_heads.to_dense().nonzero().tolist()
+        assert heads == sorted(model.generation_config.alignment_heads)
     if format not in ("ggml", "openai"):
         return  # test_transcribe.py covers the transformers and faster-whisper backends
     # `transcribe` runs the export in the same runtime, with that runtime's own fallback.

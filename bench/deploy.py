@@ -1,7 +1,7 @@
 """Each runtime on real speech: WER of whisper-train's export against the same runtime on the
 original weights, export time and file size.
 
-    python bench/deploy.py --data ../shared/realspeech/manifest.jsonl [--model tiny.en]
+    python bench/deploy.py --data ../shared/realspeech/manifest.jsonl [--model tiny.en] [--stride 3]
 
 For every format (hf, ct2 float32 / int8, ggml f16, openai f16) the model is exported with
 `whisper_train.export.save_export` (timed), then every clip is decoded by the format's own
@@ -43,10 +43,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", required=True)
     parser.add_argument("--model", default="tiny.en")
-    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--limit", type=int, default=None, help="only the first N clips")
+    parser.add_argument("--stride", type=int, default=1, help="every Nth clip (all sources)")
     args = parser.parse_args()
 
-    examples = load_examples(args.data)[: args.limit]
+    examples = load_examples(args.data)[:: args.stride][: args.limit]
     audio = [load_audio(e.audio, start=e.start, end=e.end) for e in examples]
     references = [e.text for e in examples]
     language = None  # tiny.en is English-only; a multilingual model would take examples' language

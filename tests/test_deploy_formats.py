@@ -252,6 +252,18 @@ def test_export_folders_load_with_the_hub_unreachable(tmp_path, monkeypatch):
     for format in ("hf", "ct2", "ggml", "openai"):
         back, _ = load_model(str(tmp_path / format))
         assert back.config.num_mel_bins == 128
+    # The runtimes themselves: openai-whisper's tokenizer (tiktoken files inside the package)
+    # and mel filters, whisper.cpp's everything-in-one-file.
+    import whisper
+    from pywhispercpp.model import Model
+
+    ow = whisper.load_model(str(tmp_path / "openai" / openai_whisper.MODEL_FILE), device="cpu")
+    audio = torch.zeros(16000)
+    mel = whisper.log_mel_spectrogram(whisper.pad_or_trim(audio), n_mels=128)
+    whisper.decode(ow, mel, whisper.DecodingOptions(language="en", fp16=False, sample_len=2))
+    cpp = Model(str(tmp_path / "ggml" / ggml.MODEL_FILE), redirect_whispercpp_logs_to=None)
+    cpp.transcribe(audio.numpy(), language="en", max_tokens=2, single_segment=True)
+    del cpp
 
 
 @pytest.mark.parametrize(("format", "module", "extra"), [("ggml", "pywhispercpp", "whispercpp")])

@@ -92,9 +92,14 @@ def folder_is_multilingual(folder: Path) -> bool | None:
     if ct2.is_ct2_model_dir(folder):  # `ct2.load_ct2_whisper` decides by the vocabulary's size
         vocab_size = ct2.vocabulary_size(folder)
         return None if vocab_size is None else is_multilingual_vocab(vocab_size)
+    if folder.is_file():  # a ggml-model.bin or model.pt: its export folder's files tell
+        folder = folder.parent
     config_file, generation_file = folder / "config.json", folder / "generation_config.json"
-    if not config_file.is_file():
-        return None
+    if not config_file.is_file():  # a ggml / openai export folder has the generation config
+        if not generation_file.is_file():
+            return None
+        declared = json.loads(generation_file.read_text(encoding="utf-8")).get("is_multilingual")
+        return None if declared is None else bool(declared)
     vocab_size = json.loads(config_file.read_text(encoding="utf-8")).get("vocab_size")
     declared = None
     if generation_file.is_file():

@@ -104,7 +104,6 @@ def test_parity_check_passes_a_faithful_export_and_catches_a_broken_one():
         clips, source, list(source), runtime="test", language=None, quantization="float32"
     )
     assert faithful.passed and faithful.word_errors == 0 and faithful.words > 20
-    assert faithful.source_wer < 0.1, "tiny.en should understand these espeak-ng sentences"
 
     # One near-tied word flipped by another runtime's arithmetic is not a failure.
     one_word = [source[0].replace("door", "floor"), *source[1:]]
@@ -115,6 +114,7 @@ def test_parity_check_passes_a_faithful_export_and_catches_a_broken_one():
     with torch.no_grad():  # a conversion that dropped the encoder's input convolutions
         model.model.encoder.conv1.weight.zero_()
         model.model.encoder.conv2.weight.zero_()
+    model.generation_config.max_length = 40  # a broken model loops to the limit: keep it short
     broken = transformers_greedy(model, processor, audio, None)
     check = compare(clips, source, broken, runtime="test", language=None, quantization="int8")
     assert not check.passed

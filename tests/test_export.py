@@ -12,13 +12,13 @@ from transformers import WhisperForConditionalGeneration
 from whisper_train.commands import export as export_command
 from whisper_train.errors import UserError
 from whisper_train.export import (
-    ExportParityError,
+    allowed_word_errors,
     check_clips,
-    check_parity,
+    compare,
     export_model,
-    greedy_transcripts,
+    parity_failure,
 )
-from whisper_train.transcribe import TransformersBackend
+from whisper_train.runtimes import transformers_greedy
 
 
 def _inputs(seed: int = 0):
@@ -97,19 +97,38 @@ def test_parity_check_passes_a_faithful_export_and_catches_a_broken_one():
     from whisper_train.models import load_model
 
     model, processor = load_model("tiny.en")
-    clips = check_clips(None, n_clips=2)  # synthesised sentences tiny.en gets right
-    references = [text for _, text in clips]
-    source = greedy_transcripts(TransformersBackend(model, processor), clips)
-    faithful = check_parity(references, source, list(source), quantization="float16")
-    assert faithful.passed and faithful.export_wer == faithful.source_wer
-    assert faithful.source_wer < 0.1, "tiny.en should understand these espeak-ng sentences"
+    clips = check_clips(None, n_clips=3)  # synthesised sentences tiny.en gets right
+    audio = [clip[1] for clip in clips]
+    source = transformers_greedy(model, processor, audio, None)
+    faithful = compare(
+        clips, source, list(source), runtime="test", language=None, quantization="float32"
+    )
+    assert faithful.passed and faithful.word_errors == 0 and faithful.words > 20
+
+    # One near-tied word flipped by another runtime's arithmetic is not a failure.
+    one_word = [source[0].replace("door", "floor"), *source[1:]]
+    assert compare(
+        clips, source, one_word, runtime="test", language=None, quantization="float32"
+    ).passed
 
     with torch.no_grad():  # a conversion that dropped the encoder's input convolutions
         model.model.encoder.conv1.weight.zero_()
         model.model.encoder.conv2.weight.zero_()
-    broken = greedy_transcripts(TransformersBackend(model, processor), clips)
-    with pytest.raises(ExportParityError, match=r"WER \d+\.\d% exported vs \d+\.\d% source"):
-        check_parity(references, source, broken, quantization="int8")
+    model.generation_config.max_length = 40  # a broken model loops to the limit: keep it short
+    broken = transformers_greedy(model, processor, audio, None)
+    check = compare(clips, source, broken, runtime="test", language=None, quantization="int8")
+    assert not check.passed
+    message = str(parity_failure(check, "ct2"))
+    assert "synthesised #1" in message and repr(source[0]) in message  # names clips, shows both
+    assert repr(broken[0]) in message and "int8 changes the weights" in message
+    float32 = compare(clips, source, broken, runtime="t", language=None, quantization="float32")
+    assert "try --quantization float16" not in str(parity_failure(float32, "ct2"))
+
+
+def test_allowed_word_errors_scale_with_the_words_and_the_precision():
+    assert allowed_word_errors(55, "float32") == 2  # one word of 6 short clips never fails
+    assert allowed_word_errors(1000, "float32") == 10
+    assert allowed_word_errors(1000, "int8") == 50
 
 
 def test_export_command_ct2_int8_with_parity_check(tmp_path, capsys):
@@ -131,7 +150,7 @@ def test_export_command_ct2_int8_with_parity_check(tmp_path, capsys):
         ]
     )
     assert args.handler(args) == 0
-    assert "parity check passed" in capsys.readouterr().out
+    assert "export check passed" in capsys.readouterr().out
     config = json.loads((tmp_path / "int8" / "generation_config.json").read_text())
     assert config["no_timestamps_token_id"] == 50362
 

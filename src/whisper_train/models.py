@@ -8,7 +8,9 @@ Accepted, in this order:
   2. a whisper-train output folder (its `final/` model);
   3. a Hugging Face model folder (config.json + weights + processor files);
   4. a CTranslate2 / faster-whisper folder (model.bin + config.json + tokenizer.json);
-  5. a hub id such as openai/whisper-small, when the hub is reachable.
+  5. a whisper.cpp `ggml-model.bin` or an openai-whisper `model.pt`, or a folder holding one
+     (ggml.py, openai_whisper.py; the tokenizer comes from the files beside it);
+  6. a hub id such as openai/whisper-small, when the hub is reachable.
 A value that looks like a path but exists nowhere is reported as a missing folder, not sent to
 the hub; `runs/nope` reads as a path and as a hub id, so its error says what both attempts found.
 The model comes back in float32 (master weights; mixed precision is the training loop's job).
@@ -94,9 +96,14 @@ def folder_is_multilingual(folder: Path) -> bool | None:
     if ct2.is_ct2_model_dir(folder):  # `ct2.load_ct2_whisper` decides by the vocabulary's size
         vocab_size = ct2.vocabulary_size(folder)
         return None if vocab_size is None else is_multilingual_vocab(vocab_size)
+    if folder.is_file():  # a ggml-model.bin or model.pt: its export folder's files tell
+        folder = folder.parent
     config_file, generation_file = folder / "config.json", folder / "generation_config.json"
-    if not config_file.is_file():
-        return None
+    if not config_file.is_file():  # a ggml / openai export folder has the generation config
+        if not generation_file.is_file():
+            return None
+        declared = json.loads(generation_file.read_text(encoding="utf-8")).get("is_multilingual")
+        return None if declared is None else bool(declared)
     vocab_size = json.loads(config_file.read_text(encoding="utf-8")).get("vocab_size")
     declared = None
     if generation_file.is_file():
@@ -112,6 +119,11 @@ def _multilingual(declared: bool | None, vocab_size: int) -> bool:
 
 def _load_local(path: Path, spec: str, attn_implementation: str):
     path = final_model_dir(path) or path  # a whisper-train output folder: its final/ model
+    runtime_file = _runtime_format(path)
+    if runtime_file is not None:
+        model, processor = runtime_file(path)
+        model.config._attn_implementation = attn_implementation
+        return model, processor
     if ct2.is_ct2_model_dir(path):
         model, processor = ct2.load_ct2_whisper(path)
         model.config._attn_implementation = attn_implementation
@@ -125,6 +137,34 @@ def _load_local(path: Path, spec: str, attn_implementation: str):
         f"--model {spec}: holds neither a Hugging Face model (config.json + weights) nor a "
         "CTranslate2 model (model.bin + config.json); point at the model folder itself"
     )
+
+
+def _runtime_format(path: Path):
+    """The reader of a whisper.cpp or openai-whisper model at `path` (the file or its folder),
+    or None when `path` is neither."""
+    from whisper_train import ggml, openai_whisper
+
+    if path.is_dir() and not (path / "config.json").is_file():
+        if (path / ggml.MODEL_FILE).is_file():
+            return ggml.load_ggml
+        if (path / openai_whisper.MODEL_FILE).is_file():
+            return openai_whisper.load_openai
+        return None
+    if path.is_file():
+        if path.suffix == ".pt":
+            return openai_whisper.load_openai
+        if path.suffix == ".bin":
+            if ggml.is_ggml_file(path) or path.name.startswith("ggml"):
+                return ggml.load_ggml
+            raise UserError(
+                f"--model {path}: not a whisper.cpp model file (it does not start with 'ggml'); "
+                "pass a ggml-model.bin, or the folder of a CTranslate2 model.bin"
+            )
+        raise UserError(
+            f"--model {path}: a file, but neither a whisper.cpp .bin nor an openai-whisper .pt; "
+            "pass a model folder or one of those files"
+        )
+    return None
 
 
 def could_be_hub_id(spec: str) -> bool:

@@ -1,10 +1,15 @@
 """Transcribe recordings of any length to text, SRT, WebVTT or JSON.
 
-Two backends, picked from `--model`:
+Four backends, picked from `--model`, each the runtime the model's format is deployed with:
   * faster-whisper (`faster_whisper.WhisperModel`, on CTranslate2), for a CTranslate2 folder:
     the fast path on a CPU, and the client users deploy with. Its `transcribe` walks long
     recordings 30 s window by window (seeking to the last closed timestamp, as OpenAI's
     `transcribe` does) and has the temperature fallback built in.
+  * whisper.cpp (pywhispercpp, extra `whisper-train[whispercpp]`), for a `ggml-model.bin` or its
+    folder: its own long-form loop and temperature fallback (`temperature_inc`; its
+    `entropy_thold` plays the compression-ratio test's part);
+  * openai-whisper (extra `whisper-train[openai]`), for a `model.pt` or its folder: its
+    `transcribe()` with its fallback;
   * transformers, for everything else: `generate` runs Whisper's own sequential long-form
     decoding on the un-truncated features (with their attention mask).
 
@@ -292,6 +297,104 @@ class CTranslate2Backend:
         return " ".join(s.text for s in segments), segments
 
 
+class WhisperCppBackend:
+    """whisper.cpp through pywhispercpp on a ggml-model.bin: its loop and temperature fallback."""
+
+    def __init__(self, model_file: Path, *, language=None, task=None, beam_size=1, decoding=None):
+        from whisper_train.runtimes import require_client
+
+        require_client("ggml")
+        from pywhispercpp.model import Model
+
+        logging.getLogger("pywhispercpp").setLevel(logging.WARNING)
+        saved_language, saved_task = _saved_language_and_task(model_file.parent)
+        self.language = language or saved_language or "auto"
+        self.translate = (task or saved_task) == "translate"
+        self.beam_size = beam_size
+        self.decoding = DecodingOptions() if decoding is None else decoding
+        self.model = Model(
+            str(model_file),
+            redirect_whispercpp_logs_to=None,
+            print_progress=False,
+            print_realtime=False,
+        )
+
+    def transcribe(self, audio: np.ndarray, *, timestamps: bool = True):
+        options = self.decoding
+        temperatures = options.temperatures if options.fallback else options.temperatures[:1]
+        step = temperatures[1] - temperatures[0] if len(temperatures) > 1 else 0.0
+        params = {
+            "language": self.language,
+            "translate": self.translate,
+            "no_context": True,  # see the module docstring
+            "no_timestamps": not timestamps,
+            "temperature": temperatures[0],
+            "temperature_inc": step,
+            "suppress_nst": True,  # openai-whisper's suppress_tokens="-1"
+        }
+        if options.compression_ratio_threshold is not None:
+            params["entropy_thold"] = options.compression_ratio_threshold
+        if options.logprob_threshold is not None:
+            params["logprob_thold"] = options.logprob_threshold
+        if self.beam_size > 1:
+            params["beam_search"] = {"beam_size": self.beam_size, "patience": -1.0}
+        found = self.model.transcribe(np.ascontiguousarray(audio, dtype=np.float32), **params)
+        duration = len(audio) / SAMPLE_RATE
+        segments = [
+            Segment(min(s.t0 / 100, duration), min(s.t1 / 100, duration), s.text.strip())
+            for s in found
+            if s.text.strip()
+        ]
+        return " ".join(s.text for s in segments), segments
+
+
+class OpenAIWhisperBackend:
+    """openai-whisper's `transcribe()` on a model.pt: its loop and temperature fallback."""
+
+    def __init__(self, model_file: Path, *, language=None, task=None, beam_size=1, decoding=None):
+        from whisper_train.runtimes import require_client
+
+        require_client("openai")
+        import whisper
+
+        saved_language, saved_task = _saved_language_and_task(model_file.parent)
+        self.device = _device()
+        self.model = whisper.load_model(str(model_file), device=self.device)
+        self.language = language or saved_language
+        self.task = task or saved_task or "transcribe"
+        self.beam_size = beam_size
+        self.decoding = DecodingOptions() if decoding is None else decoding
+
+    def transcribe(self, audio: np.ndarray, *, timestamps: bool = True):
+        import whisper
+
+        options = self.decoding
+        torch.manual_seed(options.seed)  # the fallback samples: repeatable runs
+        result = whisper.transcribe(
+            self.model,
+            np.ascontiguousarray(audio, dtype=np.float32),
+            language=self.language,
+            task=self.task,
+            temperature=tuple(
+                options.temperatures if options.fallback else options.temperatures[:1]
+            ),
+            compression_ratio_threshold=options.compression_ratio_threshold,
+            logprob_threshold=options.logprob_threshold,
+            condition_on_previous_text=False,  # see the module docstring
+            without_timestamps=not timestamps,
+            beam_size=self.beam_size if self.beam_size > 1 else None,
+            fp16=self.device == "cuda",
+            verbose=None,
+        )
+        duration = len(audio) / SAMPLE_RATE
+        segments = [
+            Segment(min(s["start"], duration), min(s["end"], duration), s["text"].strip())
+            for s in result["segments"]
+            if s["text"].strip()
+        ]
+        return " ".join(s.text for s in segments), segments
+
+
 def _saved_language_and_task(model_dir: Path) -> tuple[str | None, str | None]:
     """generation_config.json's language (as a code: `en`) and task, when the folder has one."""
     config_file = model_dir / "generation_config.json"
@@ -305,6 +408,19 @@ def _saved_language_and_task(model_dir: Path) -> tuple[str | None, str | None]:
         language = language.strip("<|>").lower()
         language = TO_LANGUAGE_CODE.get(language, language)
     return language or None, config.get("task")
+
+
+def _runtime_file(path: Path) -> Path | None:
+    """The ggml-model.bin or model.pt that `path` is or holds, else None."""
+    from whisper_train import ggml, openai_whisper
+
+    if path.is_file() and path.suffix in (".bin", ".pt"):
+        return path
+    if path.is_dir() and not (path / "config.json").is_file():
+        for name in (ggml.MODEL_FILE, openai_whisper.MODEL_FILE):
+            if (path / name).is_file():
+                return path / name
+    return None
 
 
 def is_ct2_dir(path: Path) -> bool:
@@ -322,6 +438,10 @@ def load_backend(model, *, language=None, task=None, beam_size=1, decoding=None)
     from whisper_train.models import load_model, model_folder
 
     path = model_folder(str(model))
+    runtime_file = _runtime_file(path)
+    if runtime_file is not None:
+        backend = WhisperCppBackend if runtime_file.suffix == ".bin" else OpenAIWhisperBackend
+        return backend(runtime_file, **options)
     if is_ct2_dir(path):
         try:
             import faster_whisper  # noqa: F401

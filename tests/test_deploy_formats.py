@@ -1,0 +1,314 @@
+"""Exports for whisper.cpp (ggml), openai-whisper, faster-whisper and transformers, each run
+by its own runtime, and read back into whisper-train.
+
+The real tiny.en is exported to every format and each runtime's transcripts of synthesised
+speech are held to the export check's threshold against the source; random tiny models shaped
+like large-v3 (128 mel bins) and turbo (4 decoder layers, 128 mel bins) export to every format
+and load and decode in every runtime; float32 round trips through ggml and model.pt are
+bit-exact; damaged files as --model give one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import EOT, NO_TIMESTAMPS, SOT, english_tokenizer, tiny_whisper_config
+from transformers import (
+    GenerationConfig,
+    WhisperFeatureExtractor,
+    WhisperForConditionalGeneration,
+    WhisperProcessor,
+)
+
+from whisper_train import ggml, openai_whisper
+from whisper_train.export import (
+    check_clips,
+    compare,
+    save_export,
+)
+from whisper_train.runtimes import runtime_greedy, transformers_greedy
+
+
+def _shaped_like(*, encoder_layers: int, decoder_layers: int, seed: int = 0):
+    """A random English Whisper with 128 mel bins and a 30 s encoder, in the runtimes' fixed
+    shape (MLP 4 x d_model, output projection tied)."""
+    config = tiny_whisper_config(
+        vocab_size=51864,
+        end_of_text_id=EOT,
+        start_of_transcript_id=SOT,
+        d_model=64,
+        encoder_layers=encoder_layers,
+        decoder_layers=decoder_layers,
+    )
+    config.num_mel_bins = 128
+    config.encoder_ffn_dim = config.decoder_ffn_dim = 256
+    torch.manual_seed(seed)
+    model = WhisperForConditionalGeneration(config).eval()
+    model.generation_config = GenerationConfig(
+        decoder_start_token_id=SOT,
+        eos_token_id=EOT,
+        pad_token_id=EOT,
+        bos_token_id=EOT,
+        no_timestamps_token_id=NO_TIMESTAMPS,
+        is_multilingual=False,
+        max_length=448,
+        begin_suppress_tokens=[220, EOT],
+        suppress_tokens=[],
+    )
+    processor = WhisperProcessor(
+        feature_extractor=WhisperFeatureExtractor(feature_size=128), tokenizer=english_tokenizer()
+    )
+    return model, processor
+
+
+SHAPES = {
+    "large-v3": {"encoder_layers": 2, "decoder_layers": 2},
+    "turbo": {"encoder_layers": 2, "decoder_layers": 4},
+}
+
+
+BACKENDS = {
+    "ggml": "WhisperCppBackend",
+    "openai": "OpenAIWhisperBackend",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_en():
+    from whisper_train.models import load_model
+
+    return load_model("tiny.en")
+
+
+@pytest.fixture(scope="module")
+def check_set():
+    return check_clips(None, n_clips=4)
+
+
+@pytest.fixture(scope="module")
+def source_texts(tiny_en, check_set):
+    model, processor = tiny_en
+    return transformers_greedy(model, processor, [clip[1] for clip in check_set], None)
+
+
+@pytest.mark.parametrize(
+    ("format", "quantization"),
+    [
+        ("ct2", "float32"),
+        ("ct2", "float16"),
+        ("ct2", "int8"),
+        ("ggml", "float16"),
+        ("openai", "float16"),
+        ("hf", "float32"),
+    ],
+)
+def test_real_tiny_en_transcribes_within_the_check_threshold_in_each_runtime(
+    tiny_en, check_set, source_texts, format, quantization, tmp_path
+):
+    model, processor = tiny_en
+    audio = [clip[1] for clip in check_set]
+    source = source_texts
+    save_export(model, processor, tmp_path, format=format, quantization=quantization)
+    exported = runtime_greedy(format, tmp_path, audio, None)
+    check = compare(
+        check_set, source, exported, runtime=format, language=None, quantization=quantization
+    )
+    assert check.words > 30  # the comparison is over real transcripts, not empty strings
+    assert check.passed, check.summary()
+    assert check.export_wer <= 0.1, "tiny.en understands these espeak-ng sentences"
+
+    if format == "openai":  # tiny.en's alignment heads (word timestamps) ride along
+        import whisper
+
+        checkpoint = torch.load(tmp_path / openai_whisper.MODEL_FILE, weights_only=True)
+        loaded = whisper.load_model(str(tmp_path / openai_whisper.MODEL_FILE), device="cpu")
+        loaded.set_alignment_heads(checkpoint["alignment_heads"])
+        heads = loaded.alignment_heads.to_dense().nonzero().tolist()
+        assert heads == sorted(model.generation_config.alignment_heads)
+    if format not in ("ggml", "openai"):
+        return  # test_transcribe.py covers the transformers and faster-whisper backends
+    # `transcribe` runs the export in the same runtime, with that runtime's own fallback.
+    from whisper_train.evaluate import score
+    from whisper_train.transcribe import load_backend
+
+    backend = load_backend(str(tmp_path))
+    assert type(backend).__name__ == BACKENDS[format]
+    text, segments = backend.transcribe(audio[0])
+    assert segments and score([check_set[0][2]], [text]).wer <= 0.1, text
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_random_models_shaped_like_large_v3_and_turbo_load_in_every_runtime(shape, tmp_path):
+    import whisper
+    from faster_whisper import WhisperModel
+    from pywhispercpp.model import Model
+
+    from whisper_train.models import load_model
+
+    model, processor = _shaped_like(**SHAPES[shape])
+    audio = np.zeros(16000, dtype=np.float32)
+    for format in ("hf", "ct2", "ggml", "openai"):
+        quantization = "float32" if format in ("hf", "ct2") else "float16"
+        save_export(model, processor, tmp_path / format, format=format, quantization=quantization)
+
+    fw = WhisperModel(str(tmp_path / "ct2"), device="cpu")
+    assert (
+        fw.feature_extractor.mel_filters.shape[0] == 128
+    )  # from preprocessor_config.json, not the default 80
+    segments, _ = fw.transcribe(audio, without_timestamps=True, max_new_tokens=4, beam_size=1)
+    list(segments)
+
+    cpp = Model(str(tmp_path / "ggml" / ggml.MODEL_FILE), redirect_whispercpp_logs_to=None)
+    cpp.transcribe(audio, language="en", max_tokens=4, no_timestamps=True, single_segment=True)
+    del cpp
+
+    ow = whisper.load_model(str(tmp_path / "openai" / openai_whisper.MODEL_FILE), device="cpu")
+    assert (ow.dims.n_mels, ow.dims.n_text_layer) == (128, SHAPES[shape]["decoder_layers"])
+    mel = whisper.log_mel_spectrogram(whisper.pad_or_trim(torch.from_numpy(audio)), n_mels=128)
+    whisper.decode(ow, mel, whisper.DecodingOptions(language="en", fp16=False, sample_len=4))
+
+    for format in ("hf", "ggml", "openai"):
+        back, back_processor = load_model(str(tmp_path / format))
+        assert back.config.num_mel_bins == 128
+        assert back.config.decoder_layers == SHAPES[shape]["decoder_layers"]
+        assert back_processor.feature_extractor.feature_size == 128
+
+
+@pytest.mark.parametrize("format", ["ggml", "openai"])
+def test_float32_round_trips_are_bit_exact(format, tmp_path):
+    from whisper_train.models import load_model
+
+    model, processor = _shaped_like(**SHAPES["turbo"])
+    save_export(model, processor, tmp_path, format=format, quantization="float32")
+    back, _ = load_model(str(tmp_path))
+    source, returned = model.state_dict(), back.state_dict()
+    assert source.keys() == returned.keys()
+    different = [name for name in source if not torch.equal(source[name], returned[name])]
+    assert not different
+    assert back.config.max_target_positions == 448
+
+
+def test_ggml_header_holds_the_decoder_positions_and_the_mel_bins(tmp_path):
+    """whisper.cpp's text context is max_target_positions (448), never generation's max_length."""
+    model, processor = _shaped_like(**SHAPES["large-v3"])
+    model.generation_config.max_length = 225
+    path = ggml.save_ggml(model, processor, tmp_path)
+    header = struct.unpack("<I11i", path.read_bytes()[:48])
+    assert header[0] == ggml.MAGIC
+    n_vocab, n_audio_ctx, _, _, _, n_text_ctx, _, _, _, n_mels, ftype = header[1:]
+    assert (n_vocab, n_audio_ctx, n_text_ctx, n_mels, ftype) == (51864, 1500, 448, 128, 1)
+
+
+@pytest.mark.parametrize("format", ["ggml", "openai"])
+def test_damaged_model_files_as_model_give_one_line_and_exit_2(format, tmp_path):
+    model, processor = _shaped_like(**SHAPES["large-v3"])
+    save_export(model, processor, tmp_path, format=format, quantization="float16")
+    name = ggml.MODEL_FILE if format == "ggml" else openai_whisper.MODEL_FILE
+    data = (tmp_path / name).read_bytes()
+    (tmp_path / name).write_bytes(data[: len(data) // 2])  # truncated
+    garbage = tmp_path / "garbage" / name
+    garbage.parent.mkdir()
+    garbage.write_bytes(b"\x00" * 4096)
+    for target in (tmp_path / name, garbage):
+        result = subprocess.run(
+            [sys.executable, "-m", "whisper_train", "export", "--model", str(target)]
+            + ["--output", str(tmp_path / "out"), "--no-check"],
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 2, result.stderr
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+        assert len(errors) == 1 and str(target) in errors[0], result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_export_folders_load_with_the_hub_unreachable(tmp_path, monkeypatch):
+    """Each folder carries what its runtime needs: no download is even tried."""
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise OSError("network disabled in this test")
+
+    model, processor = _shaped_like(**SHAPES["large-v3"])
+    for format in ("hf", "ct2", "ggml", "openai"):
+        quantization = "float32" if format in ("hf", "ct2") else "float16"
+        save_export(model, processor, tmp_path / format, format=format, quantization=quantization)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from faster_whisper import WhisperModel
+
+    from whisper_train.models import load_model
+
+    assert (tmp_path / "ct2" / "tokenizer.json").is_file()
+    assert (
+        WhisperModel(str(tmp_path / "ct2"), device="cpu").feature_extractor.mel_filters.shape[0]
+        == 128
+    )
+    for format in ("hf", "ct2", "ggml", "openai"):
+        back, _ = load_model(str(tmp_path / format))
+        assert back.config.num_mel_bins == 128
+    # The runtimes themselves: openai-whisper's tokenizer (tiktoken files inside the package)
+    # and mel filters, whisper.cpp's everything-in-one-file.
+    import whisper
+    from pywhispercpp.model import Model
+
+    ow = whisper.load_model(str(tmp_path / "openai" / openai_whisper.MODEL_FILE), device="cpu")
+    audio = torch.zeros(16000)
+    mel = whisper.log_mel_spectrogram(whisper.pad_or_trim(audio), n_mels=128)
+    whisper.decode(ow, mel, whisper.DecodingOptions(language="en", fp16=False, sample_len=2))
+    cpp = Model(str(tmp_path / "ggml" / ggml.MODEL_FILE), redirect_whispercpp_logs_to=None)
+    cpp.transcribe(audio.numpy(), language="en", max_tokens=2, single_segment=True)
+    del cpp
+
+
+@pytest.mark.parametrize(("format", "module", "extra"), [("ggml", "pywhispercpp", "whispercpp")])
+def test_missing_client_is_one_line_naming_the_extra_and_no_check_still_exports(
+    format, module, extra, tmp_path, monkeypatch
+):
+    from whisper_train.errors import UserError
+    from whisper_train.export import export_model, save_hf
+
+    model, processor = _shaped_like(**SHAPES["large-v3"])
+    save_hf(model, processor, tmp_path / "source")
+    monkeypatch.setitem(sys.modules, module, None)  # `import pywhispercpp` raises ImportError
+    with pytest.raises(UserError, match=rf"whisper-train\[{extra}\].*--no-check") as error:
+        export_model(str(tmp_path / "source"), format=format, output=tmp_path / "checked")
+    assert "\n" not in str(error.value)
+    assert not (tmp_path / "checked").exists()  # refused before any work
+    result = export_model(
+        str(tmp_path / "source"), format=format, output=tmp_path / "unchecked", check=False
+    )
+    assert result.parity is None and (tmp_path / "unchecked" / ggml.MODEL_FILE).is_file()
+
+
+def test_missing_openai_whisper_names_its_extra(monkeypatch):
+    from whisper_train.runtimes import MissingRuntimeError, require_client
+
+    monkeypatch.setitem(sys.modules, "whisper", None)
+    with pytest.raises(MissingRuntimeError, match=r"whisper-train\[openai\]"):
+        require_client("openai")
+
+
+def test_a_float32_ggml_export_needs_no_check_because_whisper_cpp_aborts_on_it(tmp_path):
+    from whisper_train.errors import UserError
+    from whisper_train.export import export_model, save_hf
+
+    model, processor = _shaped_like(**SHAPES["large-v3"])
+    save_hf(model, processor, tmp_path / "source")
+    with pytest.raises(UserError, match="--no-check"):
+        export_model(
+            str(tmp_path / "source"), format="ggml", quantization="float32", output=tmp_path / "a"
+        )
+    export_model(
+        str(tmp_path / "source"),
+        format="ggml",
+        quantization="float32",
+        output=tmp_path / "b",
+        check=False,
+    )
+    assert struct.unpack("<I11i", (tmp_path / "b" / ggml.MODEL_FILE).read_bytes()[:48])[-1] == 0

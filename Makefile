@@ -37,9 +37,11 @@ test-gpu: setup
 # The tests marked `compat` (the checkpointing suite, audio decoding, a checkpoint's save and
 # load) again on pyproject's lower bounds, each pinned here: transformers 4.56.2 is also the
 # release users report the "backward through the graph a second time" error on. A bound raised
-# in pyproject is raised here too.
+# in pyproject is raised here too. datasets is the `datasets` extra's minimum, and pyarrow 17
+# runs on numpy 1.26 (the newest pyarrow refuses numpy < 2 on import; seen in a fresh clone).
 COMPAT_PINS := "transformers==4.56.2" "peft==0.13.2" "accelerate==1.3.0" "safetensors==0.4.3" \
 	"numpy==1.26.4" "soundfile==0.12.1" "soxr==0.3.7" "av==14.0.0" "jiwer==3.0.4" \
+	"datasets==3.0.0" "pyarrow==17.0.0" \
 	"whisper-normalizer==0.1.10" "ctranslate2==4.4.0" "faster-whisper==1.1.0" "pyyaml==6.0.1" \
 	"filelock==3.12.0" "tqdm==4.66.3" "tensorboard==2.14.0" "matplotlib==3.7.0"
 $(COMPAT_STAMP): pyproject.toml Makefile

@@ -345,6 +345,11 @@ def main() -> None:
         help="an4,long,synth: compare --packing on/off and the Trainer on these clip sets",
     )
     parser.add_argument("--repeat", type=int, default=2, help="each set's clips listed N times")
+    parser.add_argument(
+        "--fill",
+        action="store_true",
+        help="with --packing-sets: only print windows and speech share of each set by gap",
+    )
     # worker-only arguments
     parser.add_argument("--packing", default="off")
     parser.add_argument("--worker", choices=["whisper-train", "trainer"])
@@ -360,6 +365,9 @@ def main() -> None:
 
     import torch
 
+    if args.packing_sets and args.fill:
+        packing_fill(args)
+        return
     if args.packing_sets:
         packing_comparison(args)
         return
@@ -433,6 +441,32 @@ def set_manifest(folder: Path, name: str, repeat: int) -> tuple[Path, int, float
     manifest = folder / f"{name}.jsonl"
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows * repeat), encoding="utf-8")
     return manifest, len(rows) * repeat, seconds * repeat
+
+
+def packing_fill(args) -> None:
+    """Windows an epoch and the speech share of the encoder's input, by the gap between clips
+    (label budget not binding on these sets: plain text, tiny.en's 448 positions)."""
+    import soundfile
+
+    from whisper_train.packing import ClipSize, fill_ratio, plan_windows
+
+    print("| set | clips | gap s | windows | speech share of the encoder's input |")
+    print("|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.packing_sets.split(","):
+            manifest, clips, _ = set_manifest(Path(tmp), name, args.repeat)
+            rows = [json.loads(line) for line in manifest.read_text().splitlines()]
+            sizes = [
+                ClipSize(soundfile.info(row["audio"]).duration, 4 * len(row["text"].split()))
+                for row in rows
+            ]
+            print(f"| {name} | {clips} | none | {clips} | {100 * fill_ratio(sizes, sizes):.0f}% |")
+            for gap in (0.0, 0.3, 0.5, 1.0):
+                windows = plan_windows(
+                    sizes, seed=0, epoch=0, prefix_tokens=2, max_tokens=448, gap_seconds=gap
+                )
+                share = 100 * fill_ratio(sizes, windows)
+                print(f"| {name} | {clips} | {gap} | {len(windows)} | {share:.0f}% |")
 
 
 def packing_comparison(args) -> None:

@@ -287,3 +287,23 @@ def test_two_processes_packed_with_an_empty_share_equal_one(tmp_path, tiny_whisp
     # 66 clips of 1.2 s in 4 windows, the missing one alone in a fifth: 2 processes x batch 1
     # share 5 windows as 3 and 2 + an empty micro-batch, which must not hang or weigh.
     assert "packed into 5 windows" in alone.stdout
+
+
+def test_a_clip_whose_encoder_output_is_cached_is_not_decoded_again(
+    tiny_run_config, monkeypatch
+):
+    import whisper_train.features as features_module
+
+    decoded = []
+    real = features_module.load_audio
+
+    def counting(path, **window):
+        decoded.append(path)
+        return real(path, **window)
+
+    monkeypatch.setattr(features_module, "load_audio", counting)
+    # 12 training clips (only_train: none held out), 3 micro-batches an epoch: 6 steps are 2
+    # epochs; the second reads every clip's encoder output from the cache and decodes none.
+    result = train(tiny_run_config(mode="freeze-encoder", max_steps=6))
+    assert result.steps == 6
+    assert len(decoded) == 12 and len(set(decoded)) == 12

@@ -470,10 +470,12 @@ def build_training_data(
     *,
     accelerator,
     max_label_tokens: int,
+    cached: Callable | None = None,
 ) -> TrainingData:
     """The run's training data source: a stream when --data names one, else the examples
     `datasets.train` read whole (packed with --packing on). `collator(examples)` gives the
-    training collate function for those examples (it may look clips up by index)."""
+    training collate function for those examples (it may look clips up by index); `cached`
+    tells which clips need no decoding (their frozen encoder outputs are on disk)."""
     c, t = config, config.train
     augmenter = None
     if c.data.audio_augment:
@@ -497,6 +499,7 @@ def build_training_data(
         augmenter=augmenter,
         seed=t.seed,
         gap_seconds=packing_module.DEFAULT_GAP_SECONDS,
+        cached=cached,
     )
     sizes, prefix, per_clip = None, 0, 0
     if config.packing_on:

@@ -142,6 +142,7 @@ class SpeechDataset(Dataset):
         augmenter=None,
         seed: int = 0,
         gap_seconds: float = 0.3,
+        cached=None,
     ):
         # Packed: the forked loader workers read it without each copying it (PackedExamples).
         self.examples = (
@@ -152,6 +153,9 @@ class SpeechDataset(Dataset):
         self.seed = seed
         self.epoch = 0
         self.gap_seconds = gap_seconds
+        # example → whether the frozen encoder's output for it is on disk (`encoder_cache`):
+        # such a clip needs neither its header read nor its audio decoded.
+        self.cached = cached
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch of plain integer indices (evaluation); training indices carry their own."""
@@ -166,6 +170,17 @@ class SpeechDataset(Dataset):
             epoch, index = index
         if isinstance(index, tuple):
             return self._window(index, epoch)
+        if self.cached is not None and self.augmenter is None and self.cached(self.examples[index]):
+            example = self.examples[index]
+            rng = random.Random(f"{self.seed}:{epoch}:{index}")
+            tokens, n_prefix = self.label_encoder.encode(example, rng=rng)
+            return {
+                "audio": None,  # the collator reads the encoder's output instead
+                "tokens": tokens,
+                "n_prefix": n_prefix,
+                "text": example.text,
+                "index": index,
+            }
         clip = self._clip(index, epoch)
         if isinstance(clip, Skip):
             return clip

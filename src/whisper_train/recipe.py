@@ -47,7 +47,7 @@ from whisper_train.data import (
     unusable_until_one_passes,
 )
 from whisper_train.datasource import TrainingData, build_training_data, stand_in_batch
-from whisper_train.encoder_cache import EncoderCache, EncoderCacheCollator
+from whisper_train.encoder_cache import CachedClip, EncoderCache, EncoderCacheCollator
 from whisper_train.encoder_cache import cache_dir as encoder_cache_dir
 from whisper_train.errors import UserError
 from whisper_train.evaluate import get_normalizer, run_evaluation
@@ -300,9 +300,11 @@ class FineTuneRecipe:
                 return SpeechCollator(pad_id, log_mel=log_mel)
             return EncoderCacheCollator(pad_id, log_mel, self.encoder_cache, examples)
 
+        # A clip whose encoder output is cached is not decoded at all (`CachedClip`).
+        cached = CachedClip(self.encoder_cache) if self.encoder_cache is not None else None
         self.eval_loaders = {}
         for name, examples in self.datasets.eval.items():
-            eval_set = SpeechDataset(examples, self.label_encoder, seed=t.seed)
+            eval_set = SpeechDataset(examples, self.label_encoder, seed=t.seed, cached=cached)
             self.eval_loaders[name] = _loader(eval_set, collator(eval_set.examples), t)
         data = build_training_data(
             c,
@@ -311,6 +313,7 @@ class FineTuneRecipe:
             collator,
             accelerator=self.accelerator,
             max_label_tokens=self.model.config.max_target_positions,
+            cached=cached,
         )
         sets = ", ".join(f"{len(ex)} in {name}" for name, ex in self.datasets.eval.items())
         say(self.accelerator, f"data: {data.describe()}; evaluation: {sets or 'none'}")

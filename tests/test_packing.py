@@ -5,6 +5,7 @@ Seeded tiny models on tone clips (conftest); nothing is downloaded.
 
 from __future__ import annotations
 
+import json
 import random
 import types
 
@@ -215,16 +216,14 @@ def test_packed_training_trains_on_windows_and_evaluates_single_clips(tmp_path, 
     assert all(len(text.split()) == 3 for text in evaluated)
 
 
-def test_packing_is_refused_with_streams_and_with_the_encoder_cache(tmp_path, tiny_run_config):
-    shards = tmp_path / "shards"
-    shards.mkdir()
-    (shards / "a.tar").write_bytes(b"")
-    with pytest.raises(UserError, match="--packing on needs --data read whole"):
-        tiny_run_config(data=str(shards), packing="on").validate()
+def test_packing_is_refused_with_the_encoder_cache_and_reads_yaml_booleans(tiny_run_config):
     with pytest.raises(UserError, match="--packing on with the frozen encoder's cache"):
         tiny_run_config(packing="on", mode="freeze-encoder").validate()
+    tiny_run_config(packing="on", mode="freeze-encoder", cache_encoder=False).validate()
     config = tiny_run_config(packing=True)  # YAML reads `packing: on` as true
     assert config.validate().data.packing == "on"
+    with pytest.raises(UserError, match="--packing maybe: expected on or off"):
+        tiny_run_config(packing="maybe").validate()
 
 
 def _varied_labels(tmp_path):
@@ -289,9 +288,7 @@ def test_two_processes_packed_with_an_empty_share_equal_one(tmp_path, tiny_whisp
     assert "packed into 5 windows" in alone.stdout
 
 
-def test_a_clip_whose_encoder_output_is_cached_is_not_decoded_again(
-    tiny_run_config, monkeypatch
-):
+def test_a_clip_whose_encoder_output_is_cached_is_not_decoded_again(tiny_run_config, monkeypatch):
     import whisper_train.features as features_module
 
     decoded = []
@@ -307,3 +304,97 @@ def test_a_clip_whose_encoder_output_is_cached_is_not_decoded_again(
     result = train(tiny_run_config(mode="freeze-encoder", max_steps=6))
     assert result.steps == 6
     assert len(decoded) == 12 and len(set(decoded)) == 12
+
+
+def _packed_stream(folder, label_encoder, *, max_label_tokens=24):
+    from whisper_train import streaming
+
+    return streaming.training_stream(
+        streaming.stream_source(folder),
+        label_encoder,
+        rank=0,
+        world_size=1,
+        seed=0,
+        shuffle_buffer=4,
+        max_label_tokens=max_label_tokens,
+        packing=True,
+    )
+
+
+def test_streamed_shards_pack_every_sample_once_and_resume_at_a_window(tmp_path):
+    from test_streaming import write_shards
+
+    from whisper_train import streaming
+    from whisper_train.checkdata import label_encoder_for
+    from whisper_train.collate import SpeechCollator
+
+    tokenizer = english_tokenizer()
+    encoder = label_encoder_for(tokenizer)
+    written = write_shards(tmp_path / "wds", "webdataset", [5, 4])
+    # A budget of 24 decoder positions holds 2-3 of these "sample N word word" labels.
+    stream = _packed_stream(tmp_path / "wds", encoder)
+    collate = streaming.StreamCollator(SpeechCollator(tokenizer.pad_token_id))
+    batches = [collate(b) for b in torch.utils.data.DataLoader(stream, 1, collate_fn=list)]
+    texts = [text for batch in batches for text in batch["texts"]]
+    assert 1 < len(texts) < len(written)  # windows, not clips
+    assert sorted(t for window in texts for t in _split_samples(window)) == sorted(written)
+    for batch in batches:
+        labels = batch["labels"][0]
+        decoded = tokenizer.decode(labels[labels >= 0], skip_special_tokens=True).strip()
+        assert decoded == batch["texts"][0]
+        assert (labels >= 0).sum() <= 24
+    # A resumed worker replays the rows of the windows already trained on, then hands out the
+    # remaining windows exactly as the uninterrupted pass did.
+    stream.replay_rows = dict(batches[1]["stream_rows"])
+    resumed = [collate(b) for b in torch.utils.data.DataLoader(stream, 1, collate_fn=list)]
+    rest = [batch["texts"] for batch in resumed if not batch.get("replayed")]
+    assert rest == [batch["texts"] for batch in batches[2:]]
+
+
+def _split_samples(window_text: str) -> list[str]:
+    """'sample 3 a b sample 7 c d' → ['sample 3 a b', 'sample 7 c d']."""
+    parts = window_text.split("sample ")[1:]
+    return ["sample " + part.strip() for part in parts]
+
+
+def test_a_packed_stream_resumes_mid_pass_with_the_uninterrupted_losses(
+    tmp_path, tiny_run_config, monkeypatch
+):
+    from test_streaming import write_shards
+
+    # 2 shards of 40 clips of 0.6 s, one a worker: each worker's pass is 2 windows (33 clips
+    # fill 30 s with their gaps), so a pass is 4 micro-batches of 1 window, and the crash in
+    # step 3 leaves checkpoint-2 in the middle of the first pass.
+    data = tmp_path / "wds"
+    write_shards(data, "webdataset", [40, 40])
+    common = {
+        "data": str(data),
+        "packing": "on",
+        "batch_size": 1,
+        "num_workers": 2,
+        "shuffle_buffer": 8,
+        "max_steps": 5,
+        "lr_scheduler": "constant_with_warmup",
+    }
+    reference = train(tiny_run_config(output_dir=str(tmp_path / "ref"), **common))
+    reference_losses, _ = losses_and_evaluations(reference.output_dir)
+    config = tiny_run_config(save_steps=1, save_total_limit=1, **common)
+    real = recipe_module.loss_terms
+    calls = {"n": 0}
+
+    def crashing(model, batch, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated crash")
+        return real(model, batch, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(recipe_module, "loss_terms", crashing)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            train(config)
+    saved = json.loads((tmp_path / "out" / "checkpoint-2" / "stream-0.json").read_text())
+    assert saved["epoch"] == 0 and 0 < sum(saved["rows"].values()) < 80
+    config.update({"resume": "latest"})
+    train(config)
+    losses, _ = losses_and_evaluations(tmp_path / "out")
+    np.testing.assert_allclose(losses, reference_losses, rtol=0, atol=SAME_RUN_LOSS_ATOL)

@@ -491,7 +491,6 @@ class RunConfig:
             return
         d, t = self.data, self.train
         refused = [
-            ("--packing on", d.packing == "on", "use --packing off"),
             ("--group-by-length", t.group_by_length, "drop it"),
             ("--train-subset", d.train_subset, "use --max-steps"),
             ("--cache-encoder", self.memory.cache_encoder, "drop it"),

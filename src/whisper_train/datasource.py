@@ -306,6 +306,7 @@ class StreamData:
             shuffle_buffer=c.data.shuffle_buffer,
             max_label_tokens=max_label_tokens,
             augmenter=augmenter,
+            packing=config.packing_on,
         )
         # What decides which rows a worker's first n are: a resume must match all of them.
         self.position = streaming.StreamPosition(
@@ -314,6 +315,7 @@ class StreamData:
                 "shuffle_buffer": c.data.shuffle_buffer,
                 "batch_size": t.batch_size,
                 "num_workers": t.num_workers,
+                "packing": c.data.packing,
             }
         )
         # Not persistent: the workers are started afresh each pass, with that pass's epoch and

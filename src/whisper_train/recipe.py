@@ -398,9 +398,6 @@ class FineTuneRecipe:
             # graph. Accelerator(dynamo_backend=) is not used: that setting is process-wide and
             # kept from the first Accelerator, so a second run in one process would not compile.
             self.model = torch.compile(self.model)
-        self.steps_per_epoch = max(
-            1, math.ceil(self.data.batches_per_epoch / t.gradient_accumulation)
-        )
         self.total_steps = t.max_steps or math.ceil((t.epochs or 3.0) * self.steps_per_epoch)
         self.scheduler = accelerator.prepare(
             get_scheduler(
@@ -614,6 +611,13 @@ class FineTuneRecipe:
             self.progress.set_postfix(loss=f"{mean_loss:.4f}")
         elif self.accelerator.is_main_process:
             tqdm.write(step_line(state.step, self.total_steps, mean_loss, row["lr"]))
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps an epoch, from the data source's micro-batches an epoch (a stream's
+        is known once counted, or after its first pass)."""
+        accumulation = self.config.train.gradient_accumulation
+        return max(1, math.ceil(self.data.batches_per_epoch / accumulation))
 
     def _epoch_fraction(self) -> float:
         done_before = self.state.epoch * self.steps_per_epoch

@@ -288,7 +288,9 @@ def test_two_processes_packed_with_an_empty_share_equal_one(tmp_path, tiny_whisp
     assert "packed into 5 windows" in alone.stdout
 
 
-def test_a_clip_whose_encoder_output_is_cached_is_not_decoded_again(tiny_run_config, monkeypatch):
+def test_a_clip_whose_encoder_output_is_cached_is_not_decoded_again(
+    tmp_path, tiny_run_config, monkeypatch
+):
     import whisper_train.features as features_module
 
     decoded = []
@@ -301,7 +303,9 @@ def test_a_clip_whose_encoder_output_is_cached_is_not_decoded_again(tiny_run_con
     monkeypatch.setattr(features_module, "load_audio", counting)
     # 12 training clips (only_train: none held out), 3 micro-batches an epoch: 6 steps are 2
     # epochs; the second reads every clip's encoder output from the cache and decodes none.
-    result = train(tiny_run_config(mode="freeze-encoder", max_steps=6))
+    # Clips of its own: the session's encoder cache may hold the shared tone clips already.
+    data = write_tone_dataset(tmp_path / "own", n=12)
+    result = train(tiny_run_config(data=str(data), mode="freeze-encoder", max_steps=6))
     assert result.steps == 6
     assert len(decoded) == 12 and len(set(decoded)) == 12
 

@@ -199,7 +199,7 @@ def startup_worker(manifest: str, model: str, output_dir: str, mode: str) -> dic
         "phases": phases,
         "train": len(recipe.datasets.train),
         "peak_rss_mb": peak_rss_mb,  # before the loader workers below
-        "worker_mb": loader_worker_memory(recipe.train_set.examples),
+        "worker_mb": loader_worker_memory(recipe.data.dataset.examples),
     }
 
 

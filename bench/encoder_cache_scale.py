@@ -73,8 +73,8 @@ def time_to_step1_worker(manifest: str, model: str, output_dir: str) -> dict:
     setup_seconds = time.perf_counter() - start
     recipe.model.train()
     step = None
-    for batch in recipe._epoch_batches(0):
-        step = recipe._train_step(batch)
+    for micro_batches in recipe.data.steps(recipe.state):
+        step = recipe._train_step(micro_batches)
         if step is not None:
             break
     seconds = time.perf_counter() - start

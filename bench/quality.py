@@ -20,6 +20,10 @@ Targets:
 
 Grids:
   defaults  each mode at today's default learning rate;
+  packing   LoRA at its default learning rate, --packing off (batch 8 clips) and on (batch 1
+         window: about as many clips a step, so about as many steps at equal clips seen), each
+         for --epochs (equal clips seen), and packed for 3x the epochs (about the unpacked
+         run's wall time); no --max-steps;
   lr     each mode at its default learning rate, a third and a tenth of it, and
          --preserve-base 1 at the default;
   all    lr, plus warm-up (10 steps) and SpecAugment at each mode's default.
@@ -60,7 +64,14 @@ class Run:
         return f"{self.mode} lr {self.learning_rate:.2g}" + (f" {flags}" if flags else "")
 
 
-def grid(name: str, modes: list[str]) -> list[Run]:
+def grid(name: str, modes: list[str], epochs: int = 1) -> list[Run]:
+    if name == "packing":
+        lr = CURRENT_LR["lora"]
+        return [
+            Run("lora", lr, ["--epochs", str(epochs)]),
+            Run("lora", lr, ["--epochs", str(epochs), "--packing", "on", "--batch-size", "1"]),
+            Run("lora", lr, ["--epochs", str(3 * epochs), "--packing", "on", "--batch-size", "1"]),
+        ]
     if name == "defaults":
         return [Run(mode, CURRENT_LR[mode]) for mode in modes]
     runs = []
@@ -114,7 +125,7 @@ def train_once(run: Run, sets: dict[str, Path], args, out: Path, at_start: bool)
         "--eval-data", f"guard={sets['guard']}",
         "--mode", run.mode,
         "--learning-rate", str(run.learning_rate),
-        "--max-steps", str(args.steps),
+        *([] if "--epochs" in run.extra else ["--max-steps", str(args.steps)]),
         "--batch-size", "8",
         "--seed", "0",
         "--output-dir", str(out),
@@ -139,7 +150,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", choices=("real", "synth"), default="real")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--grid", choices=("defaults", "lr", "all"), default="lr")
+    parser.add_argument("--grid", choices=("defaults", "lr", "all", "packing"), default="lr")
+    parser.add_argument("--epochs", type=int, default=1, help="--grid packing: epochs a run")
     parser.add_argument("--only", choices=tuple(DEFAULT_LR), action="append")
     parser.add_argument("--model", default="tiny.en")
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "wt-quality")
@@ -151,26 +163,26 @@ def main() -> None:
     data = args.work_dir / f"data-{args.target}"
     data.mkdir(exist_ok=True)
     sets = real_sets(data) if args.target == "real" else synth_sets(data)
-    runs = grid(args.grid, args.only or list(DEFAULT_LR))
+    runs = grid(args.grid, args.only or list(DEFAULT_LR), args.epochs)
 
     print(f"command: {' '.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])}")
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}; model {args.model}, {args.steps} steps of batch 8"
     )
-    header = f"| {'run':<40} | target WER | guard WER | target loops | guard loops | s |"
-    lines = [header, "|" + "---|" * 6]
+    header = f"| {'run':<40} | target WER | guard WER | target loops | guard loops | s | steps |"
+    lines = [header, "|" + "---|" * 7]
     print(header, flush=True)
     base = None
     for index, run in enumerate(runs):
         result = train_once(run, sets, args, args.work_dir / f"run{index}", at_start=base is None)
         if base is None:
             base = rows_at(result, 0)
-            line = _line(f"{args.model}, before fine-tuning", base, None)
+            line = _line(f"{args.model}, before fine-tuning", base, None) + " 0 |"
             lines.insert(2, line)
             print(line, flush=True)
         final = rows_at(result, result["steps"])
-        line = _line(run.label, final, result["seconds"])
+        line = _line(run.label, final, result["seconds"]) + f" {result['steps']} |"
         lines.append(line)
         print(line, flush=True)
     print()

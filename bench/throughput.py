@@ -16,6 +16,13 @@ Two scenarios:
   freeze-encoder  whisper-train with its encoder cache (built once, before the loop) vs the
                   Trainer with `model.freeze_encoder()`; seconds per epoch after the first.
 
+Packing (`--packing-sets an4,long,synth`): clips/s and seconds of audio trained per second for
+whisper-train with --packing off, with --packing on, and the Seq2SeqTrainer recipe (scenario
+full, same model, batch and clips), on AN4 (../shared/realspeech, 0.7-1.3 s), LJ Speech and
+LibriVox (the realspeech clips of 5-10 s) and espeak-ng clips of the demo's voices (each set's
+clips listed --repeat times). A packed batch holds --batch-size windows of up to 30 s, so about
+the memory of --batch-size clips.
+
 Each run is its own subprocess (`--worker`), and runs alternate (whisper-train, Trainer,
 whisper-train, ...). Times are CPU seconds of the worker process (`time.process_time`), not wall
 time: on a machine shared with other jobs wall time swung 6x between identical runs, CPU time
@@ -132,6 +139,7 @@ def run_whisper_train(args) -> dict:
             "max_grad_norm": 1.0,
             "learning_rate": 1e-5,
             "seed": 0,
+            "packing": args.packing,
         }
     )
     printed = io.StringIO()
@@ -283,7 +291,7 @@ def worker(args) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def launch(args, system: str, scenario: str, epochs: int) -> dict:
+def launch(args, system: str, scenario: str, epochs: int, packing: str = "off") -> dict:
     command = [
         sys.executable,
         __file__,
@@ -307,6 +315,8 @@ def launch(args, system: str, scenario: str, epochs: int) -> dict:
         str(args.threads),
         "--peak-tflops",
         str(args.peak_tflops),
+        "--packing",
+        packing,
     ]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     match = re.search(r"^RESULT (.*)$", done.stdout, flags=re.MULTILINE)
@@ -329,7 +339,19 @@ def main() -> None:
     parser.add_argument("--freeze-epochs", type=int, default=3)
     parser.add_argument("--scenarios", default="full,freeze-encoder")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument(
+        "--packing-sets",
+        default=None,
+        help="an4,long,synth: compare --packing on/off and the Trainer on these clip sets",
+    )
+    parser.add_argument("--repeat", type=int, default=2, help="each set's clips listed N times")
+    parser.add_argument(
+        "--fill",
+        action="store_true",
+        help="with --packing-sets: only print windows and speech share of each set by gap",
+    )
     # worker-only arguments
+    parser.add_argument("--packing", default="off")
     parser.add_argument("--worker", choices=["whisper-train", "trainer"])
     parser.add_argument("--scenario")
     parser.add_argument("--epochs", type=int)
@@ -343,6 +365,12 @@ def main() -> None:
 
     import torch
 
+    if args.packing_sets and args.fill:
+        packing_fill(args)
+        return
+    if args.packing_sets:
+        packing_comparison(args)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         args.workdir = tmp
@@ -380,6 +408,111 @@ def main() -> None:
                 f"Seq2SeqTrainer full fine-tuning epoch / whisper-train freeze-encoder epoch "
                 f"(cached): {ratio:.2f}x"
             )
+
+
+def set_manifest(folder: Path, name: str, repeat: int) -> tuple[Path, int, float]:
+    """(manifest, clips, seconds of audio) of a named clip set, each clip listed `repeat` times:
+    an4 and long from ../shared/realspeech, synth made by espeak-ng in the demo's voices."""
+    import soundfile
+
+    rows = []
+    if name in ("an4", "long"):
+        for line in (REALSPEECH / "manifest.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            is_an4 = "/an4/" in row["source"]
+            if (name == "an4" and is_an4) or (
+                name == "long" and not is_an4 and 5.0 <= row["duration_s"] <= 10.5
+            ):
+                rows.append({"audio": str(REALSPEECH / row["audio"]), "text": row["text"]})
+    elif name == "synth":
+        import csv
+
+        from whisper_train.synth import make_speech_dataset
+
+        speech = make_speech_dataset(folder / "synth", n_utterances=64, seed=0)
+        with (speech / "metadata.csv").open(encoding="utf-8") as stream:
+            for row in csv.DictReader(stream):
+                path = speech / row["file_name"]
+                if 3.0 <= soundfile.info(str(path)).duration <= 5.0:
+                    rows.append({"audio": str(path), "text": row["transcription"]})
+    else:
+        sys.exit(f"--packing-sets: unknown set {name!r} (an4, long, synth)")
+    seconds = sum(soundfile.info(row["audio"]).duration for row in rows)
+    manifest = folder / f"{name}.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows * repeat), encoding="utf-8")
+    return manifest, len(rows) * repeat, seconds * repeat
+
+
+def packing_fill(args) -> None:
+    """Windows an epoch and the speech share of the encoder's input, by the gap between clips
+    (label budget not binding on these sets: plain text, tiny.en's 448 positions)."""
+    import soundfile
+
+    from whisper_train.packing import ClipSize, fill_ratio, plan_windows
+
+    print("| set | clips | gap s | windows | speech share of the encoder's input |")
+    print("|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.packing_sets.split(","):
+            manifest, clips, _ = set_manifest(Path(tmp), name, args.repeat)
+            rows = [json.loads(line) for line in manifest.read_text().splitlines()]
+            sizes = [
+                ClipSize(soundfile.info(row["audio"]).duration, 4 * len(row["text"].split()))
+                for row in rows
+            ]
+            print(f"| {name} | {clips} | none | {clips} | {100 * fill_ratio(sizes, sizes):.0f}% |")
+            for gap in (0.0, 0.3, 0.5, 1.0):
+                windows = plan_windows(
+                    sizes, seed=0, epoch=0, prefix_tokens=2, max_tokens=448, gap_seconds=gap
+                )
+                share = 100 * fill_ratio(sizes, windows)
+                print(f"| {name} | {clips} | {gap} | {len(windows)} | {share:.0f}% |")
+
+
+def packing_comparison(args) -> None:
+    """whisper-train packed, unpacked and the Seq2SeqTrainer on each set, side by side."""
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        args.workdir = tmp
+        args.model_dir = str(save_model(tmp_path / "model", args.d_model, args.layers, args.model))
+        shape = args.model or f"random, d_model {args.d_model}, {args.layers}+{args.layers} layers"
+        print(
+            f"machine: {platform.machine()}, {os.cpu_count()} CPUs, cuda "
+            f"{torch.cuda.is_available()}; model {shape}; batch {args.batch_size} (clips, or "
+            f"packed windows), checkpointing {args.checkpointing}, {args.threads} thread(s), "
+            f"{args.rounds} round(s); CPU seconds of each worker"
+        )
+        table = []
+        for name in args.packing_sets.split(","):
+            manifest, clips, seconds = set_manifest(tmp_path, name, args.repeat)
+            args.manifest = str(manifest)
+            runs: dict[str, list[dict]] = {"packed": [], "unpacked": [], "trainer": []}
+            for _ in range(args.rounds):
+                runs["packed"].append(launch(args, "whisper-train", "full", 1, "on"))
+                runs["unpacked"].append(launch(args, "whisper-train", "full", 1, "off"))
+                runs["trainer"].append(launch(args, "trainer", "full", 1))
+            loop = {k: statistics.median(r["loop_s"] for r in v) for k, v in runs.items()}
+            features = statistics.median(r["features_s"] for r in runs["trainer"])
+            print(f"  {name}: {clips} clips, {seconds:.0f} s of audio; loop seconds {loop}")
+            table.append((name, clips, seconds / clips, loop, features))
+        print()
+        print(
+            "| set | clips | mean s | system | clips/s | audio s/s | vs Trainer (loop) "
+            "| vs Trainer incl. its features |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        for name, clips, mean, loop, features in table:
+            for system in ("packed", "unpacked", "trainer"):
+                rate = clips / loop[system]
+                trainer_rate = clips / loop["trainer"]
+                with_features = clips / (loop["trainer"] + features)
+                print(
+                    f"| {name} | {clips} | {mean:.1f} | {system} | {rate:.2f} | "
+                    f"{rate * mean:.1f} | {rate / trainer_rate:.2f}x | "
+                    f"{rate / with_features:.2f}x |"
+                )
 
 
 def report(scenario: str, runs: dict[str, list[dict]]) -> None:

@@ -24,7 +24,8 @@ IGNORE_INDEX = -100  # ignored by torch's cross-entropy
 
 
 class SpeechCollator:
-    """Items from `SpeechDataset` → a batch dict; `Skip` items are dropped and reported.
+    """Items from `SpeechDataset` → a batch dict; `Skip` items are dropped and reported, as
+    are the clips a packed window lists under `skipped`.
 
     The batch holds `decoder_input_ids`, `labels` (batch, max_len), `texts`, `indices`,
     `skipped` (list of `Skip`), and `input_features` (batch, n_mels, n_frames) when given a
@@ -38,6 +39,9 @@ class SpeechCollator:
     def __call__(self, items: Sequence[dict | Skip]) -> dict:
         skipped = [item for item in items if isinstance(item, Skip)]
         good = [item for item in items if not isinstance(item, Skip)]
+        # A packed window lists the clips it lost; one that lost them all holds nothing else.
+        skipped += [skip for item in good for skip in item.get("skipped", ())]
+        good = [item for item in good if "tokens" in item]
         batch: dict = {"skipped": skipped, "size": len(good)}
         if not good:
             return batch

@@ -140,6 +140,12 @@ class DataConfig:
     audio_augment: bool = _help(
         "Waveform augmentation (noise, speed, gain), seeded by --seed.", default=False
     )
+    packing: str = _help(
+        "on: pack short training clips into windows of at most 30 s of audio and 448 label "
+        "tokens (the encoder always runs on 30 s: packed, it runs on speech, not padding); "
+        "off: one clip a window. Evaluation is never packed.",
+        default="off",
+    )
 
 
 @dataclass
@@ -470,7 +476,20 @@ class RunConfig:
             ("--shuffle-buffer", d.shuffle_buffer),
         ):
             require_positive(flag, value)
+        d.packing = _on_off("--packing", d.packing)
+        if d.packing == "on" and t.group_by_length:
+            raise UserError(
+                "--group-by-length with --packing on: packed windows are batched as they are "
+                "planned; drop one of them"
+            )
         self._validate_stream()
+        if self.packing_on and self.cache_encoder:
+            raise UserError(
+                "--packing on with the frozen encoder's cache: the cache keeps each clip's "
+                "encoder output, and packed windows are drawn anew every epoch, so none would "
+                "be reused; drop --packing (cached epochs already skip the encoder) or add "
+                "--no-cache-encoder"
+            )
         for flag, value in (  # these may also be left unset (None)
             ("--max-steps", t.max_steps),
             ("--eval-steps", t.eval_steps),
@@ -602,6 +621,11 @@ class RunConfig:
         return {"full": 1e-5, "lora": 3e-4, "freeze-encoder": 3e-5}[self.model.mode]
 
     @property
+    def packing_on(self) -> bool:
+        """Whether training clips are packed into 30 s windows (`packing`)."""
+        return self.data.packing == "on"
+
+    @property
     def cache_encoder(self) -> bool:
         if self.memory.cache_encoder is not None:
             return self.memory.cache_encoder
@@ -646,6 +670,16 @@ def require_positive(flag: str, value: int, *, alternative: str | None = None) -
 def _one_of(flag: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise UserError(f"{flag} {value}: expected one of {', '.join(allowed)}")
+
+
+def _on_off(flag: str, value: Any) -> str:
+    """'on' / 'off' from a flag's text or YAML's boolean (YAML reads a bare `on` as true)."""
+    text = str(value).strip().lower()
+    if text in ("on", "true", "yes", "1"):
+        return "on"
+    if text in ("off", "false", "no", "0"):
+        return "off"
+    raise UserError(f"{flag} {value}: expected on or off")
 
 
 def _coerce(group: Any, name: str, value: Any, source: str) -> Any:

@@ -341,6 +341,12 @@ class EncoderCacheCollator:
         self.cache = cache
         self.examples = examples
 
+    @staticmethod
+    def _decode(example):
+        from whisper_train.audio import load_audio
+
+        return load_audio(example.audio, start=example.start, end=example.end)
+
     def __call__(self, items: Sequence) -> dict:
         batch = self.collator(items)
         if not batch["size"]:
@@ -357,10 +363,28 @@ class EncoderCacheCollator:
                 states[row] = stored
         batch["encoder_hidden_states"] = states
         if missing:
-            batch["input_features"] = self.log_mel([audio[row] for row in missing])
+            # A clip the dataset found cached but that is gone now (another run cleared the
+            # cache) is decoded here after all.
+            clips = [
+                audio[row] if audio[row] is not None else self._decode(self.examples[index])
+                for row, index in ((row, batch["indices"][row].item()) for row in missing)
+            ]
+            batch["input_features"] = self.log_mel(clips)
             batch["encoder_missing"] = torch.tensor(missing, dtype=torch.long)
             batch["encoder_keys"] = [keys[row] for row in missing]
         return batch
+
+
+class CachedClip:
+    """example → whether `cache` holds its encoder output (a file exists under its key): the
+    dataset then skips decoding its audio. Picklable, for loader workers."""
+
+    def __init__(self, cache: EncoderCache):
+        self.cache = cache
+
+    def __call__(self, example) -> bool:
+        key = clip_key(example)
+        return key is not None and self.cache.path(key).is_file()
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

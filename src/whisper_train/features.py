@@ -126,10 +126,23 @@ class SpeechDataset(Dataset):
     header is checked first (`data.clip_problem`: it exists, decodes, lasts at most 30 s, holds
     its window): a corpus screened without reading headers is checked here, clip by clip, and a
     missing or two-hour file is skipped before anything is decoded.
+
+    An index is a clip's position, or `(epoch, item)` where item is a clip's position or a tuple
+    of them: a packed window (`packing`), its clips joined by `gap_seconds` of silence and its
+    label their transcripts in order. The epoch travels with the index because the training data
+    source's batch sampler runs in the main process: loader workers (persistent or not) then
+    draw augmentation and timestamp forms from (seed, epoch, clip), never from a stale copy.
     """
 
     def __init__(
-        self, examples: Sequence[Example], label_encoder, *, augmenter=None, seed: int = 0
+        self,
+        examples: Sequence[Example],
+        label_encoder,
+        *,
+        augmenter=None,
+        seed: int = 0,
+        gap_seconds: float = 0.3,
+        cached=None,
     ):
         # Packed: the forked loader workers read it without each copying it (PackedExamples).
         self.examples = (
@@ -139,17 +152,52 @@ class SpeechDataset(Dataset):
         self.augmenter = augmenter
         self.seed = seed
         self.epoch = 0
+        self.gap_seconds = gap_seconds
+        # example → whether the frozen encoder's output for it is on disk (`encoder_cache`):
+        # such a clip needs neither its header read nor its audio decoded.
+        self.cached = cached
 
     def set_epoch(self, epoch: int) -> None:
-        """Timestamp mixing and augmentation differ per epoch but repeat for a given seed."""
+        """The epoch of plain integer indices (evaluation); training indices carry their own."""
         self.epoch = epoch
 
     def __len__(self) -> int:
         return len(self.examples)
 
-    def __getitem__(self, index: int) -> dict | Skip:
+    def __getitem__(self, index) -> dict | Skip:
+        epoch = self.epoch
+        if isinstance(index, tuple):
+            epoch, index = index
+        if isinstance(index, tuple):
+            return self._window(index, epoch)
+        if self.cached is not None and self.augmenter is None and self.cached(self.examples[index]):
+            example = self.examples[index]
+            rng = random.Random(f"{self.seed}:{epoch}:{index}")
+            tokens, n_prefix = self.label_encoder.encode(example, rng=rng)
+            return {
+                "audio": None,  # the collator reads the encoder's output instead
+                "tokens": tokens,
+                "n_prefix": n_prefix,
+                "text": example.text,
+                "index": index,
+            }
+        clip = self._clip(index, epoch)
+        if isinstance(clip, Skip):
+            return clip
+        audio, rng = clip
+        tokens, n_prefix = self.label_encoder.encode(self.examples[index], rng=rng)
+        return {
+            "audio": audio,
+            "tokens": tokens,
+            "n_prefix": n_prefix,
+            "text": self.examples[index].text,
+            "index": index,
+        }
+
+    def _clip(self, index: int, epoch: int) -> tuple[np.ndarray, random.Random] | Skip:
+        """One clip's audio, augmented, and the random draws it seeds; or why it is unusable."""
         example = self.examples[index]
-        rng = random.Random(f"{self.seed}:{self.epoch}:{index}")
+        rng = random.Random(f"{self.seed}:{epoch}:{index}")
         problem = clip_problem(example)
         if problem is not None:
             return problem
@@ -159,11 +207,56 @@ class SpeechDataset(Dataset):
             return Skip(example.origin or example.audio, "unreadable audio", exc.reason)
         if self.augmenter is not None:
             audio = self.augmenter(audio, rng)
-        tokens, n_prefix = self.label_encoder.encode(example, rng=rng)
+        return audio, rng
+
+    def _window(self, indices: tuple[int, ...], epoch: int) -> dict:
+        """A packed window: the usable clips of `indices` (each augmented on its own) joined by
+        silence, labelled with their transcripts in order; `skipped` lists the others."""
+        from whisper_train.audio import CHUNK_LENGTH, SAMPLE_RATE
+        from whisper_train.packing import window_label
+
+        if len(indices) == 1:  # a window of one clip is that clip, label and all
+            item = self[(epoch, indices[0])]
+            return item if isinstance(item, Skip) else {**item, "skipped": []}
+        max_samples = int(CHUNK_LENGTH * SAMPLE_RATE)
+        gap = np.zeros(int(round(self.gap_seconds * SAMPLE_RATE)), dtype=np.float32)
+        pieces, texts, spans, skipped = [], [], [], []
+        at = 0  # samples so far
+        rng = None
+        for index in indices:
+            clip = self._clip(index, epoch)
+            if isinstance(clip, Skip):
+                skipped.append(clip)
+                continue
+            audio, clip_rng = clip
+            start = at + (len(gap) if pieces else 0)
+            if start + len(audio) > max_samples:  # planned lengths are headers': a guard
+                skipped.append(
+                    Skip(self.examples[index].origin, "no room left in its packed window")
+                )
+                continue
+            if pieces:
+                pieces.append(gap)
+            pieces.append(audio)
+            texts.append(self.examples[index].text)
+            spans.append((start / SAMPLE_RATE, (start + len(audio)) / SAMPLE_RATE))
+            at = start + len(audio)
+            rng = rng or clip_rng
+        if not pieces:
+            return {"skipped": skipped}
+        language = self.examples[indices[0]].language
+        encoder = self.label_encoder
+        timestamps = encoder.timestamps and (
+            encoder.timestamp_probability >= 1.0 or rng.random() < encoder.timestamp_probability
+        )
+        tokens, n_prefix = window_label(
+            encoder, texts, spans, language=language, timestamps=timestamps
+        )
         return {
-            "audio": audio,
+            "audio": np.concatenate(pieces),
             "tokens": tokens,
             "n_prefix": n_prefix,
-            "text": example.text,
-            "index": index,
+            "text": " ".join(text.strip() for text in texts),
+            "index": indices[0],
+            "skipped": skipped,
         }

@@ -2,11 +2,12 @@
 
     recipe = FineTuneRecipe(config)
     recipe.setup()    # accelerator, model and labels, data, memory, loaders, optimisation, restore
-    recipe.train()    # micro-batches → `_train_step`; after each optimizer step `_after_step`:
-                      #   log, bad-step guard, stop if asked, evaluate, save a checkpoint
+    recipe.train()    # each step's micro-batches (`datasource`) → `_train_step`; then
+                      #   `_after_step`: log, bad-step guard, stop if asked, evaluate, save
     result = recipe.finish()   # last evaluation, OUTPUT/final/, result.json, curves, report
 
-Where things are decided: memory (freezing, LoRA, checkpointing, precision, optimiser) in
+Where things are decided: the training data, its order, packing and each process's share in
+`datasource` (read whole or streamed: the recipe does not know which); memory (freezing, LoRA, checkpointing, precision, optimiser) in
 `whisper_train.memory`; what a checkpoint holds in `checkpoints`; what the run prints and logs in
 `runlog`; the loss in `memory.training_loss`. At the end `OUTPUT/final/` holds a model folder
 that `transformers.pipeline("automatic-speech-recognition", model=...)` loads.
@@ -14,11 +15,10 @@ that `transformers.pipeline("automatic-speech-recognition", model=...)` loads.
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import logging
 import math
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from accelerate.utils import DistributedDataParallelKwargs, send_to_device, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -38,17 +38,16 @@ from whisper_train.data import (
     Example,
     PackedExamples,
     Screening,
-    Skip,
     load_examples,
     raise_first_skip,
     screen,
-    screen_examples,
     screening_cache_folder,
     split_examples,
     summarize_skips,
     unusable_until_one_passes,
 )
-from whisper_train.encoder_cache import EncoderCache, EncoderCacheCollator
+from whisper_train.datasource import TrainingData, build_training_data, stand_in_batch
+from whisper_train.encoder_cache import CachedClip, EncoderCache, EncoderCacheCollator
 from whisper_train.encoder_cache import cache_dir as encoder_cache_dir
 from whisper_train.errors import UserError
 from whisper_train.evaluate import get_normalizer, row_languages, run_evaluation
@@ -57,6 +56,7 @@ from whisper_train.labels import LabelEncoder, configure_generation, with_langua
 from whisper_train.launch import inside_launcher
 from whisper_train.memory import loss_terms
 from whisper_train.memory.plan import encoder_cache_line
+from whisper_train.memory.wrappers import unwrapped
 from whisper_train.models import is_multilingual, load_model
 from whisper_train.report import write_curves_png
 from whisper_train.runlog import (
@@ -71,7 +71,6 @@ from whisper_train.runlog import (
     step_line,
     write_result,
 )
-from whisper_train.sampling import LengthGroupedBatchSampler
 
 # Points of guard-set WER a chosen step may lose against the start, when --guard is given and
 # --max-regression is not: a default picked by judgement, not measured.
@@ -131,9 +130,9 @@ class FineTuneRecipe:
         """Everything before step 1, in the order each part needs the previous ones."""
         self._setup_accelerator()
         self._setup_model_and_labels()
-        self._setup_data()
+        self.datasets = self._setup_data()
         self._setup_memory()
-        self._setup_loaders()
+        self.data = self._setup_loaders()
         self._setup_optimisation()
         self._restore()
         self._open_run_log()
@@ -151,7 +150,9 @@ class FineTuneRecipe:
         AcceleratorState._reset_state(reset_partial_state=False)
         self.accelerator = Accelerator(
             mixed_precision=self.precision.mixed_precision,
-            gradient_accumulation_steps=t.gradient_accumulation,
+            # Accumulation is the step loop's (`_train_step`: the token mean over the step's
+            # micro-batches, gradients all-reduced on the last): accelerate's would divide by N.
+            gradient_accumulation_steps=1,
             kwargs_handlers=[self.ddp_kwargs],
             # The scheduler is stepped by hand once per optimizer step (not once per process,
             # accelerate's default), so N processes follow the single-process LR schedule.
@@ -199,116 +200,15 @@ class FineTuneRecipe:
         # (None: `evaluate.normalizer_for`), which need not be the training language.
         self.normalizer_name = None if self.multilingual else "english"
 
-    def _setup_data(self) -> None:
-        self.stream_source = self.config.stream_source()
-        self.stream_samples: int | None = None  # samples in one pass over a stream, if counted
-        if self.stream_source is not None:
-            self._setup_stream_data()
-            return
-        self.datasets = prepare_datasets(
+    def _setup_data(self) -> Datasets:
+        """The evaluation sets, and the training set when it is read whole (a stream is opened
+        by the training data source, `_setup_loaders`)."""
+        datasets = prepare_datasets(
             self.config,
             self.label_encoder,
             max_label_tokens=self.model.config.max_target_positions,
         )
-        sets = ", ".join(f"{len(ex)} in {name}" for name, ex in self.datasets.eval.items())
-        checked = (
-            ""
-            if self.config.data.strict
-            else " (training audio is checked as each clip is read; `whisper-train check-data` "
-            "checks it all first)"
-        )
-        say(
-            self.accelerator,
-            f"data: {len(self.datasets.train)} training utterances; evaluation: {sets or 'none'}"
-            f"{checked}",
-        )
-
-    def _setup_stream_data(self) -> None:
-        """A streamed --data: nothing of it is read before step 1 but, without --max-steps, one
-        pass that counts its rows (no decoding) for the epoch length. Evaluation sets are small
-        and read whole, as without streaming."""
-        c, accelerator = self.config, self.accelerator
-        max_label_tokens = self.model.config.max_target_positions
-        eval_sets = {}
-        # --data-format names the stream's format, not the evaluation sets': theirs is detected.
-        if not c.train.only_train:
-            for name, path in c.eval_sets().items():
-                if streaming.stream_source(path) is not None:
-                    raise UserError(
-                        f"--eval-data {path}: evaluation sets are read whole, not streamed; "
-                        "give a manifest or folder layout (see `whisper-train check-data`)"
-                    )
-                examples = with_language(load_examples(path), c.eval_set_language(name))
-                if c.data.eval_subset:
-                    examples = examples[: c.data.eval_subset]
-                eval_sets[name], skipped = screen_examples(
-                    examples,
-                    count_tokens=self.label_encoder.decoder_tokens,
-                    max_label_tokens=max_label_tokens,
-                    strict=c.data.strict,
-                )
-                if skipped:
-                    log.warning(summarize_skips(skipped))
-        self.datasets = Datasets([], eval_sets)
-        counted = ""
-        if c.train.max_steps is None:
-            rank, world = accelerator.process_index, accelerator.num_processes
-            rows, seconds = streaming.timed_count(self.stream_source, rank=rank, world_size=world)
-            total = torch.tensor([rows], device=accelerator.device)
-            self.stream_samples = int(accelerator.reduce(total, reduction="sum").item())
-            counted = (
-                f", {self.stream_samples} samples a pass (counted in {seconds:.1f} s; "
-                "--max-steps skips the count)"
-            )
-        sets = ", ".join(f"{len(ex)} in {name}" for name, ex in eval_sets.items())
-        say(
-            accelerator,
-            f"data: streaming {self.stream_source.describe()}{counted}; shuffle buffer "
-            f"{c.data.shuffle_buffer}; evaluation: {sets or 'none'}",
-        )
-
-    def _stream_loader(self, collator: SpeechCollator, augmenter) -> DataLoader:
-        """This process's share of the stream, decoded in the DataLoader workers."""
-        c, t, accelerator = self.config, self.config.train, self.accelerator
-        self.train_set = streaming.training_stream(
-            self.stream_source,
-            self.label_encoder,
-            rank=accelerator.process_index,
-            world_size=accelerator.num_processes,
-            seed=t.seed,
-            shuffle_buffer=c.data.shuffle_buffer,
-            max_label_tokens=self.model.config.max_target_positions,
-            augmenter=augmenter,
-        )
-        # What decides which rows a worker's first n are: a resume must match all of them.
-        self.stream_position = streaming.StreamPosition(
-            settings={
-                "seed": t.seed,
-                "shuffle_buffer": c.data.shuffle_buffer,
-                "batch_size": t.batch_size,
-                "num_workers": t.num_workers,
-            }
-        )
-        # Not persistent: the workers are started afresh each pass, with that pass's epoch and
-        # rows to replay.
-        return DataLoader(
-            self.train_set,
-            batch_size=t.batch_size,
-            collate_fn=streaming.StreamCollator(collator),
-            num_workers=t.num_workers,
-            prefetch_factor=4 if t.num_workers > 0 else None,
-        )
-
-    def _batches_per_epoch(self) -> int:
-        """Micro-batches of one epoch on this process. A stream's is known when it was counted;
-        with --max-steps it is not needed, and the run's length stands in for it."""
-        t = self.config.train
-        if self.stream_source is None:
-            return len(self.train_loader)
-        if self.stream_samples is None:
-            return t.max_steps * t.gradient_accumulation
-        per_process = math.ceil(self.stream_samples / self.accelerator.num_processes)
-        return math.ceil(per_process / t.batch_size)
+        return datasets
 
     def _setup_memory(self) -> None:
         """Freezing, LoRA and checkpointing in the one order that works (`memory`), then the
@@ -387,18 +287,11 @@ class FineTuneRecipe:
             what="a checkpoint and the final model",
         )
 
-    def _setup_loaders(self) -> None:
+    def _setup_loaders(self) -> TrainingData:
+        """The evaluation loaders, and the training data source (`datasource`), returned."""
         c, t = self.config, self.config.train
         log_mel = LogMel(self.processor.feature_extractor)
         pad_id = self.processor.tokenizer.pad_token_id
-        augmenter = None
-        if c.data.audio_augment:
-            from whisper_train.augment import WaveformAugmenter
-
-            augmenter = WaveformAugmenter(seed=t.seed)
-        self.train_set = SpeechDataset(
-            self.datasets.train, self.label_encoder, augmenter=augmenter, seed=t.seed
-        )
         # A frozen encoder maps a clip to the same output every epoch and every evaluation:
         # compute it once (for the evaluation sets too) and train and evaluate the decoder alone.
         self.encoder_cache = self._encoder_cache() if c.cache_encoder else None
@@ -408,42 +301,28 @@ class FineTuneRecipe:
                 return SpeechCollator(pad_id, log_mel=log_mel)
             return EncoderCacheCollator(pad_id, log_mel, self.encoder_cache, examples)
 
+        # A clip whose encoder output is cached is not decoded at all (`CachedClip`).
+        cached = CachedClip(self.encoder_cache) if self.encoder_cache is not None else None
         self.eval_loaders = {}
         # Each set is decoded in its rows' languages, else its own (`eval_set_language`), else
         # each clip's detected one: never the training language by default (issue 24).
         self.eval_languages = {}
         for name, examples in self.datasets.eval.items():
-            eval_set = SpeechDataset(examples, self.label_encoder, seed=t.seed)
+            eval_set = SpeechDataset(examples, self.label_encoder, seed=t.seed, cached=cached)
             self.eval_loaders[name] = _loader(eval_set, collator(eval_set.examples), t)
             self.eval_languages[name] = row_languages(examples, c.eval_set_language(name))
-        self.length_sampler = None
-        if self.stream_source is not None:
-            self.train_loader = self._stream_loader(
-                SpeechCollator(pad_id, log_mel=log_mel), augmenter
-            )
-            return
-        # The shuffling generator is re-seeded with (seed + epoch) at every epoch: the order of
-        # any epoch is known without replaying the ones before it, which is what resuming needs.
-        self.shuffle_generator = torch.Generator().manual_seed(t.seed)
-        train_collator = collator(self.train_set.examples)
-        self.length_sampler = None
-        if t.group_by_length:
-            self.length_sampler = LengthGroupedBatchSampler(
-                self.datasets.label_lengths(self.label_encoder),
-                t.batch_size,
-                seed=t.seed,
-            )
-            self.train_loader = DataLoader(
-                self.train_set,
-                batch_sampler=self.length_sampler,
-                collate_fn=train_collator,
-                num_workers=t.num_workers,
-                persistent_workers=t.num_workers > 0,
-            )
-        else:
-            self.train_loader = _loader(
-                self.train_set, train_collator, t, shuffle=True, generator=self.shuffle_generator
-            )
+        data = build_training_data(
+            c,
+            self.datasets,
+            self.label_encoder,
+            collator,
+            accelerator=self.accelerator,
+            max_label_tokens=self.model.config.max_target_positions,
+            cached=cached,
+        )
+        sets = ", ".join(f"{len(ex)} in {name}" for name, ex in self.datasets.eval.items())
+        say(self.accelerator, f"data: {data.describe()}; evaluation: {sets or 'none'}")
+        return data
 
     def _encoder_cache(self) -> EncoderCache:
         """The frozen encoder's outputs on disk (`encoder_cache`), shared with other runs and
@@ -513,14 +392,8 @@ class FineTuneRecipe:
         optimizer = memory.build_optimizer(
             self.model, name=c.memory.optim, lr=c.learning_rate, weight_decay=t.weight_decay
         )
-        # Prepare first: with N processes each one sees 1/N of the batches, and the number of
-        # optimizer steps per epoch must come from that sharded loader.
-        if self.stream_source is None:
-            self.model, self.optimizer, self.train_loader = accelerator.prepare(
-                self.model, optimizer, self.train_loader
-            )
-        else:  # already this process's share; accelerate would read it all on rank 0 and send
-            self.model, self.optimizer = accelerator.prepare(self.model, optimizer)
+        # The training data is already this process's share (`datasource`): not prepared.
+        self.model, self.optimizer = accelerator.prepare(self.model, optimizer)
         names = list(self.eval_loaders)
         loaders = accelerator.prepare(*self.eval_loaders.values()) if names else []
         loaders = [loaders] if len(names) == 1 else loaders  # prepare() unpacks a single one
@@ -530,9 +403,6 @@ class FineTuneRecipe:
             # graph. Accelerator(dynamo_backend=) is not used: that setting is process-wide and
             # kept from the first Accelerator, so a second run in one process would not compile.
             self.model = torch.compile(self.model)
-        self.steps_per_epoch = max(
-            1, math.ceil(self._batches_per_epoch() / t.gradient_accumulation)
-        )
         self.total_steps = t.max_steps or math.ceil((t.epochs or 3.0) * self.steps_per_epoch)
         self.scheduler = accelerator.prepare(
             get_scheduler(
@@ -555,24 +425,10 @@ class FineTuneRecipe:
             optimizer=self.optimizer,
             scheduler=self.scheduler,
         )
-        if self.stream_source is not None:
-            saved = checkpoints.read_stream_position(
-                self.resume_from, self.accelerator.process_index
-            )
-            position = streaming.StreamPosition.from_dict(saved)
-            position.check_resumable(self.stream_position.settings, self.resume_from)
-            self.stream_position = position
-            say(
-                self.accelerator,
-                f"resuming from {self.resume_from} at step {self.state.step} (stream pass "
-                f"{position.epoch}, {sum(position.rows.values())} samples into it on this "
-                "process: read again, not decoded)",
-            )
-            return
+        where = self.data.restore(self.resume_from, self.state)
         say(
             self.accelerator,
-            f"resuming from {self.resume_from} at step {self.state.step} "
-            f"(epoch {self.state.epoch}, {self.state.batches_in_epoch} batches into it)",
+            f"resuming from {self.resume_from} at step {self.state.step} ({where})",
         )
 
     def _open_run_log(self) -> None:
@@ -602,10 +458,6 @@ class FineTuneRecipe:
         if self.guard is not None and self.max_regression is None:
             self.max_regression = DEFAULT_MAX_REGRESSION
         self.stopped_for_regression = False
-        # Clips the loader skipped on this process, by origin: said at the end of the epoch
-        # they were first met in (`_report_new_skips`), and at the end of the run.
-        self.clip_skips: dict[str, Skip] = {}
-        self.reported_skips = 0
         self.normalizer = get_normalizer(self.normalizer_name) if self.normalizer_name else None
         self.decoding = self.config.decoding_options()
         # A bar only on a terminal: in a log file its \r redraws pile up into one unreadable
@@ -622,7 +474,6 @@ class FineTuneRecipe:
         )
         self.stop = StopRequest(accelerator)
         self.losses_since_log: list[float] = []  # finite step losses since the last log line
-        self.running_loss, self.running_batches = 0.0, 0  # over the micro-batches of a step
         self.train_seconds = 0.0
         self.first_step = self.state.step  # 0, or the step a --resume starts from
 
@@ -640,14 +491,13 @@ class FineTuneRecipe:
         self.model.train()
         start = time.perf_counter()
         try:
-            for epoch in itertools.count(self.state.epoch):
-                for batch in self._epoch_batches(epoch):
-                    step = self._train_step(batch)
-                    if step is None:
-                        continue  # accumulating gradients, or an empty micro-batch
-                    self._after_step(step)
-                    if self.state.step >= self.total_steps or self.stopped_for_regression:
-                        return
+            for micro_batches in self.data.steps(self.state):
+                step = self._train_step(micro_batches)
+                if step is None:
+                    continue  # no process had a usable clip in this step's micro-batches
+                self._after_step(step)
+                if self.state.step >= self.total_steps or self.stopped_for_regression:
+                    return
         except BaseException:
             self.metrics.close()
             raise
@@ -656,130 +506,56 @@ class FineTuneRecipe:
             self.progress.close()
             self.train_seconds = time.perf_counter() - start
 
-    def _epoch_batches(self, epoch: int):
-        """The micro-batches of `epoch` in its seeded order; after a mid-epoch resume, without
-        the ones already trained on. At the epoch's end, the clips the loader skipped that no
-        earlier epoch had reported are said, and an epoch without one usable clip stops the run.
+    def _train_step(self, micro_batches: list[dict]) -> OptimizerStep | None:
+        """One optimizer step: forward and backward on each of its micro-batches (gradients
+        all-reduced on the last only), then clip, step and zero the gradients.
+
+        The loss is the token mean over every micro-batch of the step on every process: each
+        micro-batch's token-mean loss is weighted by its share of the step's label tokens
+        (`step_loss_weights`), so batch 2 x accumulation 2 is batch 4 whatever the label
+        lengths. An empty micro-batch (a process's share ran out, or none of its clips could be
+        read) runs a stand-in row with zero weight: every process executes the same forwards,
+        backwards and collectives whatever its data.
         """
-        if self.stream_source is not None:
-            yield from self._stream_batches()
-            return
-        t, state = self.config.train, self.state
-        skip = state.batches_in_epoch if epoch == state.epoch else 0
-        self.train_set.set_epoch(epoch)
-        self.shuffle_generator.manual_seed(t.seed + epoch)
-        if self.length_sampler is not None:
-            self.length_sampler.set_epoch(epoch)
-        state.epoch, state.batches_in_epoch = epoch, skip
-        batches = (
-            self.accelerator.skip_first_batches(self.train_loader, skip)
-            if skip
-            else self.train_loader
-        )
-        usable = 0
-        for batch in batches:
-            usable += batch["size"]
-            for item in batch["skipped"]:
-                self.clip_skips.setdefault(item.origin, item)
-            yield batch
-        if usable == 0 and not skip:
-            raise UserError(
-                f"--data {self.config.data.data}: no usable training utterances in a whole "
-                f"epoch ({len(self.clip_skips)} skipped: {self._skip_reasons()}); run "
-                "`whisper-train check-data` on it"
-            )
-        self._report_new_skips(f"epoch {epoch}")
-
-    def _skip_reasons(self) -> str:
-        counts = Counter(item.reason for item in self.clip_skips.values())
-        return ", ".join(f"{n} {reason}" for reason, n in counts.most_common())
-
-    def _report_new_skips(self, when: str) -> None:
-        """The clips skipped by the loader (this process) that were not reported yet."""
-        skips = list(self.clip_skips.values())[self.reported_skips :]
-        if skips:
-            self.reported_skips = len(self.clip_skips)
-            if self.accelerator.num_processes > 1:
-                when += " (process 0)"
-            say(
-                self.accelerator,
-                f"{when}: clips skipped as they were read: " + summarize_skips(skips),
-            )
-
-    def _stream_batches(self):
-        """This process's next pass over its stream, from its saved place after a resume: the
-        micro-batches not yet trained on, on the device. Passes end on each process at its own
-        micro-batch; the processes stay in step because every optimizer step takes
-        --gradient-accumulation micro-batches on each."""
-        position, state, accelerator = self.stream_position, self.state, self.accelerator
-        self.train_set.set_epoch(position.epoch)
-        self.train_set.replay_rows = dict(position.rows)
-        state.epoch = position.epoch
-        replayed, usable = sum(position.rows.values()), 0
-        for batch in self.train_loader:
-            position.advance(batch.pop("stream_rows"))
-            if batch.get("replayed"):
-                continue
-            position.count_skips(batch["skipped"])
-            usable += batch["size"]
-            yield send_to_device(batch, accelerator.device)
-        skipped = position.skipped
-        rows = position.finish_epoch()
-        self.train_set.replay_rows = {}
-        where = f"--data {self.stream_source.spec}"
-        if rows == 0:
-            raise UserError(
-                f"{where}: process {accelerator.process_index} got no samples in a pass: the "
-                f"stream has fewer shards or samples than processes x workers; use fewer "
-                "--nproc or --num-workers, or more shards"
-            )
-        if usable == 0 and replayed == 0:
-            raise UserError(
-                f"{where}: no usable clip in a whole pass ({rows} samples, "
-                f"{streaming.skip_summary(skipped)}); run `whisper-train check-data` on it"
-            )
-        if self.stream_samples is None and position.epoch == 1:  # now the length of a pass
-            t = self.config.train
-            self.steps_per_epoch = max(1, math.ceil(rows / t.batch_size / t.gradient_accumulation))
-        say(
-            accelerator,
-            f"stream pass {position.epoch - 1} ended on process 0: {rows} samples, "
-            f"{streaming.skip_summary(skipped)}",
-        )
-
-    def _train_step(self, batch: dict) -> OptimizerStep | None:
-        """Forward and backward on one micro-batch; on the last of `gradient_accumulation`
-        micro-batches also clip, step and zero the gradients, and return what the step did."""
         accelerator, state, t = self.accelerator, self.state, self.config.train
-        state.batches_in_epoch += 1
-        state.skipped_clips += len(batch["skipped"])
-        if not batch["size"]:
-            return None  # every clip in this micro-batch was unusable; already counted
-        batch = self._with_encoder_outputs(batch)
-        with accelerator.accumulate(self.model):
-            with memory.activation_offload(self.offload, accelerator.device):
-                loss, reported_loss = data_parallel_loss(
-                    self.model, batch, accelerator, preserve=self.preserve
+        state.skipped_clips += sum(len(batch["skipped"]) for batch in micro_batches)
+        weights, total_tokens = step_loss_weights(micro_batches, accelerator)
+        loss_sum = 0.0  # cross-entropy x tokens, this process
+        for position, (batch, weight) in enumerate(zip(micro_batches, weights, strict=True)):
+            if batch["size"]:
+                batch = self._with_encoder_outputs(batch)
+            else:
+                batch = stand_in_batch(
+                    memory.whisper_of(unwrapped(self.model)).config,
+                    accelerator.device,
+                    encoder_outputs=self.encoder_cache is not None,
                 )
-            accelerator.backward(loss)
-            self.running_loss += reported_loss
-            self.running_batches += 1
-            if not accelerator.sync_gradients:
-                return None
-            step_loss = self.running_loss / self.running_batches
-            self.running_loss, self.running_batches = 0.0, 0
-            max_norm = t.max_grad_norm if t.max_grad_norm > 0 else math.inf
-            grad_norm = float(accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
-            skipped = not (math.isfinite(step_loss) and math.isfinite(grad_norm))
-            if accelerator.scaler is not None:
-                self.optimizer.step()  # the fp16 scaler skips non-finite gradients itself
-                skipped = skipped or self.optimizer.step_was_skipped
-            elif not skipped:
-                self.optimizer.step()
-            if not skipped:
-                self.scheduler.step()
-            # Free the gradients as soon as they are used: no need for that memory any more.
+            last = position == len(micro_batches) - 1
+            sync = contextlib.nullcontext() if last else accelerator.no_sync(self.model)
+            with sync, memory.activation_offload(self.offload, accelerator.device):
+                terms = loss_terms(self.model, batch, preserve=self.preserve)
+                # DDP averages the N processes' gradients: x N makes that average a sum.
+                accelerator.backward(terms.loss * (weight * accelerator.num_processes))
+            loss_sum += float(terms.cross_entropy.detach().float()) * weight * total_tokens
+        if accelerator.num_processes > 1:
+            summed = torch.tensor([loss_sum], device=accelerator.device, dtype=torch.float64)
+            loss_sum = float(accelerator.reduce(summed, reduction="sum").item())
+        if not total_tokens:  # nothing to learn anywhere: not a step (as before the stand-ins)
             self.optimizer.zero_grad(set_to_none=True)
+            return None
+        step_loss = loss_sum / total_tokens
+        max_norm = t.max_grad_norm if t.max_grad_norm > 0 else math.inf
+        grad_norm = float(accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
+        skipped = not (math.isfinite(step_loss) and math.isfinite(grad_norm))
+        if accelerator.scaler is not None:
+            self.optimizer.step()  # the fp16 scaler skips non-finite gradients itself
+            skipped = skipped or self.optimizer.step_was_skipped
+        elif not skipped:
+            self.optimizer.step()
+        if not skipped:
+            self.scheduler.step()
+        # Free the gradients as soon as they are used: no need for that memory any more.
+        self.optimizer.zero_grad(set_to_none=True)
         state.step += 1
         return OptimizerStep(step_loss, grad_norm, skipped)
 
@@ -848,6 +624,13 @@ class FineTuneRecipe:
         elif self.accelerator.is_main_process:
             tqdm.write(step_line(state.step, self.total_steps, mean_loss, row["lr"]))
 
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps an epoch, from the data source's micro-batches an epoch (a stream's
+        is known once counted, or after its first pass)."""
+        accumulation = self.config.train.gradient_accumulation
+        return max(1, math.ceil(self.data.batches_per_epoch / accumulation))
+
     def _epoch_fraction(self) -> float:
         done_before = self.state.epoch * self.steps_per_epoch
         return min(1.0, (self.state.step - done_before) / self.steps_per_epoch)
@@ -913,9 +696,7 @@ class FineTuneRecipe:
             scheduler=self.scheduler,
             state=self.state,
             config_yaml=self.config.to_saved_yaml(),
-            stream_position=(
-                self.stream_position.to_dict() if self.stream_source is not None else None
-            ),
+            stream_position=self.data.saved_position(),
         )
         if self.accelerator.is_main_process:
             checkpoints.rotate_checkpoints(
@@ -940,8 +721,7 @@ class FineTuneRecipe:
         best_folder = self.output_dir / f"{checkpoints.PREFIX}{choice.step}"
         if choice.step not in (None, state.step) and not best_folder.is_dir():
             choice = FinalChoice(state.step, f"the last step ({best_folder} is missing)")
-        if self.stream_source is None:
-            self._report_new_skips(f"step {state.step}")
+        self.data.report_skips(f"step {state.step}")
         if state.skipped_clips:
             say(
                 accelerator,
@@ -961,7 +741,7 @@ class FineTuneRecipe:
             self.output_dir,
             None,
             state.step,
-            self.stream_samples or len(self.datasets.train),
+            getattr(self.data, "stream_samples", None) or len(self.datasets.train),
             sum(len(examples) for examples in self.datasets.eval.values()),
             state.skipped_clips,
             self.evaluations,
@@ -1014,27 +794,25 @@ def trained_line(first_step: int, last_step: int, seconds: float) -> str:
     )
 
 
-def data_parallel_loss(
-    model, batch: dict, accelerator, *, preserve: memory.BasePreservation | None = None
-) -> tuple[torch.Tensor, float]:
-    """(loss to backpropagate, cross-entropy to report) for this process's share of the batch.
+def step_loss_weights(micro_batches: list[dict], accelerator) -> tuple[list[float], float]:
+    """(weight of each micro-batch's token-mean loss, label tokens of the whole step).
 
-    One process: the token-mean loss, unchanged. N processes: DDP averages the N gradients, so
-    each process's loss is rescaled to (its token-loss sum) x N / (tokens in the whole global
-    batch); the gradient is then that of the token-mean over the global batch, exactly what one
-    process computes on the same batch, however the tokens are spread over the processes. With
-    --preserve-base the loss has a KL term (also a token mean, so the same rescaling holds); the
-    reported loss stays the cross-entropy, comparable with runs without it.
+    A step's loss is the token mean over all its micro-batches on all processes: micro-batch
+    m's weight is its label tokens over the step's, summed over the processes with one
+    all-reduce (every process calls this once a step, whatever its data). Weighted so, the
+    micro-batches' gradients add up to the gradient one process computes on the whole global
+    batch at once, however the tokens are spread over micro-batches and processes; with
+    --preserve-base the KL term is a token mean too, so the same weights hold.
     """
-    terms = loss_terms(model, batch, preserve=preserve)
-    loss, reported = terms.loss, terms.cross_entropy.detach().float()
-    if accelerator.num_processes == 1:
-        return loss, reported.item()
-    n_tokens = (batch["labels"] != IGNORE_INDEX).sum().float()
-    local = torch.stack([reported * n_tokens, n_tokens])
-    loss_sum, total_tokens = accelerator.reduce(local, reduction="sum").tolist()
-    scale = accelerator.num_processes * n_tokens / max(total_tokens, 1.0)
-    return loss * scale, loss_sum / max(total_tokens, 1.0)
+    counts = [
+        float((batch["labels"] != IGNORE_INDEX).sum()) if batch["size"] else 0.0
+        for batch in micro_batches
+    ]
+    total = sum(counts)
+    if accelerator.num_processes > 1:
+        local = torch.tensor([total], device=accelerator.device, dtype=torch.float64)
+        total = float(accelerator.reduce(local, reduction="sum").item())
+    return [n / total if total else 0.0 for n in counts], total
 
 
 def prepare_datasets(
@@ -1042,8 +820,17 @@ def prepare_datasets(
 ) -> Datasets:
     """Read, split, subset and screen the data; report what was skipped and why."""
     d = config.data
-    examples = load_examples(d.data, data_format=d.data_format)
+    # A streamed --data is opened by its training data source (`datasource.StreamData`), never
+    # read here; its evaluation sets are read whole like any other.
+    streamed = config.stream_source() is not None
+    examples = [] if streamed else load_examples(d.data, data_format=d.data_format)
     eval_paths = config.eval_sets()
+    for path in eval_paths.values():
+        if not config.train.only_train and streaming.stream_source(path) is not None:
+            raise UserError(
+                f"--eval-data {path}: evaluation sets are read whole, not streamed; "
+                "give a manifest or folder layout (see `whisper-train check-data`)"
+            )
     if config.train.only_train:
         train_examples, eval_sets = examples, {}
     elif eval_paths:
@@ -1085,7 +872,7 @@ def prepare_datasets(
         skipped += screening.skips
     if skipped:
         log.warning(summarize_skips(skipped))
-    if not kept_train:
+    if not kept_train and not streamed:
         raise UserError(
             f"--data {d.data}: no usable training utterances after screening; "
             "run `whisper-train check-data` on it to see why"

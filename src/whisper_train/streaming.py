@@ -365,6 +365,8 @@ class SpeechStream(torch.utils.data.IterableDataset):
         max_label_tokens: int,
         seed: int,
         augmenter=None,
+        packing: bool = False,
+        gap_seconds: float = 0.3,
     ):
         self.dataset = dataset
         self.columns = columns
@@ -374,6 +376,8 @@ class SpeechStream(torch.utils.data.IterableDataset):
         self.augmenter = augmenter
         self.epoch = 0
         self.replay_rows: dict[int, int] = {}
+        self.packing = packing
+        self.gap_seconds = gap_seconds
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -384,11 +388,88 @@ class SpeechStream(torch.utils.data.IterableDataset):
         worker = info.id if info is not None else 0
         replay = self.replay_rows.get(worker, 0)
         # Iterated inside a DataLoader worker, `datasets` gives this worker its own shards.
+        rows = self._rows(worker, replay)
+        yield from self._packed(rows) if self.packing else rows
+
+    def _rows(self, worker: int, replay: int):
         for index, row in enumerate(self.dataset):
             if index < replay:
                 yield worker, index, REPLAYED
             else:
                 yield worker, index, self._item(row, worker, index)
+
+    def _packed(self, rows):
+        """--packing on: consecutive clips of this worker's rows packed into windows of at most
+        30 s and `max_label_tokens` positions (next fit: a clip that does not fit starts the
+        next window). A window is handed out with the last row it covers, skips included, so
+        the rows a checkpoint counts as consumed are exactly those of the windows trained on:
+        a resumed worker starts its next window at that row, as the uninterrupted one did."""
+        from whisper_train.packing import window_label
+
+        gap = int(round(self.gap_seconds * SAMPLE_RATE))
+        max_samples = int(CHUNK_LENGTH * SAMPLE_RATE)
+        per_clip = 2 if self.label_encoder.timestamps else 0
+        pending: list[tuple[int, dict]] = []  # (row, item) of the open window
+        skipped: list[Skip] = []
+        state = {"samples": 0, "positions": 0, "language": None}
+
+        def close(worker: int, last_row: int):
+            clips = [item for _, item in pending]
+            texts, spans, pieces, at = [], [], [], 0
+            for item in clips:
+                start = at + (gap if pieces else 0)
+                if pieces:
+                    pieces.append(np.zeros(gap, dtype=np.float32))
+                pieces.append(item["audio"])
+                texts.append(item["text"])
+                spans.append((start / SAMPLE_RATE, (start + len(item["audio"])) / SAMPLE_RATE))
+                at = start + len(item["audio"])
+            window: dict = {"skipped": list(skipped)}
+            if clips:
+                first_row = pending[0][0]
+                rng = random.Random(f"{self.seed}:{self.epoch}:{worker}:{first_row}:window")
+                encoder = self.label_encoder
+                timestamps = encoder.timestamps and rng.random() < encoder.timestamp_probability
+                tokens, n_prefix = window_label(
+                    encoder, texts, spans, language=state["language"], timestamps=timestamps
+                )
+                window.update(
+                    audio=np.concatenate(pieces),
+                    tokens=tokens,
+                    n_prefix=n_prefix,
+                    text=" ".join(texts),
+                    index=first_row,
+                )
+            pending.clear()
+            skipped.clear()
+            state.update(samples=0, positions=0, language=None)
+            return worker, last_row, window
+
+        last = None  # (worker, row) of the last row read
+        for worker, index, item in rows:
+            if item is REPLAYED:
+                yield worker, index, item
+                continue
+            if isinstance(item, Skip):
+                skipped.append(item)
+                last = (worker, index)
+                continue
+            text_tokens = len(item["tokens"]) - item["n_prefix"] - 1 + per_clip
+            language = item.get("language")
+            samples = state["samples"] + (gap if pending else 0) + len(item["audio"])
+            positions = (state["positions"] or item["n_prefix"]) + text_tokens
+            if pending and (
+                samples > max_samples
+                or positions > self.max_label_tokens
+                or language != state["language"]
+            ):
+                yield close(worker, index - 1)
+                samples, positions = len(item["audio"]), item["n_prefix"] + text_tokens
+            pending.append((index, item))
+            state.update(samples=samples, positions=positions, language=language)
+            last = (worker, index)
+        if last is not None and (pending or skipped):
+            yield close(*last)
 
     def _item(self, row: dict, worker: int, index: int) -> dict | Skip:
         where = read_row(row, self.columns, f"stream row {worker}:{index}")
@@ -426,6 +507,7 @@ class SpeechStream(torch.utils.data.IterableDataset):
             "n_prefix": n_prefix,
             "text": example.text,
             "index": index,
+            "language": example.language,
         }
 
 
@@ -459,6 +541,7 @@ def training_stream(
     shuffle_buffer: int,
     max_label_tokens: int,
     augmenter=None,
+    packing: bool = False,
 ) -> SpeechStream:
     """Process `rank`'s share of the source, shuffled by a seeded buffer of `shuffle_buffer`
     rows (and the shard order, anew every epoch); the DataLoader's workers split it further."""
@@ -475,6 +558,7 @@ def training_stream(
         max_label_tokens=max_label_tokens,
         seed=seed,
         augmenter=augmenter,
+        packing=packing,
     )
 
 

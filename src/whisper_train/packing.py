@@ -1,0 +1,143 @@
+"""Packing short clips into 30-second windows: the encoder's work goes to speech, not padding.
+
+Whisper's encoder always runs on 30 s (3000 log-mel frames; transformers refuses any other
+length), so a 3 s clip costs the encoder as much as a 30 s one: on the clips users have (2-8 s)
+80-90% of its work is on silence. `plan_windows` groups clips into windows of at most
+`max_seconds` of audio (clips joined by `gap_seconds` of silence) and at most `max_tokens`
+decoder positions (prefix included), by a seeded first fit over an order shuffled anew every
+epoch, so that the same clips do not always share a window. The plan is a pure function of
+(clip lengths, label lengths, seed, epoch): every process of a run computes the same windows,
+and a resumed run the windows it was in the middle of.
+
+distil-whisper's pseudo-labelling (`concatenate_audio`, on by default) trains on such windows;
+Whisper itself was pretrained on 30 s windows holding several utterances.
+
+A window's label is its clips' transcripts in order (`window_label`); with timestamps, Whisper's
+multi-segment form, each clip a segment `<|start|> text <|end|>` at its place in the window.
+Clips that already carry segments (subtitle-cut windows, up to 30 s) are left whole, one a
+window, as are clips of another language than their neighbours would need (a window has one
+language, the prefix's).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from whisper_train.audio import CHUNK_LENGTH
+
+# Silence between two clips of a window. 0.3 s: longer than the pause inside a sentence
+# (~0.1-0.2 s), so a clip boundary still sounds like one, and short enough to cost little of
+# the 30 s (a 3 s clip pays 10%). A choice, with its fill measured in BENCHMARKS.md.
+DEFAULT_GAP_SECONDS = 0.3
+# Windows kept open for a clip to fit into, per language: a larger number fills windows more
+# tightly and costs a longer search per clip (first fit over at most this many).
+OPEN_WINDOWS = 16
+
+
+@dataclass(frozen=True)
+class ClipSize:
+    """What packing needs to know of one clip."""
+
+    seconds: float  # audio length (after the worst-case slowing of augmentation)
+    text_tokens: int  # tokens of its transcript alone (no prefix, no <|endoftext|>)
+    language: str | None = None
+    whole: bool = False  # a subtitle-cut window: never shares a window
+
+
+def plan_windows(
+    clips: Sequence[ClipSize],
+    *,
+    seed: int,
+    epoch: int,
+    prefix_tokens: int,
+    max_tokens: int,
+    max_seconds: float = CHUNK_LENGTH,
+    gap_seconds: float = DEFAULT_GAP_SECONDS,
+    timestamp_tokens: int = 0,
+) -> list[tuple[int, ...]]:
+    """The windows of one epoch: tuples of clip indices (in their order in the window).
+
+    A window's decoder positions are `prefix_tokens` + its clips' `text_tokens` (+
+    `timestamp_tokens` per clip: 2 with timestamps) + <|endoftext|> - 1 (the label's first token
+    is read, never predicted), at most `max_tokens`; its audio, the clips plus a gap between
+    each two, at most `max_seconds`. A clip too long for either alone still gets a window of
+    its own (screening has already dropped clips over 30 s and labels over the limit).
+    Every clip is in exactly one window; windows are returned in a seeded random order.
+    """
+    rng = random.Random(f"{seed}:{epoch}:packing")
+    order = list(range(len(clips)))
+    rng.shuffle(order)
+    windows: list[list[int]] = []
+    # per language: open windows as [clip indices, seconds, decoder positions]
+    open_windows: dict[str | None, list[list]] = {}
+    base_positions = prefix_tokens  # prefix + <|endoftext|> - 1
+    for index in order:
+        clip = clips[index]
+        positions = clip.text_tokens + timestamp_tokens
+        if clip.whole:
+            windows.append([index])
+            continue
+        candidates = open_windows.setdefault(clip.language, [])
+        for window in candidates:
+            members, seconds, used = window
+            if (
+                seconds + gap_seconds + clip.seconds <= max_seconds
+                and used + positions <= max_tokens
+            ):
+                members.append(index)
+                window[1] = seconds + gap_seconds + clip.seconds
+                window[2] = used + positions
+                break
+        else:
+            candidates.append([[index], clip.seconds, base_positions + positions])
+            if len(candidates) > OPEN_WINDOWS:  # the fullest is closed: least room left
+                fullest = max(range(len(candidates)), key=lambda i: candidates[i][1])
+                windows.append(candidates.pop(fullest)[0])
+    for language in open_windows:
+        windows.extend(window[0] for window in open_windows[language])
+    rng.shuffle(windows)
+    return [tuple(window) for window in windows]
+
+
+def window_seconds(
+    clips: Sequence[ClipSize], window: Sequence[int], gap_seconds: float = DEFAULT_GAP_SECONDS
+) -> float:
+    """Audio in a window: its clips and the gaps between them."""
+    return sum(clips[i].seconds for i in window) + gap_seconds * (len(window) - 1)
+
+
+def fill_ratio(
+    clips: Sequence[ClipSize],
+    windows: Sequence[Sequence[int]],
+    max_seconds: float = CHUNK_LENGTH,
+) -> float:
+    """Share of the encoder's input that is speech: clip seconds over windows x 30 s."""
+    speech = sum(min(clip.seconds, max_seconds) for clip in clips)  # an unreadable one: inf
+    return speech / (len(windows) * max_seconds) if windows else 0.0
+
+
+def window_label(
+    label_encoder,
+    texts: Sequence[str],
+    spans: Sequence[tuple[float, float]],
+    *,
+    language: str | None,
+    timestamps: bool,
+) -> tuple[list[int], int]:
+    """(token ids from <|startoftranscript|> to <|endoftext|>, prefix length) of one window.
+
+    Without timestamps the transcripts follow each other, each with the leading space Whisper
+    writes (`LabelEncoder.text_ids`), so the label decodes to the texts joined by spaces. With
+    timestamps each clip is a segment `<|start|> text <|end|>`, times from the window's start.
+    """
+    prefix = label_encoder.prefix_ids(language, timestamps=timestamps)
+    body: list[int] = []
+    for text, (start, end) in zip(texts, spans, strict=True):
+        if timestamps:
+            body.append(label_encoder.time_token_id(start))
+        body += label_encoder.text_ids(text)
+        if timestamps:
+            body.append(label_encoder.time_token_id(end))
+    return prefix + body + [label_encoder.eot_id], len(prefix)

@@ -1,0 +1,404 @@
+"""Packed 30-second windows and the training data source: the plan, the labels, the step loop.
+
+Seeded tiny models on tone clips (conftest); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import types
+
+import numpy as np
+import pytest
+import torch
+from conftest import (
+    SAME_RUN_LOSS_ATOL,
+    losses_and_evaluations,
+    metric_rows,
+    train_in_subprocess,
+    write_tone_dataset,
+)
+from tiny_models import english_tokenizer
+
+import whisper_train.recipe as recipe_module
+from whisper_train.augment import WaveformAugmenter
+from whisper_train.data import load_examples
+from whisper_train.datasource import WholeData, group_steps, shard_batches
+from whisper_train.errors import UserError
+from whisper_train.features import SpeechDataset
+from whisper_train.labels import LabelEncoder
+from whisper_train.packing import ClipSize, plan_windows, window_seconds
+from whisper_train.recipe import FineTuneRecipe
+from whisper_train.train import train
+
+
+def _random_clips(n: int, seed: int = 0) -> list[ClipSize]:
+    rng = random.Random(seed)
+    return [
+        ClipSize(seconds=rng.uniform(0.5, 12.0), text_tokens=rng.randint(1, 120)) for _ in range(n)
+    ]
+
+
+def _plan(clips, epoch=0, seed=0, **kwargs):
+    return plan_windows(clips, seed=seed, epoch=epoch, prefix_tokens=4, max_tokens=448, **kwargs)
+
+
+def test_windows_hold_at_most_30_s_and_448_tokens_and_every_clip_once():
+    clips = _random_clips(400)
+    windows = _plan(clips)
+    for window in windows:
+        assert window_seconds(clips, window) <= 30.0 + 1e-9
+        assert 4 + sum(clips[i].text_tokens for i in window) <= 448
+    assert sorted(i for window in windows for i in window) == list(range(len(clips)))
+    # The point of packing: far fewer encoder windows than clips (400 clips of 6 s on average).
+    assert len(windows) < len(clips) / 3
+
+
+def test_token_budget_binds_before_the_audio_budget():
+    clips = [ClipSize(seconds=1.0, text_tokens=100) for _ in range(20)]
+    windows = _plan(clips, timestamp_tokens=2)
+    # 4 + 4 x 102 = 412 fits 448; a fifth clip would need 514 positions.
+    assert all(len(window) <= 4 for window in windows)
+    assert sorted(i for window in windows for i in window) == list(range(20))
+
+
+def test_same_seed_same_windows_other_epoch_other_windows():
+    clips = _random_clips(200, seed=1)
+    assert _plan(clips, epoch=3) == _plan(clips, epoch=3)
+    assert _plan(clips, epoch=3) != _plan(clips, epoch=4)
+    assert _plan(clips, seed=1) != _plan(clips, seed=2)
+    # Other epochs put other clips together, not just the same windows in another order.
+    together = [{frozenset(w) for w in _plan(clips, epoch=e)} for e in (0, 1)]
+    assert together[0] != together[1]
+
+
+def test_subtitle_windows_and_languages_are_never_mixed():
+    clips = [ClipSize(2.0, 5, language="en") for _ in range(6)]
+    clips += [ClipSize(2.0, 5, language="de") for _ in range(6)]
+    clips += [ClipSize(20.0, 50, language="en", whole=True)]
+    windows = _plan(clips)
+    assert (12,) in windows
+    for window in windows:
+        assert len({clips[i].language for i in window}) == 1
+
+
+def test_shares_are_padded_with_empty_micro_batches():
+    batches = [[i] for i in range(5)]
+    shares = [shard_batches(batches, rank, 2) for rank in (0, 1)]
+    assert shares == [[[0], [2], [4]], [[1], [3], []]]
+    assert len(shares[0]) == len(shares[1])
+    assert [len(step) for step in group_steps(range(5), 2)] == [2, 2, 1]
+
+
+@pytest.fixture
+def packed_dataset(tmp_path):
+    data = write_tone_dataset(tmp_path / "data", n=6)
+    examples = load_examples(str(data))
+    tokenizer = english_tokenizer()
+
+    def build(timestamps: bool = False, **kwargs) -> SpeechDataset:
+        encoder = LabelEncoder(
+            tokenizer, timestamps=timestamps, multilingual=False, timestamp_probability=1.0
+        )
+        return SpeechDataset(examples, encoder, seed=0, **kwargs)
+
+    return build, tokenizer, examples
+
+
+def test_a_packed_label_decodes_to_its_clips_transcripts_in_order(packed_dataset):
+    build, tokenizer, examples = packed_dataset
+    window = (4, 1, 3)
+    item = build()[(0, window)]
+    text = tokenizer.decode(item["tokens"][item["n_prefix"] :], skip_special_tokens=True)
+    assert text.strip() == " ".join(examples[i].text for i in window)
+    # 3 clips of 1.2 s and two gaps of 0.3 s
+    assert len(item["audio"]) == pytest.approx(16_000 * (3 * 1.2 + 2 * 0.3), abs=3)
+
+
+def test_packed_timestamps_sit_on_the_clip_boundaries(packed_dataset):
+    build, tokenizer, examples = packed_dataset
+    dataset = build(timestamps=True)
+    window = (0, 5)
+    item = dataset[(0, window)]
+    begin = dataset.label_encoder.timestamp_begin_id
+    body = item["tokens"][item["n_prefix"] : -1]
+    times = [0.02 * (t - begin) for t in body if t >= begin]
+    texts = tokenizer.decode([t for t in body if t < begin]).strip()
+    assert texts == " ".join(examples[i].text for i in window)
+    # clip 0: 0 - 1.2 s; gap 0.3 s; clip 5: 1.5 - 2.7 s, each within one 20 ms time step
+    np.testing.assert_allclose(times, [0.0, 1.2, 1.5, 2.7], atol=0.02)
+
+
+def test_augmentation_is_drawn_per_clip_epoch_and_the_same_with_workers(packed_dataset):
+    build, _, _ = packed_dataset
+    accelerator = types.SimpleNamespace(
+        process_index=0, num_processes=1, device=torch.device("cpu")
+    )
+
+    def audio_of_epochs(num_workers):
+        dataset = build(augmenter=WaveformAugmenter(seed=0, p=1.0))
+        data = WholeData(
+            dataset,
+            lambda items: {"audio": [x["audio"] for x in items], "size": len(items), "skipped": []},
+            accelerator=accelerator,
+            batch_size=2,
+            accumulation=1,
+            seed=0,
+            num_workers=num_workers,
+            data_spec="tones",
+        )
+        state = types.SimpleNamespace(epoch=0, batches_in_epoch=0)
+        steps = data.steps(state)
+        epochs = []
+        for _ in range(2):
+            batches = [next(steps)[0] for _ in range(3)]
+            epochs.append([a for batch in batches for a in batch["audio"]])
+        return epochs
+
+    alone, with_workers = audio_of_epochs(0), audio_of_epochs(2)
+    for a, b in zip(alone[0] + alone[1], with_workers[0] + with_workers[1], strict=True):
+        np.testing.assert_array_equal(a, b)
+    # Epoch 1 draws other speeds and noise than epoch 0 (other order too: compare as sets).
+    lengths = [sorted(len(a) for a in epoch) for epoch in alone]
+    assert lengths[0] != lengths[1]
+
+
+def _many_tones(tmp_path, n=48):
+    """Tone clips of 1.2 s: with batch size 1, a handful of packed windows an epoch."""
+    return write_tone_dataset(tmp_path / "many", n=n)
+
+
+def test_packed_run_resumes_mid_epoch_with_the_uninterrupted_losses(
+    tmp_path, tiny_run_config, monkeypatch
+):
+    data = _many_tones(tmp_path)
+    common = {"data": str(data), "packing": "on", "batch_size": 1, "eval_split": 0.0}
+    reference = train(tiny_run_config(output_dir=str(tmp_path / "ref"), max_steps=5, **common))
+    reference_losses, _ = losses_and_evaluations(reference.output_dir)
+    config = tiny_run_config(max_steps=5, save_steps=1, save_total_limit=1, **common)
+    real = recipe_module.loss_terms
+    calls = {"n": 0}
+
+    def crashing(model, batch, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated crash")
+        return real(model, batch, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(recipe_module, "loss_terms", crashing)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            train(config)
+    config.update({"resume": "latest"})
+    train(config)
+    losses, _ = losses_and_evaluations(tmp_path / "out")
+    np.testing.assert_allclose(losses, reference_losses, rtol=0, atol=SAME_RUN_LOSS_ATOL)
+    # 36 clips of 1.2 s in windows of <= 30 s: the 5 steps crossed an epoch boundary.
+    epochs = [row["epoch"] for row in metric_rows(tmp_path / "out") if "loss" in row]
+    assert epochs[-1] > 1.0
+
+
+def test_packed_training_trains_on_windows_and_evaluates_single_clips(tmp_path, tiny_run_config):
+    data = _many_tones(tmp_path, n=40)
+    config = tiny_run_config(
+        data=str(data), packing="on", batch_size=2, only_train=False, eval_split=0.25
+    )
+    config.validate()
+    recipe = FineTuneRecipe(config)
+    recipe.setup()
+    state = types.SimpleNamespace(epoch=0, batches_in_epoch=0)
+    first = next(recipe.data.steps(state))[0]
+    assert first["size"] == 2
+    assert all(len(text.split()) > 3 for text in first["texts"])  # several 3-word clips each
+    evaluated = [text for batch in recipe.eval_loaders["eval"] for text in batch["texts"]]
+    assert sorted(evaluated) == sorted(e.text for e in recipe.datasets.eval["eval"])
+    assert all(len(text.split()) == 3 for text in evaluated)
+
+
+def test_packing_is_refused_with_the_encoder_cache_and_reads_yaml_booleans(tiny_run_config):
+    with pytest.raises(UserError, match="--packing on with the frozen encoder's cache"):
+        tiny_run_config(packing="on", mode="freeze-encoder").validate()
+    tiny_run_config(packing="on", mode="freeze-encoder", cache_encoder=False).validate()
+    config = tiny_run_config(packing=True)  # YAML reads `packing: on` as true
+    assert config.validate().data.packing == "on"
+    with pytest.raises(UserError, match="--packing maybe: expected on or off"):
+        tiny_run_config(packing="maybe").validate()
+
+
+def _varied_labels(tmp_path):
+    """Tone clips whose transcripts have 1 to 8 words: label lengths differ a lot."""
+    folder = write_tone_dataset(tmp_path / "varied", n=16)
+    lines = (folder / "metadata.csv").read_text().splitlines()
+    rng = random.Random(0)
+    rows = [lines[0]]
+    for line in lines[1:]:
+        name, text = line.split(",", 1)
+        rows.append(f"{name},{' '.join([text] * rng.randint(1, 3))[: rng.randint(5, 60)]}")
+    (folder / "metadata.csv").write_text("\n".join(rows) + "\n")
+    return folder
+
+
+def test_accumulation_is_the_token_mean_of_the_step(tmp_path, tiny_run_config):
+    data = _varied_labels(tmp_path)
+    common = {"data": str(data), "eval_split": 0.0, "lr_scheduler": "constant_with_warmup"}
+    four = train(tiny_run_config(output_dir=str(tmp_path / "b4"), batch_size=4, **common))
+    two_by_two = train(
+        tiny_run_config(
+            output_dir=str(tmp_path / "b2x2"), batch_size=2, gradient_accumulation=2, **common
+        )
+    )
+    np.testing.assert_allclose(
+        losses_and_evaluations(two_by_two.output_dir)[0],
+        losses_and_evaluations(four.output_dir)[0],
+        rtol=0,
+        atol=SAME_RUN_LOSS_ATOL,
+    )
+
+
+def test_two_processes_packed_with_an_empty_share_equal_one(tmp_path, tiny_whisper_dir):
+    data = _many_tones(tmp_path, n=66)
+    # One missing clip: with --batch-size 1 a process's micro-batch can hold nothing usable.
+    metadata = data / "metadata.csv"
+    lines = metadata.read_text().splitlines()
+    lines.append("missing.wav,alpha bravo charlie")
+    metadata.write_text("\n".join(lines) + "\n")
+    common = [
+        f"--data={data}",
+        f"--model={tiny_whisper_dir}",
+        "--learning-rate=1e-3",
+        "--seed=0",
+        "--eval-split=0",
+        "--only-train",
+        "--lr-scheduler=constant_with_warmup",
+        "--packing=on",
+        "--max-steps=4",
+    ]
+    alone = train_in_subprocess([*common, "--batch-size=2", f"--output-dir={tmp_path / 'one'}"])
+    train_in_subprocess(
+        [*common, "--nproc=2", "--batch-size=1", f"--output-dir={tmp_path / 'two'}"]
+    )
+    one = [row["loss"] for row in metric_rows(tmp_path / "one") if "loss" in row]
+    two = [row["loss"] for row in metric_rows(tmp_path / "two") if "loss" in row]
+    assert len(one) == 4
+    np.testing.assert_allclose(two, one, rtol=0, atol=SAME_RUN_LOSS_ATOL)
+    assert "missing.wav" in alone.stdout  # named at the end of the epoch it was met in
+    # 66 clips of 1.2 s in 4 windows, the missing one alone in a fifth: 2 processes x batch 1
+    # share 5 windows as 3 and 2 + an empty micro-batch, which must not hang or weigh.
+    assert "packed into 5 windows" in alone.stdout
+
+
+def test_a_clip_whose_encoder_output_is_cached_is_not_decoded_again(
+    tmp_path, tiny_run_config, monkeypatch
+):
+    import whisper_train.features as features_module
+
+    decoded = []
+    real = features_module.load_audio
+
+    def counting(path, **window):
+        decoded.append(path)
+        return real(path, **window)
+
+    monkeypatch.setattr(features_module, "load_audio", counting)
+    # 12 training clips (only_train: none held out), 3 micro-batches an epoch: 6 steps are 2
+    # epochs; the second reads every clip's encoder output from the cache and decodes none.
+    # Clips of its own: the session's encoder cache may hold the shared tone clips already.
+    data = write_tone_dataset(tmp_path / "own", n=12)
+    result = train(tiny_run_config(data=str(data), mode="freeze-encoder", max_steps=6))
+    assert result.steps == 6
+    assert len(decoded) == 12 and len(set(decoded)) == 12
+
+
+def _packed_stream(folder, label_encoder, *, max_label_tokens=24):
+    from whisper_train import streaming
+
+    return streaming.training_stream(
+        streaming.stream_source(folder),
+        label_encoder,
+        rank=0,
+        world_size=1,
+        seed=0,
+        shuffle_buffer=4,
+        max_label_tokens=max_label_tokens,
+        packing=True,
+    )
+
+
+def test_streamed_shards_pack_every_sample_once_and_resume_at_a_window(tmp_path):
+    from test_streaming import write_shards
+
+    from whisper_train import streaming
+    from whisper_train.checkdata import label_encoder_for
+    from whisper_train.collate import SpeechCollator
+
+    tokenizer = english_tokenizer()
+    encoder = label_encoder_for(tokenizer)
+    written = write_shards(tmp_path / "wds", "webdataset", [5, 4])
+    # A budget of 24 decoder positions holds 2-3 of these "sample N word word" labels.
+    stream = _packed_stream(tmp_path / "wds", encoder)
+    collate = streaming.StreamCollator(SpeechCollator(tokenizer.pad_token_id))
+    batches = [collate(b) for b in torch.utils.data.DataLoader(stream, 1, collate_fn=list)]
+    texts = [text for batch in batches for text in batch["texts"]]
+    assert 1 < len(texts) < len(written)  # windows, not clips
+    assert sorted(t for window in texts for t in _split_samples(window)) == sorted(written)
+    for batch in batches:
+        labels = batch["labels"][0]
+        decoded = tokenizer.decode(labels[labels >= 0], skip_special_tokens=True).strip()
+        assert decoded == batch["texts"][0]
+        assert (labels >= 0).sum() <= 24
+    # A resumed worker replays the rows of the windows already trained on, then hands out the
+    # remaining windows exactly as the uninterrupted pass did.
+    stream.replay_rows = dict(batches[1]["stream_rows"])
+    resumed = [collate(b) for b in torch.utils.data.DataLoader(stream, 1, collate_fn=list)]
+    rest = [batch["texts"] for batch in resumed if not batch.get("replayed")]
+    assert rest == [batch["texts"] for batch in batches[2:]]
+
+
+def _split_samples(window_text: str) -> list[str]:
+    """'sample 3 a b sample 7 c d' → ['sample 3 a b', 'sample 7 c d']."""
+    parts = window_text.split("sample ")[1:]
+    return ["sample " + part.strip() for part in parts]
+
+
+def test_a_packed_stream_resumes_mid_pass_with_the_uninterrupted_losses(
+    tmp_path, tiny_run_config, monkeypatch
+):
+    from test_streaming import write_shards
+
+    # 2 shards of 40 clips of 0.6 s, one a worker: each worker's pass is 2 windows (33 clips
+    # fill 30 s with their gaps), so a pass is 4 micro-batches of 1 window, and the crash in
+    # step 3 leaves checkpoint-2 in the middle of the first pass.
+    data = tmp_path / "wds"
+    write_shards(data, "webdataset", [40, 40])
+    common = {
+        "data": str(data),
+        "packing": "on",
+        "batch_size": 1,
+        "num_workers": 2,
+        "shuffle_buffer": 8,
+        "max_steps": 5,
+        "lr_scheduler": "constant_with_warmup",
+    }
+    reference = train(tiny_run_config(output_dir=str(tmp_path / "ref"), **common))
+    reference_losses, _ = losses_and_evaluations(reference.output_dir)
+    config = tiny_run_config(save_steps=1, save_total_limit=1, **common)
+    real = recipe_module.loss_terms
+    calls = {"n": 0}
+
+    def crashing(model, batch, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated crash")
+        return real(model, batch, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(recipe_module, "loss_terms", crashing)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            train(config)
+    saved = json.loads((tmp_path / "out" / "checkpoint-2" / "stream-0.json").read_text())
+    assert saved["epoch"] == 0 and 0 < sum(saved["rows"].values()) < 80
+    config.update({"resume": "latest"})
+    train(config)
+    losses, _ = losses_and_evaluations(tmp_path / "out")
+    np.testing.assert_allclose(losses, reference_losses, rtol=0, atol=SAME_RUN_LOSS_ATOL)

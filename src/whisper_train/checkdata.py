@@ -590,7 +590,7 @@ def label_encoder_for(
     and `is_multilingual` would say), or a bare Whisper tokenizer (multilingual when its
     vocabulary's size says so: there is no model to ask).
     """
-    from whisper_train.models import is_multilingual_vocab
+    from whisper_train.ct2 import is_multilingual_vocab
 
     if isinstance(model, (str, Path)):
         tokenizer, multilingual = load_tokenizer(str(model))
@@ -610,7 +610,6 @@ def load_tokenizer(spec: str) -> tuple[Any, bool]:
     from whisper_train.models import (
         folder_is_multilingual,
         is_multilingual,
-        is_multilingual_vocab,
         load_model,
         model_folder,
     )
@@ -629,7 +628,7 @@ def load_tokenizer(spec: str) -> tuple[Any, bool]:
             tokenizer_file=str(folder / "tokenizer.json"), pad_token="<|endoftext|>"
         )
     if tokenizer is not None and multilingual is None and not (folder / "config.json").is_file():
-        multilingual = is_multilingual_vocab(len(tokenizer))  # tokenizer files, no model to ask
+        multilingual = ct2.is_multilingual_vocab(len(tokenizer))  # tokenizer files, no model to ask
     if tokenizer is None or multilingual is None:
         model, processor = load_model(spec)  # a hub id, or files that do not tell
         return processor.tokenizer, is_multilingual(model)

@@ -74,6 +74,11 @@ VOCABULARY_FILES = ("vocabulary.json", "vocabulary.txt")
 MAX_INITIAL_TIMESTAMP_INDEX = 50
 
 
+def is_multilingual_vocab(vocab_size: int) -> bool:
+    """What a vocabulary's size says where nothing declares it (English-only: 51864 tokens)."""
+    return vocab_size >= MULTILINGUAL_MIN_VOCAB
+
+
 def is_ct2_model_dir(path: str | Path) -> bool:
     """True when `path` is a folder holding a CTranslate2 model (`model.bin` + `config.json`)."""
     path = Path(path)

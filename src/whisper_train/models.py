@@ -85,17 +85,12 @@ def is_multilingual(model) -> bool:
     return _multilingual(declared, model.config.vocab_size)
 
 
-def is_multilingual_vocab(vocab_size: int) -> bool:
-    """What a vocabulary's size says where nothing declares it (English-only: 51864 tokens)."""
-    return vocab_size >= ct2.MULTILINGUAL_MIN_VOCAB
-
-
 def folder_is_multilingual(folder: Path) -> bool | None:
     """`is_multilingual` of the model `load_model` would read from `folder`, told by its small
     files alone (no weights read); None when they do not tell."""
     if ct2.is_ct2_model_dir(folder):  # `ct2.load_ct2_whisper` decides by the vocabulary's size
         vocab_size = ct2.vocabulary_size(folder)
-        return None if vocab_size is None else is_multilingual_vocab(vocab_size)
+        return None if vocab_size is None else ct2.is_multilingual_vocab(vocab_size)
     if folder.is_file():  # a ggml-model.bin or model.pt: its export folder's files tell
         folder = folder.parent
     config_file, generation_file = folder / "config.json", folder / "generation_config.json"
@@ -114,7 +109,7 @@ def folder_is_multilingual(folder: Path) -> bool | None:
 
 
 def _multilingual(declared: bool | None, vocab_size: int) -> bool:
-    return bool(declared) if declared is not None else is_multilingual_vocab(vocab_size)
+    return bool(declared) if declared is not None else ct2.is_multilingual_vocab(vocab_size)
 
 
 def _load_local(path: Path, spec: str, attn_implementation: str):

@@ -262,8 +262,12 @@ def side_files(folder: Path, vocab_size: int, n_mels: int):
     """(processor, generation config) from the tokenizer and configs beside a runtime file."""
     from transformers import GenerationConfig, WhisperProcessor
 
-    from whisper_train.ct2 import _feature_extractor, _generation_config, load_tokenizer
-    from whisper_train.models import is_multilingual_vocab
+    from whisper_train.ct2 import (
+        _feature_extractor,
+        _generation_config,
+        is_multilingual_vocab,
+        load_tokenizer,
+    )
 
     tokenizer = load_tokenizer(folder, vocab_size)  # one line naming tokenizer.json if absent
     if (folder / "generation_config.json").is_file():

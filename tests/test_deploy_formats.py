@@ -17,9 +17,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-from tiny_models import EOT, NO_TIMESTAMPS, SOT, english_tokenizer, tiny_whisper_config
+from tiny_models import EOT, SOT, english_generation_config, english_tokenizer, tiny_whisper_config
 from transformers import (
-    GenerationConfig,
     WhisperFeatureExtractor,
     WhisperForConditionalGeneration,
     WhisperProcessor,
@@ -49,17 +48,7 @@ def _shaped_like(*, encoder_layers: int, decoder_layers: int, seed: int = 0):
     config.encoder_ffn_dim = config.decoder_ffn_dim = 256
     torch.manual_seed(seed)
     model = WhisperForConditionalGeneration(config).eval()
-    model.generation_config = GenerationConfig(
-        decoder_start_token_id=SOT,
-        eos_token_id=EOT,
-        pad_token_id=EOT,
-        bos_token_id=EOT,
-        no_timestamps_token_id=NO_TIMESTAMPS,
-        is_multilingual=False,
-        max_length=448,
-        begin_suppress_tokens=[220, EOT],
-        suppress_tokens=[],
-    )
+    model.generation_config = english_generation_config()
     processor = WhisperProcessor(
         feature_extractor=WhisperFeatureExtractor(feature_size=128), tokenizer=english_tokenizer()
     )

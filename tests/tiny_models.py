@@ -80,6 +80,21 @@ def tiny_whisper_config(
     )
 
 
+def english_generation_config() -> GenerationConfig:
+    """An English-only model's generation config, as OpenAI's checkpoints carry it."""
+    return GenerationConfig(
+        decoder_start_token_id=SOT,
+        eos_token_id=EOT,
+        pad_token_id=EOT,
+        bos_token_id=EOT,
+        no_timestamps_token_id=NO_TIMESTAMPS,
+        is_multilingual=False,
+        max_length=448,
+        begin_suppress_tokens=[220, EOT],
+        suppress_tokens=[],
+    )
+
+
 def make_tiny_whisper(
     *, seed: int = 0, attn_implementation: str = "sdpa", **architecture
 ) -> tuple[WhisperForConditionalGeneration, WhisperProcessor]:
@@ -94,17 +109,7 @@ def make_tiny_whisper(
     torch.manual_seed(seed)
     model = WhisperForConditionalGeneration(config)
     model.config._attn_implementation = attn_implementation
-    model.generation_config = GenerationConfig(
-        decoder_start_token_id=SOT,
-        eos_token_id=EOT,
-        pad_token_id=EOT,
-        bos_token_id=EOT,
-        no_timestamps_token_id=NO_TIMESTAMPS,
-        is_multilingual=False,
-        max_length=448,
-        begin_suppress_tokens=[220, EOT],
-        suppress_tokens=[],
-    )
+    model.generation_config = english_generation_config()
     processor = WhisperProcessor(
         feature_extractor=WhisperFeatureExtractor(feature_size=80),
         tokenizer=english_tokenizer(),

@@ -54,6 +54,22 @@ def train_in_subprocess(args: list[str]) -> subprocess.CompletedProcess:
     return result
 
 
+def crash_on_loss_call(monkeypatch, n: int) -> None:
+    """Make the n-th training forward raise, as a crash or power cut would stop the run."""
+    import whisper_train.recipe as recipe_module
+
+    real = recipe_module.loss_terms
+    calls = {"n": 0}
+
+    def crashing(model, batch, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise RuntimeError("simulated crash")
+        return real(model, batch, **kwargs)
+
+    monkeypatch.setattr(recipe_module, "loss_terms", crashing)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _own_cache_folder(tmp_path_factory):
     """Screening results and encoder outputs go to a folder of this session, not the user's

@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import (
     SAME_RUN_LOSS_ATOL,
+    crash_on_loss_call,
     losses_and_evaluations,
     metric_rows,
     train_in_subprocess,
@@ -21,7 +22,6 @@ from conftest import (
 )
 from tiny_models import english_tokenizer
 
-import whisper_train.recipe as recipe_module
 from whisper_train.augment import WaveformAugmenter
 from whisper_train.data import load_examples
 from whisper_train.datasource import WholeData, group_steps, shard_batches
@@ -177,17 +177,8 @@ def test_packed_run_resumes_mid_epoch_with_the_uninterrupted_losses(
     reference = train(tiny_run_config(output_dir=str(tmp_path / "ref"), max_steps=5, **common))
     reference_losses, _ = losses_and_evaluations(reference.output_dir)
     config = tiny_run_config(max_steps=5, save_steps=1, save_total_limit=1, **common)
-    real = recipe_module.loss_terms
-    calls = {"n": 0}
-
-    def crashing(model, batch, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("simulated crash")
-        return real(model, batch, **kwargs)
-
     with monkeypatch.context() as patch:
-        patch.setattr(recipe_module, "loss_terms", crashing)
+        crash_on_loss_call(patch, 3)  # dies during step 3, after checkpoint-2
         with pytest.raises(RuntimeError, match="simulated crash"):
             train(config)
     config.update({"resume": "latest"})
@@ -383,17 +374,8 @@ def test_a_packed_stream_resumes_mid_pass_with_the_uninterrupted_losses(
     reference = train(tiny_run_config(output_dir=str(tmp_path / "ref"), **common))
     reference_losses, _ = losses_and_evaluations(reference.output_dir)
     config = tiny_run_config(save_steps=1, save_total_limit=1, **common)
-    real = recipe_module.loss_terms
-    calls = {"n": 0}
-
-    def crashing(model, batch, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("simulated crash")
-        return real(model, batch, **kwargs)
-
     with monkeypatch.context() as patch:
-        patch.setattr(recipe_module, "loss_terms", crashing)
+        crash_on_loss_call(patch, 3)  # dies during step 3, after checkpoint-2
         with pytest.raises(RuntimeError, match="simulated crash"):
             train(config)
     saved = json.loads((tmp_path / "out" / "checkpoint-2" / "stream-0.json").read_text())

@@ -4,27 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import metric_rows
+from conftest import crash_on_loss_call, metric_rows
 from safetensors.torch import load_file
 
-import whisper_train.recipe as recipe_module
 from whisper_train import checkpoints
 from whisper_train.errors import UserError
 from whisper_train.train import train
-
-
-def _crash_on_call(monkeypatch, n: int) -> None:
-    """Make the n-th training forward raise, as a crash or power cut would stop the run."""
-    real = recipe_module.loss_terms
-    calls = {"n": 0}
-
-    def crashing(model, batch, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == n:
-            raise RuntimeError("simulated crash")
-        return real(model, batch, **kwargs)
-
-    monkeypatch.setattr(recipe_module, "loss_terms", crashing)
 
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
@@ -39,7 +24,9 @@ def test_crashed_run_resumes_with_the_uninterrupted_loss_sequence(
 
     config = tiny_run_config(max_steps=5, mode=mode, save_steps=1, save_total_limit=1)
     with monkeypatch.context() as patch:
-        _crash_on_call(patch, 3)  # dies during step 3, after checkpoint-2 (mid-epoch: 1 batch left)
+        crash_on_loss_call(
+            patch, 3
+        )  # dies during step 3, after checkpoint-2 (mid-epoch: 1 batch left)
         with pytest.raises(RuntimeError, match="simulated crash"):
             train(config)
     out = tmp_path / "out"

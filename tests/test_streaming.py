@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
-from conftest import SAME_RUN_LOSS_ATOL, metric_rows, train_in_subprocess
+from conftest import SAME_RUN_LOSS_ATOL, crash_on_loss_call, metric_rows, train_in_subprocess
 from tiny_models import english_tokenizer
 
 import whisper_train.recipe as recipe_module
@@ -237,22 +237,14 @@ def test_streamed_run_resumes_with_the_uninterrupted_losses(tmp_path, tiny_run_c
 
     out = tmp_path / "out"
     config = _shard_run(tiny_run_config, data, out, save_steps=1, save_total_limit=1, **common)
-    real, calls = recipe_module.loss_terms, {"n": 0}
-
-    def crashing(model, batch, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("simulated crash")
-        return real(model, batch, **kwargs)
-
     with monkeypatch.context() as patch:
-        patch.setattr(recipe_module, "loss_terms", crashing)
+        crash_on_loss_call(patch, 3)  # dies during step 3, after checkpoint-2
         with pytest.raises(RuntimeError, match="simulated crash"):
             train(config)
     saved = json.loads((out / "checkpoint-2" / "stream-0.json").read_text())
     assert saved["epoch"] == 0 and saved["rows"] == {"0": 2, "1": 2}
     config.update({"resume": "latest"})
-    resumed_calls = []
+    resumed_calls, real = [], recipe_module.loss_terms
 
     def counting(model, batch, **kwargs):
         resumed_calls.append(batch["size"])

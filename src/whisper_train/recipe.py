@@ -773,6 +773,12 @@ class FineTuneRecipe:
                     c, result.final_dir, primary_examples, self.output_dir, self.primary_set
                 )
         self.metrics.close()
+        # end_training destroys the process group: every process does it together, once the
+        # main one has written final/. A process that tore its group down while the main one
+        # still worked left the main one's gloo teardown waiting for ever (seen once in four
+        # fresh-clone runs of test_two_processes_share_one_pass: ~ProcessGroupGloo in a thread
+        # join, after result.json was written).
+        accelerator.wait_for_everyone()
         accelerator.end_training()
         return result
 

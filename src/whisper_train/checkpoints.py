@@ -24,9 +24,11 @@ write removes the temporary folder and leaves the previous checkpoints untouched
 Loading never runs code from the checkpoint: weights come from safetensors, and every `.pt` file
 is read with `torch.load(..., weights_only=True)`.
 
-DeepSpeed and FSDP shard the weights and the optimiser state across processes; under them the
-model, optimiser and scheduler are saved with `accelerator.save_state` instead (untested here:
-it needs GPUs), and `trainer_state.json` is written the same way.
+Under --fsdp each process holds a shard of the weights and of the optimiser state: they are
+saved instead as `sharded/`, a torch.distributed.checkpoint folder to which every process writes
+its own shard (the trainable weights and the optimiser state, by parameter name), and read back
+the same way; a resume needs the same number of processes, as any resume does. The rest of the
+folder is as above.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from accelerate.utils import DistributedType
 from safetensors.torch import load_file, save_file
 
 from whisper_train.errors import UserError
@@ -51,6 +52,7 @@ from whisper_train.runfolder import CONFIG_FILE
 STATE_FILE = "trainer_state.json"
 STREAM_FILE = "stream-{rank}.json"
 WEIGHTS_FILE = "trainable.safetensors"
+SHARDED_DIR = "sharded"  # --fsdp: the weights' and optimiser's shards (torch.distributed.checkpoint)
 _NAME = re.compile(rf"^{PREFIX}(\d+)$")
 # Adam keeps two float32 moments per trainable weight, beside the weight itself.
 _ADAM_COPIES = 3
@@ -278,8 +280,10 @@ def _write_contents(
 ) -> None:
     # Each process keeps its own random state (dropout masks differ per process).
     torch.save(_rng_state(), tmp / f"rng-{accelerator.process_index}.pt")
-    if _sharded(accelerator):
-        accelerator.save_state(str(tmp / "accelerate"), safe_serialization=True)
+    if _sharded(model):
+        _save_shards(tmp / SHARDED_DIR, model, optimizer)
+        if accelerator.is_main_process:
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     elif accelerator.is_main_process:
         # Data-parallel replicas are identical: one copy of weights and optimiser state.
         unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
@@ -322,6 +326,7 @@ FIXED_ON_RESUME = (
     ("train", "gradient_accumulation", "--gradient-accumulation"),
     ("train", "seed", "--seed"),
     ("train", "group_by_length", "--group-by-length"),
+    ("train", "fsdp", "--fsdp"),  # sharded/ or trainable.safetensors: one or the other
     ("data", "data", "--data"),
     ("data", "data_format", "--data-format"),
     ("data", "train_subset", "--train-subset"),
@@ -386,18 +391,18 @@ def load_checkpoint(folder: Path, *, accelerator, model, optimizer, scheduler) -
             f"--resume {folder}: saved by {state.world_size} process(es), this run has "
             f"{accelerator.num_processes}; resume with --nproc {state.world_size}"
         )
-    if _sharded(accelerator):
-        accelerator.load_state(str(folder / "accelerate"))
+    # This run's base learning rates (its --learning-rate), before the checkpoint's replace
+    # them: a changed one applies from the resume point.
+    new_base_lrs = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
+    if _sharded(model):
+        _load_shards(folder, model, optimizer)
     else:
         _load_weights(folder, accelerator.unwrap_model(model, keep_torch_compile=False))
-        # This run's base learning rates (its --learning-rate), before the checkpoint's replace
-        # them: a changed one applies from the resume point.
-        new_base_lrs = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
         optimizer.load_state_dict(_load_pt(folder / "optimizer.pt"))
-        scheduler.load_state_dict(_load_pt(folder / "scheduler.pt"))
-        _apply_new_learning_rate(optimizer, scheduler, new_base_lrs)
-        if accelerator.scaler is not None and (folder / "scaler.pt").is_file():
-            accelerator.scaler.load_state_dict(_load_pt(folder / "scaler.pt"))
+    scheduler.load_state_dict(_load_pt(folder / "scheduler.pt"))
+    _apply_new_learning_rate(optimizer, scheduler, new_base_lrs)
+    if accelerator.scaler is not None and (folder / "scaler.pt").is_file():
+        accelerator.scaler.load_state_dict(_load_pt(folder / "scaler.pt"))
     _set_rng_state(_load_pt(folder / f"rng-{accelerator.process_index}.pt"))
     return state
 
@@ -416,8 +421,8 @@ def read_stream_position(folder: Path, rank: int) -> dict:
 def load_weights(folder: Path, *, accelerator, model) -> None:
     """Only the trained weights of checkpoint `folder` into `model` (the best step's, at the end
     of a run); optimiser, scheduler and random state are left as they are."""
-    if _sharded(accelerator):
-        accelerator.load_state(str(folder / "accelerate"))
+    if _sharded(model):
+        _load_shards(folder, model, None)
     else:
         _load_weights(folder, accelerator.unwrap_model(model, keep_torch_compile=False))
 
@@ -449,8 +454,69 @@ def _load_pt(path: Path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def _sharded(accelerator) -> bool:
-    return accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
+def _sharded(model) -> bool:
+    from whisper_train.memory import is_sharded
+
+    return is_sharded(model)
+
+
+def _shard_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # The trainable weights only, as trainable.safetensors holds: the frozen rest (LoRA's base)
+    # is read from --model again.
+    return StateDictOptions(ignore_frozen_params=True)
+
+
+def _torch_optimizer(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)  # inside accelerate's wrapper
+
+
+def _save_shards(folder: Path, model, optimizer) -> None:
+    """Every process writes its shard of the trainable weights and optimiser state (a
+    collective: every process calls this)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    weights, optimizer_state = get_state_dict(
+        model, _torch_optimizer(optimizer), options=_shard_options()
+    )
+    dcp.save({"model": weights, "optimizer": optimizer_state}, checkpoint_id=str(folder))
+
+
+def _load_shards(folder: Path, model, optimizer) -> None:
+    """Read `folder`'s sharded/ back into this process's shards of `model` and, when given,
+    `optimizer` (a collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    if not (folder / SHARDED_DIR).is_dir():
+        raise UserError(
+            f"--resume {folder}: no {SHARDED_DIR}/ folder: it was saved without --fsdp; "
+            "resume without --fsdp"
+        )
+    options = _shard_options()
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model, options=options)}
+        dcp.load(state, checkpoint_id=str(folder / SHARDED_DIR))
+        set_model_state_dict(model, state["model"], options=options)
+        return
+    inner = _torch_optimizer(optimizer)
+    weights, optimizer_state = get_state_dict(model, inner, options=options)
+    state = {"model": weights, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=str(folder / SHARDED_DIR))
+    set_state_dict(
+        model,
+        inner,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=options,
+    )
 
 
 def _rng_state() -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -338,6 +339,12 @@ class TrainConfig:
         "--batch-size is per process: global batch = nproc x batch x accumulation.",
         default=1,
     )
+    fsdp: bool = _help(
+        "Shard weights, gradients and optimiser state over the --nproc processes (FSDP2): each "
+        "holds 1/N of them, for a model whose training does not fit one GPU. Costs gathers "
+        "each step and the whole weights on every process while evaluating.",
+        default=False,
+    )
 
 
 GROUPS: dict[str, type] = {
@@ -516,11 +523,46 @@ class RunConfig:
                 "--resume continues the run in --output-dir and --overwrite moves it aside: "
                 "drop one of them"
             )
+        self._validate_fsdp()
         if not m.lora_targets:
             raise UserError("--lora-targets: name at least one module, e.g. q_proj,v_proj")
         self._validate_eval_sets()
         self.decoding_options()  # malformed --temperatures or thresholds: one line, now
         return self
+
+    def _validate_fsdp(self) -> None:
+        """What --fsdp (sharded weights) cannot be combined with, each refused in one line."""
+        mem, t = self.memory, self.train
+        if not t.fsdp:
+            return
+        # Under accelerate launch / torchrun, --nproc stays 1 and the launcher sets WORLD_SIZE.
+        if t.nproc < 2 and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+            raise UserError("--fsdp shards the model over processes: add --nproc 2 (or more)")
+        refused = [
+            (
+                mem.precision == "fp16",
+                "--precision fp16 (its loss scaler does not unscale sharded gradients): "
+                "use --precision bf16 or fp32",
+            ),
+            (mem.compile, "--compile (not tested sharded): drop one of them"),
+            (
+                mem.optim == "adamw8bit",
+                "--optim adamw8bit (bitsandbytes does not step sharded weights): use adamw",
+            ),
+            (
+                mem.gradient_checkpointing == "auto",
+                "--gradient-checkpointing auto (its plan counts the whole model on one "
+                "process): choose a policy, e.g. full",
+            ),
+            (
+                self.cache_encoder,
+                "the frozen encoder's cache (each process would run the sharded encoder for "
+                "its own uncached clips alone): add --no-cache-encoder",
+            ),
+        ]
+        for refuse, why in refused:
+            if refuse:
+                raise UserError(f"--fsdp with {why}")
 
     def _validate_stream(self) -> None:
         """What a streamed --data (shards, or --streaming) cannot do: it has no length before

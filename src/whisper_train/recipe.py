@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from accelerate.utils import DistributedDataParallelKwargs, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -161,6 +161,11 @@ class FineTuneRecipe:
             # accelerate does that only when told the run is on the CPU.
             cpu=inside_launcher() and not torch.cuda.is_available(),
         )
+        if self.accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+            raise UserError(
+                "accelerate's DeepSpeed and FSDP configurations are not supported: shard with "
+                "--fsdp (--nproc N, or accelerate launch with a data-parallel configuration)"
+            )
         if t.nproc > 1 and self.accelerator.num_processes != t.nproc:
             raise UserError(
                 f"--nproc {t.nproc}: the launcher started {self.accelerator.num_processes} "
@@ -217,14 +222,7 @@ class FineTuneRecipe:
         checkpointing = memory.resolve_checkpointing(
             c.memory.gradient_checkpointing, accelerator.device
         )
-        lora = None
-        if c.model.mode == "lora":
-            lora = memory.LoraSettings(
-                r=c.model.lora_r,
-                alpha=c.model.lora_alpha,
-                dropout=c.model.lora_dropout,
-                targets=list(c.model.lora_targets),
-            )
+        lora = self._lora_settings()
         self.offload = c.memory.offload_activations
         if checkpointing == "auto":
             self.model, plan = memory.prepare_model_within_budget(
@@ -285,6 +283,14 @@ class FineTuneRecipe:
             checkpoints.estimate_checkpoint_bytes(self.model)
             + 4 * sum(p.numel() for p in self.model.parameters()),
             what="a checkpoint and the final model",
+        )
+
+    def _lora_settings(self) -> memory.LoraSettings | None:
+        m = self.config.model
+        if m.mode != "lora":
+            return None
+        return memory.LoraSettings(
+            r=m.lora_r, alpha=m.lora_alpha, dropout=m.lora_dropout, targets=list(m.lora_targets)
         )
 
     def _setup_loaders(self) -> TrainingData:
@@ -389,11 +395,25 @@ class FineTuneRecipe:
 
     def _setup_optimisation(self) -> None:
         c, t, accelerator = self.config, self.config.train, self.accelerator
+        if t.fsdp:
+            if self.precision.name == "fp16":  # --precision auto on a GPU without bf16
+                raise UserError(
+                    "--fsdp with fp16 (this GPU has no bf16): its loss scaler does not unscale "
+                    "sharded gradients; add --precision fp32"
+                )
+            # Sharded before the optimizer is built: sharding replaces the parameters.
+            self.model = memory.shard_model(self.model, accelerator.device)
         optimizer = memory.build_optimizer(
             self.model, name=c.memory.optim, lr=c.learning_rate, weight_decay=t.weight_decay
         )
         # The training data is already this process's share (`datasource`): not prepared.
-        self.model, self.optimizer = accelerator.prepare(self.model, optimizer)
+        if t.fsdp:
+            # Mixed precision only: `prepare` would wrap the sharded model in DDP (accelerate
+            # knows FSDP only through its plugin, which runs on GPUs only: see memory.sharding).
+            self.model = accelerator.prepare_model(self.model, evaluation_mode=True)
+            self.optimizer = accelerator.prepare_optimizer(optimizer)
+        else:
+            self.model, self.optimizer = accelerator.prepare(self.model, optimizer)
         names = list(self.eval_loaders)
         loaders = accelerator.prepare(*self.eval_loaders.values()) if names else []
         loaders = [loaders] if len(names) == 1 else loaders  # prepare() unpacks a single one
@@ -545,7 +565,7 @@ class FineTuneRecipe:
             return None
         step_loss = loss_sum / total_tokens
         max_norm = t.max_grad_norm if t.max_grad_norm > 0 else math.inf
-        grad_norm = float(accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
+        grad_norm = _as_float(accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
         skipped = not (math.isfinite(step_loss) and math.isfinite(grad_norm))
         if accelerator.scaler is not None:
             self.optimizer.step()  # the fp16 scaler skips non-finite gradients itself
@@ -641,27 +661,35 @@ class FineTuneRecipe:
         """Every evaluation set: validation loss, generate-based WER, loop and insertion rates
         (a metrics line each, one table row), then the guard's verdict."""
         rows = []
-        for name, loader in self.eval_loaders.items():
-            if self.encoder_cache is not None:  # batches complete with their encoder outputs
-                loader = map(self._with_encoder_outputs, loader)
-            row = run_evaluation(
-                self.model,
-                loader,
-                self.processor,
-                self.accelerator,
-                self.normalizer,
-                self.config.train.generation_max_length,
-                step,
-                self.decoding,
-                languages=self.eval_languages[name] if self.multilingual else None,
-            )
-            rows.append({"step": step, "set": name, **row})
-            self.metrics.write(rows[-1])
+        # --fsdp: each process decodes its own clips, a different number of forwards each, so
+        # the weights are gathered whole for the evaluation (no collective inside a forward).
+        with memory.gathered(self.model):
+            for name, loader in self.eval_loaders.items():
+                rows.append(self._evaluate_set(name, loader, step))
         self.evaluations.extend(rows)
         self.table.row(rows)
         self.model.train()
         self._check_guard(step)
         return rows
+
+    def _evaluate_set(self, name: str, loader, step: int) -> dict:
+        """One evaluation set's metrics row at `step`, written to metrics.jsonl."""
+        if self.encoder_cache is not None:  # batches complete with their encoder outputs
+            loader = map(self._with_encoder_outputs, loader)
+        row = run_evaluation(
+            self.model,
+            loader,
+            self.processor,
+            self.accelerator,
+            self.normalizer,
+            self.config.train.generation_max_length,
+            step,
+            self.decoding,
+            languages=self.eval_languages[name] if self.multilingual else None,
+        )
+        row = {"step": step, "set": name, **row}
+        self.metrics.write(row)
+        return row
 
     def _check_guard(self, step: int) -> None:
         """Say so when the guard set's WER rose past --max-regression points over the start;
@@ -754,9 +782,10 @@ class FineTuneRecipe:
         if choice.step not in (None, state.step):  # an earlier step was better
             checkpoints.load_weights(best_folder, accelerator=accelerator, model=self.model)
         say(accelerator, f"final/: step {result.final_step}: {choice.reason}")
+        final_model = self._whole_model()
         if accelerator.is_main_process:
             result.final_dir = save_final(
-                accelerator.unwrap_model(self.model, keep_torch_compile=False),
+                final_model,
                 self.processor,
                 c,
                 self.output_dir / runfolder.FINAL_DIR,
@@ -781,6 +810,28 @@ class FineTuneRecipe:
         accelerator.wait_for_everyone()
         accelerator.end_training()
         return result
+
+
+    def _whole_model(self):
+        """The trained model, unwrapped, for final/: on the main process (None on the others
+        under --fsdp, where every process must call this: the weights are gathered)."""
+        accelerator = self.accelerator
+        if not memory.is_sharded(self.model):
+            return accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        weights = memory.full_state_dict(self.model)  # whole, on the main process's CPU
+        if not accelerator.is_main_process:
+            return None
+        # A fresh model as setup made it (LoRA included), unsharded, with the trained weights
+        # and the trained model's configuration (generation settings, SpecAugment's).
+        c = self.config
+        model, _ = load_model(c.model.model, attn_implementation=c.model.attn_implementation)
+        model = memory.prepare_model(
+            model, mode=c.model.mode, checkpointing="off", lora=self._lora_settings()
+        )
+        model.load_state_dict(weights)
+        whole, trained = memory.whisper_of(model), memory.whisper_of(unwrapped(self.model))
+        whole.config, whole.generation_config = trained.config, trained.generation_config
+        return model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1052,6 +1103,14 @@ def _loader(
         persistent_workers=t.num_workers > 0,
         prefetch_factor=4 if t.num_workers > 0 else None,
     )
+
+
+def _as_float(value) -> float:
+    """A scalar tensor as a float; a DTensor (the gradient norm of sharded gradients, --fsdp)
+    is made whole first (a collective: every process calls this)."""
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    return float(value)
 
 
 def _default_device() -> torch.device:

@@ -3,13 +3,15 @@
     wrappers       find the Whisper model inside peft, DDP and torch.compile wrappers
     checkpointing  freezing, LoRA and checkpointing in the one order that works (`prepare_model`),
                    the checkpointing policies and which layers each recomputes, activation offload
+    sharding       --fsdp: FSDP2 sharding of the layers and the model, gathering for evaluation,
+                   saving
     loss           the training loss without full-vocabulary logits (`training_loss`)
     precision      the autocast dtype and loss scaling (`resolve_precision`)
     optim          AdamW, fused or 8-bit, weight decay on matrices only (`build_optimizer`)
     plan           the peak-memory estimate, its probe, and `--gradient-checkpointing auto`
 
-The submodules import downwards only: wrappers <- checkpointing <- loss <- plan; precision and
-optim stand alone. The names below are re-exported so `from whisper_train.memory import X`
+The submodules import downwards only: wrappers <- checkpointing, sharding <- loss <- plan;
+precision and optim stand alone. The names below are re-exported so `from whisper_train.memory import X`
 works for the public API. `LOSS_CHUNK_TOKENS` is deliberately not: `training_loss` reads it
 from `whisper_train.memory.loss`, so that is the module to patch.
 """
@@ -42,6 +44,7 @@ from whisper_train.memory.plan import (
     prepare_model_within_budget,
 )
 from whisper_train.memory.precision import Precision, resolve_precision
+from whisper_train.memory.sharding import full_state_dict, gathered, is_sharded, shard_model
 from whisper_train.memory.wrappers import unwrapped, whisper_of, whisper_or_none
 
 __all__ = [
@@ -62,6 +65,9 @@ __all__ = [
     "checkpointing_units",
     "effective_use_reentrant",
     "estimate_memory",
+    "full_state_dict",
+    "gathered",
+    "is_sharded",
     "loss_terms",
     "model_flops_per_sample",
     "parse_every_n",
@@ -70,6 +76,7 @@ __all__ = [
     "prepare_model_within_budget",
     "resolve_checkpointing",
     "resolve_precision",
+    "shard_model",
     "trainable_parameter_summary",
     "training_loss",
     "unwrapped",

@@ -26,6 +26,7 @@ from torch import nn
 from whisper_train.collate import IGNORE_INDEX
 from whisper_train.errors import UserError
 from whisper_train.memory.checkpointing import checkpointing_on
+from whisper_train.memory.sharding import gathered_weight
 from whisper_train.memory.wrappers import is_peft_model, unwrapped, whisper_of
 
 # Label tokens whose logits exist at once. 51,866 logits a token: 256 tokens are 53 MB in fp32,
@@ -178,7 +179,7 @@ def loss_terms(
     base_states = base_weight = None
     if preserving:  # first, so its activations are gone before the trained forward saves any
         base_states, base_whisper = _base_forward(model, preserve, inputs, deferred=True)
-        base_weight = base_whisper.proj_out.weight
+        base_weight = gathered_weight(base_whisper.proj_out.weight, model)
     with _projection_deferred(whisper):
         decoder_states = model(**inputs).logits  # (batch, T, d_model): hidden states here
     labels = batch["labels"].to(decoder_states.device)
@@ -188,7 +189,9 @@ def loss_terms(
         zero = decoder_states.sum() * 0.0
         return LossTerms(zero, zero, zero.detach() if preserving else None)
     recompute = torch.is_grad_enabled() and checkpointing_on(whisper)
-    weight = whisper.proj_out.weight
+    # Under --fsdp the projection is the root unit's; gathered here if a forward left it sharded
+    # (`sharding.gathered_weight`: a no-op for a plain tensor, as without --fsdp).
+    weight = gathered_weight(whisper.proj_out.weight, model)
     # Summed in float32 at least (16-bit logits under autocast); a float64 model stays float64.
     total = states.new_zeros((), dtype=torch.promote_types(states.dtype, torch.float32))
     if not preserving:  # the plain loss, exactly as before preservation existed

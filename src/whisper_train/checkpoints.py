@@ -460,12 +460,13 @@ def _sharded(model) -> bool:
     return is_sharded(model)
 
 
-def _shard_options():
+def _shard_options(*, loading: bool = False):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     # The trainable weights only, as trainable.safetensors holds: the frozen rest (LoRA's base)
-    # is read from --model again.
-    return StateDictOptions(ignore_frozen_params=True)
+    # is read from --model again. Loading, the frozen ones are absent by design (not strict);
+    # a trainable one missing from the checkpoint fails in `dcp.load` already.
+    return StateDictOptions(ignore_frozen_params=True, strict=not loading)
 
 
 def _torch_optimizer(optimizer):
@@ -504,7 +505,7 @@ def _load_shards(folder: Path, model, optimizer) -> None:
     if optimizer is None:
         state = {"model": get_model_state_dict(model, options=options)}
         dcp.load(state, checkpoint_id=str(folder / SHARDED_DIR))
-        set_model_state_dict(model, state["model"], options=options)
+        set_model_state_dict(model, state["model"], options=_shard_options(loading=True))
         return
     inner = _torch_optimizer(optimizer)
     weights, optimizer_state = get_state_dict(model, inner, options=options)
@@ -515,7 +516,7 @@ def _load_shards(folder: Path, model, optimizer) -> None:
         inner,
         model_state_dict=state["model"],
         optim_state_dict=state["optimizer"],
-        options=options,
+        options=_shard_options(loading=True),
     )
 
 

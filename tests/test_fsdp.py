@@ -13,6 +13,7 @@ from conftest import (
 )
 from safetensors.torch import load_file
 
+from whisper_train.cli import build_parser, config_from_args
 from whisper_train.config import RunConfig
 from whisper_train.errors import UserError
 from whisper_train.models import load_model
@@ -116,20 +117,26 @@ def test_sharded_lora_equals_one_process(tmp_path, tiny_whisper_dir):
 
 
 @pytest.mark.parametrize(
-    ("settings", "named"),
+    ("flags", "named"),
     [
-        ({}, "--nproc 2"),
-        ({"nproc": 2, "precision": "fp16"}, "--precision bf16"),
-        ({"nproc": 2, "compile": True}, "--compile"),
-        ({"nproc": 2, "mode": "freeze-encoder"}, "--no-cache-encoder"),
+        ([], "add --nproc 2"),
+        (["--nproc=2", "--precision=fp16"], "use --precision bf16"),
+        (["--nproc=2", "--compile"], "--compile"),
+        (["--nproc=2", "--mode=freeze-encoder"], "add --no-cache-encoder"),
     ],
 )
-def test_fsdp_refuses_what_it_cannot_shard_in_one_line(settings, named, monkeypatch):
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    config = RunConfig()
-    with pytest.raises(UserError, match="--fsdp") as refused:
-        config.update({"fsdp": True, **settings})
-    assert named in str(refused.value)
+def test_fsdp_refuses_what_it_cannot_shard_in_one_line(flags, named, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # not started by a launcher
+    args = build_parser().parse_args(["train", "--fsdp", *flags])
+    with pytest.raises(UserError, match="^--fsdp") as refused:
+        config_from_args(args)  # validates
+    assert named in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_fsdp_is_a_yaml_setting_too(tmp_path):
+    preset = tmp_path / "sharded.yaml"
+    preset.write_text("train: {nproc: 2, fsdp: true}\n")
+    assert RunConfig.from_yaml(preset).validate().train.fsdp
 
 
 def test_the_gathered_projection_is_the_whole_weight_outside_forward(tmp_path):

@@ -52,7 +52,9 @@ from whisper_train.runfolder import CONFIG_FILE
 STATE_FILE = "trainer_state.json"
 STREAM_FILE = "stream-{rank}.json"
 WEIGHTS_FILE = "trainable.safetensors"
-SHARDED_DIR = "sharded"  # --fsdp: the weights' and optimiser's shards (torch.distributed.checkpoint)
+SHARDED_DIR = (
+    "sharded"  # --fsdp: the weights' and optimiser's shards (torch.distributed.checkpoint)
+)
 _NAME = re.compile(rf"^{PREFIX}(\d+)$")
 # Adam keeps two float32 moments per trainable weight, beside the weight itself.
 _ADAM_COPIES = 3

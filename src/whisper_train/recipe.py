@@ -811,7 +811,6 @@ class FineTuneRecipe:
         accelerator.end_training()
         return result
 
-
     def _whole_model(self):
         """The trained model, unwrapped, for final/: on the main process (None on the others
         under --fsdp, where every process must call this: the weights are gathered)."""

@@ -4,8 +4,9 @@ What the CPU suite proves on a CPU, proved again where training really runs: gra
 checkpointing gives the gradients of training without it (fp32 and bf16 autocast) for every mode
 x policy; bf16 and fp16 runs train in their dtype, fp16 with its loss scaled; fused and 8-bit
 AdamW step; activation offload moves what backward keeps to host memory without changing a
-gradient; the batched log-mel path equals WhisperFeatureExtractor; a --compile run trains; and a
-resumed run repeats the losses of one that never stopped. Every test is small (seconds, tiny
+gradient; the batched log-mel path equals WhisperFeatureExtractor; a --compile run trains; a
+resumed run repeats the losses of one that never stopped; and --fsdp's sharded model (NCCL) gives
+the unsharded gradients. Every test is small (seconds, tiny
 seeded models), and every comparison states its tolerance and why.
 
 Run with `python -m pytest -m gpu tests/test_gpu.py` (the default run deselects `gpu`). Without
@@ -28,7 +29,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from conftest import SAME_RUN_LOSS_ATOL, metric_rows
+from conftest import SAME_RUN_LOSS_ATOL, metric_rows, train_argv, train_in_subprocess
 from safetensors.torch import load_file
 from tiny_models import (
     LORA,
@@ -513,3 +514,67 @@ def test_a_run_resumed_on_the_device_repeats_the_uninterrupted_losses(
         rtol=0,
         atol=SAME_RUN_LOSS_ATOL,
     )
+
+
+# -- 8. sharded training (--fsdp) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_sharded_gradients_on_the_device_equal_the_unsharded_ones(
+    device, tmp_path, float32_math, mode, precision
+):
+    """--fsdp's sharding (`memory.shard_model`) on the device, in a process group of this one
+    process (NCCL on CUDA; gloo for a dry run): each layer's weights are all-gathered and its
+    gradients reduce-scattered through the backend, with checkpointing's recompute gathering
+    them again in backward, and the loss reads the tied projection from the gathered root. The
+    loss and every gradient equal the unsharded model's within the parity tolerance (a shard in
+    the wrong place, a gradient left out of the reduce-scatter or a projection read as a shard
+    would not)."""
+    from whisper_train.memory import shard_model
+
+    if precision == "bf16":
+        needs_bf16(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    torch.distributed.init_process_group(
+        backend, init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1
+    )
+    try:
+        reference = prepared_for_parity(mode, "full", device)
+        sharded = shard_model(copy.deepcopy(reference), device)
+        assert type(whisper_of(sharded).model.decoder.layers[0].fc1.weight).__name__ == "DTensor"
+        ref = backward_once(reference, device, precision)
+        run = backward_once(sharded, device, precision)
+    finally:
+        torch.distributed.destroy_process_group()
+    grads = {
+        name: grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+        for name, grad in run["grads"].items()
+    }
+    missing = [name for name, grad in grads.items() if grad is None]
+    assert not missing, f"no gradient for {missing[:5]}"
+    assert grads.keys() == ref["grads"].keys()
+    relative = PARITY_TOLERANCE[precision]
+    loss, ref_loss = run["loss"].item(), ref["loss"].item()
+    assert math.isfinite(loss) and abs(loss - ref_loss) <= relative * abs(ref_loss)
+    unequal = far_apart(grads, ref["grads"], relative)
+    assert not unequal, f"{precision} sharded gradients differ: {unequal[:5]}"
+
+
+def test_two_gpus_train_sharded_in_bf16_resume_and_save_a_whole_model(
+    device, tmp_path, tone_dataset, tiny_whisper_dir
+):
+    """`--nproc 2 --fsdp` over NCCL on two GPUs, bf16: trains, writes each process's shard,
+    resumes, and final/ is a whole model. Needs 2 GPUs (NCCL refuses two ranks on one)."""
+    if device.type != "cuda" or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    out = tmp_path / "out"
+    argv = train_argv(tone_dataset, tiny_whisper_dir, out, "--nproc=2", "--fsdp")[1:]
+    argv += ["--precision=bf16", "--batch-size=2", "--generation-max-length=4", "--temperatures=0"]
+    train_in_subprocess([*argv, "--max-steps=2", "--save-steps=2"])
+    assert len(list((out / "checkpoint-2" / "sharded").glob("*.distcp"))) == 2
+    train_in_subprocess([*argv, "--max-steps=4", "--save-steps=4", "--resume=latest"])
+    losses = [row["loss"] for row in metric_rows(out) if "loss" in row]
+    assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
+    final = load_file(out / "final" / "model.safetensors")
+    assert final and all(tensor.dtype == torch.float32 for tensor in final.values())

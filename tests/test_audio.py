@@ -7,7 +7,7 @@ import pytest
 import soundfile
 import soxr
 
-from whisper_train.audio import SAMPLE_RATE, audio_duration, load_audio
+from whisper_train.audio import SAMPLE_RATE, audio_duration, load_audio, read_header
 from whisper_train.errors import AudioError
 
 # `make test-compat` runs these on the lowest soundfile, soxr and PyAV pyproject allows.
@@ -249,3 +249,51 @@ def test_a_file_neither_decoder_reads_names_both_reasons(tmp_path):
         load_audio(path)
     with pytest.raises(AudioError, match="FFmpeg"):
         audio_duration(path)
+
+
+def _recording(tmp_path, name: str):
+    """A 2 s speech-band recording in the format `name`'s suffix says (GSM WAV, M4A, WebM)."""
+    source = speech_band_signal(2.0, SAMPLE_RATE)
+    path = tmp_path / name
+    if name.endswith(".wav"):
+        soundfile.write(path, soxr.resample(source, SAMPLE_RATE, 8_000), 8_000, subtype="GSM610")
+    elif name.endswith(".m4a"):
+        encode_with_pyav(path, source, SAMPLE_RATE, "ipod", "aac")
+    else:
+        encode_with_pyav(
+            path, soxr.resample(source, SAMPLE_RATE, 48_000), 48_000, "webm", "libopus"
+        )
+    return path
+
+
+@pytest.mark.parametrize("name", ["call.wav", "phone.m4a", "browser.webm"])
+def test_encoded_bytes_decode_as_their_file_does(tmp_path, name):
+    # A streamed shard or a dataset's embedded audio holds the file's bytes: the same decoders
+    # run on them, so the samples are the file's exactly (same code, same input).
+    from whisper_train.data import _cached_audio
+    from whisper_train.streaming import audio_header, decode_audio
+
+    path = _recording(tmp_path, name)
+    data = path.read_bytes()
+
+    np.testing.assert_array_equal(load_audio(data, origin="shard-0.tar:clip"), load_audio(path))
+    np.testing.assert_array_equal(
+        decode_audio({"bytes": data, "path": None}, "k"), load_audio(path)
+    )
+    assert read_header(data) == read_header(path) == audio_header({"bytes": data})
+    # A dataset's embedded bytes are stored once as a file of their own format.
+    stored = _cached_audio(data, tmp_path / "cache", "dataset[0]")
+    assert stored.endswith(path.suffix)
+    np.testing.assert_array_equal(load_audio(stored), load_audio(path))
+
+
+def test_bytes_neither_decoder_reads_are_named_by_their_origin(tmp_path):
+    from whisper_train.data import _cached_audio
+    from whisper_train.streaming import audio_header, decode_audio
+
+    junk = b"not audio at all" * 100
+    with pytest.raises(AudioError, match=r"^shard-3\.tar:clip7: cannot decode audio \(libsndfile"):
+        decode_audio({"bytes": junk}, "shard-3.tar:clip7")
+    assert "FFmpeg" in audio_header({"bytes": junk})
+    with pytest.raises(AudioError, match=r"^dataset\[4\]: cannot decode the audio bytes"):
+        _cached_audio(junk, tmp_path / "cache", "dataset[4]")

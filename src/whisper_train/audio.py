@@ -6,10 +6,15 @@ without decoding the rest. What libsndfile cannot open (M4A/AAC from phones, MP4
 video and browsers, AMR, WMA...) is decoded by PyAV, which bundles FFmpeg's decoders. soxr
 resamples (its "HQ" quality is transparent for speech and much faster than a polyphase filter in
 numpy).
+
+Every reader takes a file's path or its encoded bytes (a streamed shard's sample, a dataset's
+embedded audio): the same two decoders, so a format that trains from a folder trains from a
+shard.
 """
 
 from __future__ import annotations
 
+import io
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +47,9 @@ _RESAMPLE_QUALITY = "HQ"
 _PYAV_SEEK_AFTER_SECONDS = 10.0
 _REMEDY = "convert it to WAV or FLAC"
 
+# A file's path, or the encoded bytes of one (WAV, FLAC, M4A... as stored in a shard).
+AudioSource = str | Path | bytes
+
 
 @dataclass(frozen=True)
 class AudioHeader:
@@ -58,18 +66,19 @@ class AudioHeader:
         return self.frames / self.sample_rate if self.sample_rate else 0.0
 
 
-def read_header(path: str | Path) -> AudioHeader:
-    """The header of `path`; AudioError when the file is missing or neither soundfile nor PyAV
-    can read it (the message gives both reasons)."""
-    path = _existing_file(path)
+def read_header(source: AudioSource, *, origin: str | None = None) -> AudioHeader:
+    """The header of `source` (a path, or encoded bytes named `origin` in errors); AudioError
+    when the file is missing or neither soundfile nor PyAV can read it (the message gives both
+    reasons)."""
+    source, name = _checked(source, origin)
     try:
-        with soundfile.SoundFile(path) as audio:
+        with soundfile.SoundFile(_readable(source)) as audio:
             return AudioHeader(
                 audio.frames, audio.samplerate, audio.channels, f"{audio.format}/{audio.subtype}"
             )
     except (soundfile.LibsndfileError, RuntimeError, TypeError) as exc:
         libsndfile_reason = _first_line(exc)
-    return _pyav_header(path, libsndfile_reason)
+    return _pyav_header(source, name, libsndfile_reason)
 
 
 def _header(path: str | Path) -> tuple[int, int]:
@@ -82,7 +91,7 @@ def _header(path: str | Path) -> tuple[int, int]:
             return header.frames, header.samplerate
     except (soundfile.LibsndfileError, RuntimeError, TypeError) as exc:
         libsndfile_reason = _first_line(exc)
-    header = _pyav_header(path, libsndfile_reason)
+    header = _pyav_header(path, path, libsndfile_reason)
     return header.frames, header.sample_rate
 
 
@@ -91,6 +100,21 @@ def _existing_file(path: str | Path) -> str:
     if not os.path.isfile(path):
         raise AudioError(path, "file not found; check the path in your data")
     return path
+
+
+def _checked(source: AudioSource, origin: str | None) -> tuple[str | bytes, str]:
+    """(the source as the readers take it, its name in errors): a path must exist; bytes are
+    named by `origin`."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source), origin or "<audio bytes>"
+    path = _existing_file(source)
+    return path, origin or path
+
+
+def _readable(source: str | bytes):
+    """What soundfile and PyAV open: the path, or a fresh file-like over the bytes (each reader
+    consumes its own)."""
+    return io.BytesIO(source) if isinstance(source, bytes) else source
 
 
 def _first_line(exc: BaseException) -> str:
@@ -105,29 +129,34 @@ def audio_duration(path: str | Path) -> float:
 
 
 def load_audio(
-    path: str | Path, *, start: float | None = None, end: float | None = None
+    source: AudioSource,
+    *,
+    start: float | None = None,
+    end: float | None = None,
+    origin: str | None = None,
 ) -> np.ndarray:
-    """Decode `path` (or the window [start, end) seconds of it) to mono 16 kHz.
+    """Decode `source` (a path or encoded bytes; the window [start, end) seconds of it) to mono
+    16 kHz. `origin` names bytes in errors (a shard's key).
 
     Returns a float32 array of shape (n_samples,) in [-1, 1]. Channels are averaged. Only the
     frames of the window are read from disk (PyAV files: decoded from the packet before the
     window). Raises AudioError when the file is missing, cannot be decoded, or the (window of
     the) audio holds no samples.
     """
-    path = _existing_file(path)
+    source, name = _checked(source, origin)
     try:
-        audio = soundfile.SoundFile(path)
+        audio = soundfile.SoundFile(_readable(source))
     except (soundfile.LibsndfileError, RuntimeError, TypeError) as exc:
-        samples, source_rate = _pyav_decode(path, start, end, _first_line(exc))
+        samples, source_rate = _pyav_decode(source, name, start, end, _first_line(exc))
     else:
         try:
             with audio:
                 samples, source_rate = _soundfile_decode(audio, start, end)
         except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
-            raise AudioError(path, f"cannot decode audio ({_first_line(exc)}); {_REMEDY}") from None
+            raise AudioError(name, f"cannot decode audio ({_first_line(exc)}); {_REMEDY}") from None
     if samples.size == 0:
         where = "" if start is None and end is None else f" in the window {start}-{end} s"
-        raise AudioError(path, f"no audio samples{where}; remove it from your data")
+        raise AudioError(name, f"no audio samples{where}; remove it from your data")
 
     mono = samples.mean(axis=1, dtype=np.float32)
     if source_rate != SAMPLE_RATE:
@@ -159,28 +188,28 @@ def _soundfile_decode(
 # -- PyAV (FFmpeg) for what libsndfile cannot open --------------------------------------------
 
 
-def _pyav_open(path: str, libsndfile_reason: str):
+def _pyav_open(source: str | bytes, name: str, libsndfile_reason: str):
     """(container, its first audio stream); AudioError naming both decoders' reasons."""
     import av
 
     try:
-        container = av.open(path)
+        container = av.open(_readable(source))
     except (av.FFmpegError, OSError, ValueError) as exc:
         raise AudioError(
-            path,
+            name,
             f"cannot decode audio (libsndfile: {libsndfile_reason}; FFmpeg: {_first_line(exc)}); "
             f"{_REMEDY}",
         ) from None
     if not container.streams.audio:
         container.close()
-        raise AudioError(path, f"no audio stream in this file; {_REMEDY}")
+        raise AudioError(name, f"no audio stream in this file; {_REMEDY}")
     return container, container.streams.audio[0]
 
 
-def _pyav_header(path: str, libsndfile_reason: str) -> AudioHeader:
+def _pyav_header(source: str | bytes, name: str, libsndfile_reason: str) -> AudioHeader:
     import av
 
-    container, stream = _pyav_open(path, libsndfile_reason)
+    container, stream = _pyav_open(source, name, libsndfile_reason)
     with container:
         rate = stream.codec_context.sample_rate or stream.sample_rate or 0
         channels = stream.codec_context.channels or 1
@@ -192,18 +221,22 @@ def _pyav_header(path: str, libsndfile_reason: str) -> AudioHeader:
             seconds = None
         fmt = f"{container.format.name}/{stream.codec_context.name}"
     if seconds is None:  # live recordings (browser WebM) often state no duration: count
-        samples, rate = _pyav_decode(path, None, None, libsndfile_reason)
+        samples, rate = _pyav_decode(source, name, None, None, libsndfile_reason)
         return AudioHeader(len(samples), rate, channels, fmt)
     return AudioHeader(round(seconds * rate), rate, channels, fmt)
 
 
 def _pyav_decode(
-    path: str, start: float | None, end: float | None, libsndfile_reason: str
+    source: str | bytes,
+    name: str,
+    start: float | None,
+    end: float | None,
+    libsndfile_reason: str,
 ) -> tuple[np.ndarray, int]:
     """(frames, channels) float32 of the window [start, end) and the stream's rate."""
     import av
 
-    container, stream = _pyav_open(path, libsndfile_reason)
+    container, stream = _pyav_open(source, name, libsndfile_reason)
     with container:
         rate = stream.codec_context.sample_rate
         first = 0 if start is None else max(0, round(start * rate))
@@ -236,7 +269,7 @@ def _pyav_decode(
                         converted.to_ndarray()[:, : None if stop is None else stop - position]
                     )
         except (av.FFmpegError, ValueError) as exc:
-            raise AudioError(path, f"cannot decode audio ({_first_line(exc)}); {_REMEDY}") from None
+            raise AudioError(name, f"cannot decode audio ({_first_line(exc)}); {_REMEDY}") from None
     if not pieces:
         return np.zeros((0, 1), dtype=np.float32), rate
     return np.concatenate(pieces, axis=1).T.astype(np.float32, copy=False), rate

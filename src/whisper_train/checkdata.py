@@ -283,9 +283,9 @@ def _check_stream_audio(source: StreamSource, report: DataReport) -> list[Exampl
         if isinstance(header, str):
             report.findings.append(Finding("unreadable", clip.origin, header))
             continue
-        report.sample_rates[header.samplerate] = report.sample_rates.get(header.samplerate, 0) + 1
+        report.sample_rates[header.sample_rate] = report.sample_rates.get(header.sample_rate, 0) + 1
         report.channels[header.channels] = report.channels.get(header.channels, 0) + 1
-        seconds = header.frames / header.samplerate if header.samplerate else 0.0
+        seconds = header.seconds
         report.durations.append(seconds)
         report.total_seconds += seconds
         if seconds > CHUNK_LENGTH:

@@ -504,16 +504,20 @@ def _hf_examples(dataset: Any, origin: str, cache: Path) -> list[Example]:
 def _cached_audio(data: bytes, cache: Path, where: str) -> str:
     """Store encoded audio bytes once, unchanged, as `cache/<sha1>.<format>`; return that path.
 
-    The bytes are checked to be audio soundfile reads, and kept as they are: a FLAC stays a
-    FLAC (decoding to float32 WAV made 11 MB of FLAC 43 MB on disk). `--streaming` reads a hub
-    dataset without any copy."""
-    import soundfile
+    The bytes are checked to be audio soundfile or PyAV reads, and kept as they are: a FLAC
+    stays a FLAC (decoding to float32 WAV made 11 MB of FLAC 43 MB on disk), an M4A an M4A.
+    `--streaming` reads a hub dataset without any copy."""
+    from whisper_train.audio import read_header
 
     try:
-        kind = soundfile.info(io.BytesIO(data)).format  # "FLAC", "WAV", "OGG", "MPEG", ...
-    except (soundfile.LibsndfileError, RuntimeError, TypeError) as exc:
-        raise AudioError(where, f"cannot decode the audio bytes ({exc})") from None
-    suffix = {"MPEG": "mp3", "WAVEX": "wav"}.get(kind, kind.lower())
+        # "FLAC/PCM_16", "WAV/GSM610", "MPEG/MPEG_LAYER_III" (soundfile) or FFmpeg's
+        # "mov,mp4,m4a,3gp,3g2,mj2/aac", "matroska,webm/opus" (PyAV)
+        container = read_header(data, origin=where).format.split("/")[0].split(",")[0].lower()
+    except AudioError as exc:
+        raise AudioError(where, f"cannot decode the audio bytes ({exc.reason})") from None
+    suffix = {"mpeg": "mp3", "wavex": "wav", "mov": "m4a", "matroska": "webm"}.get(
+        container, container
+    )
     target = cache / f"{hashlib.sha1(data).hexdigest()}.{suffix}"
     if not target.is_file():
         cache.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ The `datasets` library reads the stream (`load_dataset(..., streaming=True)`): a
 buffer, `split_dataset_by_node` for the processes, and its own split of the shards over the
 DataLoader workers of each process, so that one pass over the stream reads every sample once
 across N processes x W workers. Audio is decoded in the workers from the bytes in memory
-(soundfile + soxr); a clip that does not decode, is empty or over 30 s, or whose label is too
+(soundfile, else PyAV, as files are); a clip that does not decode, is empty or over 30 s, or whose label is too
 long becomes a `Skip` item that the training loop counts: a bad clip never stops a run.
 
 Resuming is exact. `datasets`' own state_dict drops the shuffle buffer's contents, which would
@@ -27,7 +27,6 @@ again, not decoding them.
 from __future__ import annotations
 
 import glob
-import io
 import os
 import random
 import re
@@ -39,11 +38,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import soundfile
-import soxr
 import torch
 
-from whisper_train.audio import _RESAMPLE_QUALITY, CHUNK_LENGTH, SAMPLE_RATE, load_audio
+from whisper_train.audio import (
+    AUDIO_SUFFIXES,
+    CHUNK_LENGTH,
+    SAMPLE_RATE,
+    AudioHeader,
+    load_audio,
+    read_header,
+)
 from whisper_train.data import (
     AUDIO_COLUMNS,
     DATASETS_EXTRA,
@@ -57,8 +61,9 @@ from whisper_train.errors import AudioError, UserError
 
 STREAM_FORMATS = ("webdataset", "parquet")
 SHARD_SUFFIXES = {".tar": "webdataset", ".parquet": "parquet"}
-# WebDataset names a sample's fields by extension: these hold the audio.
-WEBDATASET_AUDIO = ("flac", "wav", "mp3", "ogg", "opus")
+# WebDataset names a sample's fields by extension: these hold the audio (every format a folder
+# of files may hold: M4A from phones, WebM from browsers...).
+WEBDATASET_AUDIO = tuple(suffix.lstrip(".") for suffix in AUDIO_SUFFIXES)
 # The audio column as raw bytes and path. `datasets` 5 types audio as `Audio`, whose every
 # encode imports torchcodec (even with decode=False); a plain struct needs nothing.
 RAW_AUDIO = {"bytes": "binary", "path": "string"}
@@ -303,43 +308,38 @@ def read_row(row: dict, columns: Columns, fallback_origin: str) -> Row:
 
 
 def decode_audio(audio: Any, origin: str) -> np.ndarray:
-    """Audio bytes (or a path) → float32 mono at 16 kHz, decoded in memory; AudioError when
-    it does not decode or holds no samples."""
+    """Audio bytes (or a path) → float32 mono at 16 kHz, decoded in memory by the readers a
+    file goes through (soundfile, else PyAV: an M4A in a shard trains like one in a folder);
+    AudioError naming `origin` when it does not decode or holds no samples."""
+    data, path = _bytes_or_path(audio)
+    if data:
+        return load_audio(data, origin=origin)
+    if path and os.path.isfile(path):
+        return load_audio(path)
+    raise AudioError(origin, "no audio bytes in this sample")
+
+
+def audio_header(audio: Any) -> AudioHeader | str:
+    """The header of a row's audio (no decoding where the format states its length), or why
+    there is none."""
+    data, path = _bytes_or_path(audio)
+    try:
+        if data:
+            return read_header(data)
+        if path and os.path.isfile(path):
+            return read_header(path)
+    except AudioError as exc:
+        return exc.reason
+    return "no audio bytes in this sample"
+
+
+def _bytes_or_path(audio: Any) -> tuple[bytes | None, str | None]:
+    """A row's audio cell ({"bytes", "path"}, bytes, or a path) → (bytes or None, path or None)."""
     data = audio.get("bytes") if isinstance(audio, dict) else audio
     path = audio.get("path") if isinstance(audio, dict) else None
     if isinstance(data, str):
-        data, path = None, data
-    if not data:
-        if path and os.path.isfile(path):
-            return load_audio(path)
-        raise AudioError(origin, "no audio bytes in this sample")
-    try:
-        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
-    except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise AudioError(origin, f"cannot decode audio ({first_line})") from None
-    if samples.size == 0:
-        raise AudioError(origin, "no audio samples")
-    mono = samples.mean(axis=1, dtype=np.float32)
-    if rate != SAMPLE_RATE:
-        mono = soxr.resample(mono, rate, SAMPLE_RATE, quality=_RESAMPLE_QUALITY)
-    return np.ascontiguousarray(mono, dtype=np.float32)
-
-
-def audio_header(audio: Any) -> soundfile._SoundFileInfo | str:
-    """The header of a row's audio (no decoding), or why there is none."""
-    data = audio.get("bytes") if isinstance(audio, dict) else audio
-    path = audio.get("path") if isinstance(audio, dict) else None
-    try:
-        if isinstance(data, (bytes, bytearray)) and data:
-            return soundfile.info(io.BytesIO(data))
-        if isinstance(data, str):
-            path = data
-        if path and os.path.isfile(path):
-            return soundfile.info(path)
-        return "no audio bytes in this sample"
-    except (soundfile.LibsndfileError, RuntimeError, TypeError) as exc:
-        return f"cannot decode ({(str(exc).strip().splitlines() or [type(exc).__name__])[0]})"
+        return None, data
+    return (bytes(data) if data else None), path
 
 
 # -- the training stream --------------------------------------------------------------------

@@ -16,14 +16,16 @@ from whisper_train.train import train
 
 
 def test_two_processes_equal_one_and_resume_exactly(tmp_path, tiny_whisper_dir):
-    # 20 clips, 4 held out: 16 training clips, global batch 4 (1 x 4, or 2 processes x 2).
-    data = write_tone_dataset(tmp_path / "data", n=20)
+    # 19 clips, 3 held out: 16 training clips, global batch 4 (1 x 4, or 2 processes x 2). The
+    # 3 evaluation clips split over 2 processes of batch 2 leave process 1 a copy of clip 0 to
+    # fill its batch: it must not be scored twice.
+    data = write_tone_dataset(tmp_path / "data", n=19)
     common = {
         "data": str(data),
         "model": str(tiny_whisper_dir),
         "learning_rate": 1e-3,
         "seed": 0,
-        "eval_split": 0.2,
+        "eval_split": 0.16,
         "gradient_checkpointing": "on",
         "lr_scheduler": "constant_with_warmup",
         "generation_max_length": 4,
@@ -63,17 +65,20 @@ def test_two_processes_equal_one_and_resume_exactly(tmp_path, tiny_whisper_dir):
     # Equal up to float32 summation order (2 x 2 rows and an all-reduce vs 4 rows), which a clip
     # seen twice or skipped, or a wrong per-process loss weight, would exceed many times over.
     np.testing.assert_allclose(two_losses, single_losses, rtol=0, atol=SAME_RUN_LOSS_ATOL)
-    # Evaluation ran sharded (2 clips per process) and gathered: the same 4 clips scored, so the
-    # same validation loss. (The first run's closing evaluation at step 3 stays in the file: it
+    # Evaluation ran sharded (2 rows per process, one of them a filler copy) and gathered: the
+    # same 3 clips scored once each, so the same validation loss (clip 0 counted twice would
+    # move it by a third of its difference from the others'; a random model's clips differ by
+    # far more than the tolerance). (The first run's closing evaluation at step 3 stays in the file: it
     # happened.) WER is not compared: a random model's top two logits can lie closer than float
     # noise, so its greedy words may differ between the runs without anything being wrong.
     assert [e["step"] for e in two_evals] == [3, 5]
+    assert [e["clips"] for e in two_evals] == [3, 3] and single_evals[-1]["clips"] == 3
     np.testing.assert_allclose(
         two_evals[-1]["eval_loss"], single_evals[-1]["eval_loss"], rtol=0, atol=SAME_RUN_LOSS_ATOL
     )
-    # It is a WER of those 4 clips' 12 words (3 each): a whole number of word errors over 12.
-    # metrics.jsonl's 6 decimals move `errors` by 12 x 5e-7 at most, far inside the 1e-4 allowed.
-    errors = two_evals[-1]["wer"] * 12
+    # It is a WER of those 3 clips' 9 words (3 each): a whole number of word errors over 9.
+    # metrics.jsonl's 6 decimals move `errors` by 9 x 5e-7 at most, far inside the 1e-4 allowed.
+    errors = two_evals[-1]["wer"] * 9
     assert errors >= 0 and abs(errors - round(errors)) < 1e-4
 
 

@@ -124,6 +124,7 @@ def test_every_evaluation_scores_every_set(tiny_run_config, two_sets, capsys):
             "set",
             "eval_loss",
             "wer",
+            "clips",
             "repeated_ngram_rate",
             "insertion_rate",
         }

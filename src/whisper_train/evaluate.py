@@ -20,7 +20,6 @@ divides all errors by all reference words; if every reference is empty it is und
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import time
@@ -479,14 +478,24 @@ def run_evaluation(
 
     `languages`: the language of each example of the loader's dataset (indexed by the batch's
     `indices`), a code or None (detect it); None: the model's generation config decides.
-    `normalizer` None: `normalizer_for` the languages the clips were decoded in."""
+    `normalizer` None: `normalizer_for` the languages the clips were decoded in.
+
+    Each clip is scored once (`clips` in the row): a loader split over N processes hands some
+    processes a copy of the set's first clips to even out the last batches, and those copies
+    are dropped before anything is counted, the loss included."""
+    from accelerate.utils import gather_object
+
     was_training = model.training
     model.eval()
     loss_and_tokens = torch.zeros(2, device=accelerator.device)  # summed token losses, tokens
     references, hypotheses, decoded, expected = [], [], [], []
     unwrapped = accelerator.unwrap_model(model)
-    gather = functools.partial(accelerator.gather_for_metrics, use_gather_object=True)
+    scored: set[int] = set()  # dataset indices scored so far, on any process
     for batch in loader:
+        # Every process learns which clips every process holds, and keeps its own rows that
+        # no earlier batch or lower-ranked process holds: the same rule computed everywhere.
+        held = gather_object([batch["indices"].tolist() if batch["size"] else []])
+        batch = _rows(batch, _first_sightings(held, scored)[accelerator.process_index])
         if languages is not None:
             batch = {**batch, "languages": [languages[i] for i in batch["indices"].tolist()]}
         texts: list[str] = []
@@ -506,10 +515,10 @@ def run_evaluation(
             )
         # A batch with no usable clip (none decoded) still joins the gathers: every process
         # runs the same collectives, or the others would wait for this one for ever.
-        references.extend(gather(batch.get("texts", [])))
-        hypotheses.extend(gather(texts))
-        decoded.extend(gather(details))
-        expected.extend(gather(batch.get("languages") or [None] * len(texts)))
+        references.extend(gather_object(batch.get("texts", [])))
+        hypotheses.extend(gather_object(texts))
+        decoded.extend(gather_object(details))
+        expected.extend(gather_object(batch.get("languages") or [None] * len(texts)))
     model.train(was_training)
     if accelerator.num_processes > 1:
         loss_and_tokens = accelerator.reduce(loss_and_tokens, reduction="sum")
@@ -523,6 +532,7 @@ def run_evaluation(
         "step": step,
         "eval_loss": round(loss_sum / max(n_tokens, 1.0), 6),
         "wer": round(scores.wer, 6),
+        "clips": len(references),
         # Loops and hallucinated words: what a WER drop on the target set can hide.
         "repeated_ngram_rate": round(scores.repeated_ngram_rate, 6),
         "insertion_rate": round(scores.insertion_rate, 6),
@@ -532,6 +542,40 @@ def run_evaluation(
     if (identified := language_id(expected, decoded)) is not None:
         row["language_id_accuracy"] = round(identified.accuracy, 6)
     return row
+
+
+def _first_sightings(held: Sequence[Sequence[int]], scored: set[int]) -> list[list[bool]]:
+    """For each process's rows (`held[rank]`: dataset indices, in rank order), whether the row
+    is the first copy of its clip: not in `scored` nor earlier in this round. Updates `scored`."""
+    keep = []
+    for indices in held:
+        kept = []
+        for index in indices:
+            kept.append(index not in scored)
+            scored.add(index)
+        keep.append(kept)
+    return keep
+
+
+def _rows(batch: dict, keep: Sequence[bool]) -> dict:
+    """`batch` with only the rows `keep` marks; an empty batch (size 0) when none is kept."""
+    if all(keep):
+        return batch
+    rows = [i for i, kept in enumerate(keep) if kept]
+    if not rows:
+        return {"skipped": batch.get("skipped", []), "size": 0}
+    picked = torch.tensor(rows)
+    subset = {"skipped": batch.get("skipped", []), "size": len(rows)}
+    for key, value in batch.items():
+        if key in subset:
+            continue
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == len(keep):
+            subset[key] = value[picked]
+        elif isinstance(value, list) and len(value) == len(keep):
+            subset[key] = [value[i] for i in rows]
+        else:
+            subset[key] = value
+    return subset
 
 
 def evaluate_examples(

@@ -2,7 +2,7 @@
 3.8x").
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/freeze_encoder_profile.py [--batch-size 8]
-        [--label-tokens 30] [--steps 6] [--dims tiny|base|small]
+        [--label-tokens 30] [--steps 4] [--rounds 3] [--dims tiny|base|small]
 
 A cached epoch runs only the decoder: the features and the encoder are skipped (the dataset
 hands the cached encoder output instead of decoding the clip, `features.SpeechDataset`). What
@@ -20,7 +20,10 @@ grouped by what the operator works on:
   optimizer step               timed apart (its operators work on the same shapes)
   rest                         the decoder's own layers on the label tokens, and the rest
 
-One process, one thread, CPU time; a warm-up step is not counted. Profiling adds a little to
+Each step runs twice, alternating: with the decoder's cross-attention in the folded order
+whisper-train uses on cached outputs (`memory.cross_attention`) and in the layer's own order
+(the keys and values of all 1500 positions projected first). One process, one thread, CPU
+time; a warm-up step is not counted. Profiling adds a little to
 every operator; the forward and backward's CPU seconds are those of the profiled run, shared
 out by the operators' self times.
 """
@@ -28,6 +31,8 @@ out by the operators' self times.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import statistics
 import time
 
 import torch
@@ -78,10 +83,9 @@ def main() -> None:
     parser.add_argument("--dims", choices=sorted(DIMS), default="tiny")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--label-tokens", type=int, default=30)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-
-    from torch.profiler import ProfilerActivity, profile
 
     from whisper_train.memory import build_optimizer, training_loss
 
@@ -113,30 +117,68 @@ def main() -> None:
     for _ in range(args.steps):
         optimizer.step()
     optimizer_seconds = (time.process_time() - start) / args.steps
+    orders = {"folded": True, "own order": False}  # the cross-attention's, see below
+    tables = {}
+    for _ in range(args.rounds):  # alternating, so both orders meet the same machine load
+        for order, folding in orders.items():
+            with cross_attention_order(folding):
+                spent = profiled_step(forward_backward, args, config.vocab_size)
+            spent["optimizer step"] = optimizer_seconds
+            tables.setdefault(order, []).append(spent)
+    medians = {
+        order: {name: statistics.median(run[name] for run in runs) for name in runs[0]}
+        for order, runs in tables.items()
+    }
+    totals = {order: sum(parts.values()) for order, parts in medians.items()}
+    print(
+        f"{args.dims} dims, batch {args.batch_size}, {args.label_tokens} label tokens, "
+        f"{args.steps} steps x {args.rounds} rounds a column (medians)\n"
+    )
+    print("| part of the step | own order: CPU s | share | folded: CPU s | share |")
+    print("|---|---:|---:|---:|---:|")
+    own, folded = medians["own order"], medians["folded"]
+    for name in sorted(own, key=lambda n: -own[n]):
+        print(
+            f"| {name} | {own[name]:.3f} | {100 * own[name] / totals['own order']:.0f}% "
+            f"| {folded[name]:.3f} | {100 * folded[name] / totals['folded']:.0f}% |"
+        )
+    print(
+        f"| **step** | **{totals['own order']:.3f}** | | **{totals['folded']:.3f}** | "
+        f"({totals['own order'] / totals['folded']:.2f}x) |"
+    )
+
+
+@contextlib.contextmanager
+def cross_attention_order(folding: bool):
+    """The loss's cross-attention in the folded order (whisper-train's) or the layer's own."""
+    from whisper_train.memory import loss
+
+    real = loss.folded_cross_attention
+    if not folding:
+        loss.folded_cross_attention = lambda whisper, enabled=True: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        loss.folded_cross_attention = real
+
+
+def profiled_step(forward_backward, args, vocab: int) -> dict[str, float]:
+    """CPU seconds of one forward and backward, shared out by operator self times."""
+    from torch.profiler import ProfilerActivity, profile
+
+    forward_backward()  # warm-up in this order
     start = time.process_time()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(args.steps):
             forward_backward()
-    total = (time.process_time() - start) / args.steps + optimizer_seconds
+    seconds = (time.process_time() - start) / args.steps
     # Self CPU time of each operator (no double counting of nested ones), by what it works on.
     spent = {"over 1500 encoder positions": 0.0, "vocabulary logits": 0.0, "rest": 0.0}
     positions = (1500, 1500 * args.batch_size)  # the projections see (batch x 1500, d)
     for event in prof.key_averages(group_by_input_shape=True):
-        spent[category(event, config.vocab_size, positions)] += event.self_cpu_time_total / 1e6
-    profiled = sum(spent.values()) / args.steps
-    spent = {
-        name: seconds / args.steps * (total - optimizer_seconds) / profiled
-        for name, seconds in spent.items()
-    }
-    spent["optimizer step"] = optimizer_seconds
-    print(
-        f"{args.dims} dims, batch {args.batch_size}, {args.label_tokens} label tokens, "
-        f"{args.steps} steps: {total:.3f} CPU s a step\n"
-    )
-    print("| part of the step | CPU s | share |")
-    print("|---|---:|---:|")
-    for name, seconds in sorted(spent.items(), key=lambda kv: -kv[1]):
-        print(f"| {name} | {seconds:.3f} | {100 * seconds / total:.0f}% |")
+        spent[category(event, vocab, positions)] += event.self_cpu_time_total
+    profiled = sum(spent.values())
+    return {name: seconds * part / profiled for name, part in spent.items()}
 
 
 if __name__ == "__main__":

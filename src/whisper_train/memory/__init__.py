@@ -6,12 +6,14 @@
     sharding       --fsdp: FSDP2 sharding of the layers and the model, gathering for evaluation,
                    saving
     loss           the training loss without full-vocabulary logits (`training_loss`)
+    cross_attention  the decoder's cross-attention on cached encoder outputs in its cheaper
+                   order (`folded_cross_attention`, used by the loss)
     precision      the autocast dtype and loss scaling (`resolve_precision`)
     optim          AdamW, fused or 8-bit, weight decay on matrices only (`build_optimizer`)
     plan           the peak-memory estimate, its probe, and `--gradient-checkpointing auto`
 
 The submodules import downwards only: wrappers <- checkpointing, sharding <- loss <- plan;
-precision and optim stand alone. The names below are re-exported so `from whisper_train.memory import X`
+cross_attention <- loss; precision and optim stand alone. The names below are re-exported so `from whisper_train.memory import X`
 works for the public API. `LOSS_CHUNK_TOKENS` is deliberately not: `training_loss` reads it
 from `whisper_train.memory.loss`, so that is the module to patch.
 """

@@ -26,6 +26,7 @@ from torch import nn
 from whisper_train.collate import IGNORE_INDEX
 from whisper_train.errors import UserError
 from whisper_train.memory.checkpointing import checkpointing_on
+from whisper_train.memory.cross_attention import folded_cross_attention
 from whisper_train.memory.sharding import gathered_weight
 from whisper_train.memory.wrappers import is_peft_model, unwrapped, whisper_of
 
@@ -180,7 +181,9 @@ def loss_terms(
     if preserving:  # first, so its activations are gone before the trained forward saves any
         base_states, base_whisper = _base_forward(model, preserve, inputs, deferred=True)
         base_weight = gathered_weight(base_whisper.proj_out.weight, model)
-    with _projection_deferred(whisper):
+    # On cached encoder outputs, the cross-attention in its cheaper order (`cross_attention`).
+    folded = "encoder_outputs" in inputs
+    with _projection_deferred(whisper), folded_cross_attention(whisper, enabled=folded):
         decoder_states = model(**inputs).logits  # (batch, T, d_model): hidden states here
     labels = batch["labels"].to(decoder_states.device)
     keep = labels != IGNORE_INDEX

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import pytest
@@ -183,6 +184,35 @@ def test_every_optimizer_trains(name):
     model(**batch).loss.backward()
     optimizer.step()
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters() if n in before)
+
+
+def test_adamw_steps_with_the_fused_kernel_and_torchs_update():
+    # The fused kernel and torch's loop compute the same float32 formula in another order: from
+    # the same gradients, a rounding apart (2 ulps of the norms' gains, |p| ~ 1: 2.4e-7), far
+    # below an update's 1e-2. One step: after it, float noise would enter the gradients too.
+    model = prepare_model(fresh_short_whisper(), mode="full").train()
+    reference = copy.deepcopy(model)
+    start = [p.detach().clone() for p in model.parameters()]
+    fused = build_optimizer(model, lr=1e-2, weight_decay=0.1)
+    assert fused.defaults["fused"] is True
+    default = torch.optim.AdamW(
+        [
+            {"params": [p for p in reference.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+            {"params": [p for p in reference.parameters() if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+    )
+    batch = tiny_batch()
+    for net, optimizer in ((model, fused), (reference, default)):
+        training_loss(net, batch).backward()
+        optimizer.step()
+    moved = 0
+    for (name, p), q, before in zip(
+        model.named_parameters(), reference.parameters(), start, strict=True
+    ):
+        moved += not torch.equal(p, before)
+        torch.testing.assert_close(p, q, rtol=0, atol=2.4e-7, msg=name)
+    assert moved == len(start) - 1  # all but the frozen encoder positions stepped
 
 
 def test_optimizer_errors_name_the_flag(monkeypatch):

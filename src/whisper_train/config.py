@@ -189,7 +189,11 @@ class MemoryConfig:
         "bf16 or fp16.",
         default="auto",
     )
-    optim: str = _help("adamw, adamw-fused or adamw8bit (bitsandbytes).", default="adamw")
+    optim: str = _help(
+        "adamw (torch's fused kernel where the weights allow it), adamw-fused (that kernel or "
+        "an error) or adamw8bit (bitsandbytes).",
+        default="adamw",
+    )
     cache_encoder: bool | None = _help(
         "Compute encoder outputs once and reuse them every epoch (default: on when the encoder "
         "is frozen and audio is not augmented).",

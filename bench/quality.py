@@ -24,6 +24,10 @@ Grids:
          window: about as many clips a step, so about as many steps at equal clips seen), each
          for --epochs (equal clips seen), and packed for 3x the epochs (about the unpacked
          run's wall time); no --max-steps;
+  packing-timestamps  the packing grid's runs at equal clips seen, packed with and without
+         --packing-timestamps on (every window of 2+ clips labelled with its clips' times);
+         --equal-wall-epochs N adds a packed+timestamps run of N epochs (N: an unpacked run's
+         measured training time over a packed epoch's, about equal wall time);
   lr     each mode at its default learning rate, a third and a tenth of it, and
          --preserve-base 1 at the default;
   all    lr, plus warm-up (10 steps) and SpecAugment at each mode's default.
@@ -35,6 +39,8 @@ import argparse
 import json
 import os
 import platform
+import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -64,7 +70,19 @@ class Run:
         return f"{self.mode} lr {self.learning_rate:.2g}" + (f" {flags}" if flags else "")
 
 
-def grid(name: str, modes: list[str], epochs: int = 1) -> list[Run]:
+def grid(name: str, modes: list[str], epochs: int = 1, equal_wall_epochs: int = 0) -> list[Run]:
+    packed = ["--packing", "on", "--batch-size", "1"]
+    if name == "packing-timestamps":
+        lr = CURRENT_LR["lora"]
+        timestamped = [*packed, "--packing-timestamps", "on"]
+        runs = [
+            Run("lora", lr, ["--epochs", str(epochs)]),
+            Run("lora", lr, ["--epochs", str(epochs), *packed]),
+            Run("lora", lr, ["--epochs", str(epochs), *timestamped]),
+        ]
+        if equal_wall_epochs:
+            runs.append(Run("lora", lr, ["--epochs", str(equal_wall_epochs), *timestamped]))
+        return runs
     if name == "packing":
         lr = CURRENT_LR["lora"]
         return [
@@ -134,11 +152,20 @@ def train_once(run: Run, sets: dict[str, Path], args, out: Path, at_start: bool)
         *run.extra,
     ]  # fmt: skip
     started = time.perf_counter()
+    cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(command, capture_output=True, text=True, check=False)
+    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
         raise SystemExit(f"{run.label} failed:\n{done.stderr[-3000:]}")
     result = json.loads((out / "result.json").read_text())
     result["seconds"] = time.perf_counter() - started
+    # the whole run's CPU (training and evaluation), and the training loop's wall time as the
+    # run states it ("trained N steps in S s"): on a shared machine wall time is not the cost
+    result["cpu_seconds"] = sum(
+        getattr(cpu_after, k) - getattr(cpu_before, k) for k in ("ru_utime", "ru_stime")
+    )
+    trained = re.findall(r"trained \d+ steps.* in ([\d.]+) s", done.stdout + done.stderr)
+    result["train_seconds"] = float(trained[-1]) if trained else None
     return result
 
 
@@ -150,8 +177,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", choices=("real", "synth"), default="real")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--grid", choices=("defaults", "lr", "all", "packing"), default="lr")
+    parser.add_argument(
+        "--grid", choices=("defaults", "lr", "all", "packing", "packing-timestamps"), default="lr"
+    )
     parser.add_argument("--epochs", type=int, default=1, help="--grid packing: epochs a run")
+    parser.add_argument(
+        "--equal-wall-epochs",
+        type=int,
+        default=0,
+        help="--grid packing-timestamps: also a packed+timestamps run of this many epochs",
+    )
+    parser.add_argument(
+        "--skip-unpacked",
+        action="store_true",
+        help="--grid packing*: leave out the unpacked run (its row is in BENCHMARKS.md)",
+    )
     parser.add_argument("--only", choices=tuple(DEFAULT_LR), action="append")
     parser.add_argument("--model", default="tiny.en")
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "wt-quality")
@@ -163,26 +203,35 @@ def main() -> None:
     data = args.work_dir / f"data-{args.target}"
     data.mkdir(exist_ok=True)
     sets = real_sets(data) if args.target == "real" else synth_sets(data)
-    runs = grid(args.grid, args.only or list(DEFAULT_LR), args.epochs)
+    runs = grid(args.grid, args.only or list(DEFAULT_LR), args.epochs, args.equal_wall_epochs)
+    if args.skip_unpacked:
+        runs = [run for run in runs if "--packing" in run.extra]
 
     print(f"command: {' '.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])}")
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}; model {args.model}, {args.steps} steps of batch 8"
     )
-    header = f"| {'run':<40} | target WER | guard WER | target loops | guard loops | s | steps |"
-    lines = [header, "|" + "---|" * 7]
+    header = (
+        f"| {'run':<40} | target WER | guard WER | target loops | guard loops | s | steps "
+        "| training s | CPU s |"
+    )
+    lines = [header, "|" + "---|" * 9]
     print(header, flush=True)
     base = None
     for index, run in enumerate(runs):
         result = train_once(run, sets, args, args.work_dir / f"run{index}", at_start=base is None)
         if base is None:
             base = rows_at(result, 0)
-            line = _line(f"{args.model}, before fine-tuning", base, None) + " 0 |"
+            line = _line(f"{args.model}, before fine-tuning", base, None) + " 0 | | |"
             lines.insert(2, line)
             print(line, flush=True)
         final = rows_at(result, result["steps"])
-        line = _line(run.label, final, result["seconds"]) + f" {result['steps']} |"
+        trained = result["train_seconds"]
+        line = _line(run.label, final, result["seconds"]) + (
+            f" {result['steps']} | {'' if trained is None else f'{trained:.0f}'} "
+            f"| {result['cpu_seconds']:.0f} |"
+        )
         lines.append(line)
         print(line, flush=True)
     print()

@@ -26,8 +26,8 @@ Grids:
          run's wall time); no --max-steps;
   packing-timestamps  the packing grid's runs at equal clips seen, packed with and without
          --packing-timestamps on (every window of 2+ clips labelled with its clips' times);
-         --equal-wall-epochs N adds a packed+timestamps run of N epochs (N: an unpacked run's
-         measured training time over a packed epoch's, about equal wall time);
+         --equal-wall-epochs N adds packed runs, with and without timestamps, of N epochs (N:
+         an unpacked epoch's measured training time over a packed epoch's: equal compute);
   lr     each mode at its default learning rate, a third and a tenth of it, and
          --preserve-base 1 at the default;
   all    lr, plus warm-up (10 steps) and SpecAugment at each mode's default.
@@ -81,7 +81,10 @@ def grid(name: str, modes: list[str], epochs: int = 1, equal_wall_epochs: int = 
             Run("lora", lr, ["--epochs", str(epochs), *timestamped]),
         ]
         if equal_wall_epochs:
-            runs.append(Run("lora", lr, ["--epochs", str(equal_wall_epochs), *timestamped]))
+            runs += [
+                Run("lora", lr, ["--epochs", str(equal_wall_epochs), *timestamped]),
+                Run("lora", lr, ["--epochs", str(equal_wall_epochs), *packed]),
+            ]
         return runs
     if name == "packing":
         lr = CURRENT_LR["lora"]
@@ -169,6 +172,55 @@ def train_once(run: Run, sets: dict[str, Path], args, out: Path, at_start: bool)
     return result
 
 
+def score_timestamps(specs: list[str], sets: dict[str, Path]) -> None:
+    """Each model decodes the target and guard clips in Whisper's timestamp mode (greedy, one
+    30 s window, `return_timestamps=True`: the form `transcribe` writes subtitles with): the
+    WER of that transcript, the share of clips whose output is whole segments (a start and an
+    end time each, in order) and the mean distance of the last end time from the clip's end.
+    What training on labels without times may wear away, and packed timestamps may keep."""
+    import jiwer
+    import torch
+
+    from whisper_train.audio import load_audio
+    from whisper_train.data import load_examples
+    from whisper_train.evaluate import get_normalizer
+    from whisper_train.models import load_model
+
+    normalize = get_normalizer("english")
+    print("| model | set | WER (timestamp mode) | whole segments | mean end error s |")
+    print("|---|---|---:|---:|---:|")
+    for spec in specs:
+        model, processor = load_model(spec)
+        model.eval()
+        tokenizer = processor.tokenizer
+        begin = tokenizer.convert_tokens_to_ids("<|0.00|>")
+        for name in ("target", "guard"):
+            examples = load_examples(str(sets[name]))
+            references, hypotheses, whole, end_errors = [], [], 0, []
+            for example in examples:
+                audio = load_audio(example.audio)
+                features = processor.feature_extractor(
+                    audio, sampling_rate=16_000, return_tensors="pt"
+                ).input_features
+                with torch.no_grad():
+                    ids = model.generate(features, return_timestamps=True, max_new_tokens=200)[0]
+                ids = ids.tolist()
+                times = [0.02 * (t - begin) for t in ids if t >= begin]
+                text = tokenizer.decode([t for t in ids if t < begin], skip_special_tokens=True)
+                references.append(normalize(example.text))
+                hypotheses.append(normalize(text))
+                if times and len(times) % 2 == 0 and times == sorted(times):
+                    whole += 1
+                if times:
+                    end_errors.append(abs(times[-1] - len(audio) / 16_000))
+            wer = jiwer.wer(references, hypotheses)
+            error = sum(end_errors) / len(end_errors) if end_errors else float("nan")
+            print(
+                f"| {spec} | {name} | {100 * wer:.1f} | {whole}/{len(examples)} | {error:.2f} |",
+                flush=True,
+            )
+
+
 def rows_at(result: dict, step: int) -> dict[str, dict]:
     return {row["set"]: row for row in result["evaluations"] if row["step"] == step}
 
@@ -185,12 +237,29 @@ def main() -> None:
         "--equal-wall-epochs",
         type=int,
         default=0,
-        help="--grid packing-timestamps: also a packed+timestamps run of this many epochs",
+        help="--grid packing-timestamps: also packed runs (with and without timestamps) of "
+        "this many epochs",
     )
     parser.add_argument(
         "--skip-unpacked",
         action="store_true",
         help="--grid packing*: leave out the unpacked run (its row is in BENCHMARKS.md)",
+    )
+    parser.add_argument(
+        "--equal-wall-only",
+        action="store_true",
+        help="--grid packing-timestamps: only the --equal-wall-epochs run",
+    )
+    parser.add_argument(
+        "--score-timestamps",
+        nargs="+",
+        metavar="MODEL",
+        help="instead of training: score these models' timestamp-mode decoding of the sets",
+    )
+    parser.add_argument(
+        "--skip-baseline",
+        action="store_true",
+        help="no --eval-at-start row (the starting model's scores are known from another run)",
     )
     parser.add_argument("--only", choices=tuple(DEFAULT_LR), action="append")
     parser.add_argument("--model", default="tiny.en")
@@ -203,9 +272,14 @@ def main() -> None:
     data = args.work_dir / f"data-{args.target}"
     data.mkdir(exist_ok=True)
     sets = real_sets(data) if args.target == "real" else synth_sets(data)
+    if args.score_timestamps:
+        score_timestamps(args.score_timestamps, sets)
+        return
     runs = grid(args.grid, args.only or list(DEFAULT_LR), args.epochs, args.equal_wall_epochs)
     if args.skip_unpacked:
         runs = [run for run in runs if "--packing" in run.extra]
+    if args.equal_wall_only:
+        runs = [run for run in runs if run.extra[:2] == ["--epochs", str(args.equal_wall_epochs)]]
 
     print(f"command: {' '.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])}")
     print(
@@ -218,7 +292,7 @@ def main() -> None:
     )
     lines = [header, "|" + "---|" * 9]
     print(header, flush=True)
-    base = None
+    base = {} if args.skip_baseline else None  # {}: no --eval-at-start row
     for index, run in enumerate(runs):
         result = train_once(run, sets, args, args.work_dir / f"run{index}", at_start=base is None)
         if base is None:

@@ -150,7 +150,8 @@ class DataConfig:
     packing_timestamps: str = _help(
         "on (with --packing on): label every packed window of 2+ clips in Whisper's timestamp "
         "form, each clip a segment at its place in the window, with or without --timestamps; "
-        "off: packed windows follow --timestamps as single clips do.",
+        "off: packed windows follow --timestamps as single clips do (the default: "
+        "always-timestamped windows measured no better, BENCHMARKS.md).",
         default="off",
     )
 

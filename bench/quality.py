@@ -148,7 +148,7 @@ def train_once(run: Run, sets: dict[str, Path], args, out: Path, at_start: bool)
         "--learning-rate", str(run.learning_rate),
         *([] if "--epochs" in run.extra else ["--max-steps", str(args.steps)]),
         "--batch-size", "8",
-        "--seed", "0",
+        "--seed", str(args.seed),
         "--output-dir", str(out),
         "--overwrite",
         *(["--eval-at-start"] if at_start else []),
@@ -263,6 +263,7 @@ def main() -> None:
     )
     parser.add_argument("--only", choices=tuple(DEFAULT_LR), action="append")
     parser.add_argument("--model", default="tiny.en")
+    parser.add_argument("--seed", type=int, default=0, help="every run's --seed")
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "wt-quality")
     args = parser.parse_args()
     if args.target == "real" and not REALSPEECH.is_dir():

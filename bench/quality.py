@@ -24,6 +24,10 @@ Grids:
          window: about as many clips a step, so about as many steps at equal clips seen), each
          for --epochs (equal clips seen), and packed for 3x the epochs (about the unpacked
          run's wall time); no --max-steps;
+  packing-timestamps  the packing grid's runs at equal clips seen, packed with and without
+         --packing-timestamps on (every window of 2+ clips labelled with its clips' times);
+         --equal-wall-epochs N adds packed runs, with and without timestamps, of N epochs (N:
+         an unpacked epoch's measured training time over a packed epoch's: equal compute);
   lr     each mode at its default learning rate, a third and a tenth of it, and
          --preserve-base 1 at the default;
   all    lr, plus warm-up (10 steps) and SpecAugment at each mode's default.
@@ -35,6 +39,8 @@ import argparse
 import json
 import os
 import platform
+import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -64,7 +70,22 @@ class Run:
         return f"{self.mode} lr {self.learning_rate:.2g}" + (f" {flags}" if flags else "")
 
 
-def grid(name: str, modes: list[str], epochs: int = 1) -> list[Run]:
+def grid(name: str, modes: list[str], epochs: int = 1, equal_wall_epochs: int = 0) -> list[Run]:
+    packed = ["--packing", "on", "--batch-size", "1"]
+    if name == "packing-timestamps":
+        lr = CURRENT_LR["lora"]
+        timestamped = [*packed, "--packing-timestamps", "on"]
+        runs = [
+            Run("lora", lr, ["--epochs", str(epochs)]),
+            Run("lora", lr, ["--epochs", str(epochs), *packed]),
+            Run("lora", lr, ["--epochs", str(epochs), *timestamped]),
+        ]
+        if equal_wall_epochs:
+            runs += [
+                Run("lora", lr, ["--epochs", str(equal_wall_epochs), *timestamped]),
+                Run("lora", lr, ["--epochs", str(equal_wall_epochs), *packed]),
+            ]
+        return runs
     if name == "packing":
         lr = CURRENT_LR["lora"]
         return [
@@ -127,19 +148,77 @@ def train_once(run: Run, sets: dict[str, Path], args, out: Path, at_start: bool)
         "--learning-rate", str(run.learning_rate),
         *([] if "--epochs" in run.extra else ["--max-steps", str(args.steps)]),
         "--batch-size", "8",
-        "--seed", "0",
+        "--seed", str(args.seed),
         "--output-dir", str(out),
         "--overwrite",
         *(["--eval-at-start"] if at_start else []),
         *run.extra,
     ]  # fmt: skip
     started = time.perf_counter()
+    cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(command, capture_output=True, text=True, check=False)
+    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
         raise SystemExit(f"{run.label} failed:\n{done.stderr[-3000:]}")
     result = json.loads((out / "result.json").read_text())
     result["seconds"] = time.perf_counter() - started
+    # the whole run's CPU (training and evaluation), and the training loop's wall time as the
+    # run states it ("trained N steps in S s"): on a shared machine wall time is not the cost
+    result["cpu_seconds"] = sum(
+        getattr(cpu_after, k) - getattr(cpu_before, k) for k in ("ru_utime", "ru_stime")
+    )
+    trained = re.findall(r"trained \d+ steps.* in ([\d.]+) s", done.stdout + done.stderr)
+    result["train_seconds"] = float(trained[-1]) if trained else None
     return result
+
+
+def score_timestamps(specs: list[str], sets: dict[str, Path]) -> None:
+    """Each model decodes the target and guard clips in Whisper's timestamp mode (greedy, one
+    30 s window, `return_timestamps=True`: the form `transcribe` writes subtitles with): the
+    WER of that transcript, the share of clips whose output is whole segments (a start and an
+    end time each, in order) and the mean distance of the last end time from the clip's end.
+    What training on labels without times may wear away, and packed timestamps may keep."""
+    import jiwer
+    import torch
+
+    from whisper_train.audio import load_audio
+    from whisper_train.data import load_examples
+    from whisper_train.evaluate import get_normalizer
+    from whisper_train.models import load_model
+
+    normalize = get_normalizer("english")
+    print("| model | set | WER (timestamp mode) | whole segments | mean end error s |")
+    print("|---|---|---:|---:|---:|")
+    for spec in specs:
+        model, processor = load_model(spec)
+        model.eval()
+        tokenizer = processor.tokenizer
+        begin = tokenizer.convert_tokens_to_ids("<|0.00|>")
+        for name in ("target", "guard"):
+            examples = load_examples(str(sets[name]))
+            references, hypotheses, whole, end_errors = [], [], 0, []
+            for example in examples:
+                audio = load_audio(example.audio)
+                features = processor.feature_extractor(
+                    audio, sampling_rate=16_000, return_tensors="pt"
+                ).input_features
+                with torch.no_grad():
+                    ids = model.generate(features, return_timestamps=True, max_new_tokens=200)[0]
+                ids = ids.tolist()
+                times = [0.02 * (t - begin) for t in ids if t >= begin]
+                text = tokenizer.decode([t for t in ids if t < begin], skip_special_tokens=True)
+                references.append(normalize(example.text))
+                hypotheses.append(normalize(text))
+                if times and len(times) % 2 == 0 and times == sorted(times):
+                    whole += 1
+                if times:
+                    end_errors.append(abs(times[-1] - len(audio) / 16_000))
+            wer = jiwer.wer(references, hypotheses)
+            error = sum(end_errors) / len(end_errors) if end_errors else float("nan")
+            print(
+                f"| {spec} | {name} | {100 * wer:.1f} | {whole}/{len(examples)} | {error:.2f} |",
+                flush=True,
+            )
 
 
 def rows_at(result: dict, step: int) -> dict[str, dict]:
@@ -150,10 +229,41 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", choices=("real", "synth"), default="real")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--grid", choices=("defaults", "lr", "all", "packing"), default="lr")
+    parser.add_argument(
+        "--grid", choices=("defaults", "lr", "all", "packing", "packing-timestamps"), default="lr"
+    )
     parser.add_argument("--epochs", type=int, default=1, help="--grid packing: epochs a run")
+    parser.add_argument(
+        "--equal-wall-epochs",
+        type=int,
+        default=0,
+        help="--grid packing-timestamps: also packed runs (with and without timestamps) of "
+        "this many epochs",
+    )
+    parser.add_argument(
+        "--skip-unpacked",
+        action="store_true",
+        help="--grid packing*: leave out the unpacked run (its row is in BENCHMARKS.md)",
+    )
+    parser.add_argument(
+        "--equal-wall-only",
+        action="store_true",
+        help="--grid packing-timestamps: only the --equal-wall-epochs run",
+    )
+    parser.add_argument(
+        "--score-timestamps",
+        nargs="+",
+        metavar="MODEL",
+        help="instead of training: score these models' timestamp-mode decoding of the sets",
+    )
+    parser.add_argument(
+        "--skip-baseline",
+        action="store_true",
+        help="no --eval-at-start row (the starting model's scores are known from another run)",
+    )
     parser.add_argument("--only", choices=tuple(DEFAULT_LR), action="append")
     parser.add_argument("--model", default="tiny.en")
+    parser.add_argument("--seed", type=int, default=0, help="every run's --seed")
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "wt-quality")
     args = parser.parse_args()
     if args.target == "real" and not REALSPEECH.is_dir():
@@ -163,26 +273,40 @@ def main() -> None:
     data = args.work_dir / f"data-{args.target}"
     data.mkdir(exist_ok=True)
     sets = real_sets(data) if args.target == "real" else synth_sets(data)
-    runs = grid(args.grid, args.only or list(DEFAULT_LR), args.epochs)
+    if args.score_timestamps:
+        score_timestamps(args.score_timestamps, sets)
+        return
+    runs = grid(args.grid, args.only or list(DEFAULT_LR), args.epochs, args.equal_wall_epochs)
+    if args.skip_unpacked:
+        runs = [run for run in runs if "--packing" in run.extra]
+    if args.equal_wall_only:
+        runs = [run for run in runs if run.extra[:2] == ["--epochs", str(args.equal_wall_epochs)]]
 
     print(f"command: {' '.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])}")
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}; model {args.model}, {args.steps} steps of batch 8"
     )
-    header = f"| {'run':<40} | target WER | guard WER | target loops | guard loops | s | steps |"
-    lines = [header, "|" + "---|" * 7]
+    header = (
+        f"| {'run':<40} | target WER | guard WER | target loops | guard loops | s | steps "
+        "| training s | CPU s |"
+    )
+    lines = [header, "|" + "---|" * 9]
     print(header, flush=True)
-    base = None
+    base = {} if args.skip_baseline else None  # {}: no --eval-at-start row
     for index, run in enumerate(runs):
         result = train_once(run, sets, args, args.work_dir / f"run{index}", at_start=base is None)
         if base is None:
             base = rows_at(result, 0)
-            line = _line(f"{args.model}, before fine-tuning", base, None) + " 0 |"
+            line = _line(f"{args.model}, before fine-tuning", base, None) + " 0 | | |"
             lines.insert(2, line)
             print(line, flush=True)
         final = rows_at(result, result["steps"])
-        line = _line(run.label, final, result["seconds"]) + f" {result['steps']} |"
+        trained = result["train_seconds"]
+        line = _line(run.label, final, result["seconds"]) + (
+            f" {result['steps']} | {'' if trained is None else f'{trained:.0f}'} "
+            f"| {result['cpu_seconds']:.0f} |"
+        )
         lines.append(line)
         print(line, flush=True)
     print()

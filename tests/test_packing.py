@@ -130,6 +130,82 @@ def test_packed_timestamps_sit_on_the_clip_boundaries(packed_dataset):
     np.testing.assert_allclose(times, [0.0, 1.2, 1.5, 2.7], atol=0.02)
 
 
+def _segments(label_encoder, tokenizer, tokens, n_prefix):
+    """A label's body → ([(start s, end s)], [segment texts]); raises if not all segments."""
+    begin = label_encoder.timestamp_begin_id
+    body = tokens[n_prefix:-1]
+    times, texts, words = [], [], []
+    for token in body:
+        if token >= begin:
+            times.append(0.02 * (token - begin))
+            if len(times) % 2 == 0:
+                texts.append(tokenizer.decode(words).strip())
+                words = []
+        else:
+            words.append(token)
+    assert not words and len(times) % 2 == 0, "text outside a <|start|> ... <|end|> segment"
+    return list(zip(times[::2], times[1::2], strict=True)), texts
+
+
+@pytest.mark.parametrize("timestamps", [False, True])
+def test_packing_timestamps_label_every_window_of_two_clips_with_its_clips_times(
+    packed_dataset, timestamps
+):
+    build, tokenizer, examples = packed_dataset
+    # --timestamps drawn with probability 0 (or not given): only the option timestamps windows
+    on = build(timestamps=timestamps, packing_timestamps=True)
+    on.label_encoder.timestamp_probability = 0.0
+    window = (4, 1, 3)
+    item = on[(0, window)]
+    assert on.label_encoder.no_timestamps_id not in item["tokens"]
+    spans, texts = _segments(on.label_encoder, tokenizer, item["tokens"], item["n_prefix"])
+    assert texts == [examples[i].text for i in window]
+    # 3 clips of 1.2 s with 0.3 s between them, each boundary within one 20 ms time step
+    expected = [(0.0, 1.2), (1.5, 2.7), (3.0, 4.2)]
+    np.testing.assert_allclose(spans, expected, atol=0.02)
+    # A window of one clip is labelled as that clip is without packing.
+    off = build(timestamps=timestamps)
+    off.label_encoder.timestamp_probability = 0.0
+    assert on[(0, (2,))]["tokens"] == off[2]["tokens"]
+    # Off: today's label, the transcripts with no time token.
+    plain = off[(0, window)]
+    assert plain["tokens"][plain["n_prefix"] - 1] == off.label_encoder.no_timestamps_id
+    assert max(plain["tokens"][plain["n_prefix"] : -1]) < off.label_encoder.timestamp_begin_id
+
+
+def test_packing_timestamps_windows_count_their_time_tokens_in_the_label_budget(tmp_path):
+    from whisper_train.datasource import clip_sizes, packing_budget
+
+    examples = load_examples(str(write_tone_dataset(tmp_path / "data", n=24)))
+    encoder = LabelEncoder(english_tokenizer(), multilingual=False)
+    dataset = SpeechDataset(examples, encoder, seed=0, packing_timestamps=True)
+    lengths = [len(encoder.encode(example)[0]) for example in examples]
+    sizes = clip_sizes(examples, lengths, encoder)
+    # A budget of 24 positions: about 3 clips' transcripts, 2 with their time tokens.
+    max_tokens = 24
+
+    def windows(timestamp_tokens):
+        return plan_windows(
+            sizes,
+            seed=0,
+            epoch=0,
+            prefix_tokens=prefix,
+            max_tokens=max_tokens,
+            timestamp_tokens=timestamp_tokens,
+        )
+
+    def positions(window):  # decoder positions of the window's label: the first is read
+        return len(dataset[(0, window)]["tokens"]) - 1
+
+    prefix, per_clip = packing_budget(encoder, examples, packing_timestamps=True)
+    assert per_clip == 2
+    planned = windows(per_clip)
+    assert any(len(window) > 1 for window in planned)
+    assert max(positions(window) for window in planned) <= max_tokens
+    # Counted without the time tokens, the same budget would be overrun.
+    assert max(positions(window) for window in windows(0)) > max_tokens
+
+
 def test_augmentation_is_drawn_per_clip_epoch_and_the_same_with_workers(packed_dataset):
     build, _, _ = packed_dataset
     accelerator = types.SimpleNamespace(
@@ -217,6 +293,22 @@ def test_packing_is_refused_with_the_encoder_cache_and_reads_yaml_booleans(tiny_
         tiny_run_config(packing="maybe").validate()
 
 
+def test_packing_timestamps_is_a_flag_and_a_yaml_key_and_needs_packing(tiny_run_config):
+    import argparse
+
+    from whisper_train.commands.flags import add_config_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    args = parser.parse_args(["--packing", "on", "--packing-timestamps", "on"])
+    config = config_from_args(args)
+    assert config.packing_timestamps_on
+    assert not config_from_args(parser.parse_args(["--packing", "on"])).packing_timestamps_on
+    assert tiny_run_config(packing=True, packing_timestamps=True).validate().packing_timestamps_on
+    with pytest.raises(UserError, match="--packing-timestamps on labels packed windows: add"):
+        tiny_run_config(packing_timestamps="on").validate()
+
+
 def _varied_labels(tmp_path):
     """Tone clips whose transcripts have 1 to 8 words: label lengths differ a lot."""
     folder = write_tone_dataset(tmp_path / "varied", n=16)
@@ -301,7 +393,7 @@ def test_a_clip_whose_encoder_output_is_cached_is_not_decoded_again(
     assert len(decoded) == 12 and len(set(decoded)) == 12
 
 
-def _packed_stream(folder, label_encoder, *, max_label_tokens=24):
+def _packed_stream(folder, label_encoder, *, max_label_tokens=24, packing_timestamps=False):
     from whisper_train import streaming
 
     return streaming.training_stream(
@@ -313,6 +405,7 @@ def _packed_stream(folder, label_encoder, *, max_label_tokens=24):
         shuffle_buffer=4,
         max_label_tokens=max_label_tokens,
         packing=True,
+        packing_timestamps=packing_timestamps,
     )
 
 
@@ -344,6 +437,36 @@ def test_streamed_shards_pack_every_sample_once_and_resume_at_a_window(tmp_path)
     resumed = [collate(b) for b in torch.utils.data.DataLoader(stream, 1, collate_fn=list)]
     rest = [batch["texts"] for batch in resumed if not batch.get("replayed")]
     assert rest == [batch["texts"] for batch in batches[2:]]
+
+
+def test_a_packed_stream_labels_windows_with_their_clips_times(tmp_path):
+    from test_streaming import write_shards
+
+    from whisper_train.checkdata import label_encoder_for
+
+    tokenizer = english_tokenizer()
+    encoder = label_encoder_for(tokenizer)
+    written = write_shards(tmp_path / "wds", "webdataset", [5, 4])
+    # 36 positions: 2-3 "sample N word word" clips with their time tokens
+    stream = _packed_stream(tmp_path / "wds", encoder, max_label_tokens=36, packing_timestamps=True)
+    windows = [item for _, _, item in stream]
+    assert any(len(_split_samples(window["text"])) > 1 for window in windows)
+    seen = []
+    for window in windows:
+        samples = _split_samples(window["text"])
+        seen += samples
+        assert len(window["tokens"]) - 1 <= 36
+        if len(samples) == 1:
+            continue
+        spans, texts = _segments(encoder, tokenizer, window["tokens"], window["n_prefix"])
+        assert texts == samples
+        expected, at = [], 0.0
+        for text in samples:
+            seconds = len(written[text]) / 16_000
+            expected.append((at, at + seconds))
+            at += seconds + 0.3
+        np.testing.assert_allclose(spans, expected, atol=0.02)
+    assert sorted(seen) == sorted(written)
 
 
 def _split_samples(window_text: str) -> list[str]:

@@ -147,6 +147,13 @@ class DataConfig:
         "off: one clip a window. Evaluation is never packed.",
         default="off",
     )
+    packing_timestamps: str = _help(
+        "on (with --packing on): label every packed window of 2+ clips in Whisper's timestamp "
+        "form, each clip a segment at its place in the window, with or without --timestamps; "
+        "off: packed windows follow --timestamps as single clips do (the default: "
+        "always-timestamped windows measured no better, BENCHMARKS.md).",
+        default="off",
+    )
 
 
 @dataclass
@@ -488,6 +495,12 @@ class RunConfig:
         ):
             require_positive(flag, value)
         d.packing = _on_off("--packing", d.packing)
+        d.packing_timestamps = _on_off("--packing-timestamps", d.packing_timestamps)
+        if d.packing_timestamps == "on" and d.packing != "on":
+            raise UserError(
+                "--packing-timestamps on labels packed windows: add --packing on, or drop "
+                "--packing-timestamps"
+            )
         if d.packing == "on" and t.group_by_length:
             raise UserError(
                 "--group-by-length with --packing on: packed windows are batched as they are "
@@ -670,6 +683,11 @@ class RunConfig:
     def packing_on(self) -> bool:
         """Whether training clips are packed into 30 s windows (`packing`)."""
         return self.data.packing == "on"
+
+    @property
+    def packing_timestamps_on(self) -> bool:
+        """Whether packed windows of 2+ clips always carry timestamps (`packing_timestamps`)."""
+        return self.packing_on and self.data.packing_timestamps == "on"
 
     @property
     def cache_encoder(self) -> bool:

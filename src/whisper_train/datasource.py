@@ -307,6 +307,7 @@ class StreamData:
             max_label_tokens=max_label_tokens,
             augmenter=augmenter,
             packing=config.packing_on,
+            packing_timestamps=config.packing_timestamps_on,
         )
         # What decides which rows a worker's first n are: a resume must match all of them.
         self.position = streaming.StreamPosition(
@@ -316,6 +317,8 @@ class StreamData:
                 "batch_size": t.batch_size,
                 "num_workers": t.num_workers,
                 "packing": c.data.packing,
+                # it sets the windows' token budget, so where a window ends
+                "packing_timestamps": c.data.packing_timestamps,
             }
         )
         # Not persistent: the workers are started afresh each pass, with that pass's epoch and
@@ -453,12 +456,15 @@ def clip_sizes(
     return sizes
 
 
-def packing_budget(label_encoder, examples: Sequence[Example]) -> tuple[int, int]:
+def packing_budget(
+    label_encoder, examples: Sequence[Example], *, packing_timestamps: bool = False
+) -> tuple[int, int]:
     """(prefix tokens, tokens per clip beyond its text) that a window's label budget counts:
-    the longest prefix any clip's language has, and 2 time tokens a clip with --timestamps."""
+    the longest prefix any clip's language has, and 2 time tokens a clip with --timestamps or
+    --packing-timestamps on (a window's label may then be timestamped)."""
     languages = {example.language for example in examples}
     prefix = max(len(label_encoder.prefix_ids(lang, timestamps=False)) for lang in languages)
-    return prefix, 2 if label_encoder.timestamps else 0
+    return prefix, 2 if label_encoder.timestamps or packing_timestamps else 0
 
 
 TrainingData = WholeData | StreamData
@@ -502,6 +508,7 @@ def build_training_data(
         seed=t.seed,
         gap_seconds=packing_module.DEFAULT_GAP_SECONDS,
         cached=cached,
+        packing_timestamps=config.packing_timestamps_on,
     )
     sizes, prefix, per_clip = None, 0, 0
     if config.packing_on:
@@ -510,7 +517,9 @@ def build_training_data(
         sizes = clip_sizes(
             dataset.examples, datasets.label_lengths(label_encoder), label_encoder, stretch=stretch
         )
-        prefix, per_clip = packing_budget(label_encoder, dataset.examples)
+        prefix, per_clip = packing_budget(
+            label_encoder, dataset.examples, packing_timestamps=config.packing_timestamps_on
+        )
     return WholeData(
         dataset,
         collator(dataset.examples),

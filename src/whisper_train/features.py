@@ -129,7 +129,7 @@ class SpeechDataset(Dataset):
 
     An index is a clip's position, or `(epoch, item)` where item is a clip's position or a tuple
     of them: a packed window (`packing`), its clips joined by `gap_seconds` of silence and its
-    label their transcripts in order. The epoch travels with the index because the training data
+    label their transcripts in order (timestamped as `packing.window_timestamps` says). The epoch travels with the index because the training data
     source's batch sampler runs in the main process: loader workers (persistent or not) then
     draw augmentation and timestamp forms from (seed, epoch, clip), never from a stale copy.
     """
@@ -143,6 +143,7 @@ class SpeechDataset(Dataset):
         seed: int = 0,
         gap_seconds: float = 0.3,
         cached=None,
+        packing_timestamps: bool = False,
     ):
         # Packed: the forked loader workers read it without each copying it (PackedExamples).
         self.examples = (
@@ -153,6 +154,8 @@ class SpeechDataset(Dataset):
         self.seed = seed
         self.epoch = 0
         self.gap_seconds = gap_seconds
+        # --packing-timestamps on: a packed window of 2+ clips is always labelled with times
+        self.packing_timestamps = packing_timestamps
         # example → whether the frozen encoder's output for it is on disk (`encoder_cache`):
         # such a clip needs neither its header read nor its audio decoded.
         self.cached = cached
@@ -213,7 +216,7 @@ class SpeechDataset(Dataset):
         """A packed window: the usable clips of `indices` (each augmented on its own) joined by
         silence, labelled with their transcripts in order; `skipped` lists the others."""
         from whisper_train.audio import CHUNK_LENGTH, SAMPLE_RATE
-        from whisper_train.packing import window_label
+        from whisper_train.packing import window_label, window_timestamps
 
         if len(indices) == 1:  # a window of one clip is that clip, label and all
             item = self[(epoch, indices[0])]
@@ -246,8 +249,8 @@ class SpeechDataset(Dataset):
             return {"skipped": skipped}
         language = self.examples[indices[0]].language
         encoder = self.label_encoder
-        timestamps = encoder.timestamps and (
-            encoder.timestamp_probability >= 1.0 or rng.random() < encoder.timestamp_probability
+        timestamps = window_timestamps(
+            encoder, len(texts), rng, packing_timestamps=self.packing_timestamps
         )
         tokens, n_prefix = window_label(
             encoder, texts, spans, language=language, timestamps=timestamps

@@ -13,7 +13,9 @@ distil-whisper's pseudo-labelling (`concatenate_audio`, on by default) trains on
 Whisper itself was pretrained on 30 s windows holding several utterances.
 
 A window's label is its clips' transcripts in order (`window_label`); with timestamps, Whisper's
-multi-segment form, each clip a segment `<|start|> text <|end|>` at its place in the window.
+multi-segment form, each clip a segment `<|start|> text <|end|>` at its place in the window:
+drawn as for single clips with --timestamps, and always for a window of 2+ clips with
+--packing-timestamps on (`window_timestamps`), whose clip times packing knows whatever the data.
 Clips that already carry segments (subtitle-cut windows, up to 30 s) are left whole, one a
 window, as are clips of another language than their neighbours would need (a window has one
 language, the prefix's).
@@ -141,3 +143,18 @@ def window_label(
         if timestamps:
             body.append(label_encoder.time_token_id(end))
     return prefix + body + [label_encoder.eot_id], len(prefix)
+
+
+def window_timestamps(label_encoder, n_clips: int, rng, *, packing_timestamps: bool) -> bool:
+    """Whether a packed window's label takes the timestamp form.
+
+    With `packing_timestamps` a window of 2+ clips always does (its clips' places in the window
+    are known, whatever the data); otherwise, and for a window of one clip, it is drawn from
+    `rng` as a single clip's is: with --timestamps, at `timestamp_probability`.
+    """
+    if packing_timestamps and n_clips > 1:
+        return True
+    return label_encoder.timestamps and (
+        label_encoder.timestamp_probability >= 1.0
+        or rng.random() < label_encoder.timestamp_probability
+    )

@@ -367,6 +367,7 @@ class SpeechStream(torch.utils.data.IterableDataset):
         augmenter=None,
         packing: bool = False,
         gap_seconds: float = 0.3,
+        packing_timestamps: bool = False,
     ):
         self.dataset = dataset
         self.columns = columns
@@ -378,6 +379,7 @@ class SpeechStream(torch.utils.data.IterableDataset):
         self.replay_rows: dict[int, int] = {}
         self.packing = packing
         self.gap_seconds = gap_seconds
+        self.packing_timestamps = packing_timestamps
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -404,11 +406,12 @@ class SpeechStream(torch.utils.data.IterableDataset):
         next window). A window is handed out with the last row it covers, skips included, so
         the rows a checkpoint counts as consumed are exactly those of the windows trained on:
         a resumed worker starts its next window at that row, as the uninterrupted one did."""
-        from whisper_train.packing import window_label
+        from whisper_train.packing import window_label, window_timestamps
 
         gap = int(round(self.gap_seconds * SAMPLE_RATE))
         max_samples = int(CHUNK_LENGTH * SAMPLE_RATE)
-        per_clip = 2 if self.label_encoder.timestamps else 0
+        # 2 time tokens a clip wherever a window's label may be timestamped
+        per_clip = 2 if self.label_encoder.timestamps or self.packing_timestamps else 0
         pending: list[tuple[int, dict]] = []  # (row, item) of the open window
         skipped: list[Skip] = []
         state = {"samples": 0, "positions": 0, "language": None}
@@ -429,7 +432,9 @@ class SpeechStream(torch.utils.data.IterableDataset):
                 first_row = pending[0][0]
                 rng = random.Random(f"{self.seed}:{self.epoch}:{worker}:{first_row}:window")
                 encoder = self.label_encoder
-                timestamps = encoder.timestamps and rng.random() < encoder.timestamp_probability
+                timestamps = window_timestamps(
+                    encoder, len(texts), rng, packing_timestamps=self.packing_timestamps
+                )
                 tokens, n_prefix = window_label(
                     encoder, texts, spans, language=state["language"], timestamps=timestamps
                 )
@@ -542,6 +547,7 @@ def training_stream(
     max_label_tokens: int,
     augmenter=None,
     packing: bool = False,
+    packing_timestamps: bool = False,
 ) -> SpeechStream:
     """Process `rank`'s share of the source, shuffled by a seeded buffer of `shuffle_buffer`
     rows (and the shard order, anew every epoch); the DataLoader's workers split it further."""
@@ -559,6 +565,7 @@ def training_stream(
         seed=seed,
         augmenter=augmenter,
         packing=packing,
+        packing_timestamps=packing_timestamps,
     )
 
 

@@ -122,6 +122,7 @@ def test_the_printed_resume_command_works_after_an_overwrite_run(tmp_path, tiny_
         ("seed", 1, 0),
         ("train_subset", 6, None),
         ("eval_split", 0.5, 0.25),
+        ("packing", "on", "off"),
     ],
 )
 def test_resume_refuses_options_an_exact_resume_depends_on(

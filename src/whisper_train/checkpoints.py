@@ -333,6 +333,8 @@ FIXED_ON_RESUME = (
     ("data", "data_format", "--data-format"),
     ("data", "train_subset", "--train-subset"),
     ("data", "eval_split", "--eval-split"),
+    ("data", "packing", "--packing"),  # windows, not clips, are what the data order counts
+    ("data", "packing_timestamps", "--packing-timestamps"),  # where windows end
 )
 
 

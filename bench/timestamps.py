@@ -2,6 +2,7 @@
 transcribed with `--format srt` by the base model and by models fine-tuned the demo's way.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/timestamps.py [--modes full,lora] [--model tiny.en]
+        [--labels text-only,packed-text-only,packed-timestamps] [--epochs 1]
 
 1. The recording: real clips from ../shared/realspeech (LibriVox's five consecutive sentences of
    Sense and Sensibility, then LJ Speech clips in manifest order) joined with `--pause` seconds
@@ -10,6 +11,8 @@ transcribed with `--format srt` by the base model and by models fine-tuned the d
    in the training voices and words), text-only labels (no --timestamps, packing off: the
    defaults), the demo's run settings (batch 8, 10 warm-up steps, default learning rate of each
    mode), one epoch per mode. No evaluation during training: the recording is the evaluation.
+   `--labels` adds packed runs (LABELS): the clips packed into 30 s windows, one window a step,
+   with or without each clip's span as time tokens in the labels.
 3. `transcribe --format srt` of the recording (transcribe.transcribe_paths, the transformers
    backend with the temperature fallback) with the base model and each fine-tuned final/.
 

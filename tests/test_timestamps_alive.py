@@ -11,8 +11,8 @@ steps in about 15 CPU seconds.
 
 The recording: 12 espeak-ng sentences in the default voice joined by 0.5 s of silence (about
 40 s, so transcribed in two 30 s windows); the fine-tune: 8 synthesised sentences in the demo's
-training voices, text-only, full mode, 4 steps of 2 clips at 1e-4, which moves each weight
-about as far as the 24 steps at full's default 1e-5 of BENCHMARKS.md "Timestamps after
+training voices, text-only, full mode, 4 steps of 2 clips at 1e-4, which may move each weight
+at least as far as the 24 steps at full's default 1e-5 of BENCHMARKS.md "Timestamps after
 text-only fine-tuning" (Adam moves a weight by up to the learning rate a step). Measured:
 every boundary within 0.04 s of the base's. The tolerance, 0.5 s, is the pause between two
 sentences: a boundary off by more lands in the next sentence's speech.

@@ -115,6 +115,7 @@ def fine_tune(
     epochs: float,
     model: str,
     labels: str = "text-only",
+    learning_rate: float | None = None,
 ) -> Path:
     """The demo's training run (demo.run_demo's settings), without its evaluation sets, with
     `labels` one of LABELS."""
@@ -129,6 +130,7 @@ def fine_tune(
             "mode": mode,
             "epochs": epochs,
             **LABELS[labels],
+            "learning_rate": learning_rate,  # None: the mode's default
             "warmup_steps": 10,
             "logging_steps": 8,
             "only_train": True,
@@ -189,6 +191,7 @@ def main() -> None:
     parser.add_argument("--pause", type=float, default=0.5, help="silence between clips, s")
     parser.add_argument("--train-utterances", type=int, default=192, help="the demo's 192")
     parser.add_argument("--epochs", type=float, default=1.0)
+    parser.add_argument("--learning-rate", type=float, default=None, help="default: the mode's")
     parser.add_argument(
         "--labels",
         default="text-only",
@@ -234,6 +237,7 @@ def main() -> None:
                 epochs=args.epochs,
                 model=args.model,
                 labels=labels,
+                learning_rate=args.learning_rate,
             )
             models.append((f"{mode}, {labels}", final, cpu_seconds() - started))
 

@@ -14,12 +14,12 @@ The recording: 12 espeak-ng sentences in the default voice joined by 0.5 s of si
 training voices, text-only, full mode, 4 steps of 2 clips at 1e-4, which may move each weight
 at least as far as the 24 steps at full's default 1e-5 of BENCHMARKS.md "Timestamps after
 text-only fine-tuning" (Adam moves a weight by up to the learning rate a step). Measured:
-every boundary within 0.04 s of the base's. The tolerance, 0.5 s, is the pause between two
+12 segments before and after, every boundary within 0.04 s of the base's. The tolerance, 0.5 s, is the pause between two
 sentences: a boundary off by more lands in the next sentence's speech.
 
 Checked to fail: with `<|notimestamps|>` left out of the text-only labels' prefix (labels.py
 `prefix_ids`), the same 4 steps teach the timestamp prompt to write no times, and the fine-tuned
-model returns one segment spanning the whole recording.
+model returns one segment per 30 s window (2 instead of 12).
 """
 
 from __future__ import annotations

@@ -1,0 +1,125 @@
+"""A model fine-tuned on text-only clips (whisper-train's default: no --timestamps, packing off)
+still predicts timestamps: `transcribe --format srt` of a long recording gives the segments the
+model gave before fine-tuning.
+
+The model is the real tiny.en, not a seeded random one: the test needs a model with a timestamp
+habit it can lose, and a random tiny model could not be given a dependable one in a test's time
+(300 steps of tone bursts with time-token labels gave a habit that missed bursts, invented
+segments in windows without one and, after a change of the burst spacing, wrote no times at
+all). tiny.en learned its habit from OpenAI's data, and `whisper-train train` runs it a few
+steps in about 15 CPU seconds.
+
+The recording: 12 espeak-ng sentences in the default voice joined by 0.5 s of silence (about
+40 s, so transcribed in two 30 s windows); the fine-tune: 8 synthesised sentences in the demo's
+training voices, text-only, full mode, 4 steps of 2 clips at 1e-4, which may move each weight
+at least as far as the 24 steps at full's default 1e-5 of BENCHMARKS.md "Timestamps after
+text-only fine-tuning" (Adam moves a weight by up to the learning rate a step). Measured:
+12 segments before and after, every boundary within 0.04 s of the base's. The tolerance, 0.5 s, is the pause between two
+sentences: a boundary off by more lands in the next sentence's speech.
+
+Checked to fail: with `<|notimestamps|>` left out of the text-only labels' prefix (labels.py
+`prefix_ids`), the same 4 steps teach the timestamp prompt to write no times, and the fine-tuned
+model returns one segment per 30 s window (2 instead of 12).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from whisper_train import synth
+from whisper_train.audio import SAMPLE_RATE
+from whisper_train.config import RunConfig
+from whisper_train.decoding import NO_FALLBACK
+from whisper_train.models import load_model
+from whisper_train.train import train
+from whisper_train.transcribe import transcribe_paths
+
+SENTENCES = (
+    "The weather is nice today, so we will walk to the park.",
+    "Please bring me a cup of coffee and two slices of bread.",
+    "The children are playing football in the garden.",
+    "My brother bought a new car last week.",
+    "We should leave early to catch the morning train.",
+    "She reads a book every evening before she goes to sleep.",
+    "The old man sat on the bench and fed the birds.",
+    "It rained all night, and the streets were full of water.",
+    "Our teacher gave us a short test on Friday.",
+    "The shop on the corner sells fresh fruit and flowers.",
+    "He forgot his keys at the office again.",
+    "They planted three apple trees behind the house.",
+)
+PAUSE_S = 0.5
+TOLERANCE_S = PAUSE_S
+
+
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory):
+    """About 40 s of sentences with a 0.5 s pause after each but the last."""
+    pause = np.zeros(round(PAUSE_S * SAMPLE_RATE), dtype=np.float32)
+    pieces = []
+    for sentence in SENTENCES:
+        pieces += [synth.synthesize(sentence, voice="en-us"), pause]
+    path = tmp_path_factory.mktemp("recording") / "sentences.wav"
+    soundfile.write(path, np.concatenate(pieces[:-1]), SAMPLE_RATE)
+    return path
+
+
+def srt_segments(model, recording, output_dir):
+    (transcript,) = transcribe_paths(
+        model,
+        [recording],
+        format="srt",
+        output_dir=output_dir,
+        progress=False,
+        decoding=NO_FALLBACK,
+    )
+    assert transcript.error is None
+    assert (output_dir / "sentences.srt").read_text().startswith("1\n00:00:00,000 --> ")
+    return transcript.segments
+
+
+def relative_change(before: torch.nn.Module, after: torch.nn.Module) -> float:
+    """||after - before|| / ||before|| over every weight."""
+    after_weights = after.state_dict()
+    change = size = 0.0
+    for name, weight in before.state_dict().items():
+        change += float(((after_weights[name] - weight) ** 2).sum())
+        size += float((weight**2).sum())
+    return (change / size) ** 0.5
+
+
+def test_text_only_fine_tuning_keeps_the_segment_times(recording, tmp_path):
+    before = srt_segments("tiny.en", recording, tmp_path / "before")
+    # tiny.en's habit: a segment a sentence or so, never one spanning a 30 s window.
+    assert len(before) >= len(SENTENCES) // 2
+    assert max(s.end - s.start for s in before) < 15
+
+    clips = synth.make_speech_dataset(tmp_path / "clips", n_utterances=8, seed=0)
+    config = RunConfig()
+    config.update(
+        {
+            "data": str(clips),
+            "model": "tiny.en",
+            "mode": "full",
+            "output_dir": str(tmp_path / "run"),
+            "max_steps": 4,
+            "batch_size": 2,
+            "learning_rate": 1e-4,
+            "seed": 0,
+            "only_train": True,
+        }
+    )
+    assert not config.data.timestamps and config.data.packing == "off"  # the defaults
+    final = train(config).final_dir
+    change = relative_change(load_model("tiny.en")[0], load_model(str(final))[0])
+    # The fine-tune moved the weights (measured: 0.14% of their norm), not just reloaded them.
+    assert change > 5e-4
+
+    after = srt_segments(str(final), recording, tmp_path / "after")
+    assert len(after) == len(before)
+    times_before = np.array([[s.start, s.end] for s in before])
+    times_after = np.array([[s.start, s.end] for s in after])
+    assert times_after == pytest.approx(times_before, abs=TOLERANCE_S)

@@ -14,8 +14,9 @@ The recording: 12 espeak-ng sentences in the default voice joined by 0.5 s of si
 training voices, text-only, full mode, 4 steps of 2 clips at 1e-4, which may move each weight
 at least as far as the 24 steps at full's default 1e-5 of BENCHMARKS.md "Timestamps after
 text-only fine-tuning" (Adam moves a weight by up to the learning rate a step). Measured:
-12 segments before and after, every boundary within 0.04 s of the base's. The tolerance, 0.5 s, is the pause between two
-sentences: a boundary off by more lands in the next sentence's speech.
+12 segments before and after, every boundary within 0.04 s of the base's. The tolerance, 0.5 s,
+is the pause between two sentences: a boundary off by more lands in the next sentence's speech;
+90% of the boundaries must find one within it (one merged or split sentence allowed).
 
 Checked to fail: with `<|notimestamps|>` left out of the text-only labels' prefix (labels.py
 `prefix_ids`), the same 4 steps teach the timestamp prompt to write no times, and the fine-tuned
@@ -119,7 +120,12 @@ def test_text_only_fine_tuning_keeps_the_segment_times(recording, tmp_path):
     assert change > 5e-4
 
     after = srt_segments(str(final), recording, tmp_path / "after")
-    assert len(after) == len(before)
-    times_before = np.array([[s.start, s.end] for s in before])
-    times_after = np.array([[s.start, s.end] for s in after])
-    assert times_after == pytest.approx(times_before, abs=TOLERANCE_S)
+    # Each model's segment boundaries, matched both ways: most of one's within the tolerance of
+    # one of the other's. One merged or split sentence is allowed (another CPU's rounding could
+    # tip one greedy choice); the failure this guards against loses nearly all of them.
+    bounds_before = np.array([t for s in before for t in (s.start, s.end)])
+    bounds_after = np.array([t for s in after for t in (s.start, s.end)])
+    gaps = np.abs(bounds_before[:, None] - bounds_after[None, :])
+    assert abs(len(after) - len(before)) <= 1, (len(before), len(after))
+    assert (gaps.min(axis=1) <= TOLERANCE_S).mean() >= 0.9, gaps.min(axis=1)
+    assert (gaps.min(axis=0) <= TOLERANCE_S).mean() >= 0.9, gaps.min(axis=0)

@@ -75,10 +75,11 @@ def test_loss_matches_reference_and_metrics_are_written(tiny_run_config, tone_da
         "set",
         "eval_loss",
         "wer",
+        "clips",
         "repeated_ngram_rate",
         "insertion_rate",
     }
-    assert evaluation["set"] == "eval"  # the seeded split of --data
+    assert evaluation["set"] == "eval" and evaluation["clips"] == 3  # the seeded split of --data
     assert 0 <= evaluation["repeated_ngram_rate"] <= 1 and evaluation["insertion_rate"] >= 0
     assert math.isfinite(evaluation["eval_loss"]) and evaluation["eval_loss"] > 0
     with (tone_dataset / "metadata.csv").open(encoding="utf-8") as metadata:

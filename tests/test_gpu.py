@@ -338,7 +338,16 @@ def test_fused_adamw_steps_to_the_weights_plain_adamw_steps_to(device, float32_m
     for theirs, ours in zip(twin.parameters(), model.parameters(), strict=True):
         theirs.grad = None if ours.grad is None else ours.grad.clone()  # the very same gradient
     before = trainable_copy(model)
-    build_optimizer(model, name="adamw", lr=LR, weight_decay=0.01).step()
+    # torch's own AdamW without the fused kernel (foreach on CUDA), grouped as build_optimizer
+    # groups: `--optim adamw` itself now takes the fused kernel where it can.
+    trained = [p for p in model.parameters() if p.requires_grad]
+    torch.optim.AdamW(
+        [
+            {"params": [p for p in trained if p.ndim >= 2], "weight_decay": 0.01},
+            {"params": [p for p in trained if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=LR,
+    ).step()
     build_optimizer(twin, name="adamw-fused", lr=LR, weight_decay=0.01).step()
     plain, fused = trainable_copy(model), trainable_copy(twin)
 

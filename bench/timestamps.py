@@ -116,6 +116,7 @@ def fine_tune(
     model: str,
     labels: str = "text-only",
     learning_rate: float | None = None,
+    preserve_base: float = 0.0,
 ) -> Path:
     """The demo's training run (demo.run_demo's settings), without its evaluation sets, with
     `labels` one of LABELS."""
@@ -131,6 +132,7 @@ def fine_tune(
             "epochs": epochs,
             **LABELS[labels],
             "learning_rate": learning_rate,  # None: the mode's default
+            "preserve_base": preserve_base,
             "warmup_steps": 10,
             "logging_steps": 8,
             "only_train": True,
@@ -193,6 +195,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=float, default=1.0)
     parser.add_argument("--learning-rate", type=float, default=None, help="default: the mode's")
     parser.add_argument(
+        "--preserve-base", type=float, default=0.0, help="train's --preserve-base weight"
+    )
+    parser.add_argument(
         "--labels",
         default="text-only",
         help=f"comma-separated, of {', '.join(LABELS)} (see LABELS)",
@@ -238,6 +243,7 @@ def main() -> None:
                 model=args.model,
                 labels=labels,
                 learning_rate=args.learning_rate,
+                preserve_base=args.preserve_base,
             )
             models.append((f"{mode}, {labels}", final, cpu_seconds() - started))
 

@@ -83,6 +83,31 @@ def test_folded_order_gives_the_layers_own_loss_and_gradients(monkeypatch, mode)
         torch.testing.assert_close(grads[name], reference[name], rtol=1e-10, atol=1e-13, msg=name)
 
 
+def test_layers_recomputed_under_checkpointing_keep_their_own_order(monkeypatch):
+    # Checkpointing runs a layer's forward again in backward, after the loss's forward (and the
+    # folding) is over: a folded forward then recomputed in the layer's own order saves other
+    # tensors, which torch refuses. Recomputed layers are left whole; the rest still fold.
+    calls = _spy_on_folding(monkeypatch)
+    model = prepare_model(
+        fresh_short_whisper().double(), mode="freeze-encoder", checkpointing="full"
+    )
+    batch = _cached_batch(model.train())
+    reference_loss, reference = _loss_and_gradients(
+        model, {k: v for k, v in batch.items() if k != "encoder_hidden_states"}
+    )
+    loss, grads = _loss_and_gradients(
+        model, {k: v for k, v in batch.items() if k != "input_features"}
+    )
+
+    assert calls == []
+    torch.testing.assert_close(loss, reference_loss, rtol=1e-10, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference[name], rtol=1e-10, atol=1e-13, msg=name)
+    with torch.no_grad():  # evaluation recomputes nothing: it folds
+        training_loss(model, {k: v for k, v in batch.items() if k != "input_features"})
+    assert calls == [5] * model.config.decoder_layers
+
+
 def test_long_labels_and_adapters_keep_the_layers_own_order(monkeypatch):
     calls = _spy_on_folding(monkeypatch)
     model = prepare_model(fresh_short_whisper(), mode="freeze-encoder").train()

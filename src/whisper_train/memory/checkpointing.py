@@ -308,6 +308,15 @@ def checkpointing_on(whisper: nn.Module) -> bool:
     return any(getattr(stack, "gradient_checkpointing", False) for stack in stacks)
 
 
+def recomputed_decoder_layers(whisper: nn.Module) -> set[int]:
+    """Indices of the decoder layers whose forward runs again in backward (in training mode)."""
+    layers = whisper.model.decoder.layers
+    if _per_layer_checkpointing(whisper):
+        return {index for index, layer in enumerate(layers) if layer.gradient_checkpointing}
+    stack_on = getattr(whisper.model.decoder, "gradient_checkpointing", False)
+    return set(range(len(layers))) if stack_on else set()
+
+
 def effective_use_reentrant(module: nn.Module) -> bool | None:
     """Whether `module`'s checkpoint function runs reentrant: True, False, or None (unknown).
 

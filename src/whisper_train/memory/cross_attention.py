@@ -15,14 +15,15 @@ about 64-73 label tokens for every Whisper size. It is the same function (gradie
 included), in another order of float operations: equal to rounding, which tests check in
 float64. `folded_cross_attention` applies it for the duration of a forward, only where it is
 cheaper and only where nothing else is asked of the layer (a cache, a mask, attention weights,
-dropout, adapters on the key or value projection): otherwise the layer's own forward runs.
+dropout, adapters on the key or value projection, a recomputation under checkpointing):
+otherwise the layer's own forward runs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import torch
 from torch import nn
@@ -40,12 +41,22 @@ def folded_cost_is_lower(tokens: int, positions: int, d_model: int, heads: int) 
 
 
 @contextlib.contextmanager
-def folded_cross_attention(whisper: nn.Module, *, enabled: bool = True) -> Iterator[None]:
+def folded_cross_attention(
+    whisper: nn.Module, *, enabled: bool = True, recomputed: Collection[int] = ()
+) -> Iterator[None]:
     """Inside, the decoder's cross-attention layers compute in the folded order where it is
     cheaper (see the module's docstring); `enabled` False changes nothing. Only the instances'
-    forwards are shadowed: weights, state dict and wrappers are untouched."""
-    layers = [layer.encoder_attn for layer in whisper.model.decoder.layers] if enabled else []
-    layers = [attention for attention in layers if _plain_projections(attention)]
+    forwards are shadowed: weights, state dict and wrappers are untouched.
+
+    `recomputed`: the decoder layers checkpointing runs again in backward, after this context
+    has closed; they keep their own order, so that the recomputation saves what the forward
+    saved."""
+    decoder_layers = whisper.model.decoder.layers if enabled else []
+    layers = [
+        layer.encoder_attn
+        for index, layer in enumerate(decoder_layers)
+        if index not in recomputed and _plain_projections(layer.encoder_attn)
+    ]
     for attention in layers:
         attention.forward = functools.partial(_forward, attention, type(attention).forward)
     try:

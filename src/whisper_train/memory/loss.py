@@ -25,7 +25,7 @@ from torch import nn
 
 from whisper_train.collate import IGNORE_INDEX
 from whisper_train.errors import UserError
-from whisper_train.memory.checkpointing import checkpointing_on
+from whisper_train.memory.checkpointing import checkpointing_on, recomputed_decoder_layers
 from whisper_train.memory.cross_attention import folded_cross_attention
 from whisper_train.memory.sharding import gathered_weight
 from whisper_train.memory.wrappers import is_peft_model, unwrapped, whisper_of
@@ -182,8 +182,12 @@ def loss_terms(
         base_states, base_whisper = _base_forward(model, preserve, inputs, deferred=True)
         base_weight = gathered_weight(base_whisper.proj_out.weight, model)
     # On cached encoder outputs, the cross-attention in its cheaper order (`cross_attention`).
-    folded = "encoder_outputs" in inputs
-    with _projection_deferred(whisper), folded_cross_attention(whisper, enabled=folded):
+    folded = folded_cross_attention(
+        whisper,
+        enabled="encoder_outputs" in inputs,
+        recomputed=recomputed_decoder_layers(whisper) if torch.is_grad_enabled() else (),
+    )
+    with _projection_deferred(whisper), folded:
         decoder_states = model(**inputs).logits  # (batch, T, d_model): hidden states here
     labels = batch["labels"].to(decoder_states.device)
     keep = labels != IGNORE_INDEX

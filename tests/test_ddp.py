@@ -66,11 +66,11 @@ def test_two_processes_equal_one_and_resume_exactly(tmp_path, tiny_whisper_dir):
     # seen twice or skipped, or a wrong per-process loss weight, would exceed many times over.
     np.testing.assert_allclose(two_losses, single_losses, rtol=0, atol=SAME_RUN_LOSS_ATOL)
     # Evaluation ran sharded (2 rows per process, one of them a filler copy) and gathered: the
-    # same 3 clips scored once each, so the same validation loss (clip 0 counted twice would
-    # move it by a third of its difference from the others'; a random model's clips differ by
-    # far more than the tolerance). (The first run's closing evaluation at step 3 stays in the file: it
-    # happened.) WER is not compared: a random model's top two logits can lie closer than float
-    # noise, so its greedy words may differ between the runs without anything being wrong.
+    # same 3 clips scored once each, so the same validation loss and `clips` (clip 0 counted
+    # twice would make it 4, and weigh clip 0's loss twice). (The first run's closing
+    # evaluation at step 3 stays in the file: it happened.) WER is not compared: a random
+    # model's top two logits can lie closer than float noise, so its greedy words may differ
+    # between the runs without anything being wrong.
     assert [e["step"] for e in two_evals] == [3, 5]
     assert [e["clips"] for e in two_evals] == [3, 3] and single_evals[-1]["clips"] == 3
     np.testing.assert_allclose(

@@ -129,8 +129,9 @@ class SpeechDataset(Dataset):
 
     An index is a clip's position, or `(epoch, item)` where item is a clip's position or a tuple
     of them: a packed window (`packing`), its clips joined by `gap_seconds` of silence and its
-    label their transcripts in order (timestamped as `packing.window_timestamps` says). The epoch travels with the index because the training data
-    source's batch sampler runs in the main process: loader workers (persistent or not) then
+    label their transcripts in order (timestamped as `packing.window_timestamps` says). The epoch
+    travels with the index because the training data source's batch sampler runs in the main
+    process: loader workers (persistent or not) then
     draw augmentation and timestamp forms from (seed, epoch, clip), never from a stale copy.
     """
 

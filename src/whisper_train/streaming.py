@@ -13,8 +13,9 @@ The `datasets` library reads the stream (`load_dataset(..., streaming=True)`): a
 buffer, `split_dataset_by_node` for the processes, and its own split of the shards over the
 DataLoader workers of each process, so that one pass over the stream reads every sample once
 across N processes x W workers. Audio is decoded in the workers from the bytes in memory
-(soundfile, else PyAV, as files are); a clip that does not decode, is empty or over 30 s, or whose label is too
-long becomes a `Skip` item that the training loop counts: a bad clip never stops a run.
+(soundfile, else PyAV, as files are); a clip that does not decode, is empty or over 30 s, or
+whose label is too long becomes a `Skip` item that the training loop counts: a bad clip never
+stops a run.
 
 Resuming is exact. `datasets`' own state_dict drops the shuffle buffer's contents, which would
 change the order after a resume, so the position saved in a checkpoint is instead (epoch, rows
@@ -311,35 +312,34 @@ def decode_audio(audio: Any, origin: str) -> np.ndarray:
     """Audio bytes (or a path) → float32 mono at 16 kHz, decoded in memory by the readers a
     file goes through (soundfile, else PyAV: an M4A in a shard trains like one in a folder);
     AudioError naming `origin` when it does not decode or holds no samples."""
-    data, path = _bytes_or_path(audio)
-    if data:
-        return load_audio(data, origin=origin)
-    if path and os.path.isfile(path):
-        return load_audio(path)
-    raise AudioError(origin, "no audio bytes in this sample")
+    source = _row_audio(audio)
+    if source is None:
+        raise AudioError(origin, "no audio bytes in this sample")
+    return load_audio(source, origin=origin if isinstance(source, bytes) else None)
 
 
 def audio_header(audio: Any) -> AudioHeader | str:
     """The header of a row's audio (no decoding where the format states its length), or why
     there is none."""
-    data, path = _bytes_or_path(audio)
+    source = _row_audio(audio)
+    if source is None:
+        return "no audio bytes in this sample"
     try:
-        if data:
-            return read_header(data)
-        if path and os.path.isfile(path):
-            return read_header(path)
+        return read_header(source)
     except AudioError as exc:
         return exc.reason
-    return "no audio bytes in this sample"
 
 
-def _bytes_or_path(audio: Any) -> tuple[bytes | None, str | None]:
-    """A row's audio cell ({"bytes", "path"}, bytes, or a path) → (bytes or None, path or None)."""
+def _row_audio(audio: Any) -> bytes | str | None:
+    """A row's audio cell ({"bytes", "path"}, bytes, or a path) → its bytes, else the path of
+    an existing file, else None."""
     data = audio.get("bytes") if isinstance(audio, dict) else audio
     path = audio.get("path") if isinstance(audio, dict) else None
     if isinstance(data, str):
-        return None, data
-    return (bytes(data) if data else None), path
+        data, path = None, data
+    if data:
+        return bytes(data)
+    return path if path and os.path.isfile(path) else None
 
 
 # -- the training stream --------------------------------------------------------------------

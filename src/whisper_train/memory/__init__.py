@@ -13,9 +13,10 @@
     plan           the peak-memory estimate, its probe, and `--gradient-checkpointing auto`
 
 The submodules import downwards only: wrappers <- checkpointing, sharding <- loss <- plan;
-cross_attention <- loss; precision and optim stand alone. The names below are re-exported so `from whisper_train.memory import X`
-works for the public API. `LOSS_CHUNK_TOKENS` is deliberately not: `training_loss` reads it
-from `whisper_train.memory.loss`, so that is the module to patch.
+cross_attention <- loss; precision and optim stand alone. The names below are re-exported so
+`from whisper_train.memory import X` works for the public API. `LOSS_CHUNK_TOKENS` is
+deliberately not: `training_loss` reads it from `whisper_train.memory.loss`, so that is the
+module to patch.
 """
 
 from __future__ import annotations

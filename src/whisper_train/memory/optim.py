@@ -45,8 +45,9 @@ def build_optimizer(
     if name == "adamw":
         if _fused_kernel_applies(decay + no_decay):
             # One kernel over each tensor instead of torch's per-tensor Python loop on a CPU:
-            # 7x less optimizer time on tiny.en's decoder here (0.144 -> 0.021 s a step, 8% of
-            # a cached freeze-encoder step), the same update to the last bit or one ulp.
+            # 6.5-7x less optimizer time on tiny's and base's decoders, 8-10% of a cached
+            # freeze-encoder step before (bench/freeze_encoder_profile.py); the same update to
+            # a few ulps (tests/test_memory.py).
             try:
                 return torch.optim.AdamW(groups, lr=lr, fused=True)
             except RuntimeError:  # a device or dtype without the kernel: torch's default

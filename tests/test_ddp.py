@@ -16,8 +16,9 @@ from whisper_train.train import train
 
 
 def test_two_processes_equal_one_and_resume_exactly(tmp_path, tiny_whisper_dir):
-    # 19 clips, 3 held out: 16 training clips, global batch 4 (1 x 4, or 2 processes x 2). The
-    # 3 evaluation clips split over 2 processes of batch 2 leave process 1 a copy of clip 0 to
+    # 19 clips, 3 held out: 16 training clips, global batch 4 (1 x 4, or 2 processes x 1 x 2
+    # micro-batches: the usual multi-GPU run, gradient accumulation under DDP's no_sync). The
+    # 3 evaluation clips split over 2 processes leave process 1 a copy of clip 0 to
     # fill its batch: it must not be scored twice.
     data = write_tone_dataset(tmp_path / "data", n=19)
     common = {
@@ -43,7 +44,8 @@ def test_two_processes_equal_one_and_resume_exactly(tmp_path, tiny_whisper_dir):
         [
             *flags,
             "--nproc=2",
-            "--batch-size=2",
+            "--batch-size=1",
+            "--gradient-accumulation=2",
             f"--output-dir={two}",
             "--max-steps=3",
             "--save-steps=3",
@@ -54,7 +56,8 @@ def test_two_processes_equal_one_and_resume_exactly(tmp_path, tiny_whisper_dir):
         [
             *flags,
             "--nproc=2",
-            "--batch-size=2",
+            "--batch-size=1",
+            "--gradient-accumulation=2",
             f"--output-dir={two}",
             "--max-steps=5",
             "--save-steps=5",
@@ -62,7 +65,7 @@ def test_two_processes_equal_one_and_resume_exactly(tmp_path, tiny_whisper_dir):
         ]
     )
     two_losses, two_evals = losses_and_evaluations(two)
-    # Equal up to float32 summation order (2 x 2 rows and an all-reduce vs 4 rows), which a clip
+    # Equal up to float32 summation order (2 x 1 x 2 rows and an all-reduce vs 4 rows), which a clip
     # seen twice or skipped, or a wrong per-process loss weight, would exceed many times over.
     np.testing.assert_allclose(two_losses, single_losses, rtol=0, atol=SAME_RUN_LOSS_ATOL)
     # Evaluation ran sharded (2 rows per process, one of them a filler copy) and gathered: the

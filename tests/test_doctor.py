@@ -151,6 +151,16 @@ def test_ddp_with_find_unused_and_reentrant_is_t3_and_layerdrop_without_it_is_t4
     assert check.status == "pass"
 
 
+def test_ddp_static_graph_with_gradient_accumulation_fails_and_without_it_passes():
+    ours = prepare_model(fresh_short_whisper(), mode="full", checkpointing="full")
+    ddp = {"world_size": 2, "find_unused_parameters": False, "static_graph": True}
+    check = by_id_static(ours, ddp={**ddp, "gradient_accumulation": 2})["ddp"]
+    assert check.status == "fail" and "static_graph=False" in check.remedy
+    assert by_id_static(ours, ddp={**ddp, "gradient_accumulation": 1})["ddp"].status == "pass"
+    ddp["static_graph"] = False  # what the recipe runs with
+    assert by_id_static(ours, ddp={**ddp, "gradient_accumulation": 2})["ddp"].status == "pass"
+
+
 def test_compile_with_reentrant_checkpointing_is_t6():
     check = by_id_static(reentrant(fresh_short_whisper()), compile=True)["compile"]
     assert check.status == "fail"

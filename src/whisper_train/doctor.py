@@ -123,7 +123,8 @@ def run(
     With `mode` given, a copy of the model is first prepared by `prepare_model(mode,
     checkpointing, lora)`: the check of a whisper-train configuration. Without it the model is
     checked as it is (a hand-made setup). `trainer_args` are Seq2SeqTrainingArguments the model
-    will be trained with; `ddp` is {"world_size", "find_unused_parameters", "static_graph"}.
+    will be trained with; `ddp` is {"world_size", "find_unused_parameters", "static_graph",
+    "gradient_accumulation"}.
     The caller's model is never modified.
     """
     model = copy.deepcopy(model)
@@ -414,6 +415,9 @@ def _check_ddp(model, state, trainer_args, ddp) -> Check:
         ddp.setdefault(
             "find_unused_parameters", getattr(trainer_args, "ddp_find_unused_parameters", None)
         )
+        ddp.setdefault(
+            "gradient_accumulation", getattr(trainer_args, "gradient_accumulation_steps", 1)
+        )
     world = int(ddp.get("world_size") or 1)
     if world <= 1:
         return Check("ddp", "pass", "single process: DDP triggers T3/T4 do not apply")
@@ -437,6 +441,16 @@ def _check_ddp(model, state, trainer_args, ddp) -> Check:
             "checkpointing: 'Expected to mark a variable ready only once'",
             "non-reentrant checkpointing, or find_unused_parameters=False / static_graph",
             "T3",
+        )
+    accumulation = int(ddp.get("gradient_accumulation") or 1)
+    if ddp.get("static_graph") and accumulation > 1:
+        return Check(
+            "ddp",
+            "fail",
+            f"DDP over {world} processes with static_graph=True and gradient accumulation "
+            f"{accumulation}: no_sync on a static graph fails at the first backward "
+            "('expect_autograd_hooks_ INTERNAL ASSERT FAILED', pytorch#143580)",
+            "static_graph=False (non-reentrant checkpointing does not need it)",
         )
     if layerdrop > 0 and not find_unused:
         return Check(

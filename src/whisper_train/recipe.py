@@ -141,9 +141,14 @@ class FineTuneRecipe:
         t = self.config.train
         self.precision = memory.resolve_precision(self.config.memory.precision, _default_device())
         # Non-reentrant checkpointing and no layerdrop: every parameter is used in every step, so
-        # DDP needs no unused-parameter search (which also breaks reentrant checkpointing, T3)
-        # and the graph is static. The handler is completed once the model's layerdrop is known.
-        self.ddp_kwargs = DistributedDataParallelKwargs(find_unused_parameters=False)
+        # DDP needs no unused-parameter search (which also breaks reentrant checkpointing, T3).
+        # static_graph stays off: it would add nothing with non-reentrant checkpointing, and DDP
+        # cannot combine it with `no_sync`, which gradient accumulation uses (the reducer's
+        # "expect_autograd_hooks_" assertion at the first backward, pytorch#143580). The handler
+        # is completed once the model's layerdrop is known.
+        self.ddp_kwargs = DistributedDataParallelKwargs(
+            find_unused_parameters=False, static_graph=False
+        )
         # accelerate keeps one AcceleratorState a process and refuses an Accelerator with another
         # mixed precision ("restart your runtime"): a second train() in a notebook starts from a
         # clean one. The process group (PartialState) is kept.
@@ -200,7 +205,6 @@ class FineTuneRecipe:
         # Layerdrop skips layers at random, leaving parameters unused in a step (T4).
         layerdrop = bool(self.model.config.encoder_layerdrop or self.model.config.decoder_layerdrop)
         self.ddp_kwargs.find_unused_parameters = layerdrop
-        self.ddp_kwargs.static_graph = not layerdrop
         # A multilingual model's sets are normalised by the languages they are decoded in
         # (None: `evaluate.normalizer_for`), which need not be the training language.
         self.normalizer_name = None if self.multilingual else "english"
@@ -274,6 +278,7 @@ class FineTuneRecipe:
                 "world_size": accelerator.num_processes,
                 "find_unused_parameters": self.ddp_kwargs.find_unused_parameters,
                 "static_graph": self.ddp_kwargs.static_graph,
+                "gradient_accumulation": c.train.gradient_accumulation,
             },
             compile=c.memory.compile,
         )

@@ -294,3 +294,32 @@ def test_a_sample_of_each_format_is_decoded_and_every_clip_under_strict(tmp_path
     strict = found(check_data(manifest, strict=True), "unreadable")
     assert list(strict) == [f"train.jsonl:{len(names)}"]
     assert main(["check-data", str(manifest), "--strict"]) == 1
+
+
+def _float_wav_with_nan(path: Path, seconds: float = 1.0, *, at: float = 0.5) -> None:
+    """A float WAV that reads and decodes, with one NaN and one +inf sample from `at` s."""
+    t = np.arange(int(seconds * 16_000)) / 16_000
+    samples = (0.2 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+    samples[int(at * 16_000)] = np.nan
+    samples[int(at * 16_000) + 1] = np.inf
+    soundfile.write(path, samples, 16_000, subtype="FLOAT")
+
+
+def test_float_clips_with_nan_or_inf_samples_are_problems_with_or_without_strict(tmp_path):
+    from whisper_train.checkdata import DECODED_PER_FORMAT
+
+    # More float WAVs than the sample decoded per format: the bad one comes after them.
+    names = [f"good{index}.wav" for index in range(DECODED_PER_FORMAT)] + ["nan.wav"]
+    for name in names[:-1]:
+        soundfile.write(tmp_path / name, np.full(16_000, 0.1, np.float32), 16_000, subtype="FLOAT")
+    _float_wav_with_nan(tmp_path / "nan.wav", at=0.25)
+    manifest = write_manifest(tmp_path, [{"audio": n, "text": "words"} for n in names])
+
+    for strict in (False, True):
+        problems = found(check_data(manifest, strict=strict), "non_finite")
+        assert list(problems) == [f"train.jsonl:{len(names)}"]
+        assert (
+            "2 samples are NaN or infinite (the first at 0.25 s)"
+            in problems[f"train.jsonl:{len(names)}"]
+        )
+    assert main(["check-data", str(manifest), "--strict"]) == 1

@@ -470,6 +470,49 @@ def test_split_of_one_recording_falls_back_to_windows():
     assert (len(train), len(held_out)) == (8, 2)
 
 
+def test_split_of_two_long_recordings_holds_out_about_the_fraction_as_time_ranges(caplog):
+    # Two 25-minute recordings cut into 50 windows each by their subtitles (30 s cues).
+    examples = [
+        window
+        for name in ("a", "b")
+        for window in pack_segments(
+            f"/{name}.wav",
+            [(30.0 * i, 30.0 * i + 29.0, f"{name} cue {i}") for i in range(50)],
+            origin=f"{name}.srt",
+        )
+    ]
+    assert len(examples) == 100
+
+    with caplog.at_level("INFO", logger="whisper_train.data"):
+        train, held_out = split_examples(examples, 0.1, seed=0)
+
+    # 10% of the clips (whole recordings would have held out 50%), 5 of each recording, each
+    # a contiguous time range with no training window inside it.
+    assert len(held_out) == 10 and len(train) == 90
+    for name in ("/a.wav", "/b.wav"):
+        starts = sorted(e.start for e in held_out if e.audio == name)
+        assert starts == [starts[0] + 30.0 * i for i in range(5)]
+        assert not [e for e in train if e.audio == name and starts[0] <= e.start <= starts[-1]]
+    assert "10 of 100 clips held out for evaluation as a time range of each recording" in (
+        caplog.text
+    )
+    assert split_examples(examples, 0.1, seed=0) == (train, held_out)
+
+
+def test_split_leaves_out_training_windows_that_overlap_a_held_out_one():
+    # One recording in 10 s windows every 5 s: each overlaps its neighbours.
+    examples = [
+        Example("/r.wav", f"w{i}", start=5.0 * i, end=5.0 * i + 10.0, origin=f"w{i}")
+        for i in range(20)
+    ]
+    train, held_out = split_examples(examples, 0.1, seed=0)
+
+    assert len(held_out) == 2
+    first, last = min(e.start for e in held_out), max(e.end for e in held_out)
+    assert len(train) == 20 - 2 - sum(1 for e in examples if e.start in (first - 5, last - 5))
+    assert all(e.end <= first or e.start >= last for e in train)
+
+
 def test_split_never_leaves_training_empty():
     assert split_examples(clips(3), 0.0, seed=0) == (clips(3), [])
     assert len(split_examples(clips(2), 0.5, seed=0)[0]) == 1
@@ -513,6 +556,25 @@ def test_screen_strict_raises_on_the_first_problem(tmp_path):
     ok = write_wav(tmp_path / "ok.wav")
     examples = [Example(str(ok), "fine", origin="r1"), Example(str(ok), "", origin="r2")]
     with pytest.raises(UserError, match=r"r2: empty transcript.*without --strict"):
+        screen_examples(examples, count_tokens=lambda e: 1, strict=True)
+
+
+def test_screening_decodes_float_files_and_skips_windows_with_nan_or_inf_samples(tmp_path):
+    samples = np.full(16_000 * 4, 0.1, dtype=np.float32)
+    samples[16_000 * 3 + 100] = np.inf  # in the last second only
+    soundfile.write(tmp_path / "float.wav", samples, 16_000, subtype="FLOAT")
+    path = str(tmp_path / "float.wav")
+    examples = [
+        Example(path, "clean window", start=0.0, end=2.5, origin="r1"),
+        Example(path, "window with inf", start=2.5, end=4.0, origin="r2"),
+    ]
+
+    kept, skips = screen_examples(examples, count_tokens=lambda e: 1)
+
+    assert [e.origin for e in kept] == ["r1"]
+    assert [(s.origin, s.reason) for s in skips] == [("r2", "non-finite audio samples")]
+    assert "1 samples are NaN or infinite (the first at 3.01 s)" in skips[0].detail
+    with pytest.raises(UserError, match=r"r2: non-finite audio samples .*without --strict"):
         screen_examples(examples, count_tokens=lambda e: 1, strict=True)
 
 

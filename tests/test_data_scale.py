@@ -86,8 +86,8 @@ def test_prepare_datasets_counts_each_label_once_and_hands_the_counts_on(
 # -- the screening cache ------------------------------------------------------------------------
 def _screen_with_counted_reads(examples, cache, monkeypatch, salt="tokenizer-a"):
     reads = []
-    original = data.audio_duration
-    monkeypatch.setattr(data, "audio_duration", lambda path: reads.append(path) or original(path))
+    original = data.audio_length
+    monkeypatch.setattr(data, "audio_length", lambda path: reads.append(path) or original(path))
     result = screen(
         examples,
         count_all=lambda exs: [len(e.text.split()) for e in exs],
@@ -147,8 +147,8 @@ _RANK = """
 import json, sys
 from whisper_train import data
 reads = []
-original = data.audio_duration
-data.audio_duration = lambda path: reads.append(path) or original(path)
+original = data.audio_length
+data.audio_length = lambda path: reads.append(path) or original(path)
 result = data.screen(
     data.load_examples(sys.argv[1]),
     count_all=lambda exs: [len(e.text.split()) for e in exs],
@@ -271,8 +271,8 @@ def test_training_audio_is_not_read_before_step_one_unless_strict(tmp_path, monk
         _wav(tmp_path / f"c{i}.wav", _noise(8000, i))
     manifest = _manifest(tmp_path, [(f"c{i}.wav", f"word {i}") for i in range(10)])
     reads = []
-    original = data.audio_duration
-    monkeypatch.setattr(data, "audio_duration", lambda path: reads.append(path) or original(path))
+    original = data.audio_length
+    monkeypatch.setattr(data, "audio_length", lambda path: reads.append(path) or original(path))
 
     def read_before_step_one(**settings) -> tuple[int, int, int]:
         monkeypatch.setenv("WHISPER_TRAIN_CACHE", str(tmp_path / f"cache-{len(reads)}"))
@@ -294,7 +294,7 @@ def test_a_stated_duration_over_30_s_is_skipped_without_reading_the_file(tmp_pat
         Example(str(tmp_path / "a.wav"), "kept", duration=29.9),
         Example(str(tmp_path / "b.wav"), "too long", duration=30.5),
     ]
-    monkeypatch.setattr(data, "audio_duration", lambda path: pytest.fail(f"read {path}"))
+    monkeypatch.setattr(data, "audio_length", lambda path: pytest.fail(f"read {path}"))
     screened = screen(examples, count_all=lambda exs: [1] * len(exs), read_headers=False)
     assert screened.kept == [0]
     assert [(s.reason, s.detail) for s in screened.skips] == [("longer than 30 s", "30.5 s")]

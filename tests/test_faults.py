@@ -323,3 +323,55 @@ def test_sigterm_is_honoured_before_an_evaluation_that_is_due(
     out = tmp_path / "out"
     assert [p.name for p in checkpoints_module.list_checkpoints(out)] == ["checkpoint-2"]
     assert [row["step"] for row in metric_rows(out) if "wer" in row] == []
+
+
+# -- non-finite audio samples (issue 33) -----------------------------------------------------
+def _nan_float_wav(path: Path) -> None:
+    """A float WAV whose header and frames read, with NaN samples: its log-mel is NaN."""
+    import numpy as np
+    import soundfile as sf
+
+    samples = (0.2 * np.sin(np.arange(19_200) / 7)).astype(np.float32)
+    samples[4000:4010] = np.nan
+    sf.write(path, samples, 16_000, subtype="FLOAT")
+
+
+def test_a_clip_with_nan_samples_is_skipped_and_named_not_a_lost_step(
+    tmp_path, tiny_run_config, capsys
+):
+    manifest = write_tone_dataset(tmp_path / "data", n=7, layout="jsonl")
+    _nan_float_wav(manifest.parent / "nan.wav")
+    with manifest.open("a", encoding="utf-8") as rows:
+        rows.write('{"audio": "nan.wav", "text": "alpha bravo"}\n')
+    # 8 rows in batches of 4: 2 micro-batches an epoch, so step 1 or 2 meets the NaN clip;
+    # step 3 is in the second epoch.
+    result = train(tiny_run_config(data=str(manifest), max_steps=3))
+
+    # Its batch trained on the other clips: no step's loss was NaN (a skipped step).
+    assert [row.get("skipped") for row in metric_rows(result.output_dir)] == [None] * 3
+    assert result.skipped_clips in (1, 2)
+    out = capsys.readouterr().out
+    report = out[out.index("epoch 0: clips skipped as they were read:") :].splitlines()
+    assert report[1].startswith(
+        f"  1 non-finite audio samples: {manifest}:8 [10 samples are NaN or infinite (the first "
+        "at 0.25 s)"
+    )
+
+
+def test_an_evaluation_clip_with_nan_samples_is_set_aside_before_step_one(
+    tmp_path, tiny_run_config, caplog
+):
+    train_data = write_tone_dataset(tmp_path / "train", n=4, layout="jsonl")
+    eval_data = write_tone_dataset(tmp_path / "eval", n=3, layout="jsonl")
+    _nan_float_wav(eval_data.parent / "nan.wav")
+    with eval_data.open("a", encoding="utf-8") as rows:
+        rows.write('{"audio": "nan.wav", "text": "alpha bravo"}\n')
+    config = tiny_run_config(
+        data=str(train_data), eval_data=str(eval_data), only_train=False, max_steps=1
+    )
+    with caplog.at_level("WARNING"):
+        result = train(config)
+
+    assert f"1 non-finite audio samples: {eval_data}:4" in caplog.text
+    evaluations = [row for row in metric_rows(result.output_dir) if "wer" in row]
+    assert evaluations and all(math.isfinite(row["eval_loss"]) for row in evaluations)

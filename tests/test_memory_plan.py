@@ -121,3 +121,71 @@ def test_flop_formula_matches_the_published_figure_for_whisper_small():
     # docs/compute.md: ~1.2 TFLOP per training sample at T = 64 (3 x forward), by 2 FLOPs
     # per weight and position plus attention
     assert 3 * planner.model_flops_per_sample(small, 64) == pytest.approx(1.2e12, rel=0.1)
+
+
+# -- one micro-batch on the device at a time (issue 33) --------------------------------------
+def test_the_plan_counts_the_running_micro_batchs_inputs():
+    frozen = _prepared("freeze-encoder")  # the stem saves nothing: its inputs are not activations
+    config = frozen.config
+    counted = planner.count_saved_bytes(frozen, policy="off", label_tokens=LABEL_TOKENS)
+    logits = 4 * LABEL_TOKENS * config.vocab_size  # one chunk's: LABEL_TOKENS < a chunk
+    features = 4 * config.num_mel_bins * 3000  # float32 log-mel of one row
+    assert counted["working"] == logits + features + 2 * 8 * LABEL_TOKENS  # + ids and labels
+
+
+def test_a_steps_micro_batches_stay_in_host_memory_until_run(tmp_path):
+    from types import SimpleNamespace
+
+    from conftest import write_tone_dataset
+    from tiny_models import english_tokenizer
+
+    from whisper_train.checkdata import label_encoder_for
+    from whisper_train.collate import SpeechCollator
+    from whisper_train.data import load_examples
+    from whisper_train.datasource import WholeData
+    from whisper_train.features import SpeechDataset
+
+    examples = load_examples(write_tone_dataset(tmp_path / "data", n=6))
+    dataset = SpeechDataset(examples, label_encoder_for(english_tokenizer()))
+    # A device the test can tell from host memory: a micro-batch moved there has meta tensors.
+    accelerator = SimpleNamespace(device=torch.device("meta"), process_index=0, num_processes=1)
+    data = WholeData(
+        dataset,
+        SpeechCollator(50256),
+        accelerator=accelerator,
+        batch_size=2,
+        accumulation=3,
+        seed=0,
+        num_workers=0,
+        data_spec="tones",
+    )
+    step = next(data.steps(SimpleNamespace(epoch=0, batches_in_epoch=0)))
+
+    assert len(step) == 3
+    assert {batch["labels"].device.type for batch in step} == {"cpu"}
+
+
+def test_the_step_loop_moves_each_micro_batch_to_the_device_as_it_runs_it(
+    tiny_run_config, monkeypatch
+):
+    import whisper_train.recipe as recipe_module
+    from whisper_train.train import train
+
+    from accelerate.utils import send_to_device
+
+    events = []
+    real_move, real_loss = send_to_device, recipe_module.loss_terms
+
+    def move(batch, device, **kwargs):
+        events.append("move")
+        return real_move(batch, device, **kwargs)
+
+    def loss(model, batch, **kwargs):
+        events.append("forward")
+        return real_loss(model, batch, **kwargs)
+
+    monkeypatch.setattr(recipe_module, "send_to_device", move, raising=False)
+    monkeypatch.setattr(recipe_module, "loss_terms", loss)
+    train(tiny_run_config(max_steps=2, batch_size=2, gradient_accumulation=3))
+
+    assert events == ["move", "forward"] * 6  # never a step's micro-batches moved together

@@ -193,6 +193,24 @@ def test_bad_clips_are_skipped_and_counted_not_fatal(tmp_path, label_encoder):
     assert len([item for item in items if not isinstance(item, Skip)]) == 2
 
 
+def test_streamed_clips_with_nan_samples_are_skipped_and_found_by_check_data(
+    tmp_path, label_encoder
+):
+    nan = _clip(np.random.default_rng(1), 16000)
+    nan[100:110] = np.nan
+    float_wav = io.BytesIO()
+    sf.write(float_wav, nan, 16000, format="WAV", subtype="FLOAT")
+    write_shards(tmp_path / "pq", "parquet", [4], special={2: (float_wav.getvalue(), "nan clip")})
+    source = streaming.stream_source(tmp_path / "pq")
+
+    items = _stream_items(source, label_encoder)
+
+    assert [item.reason for item in items if isinstance(item, Skip)] == ["non-finite audio samples"]
+    assert all(np.isfinite(item["audio"]).all() for item in items if not isinstance(item, Skip))
+    problems = [f for f in check_data(tmp_path / "pq").problems]
+    assert [(f.kind, f.origin.split("/")[-1]) for f in problems] == [("non_finite", "s00k0002.wav")]
+
+
 def test_a_resumed_worker_replays_its_rows_without_decoding(tmp_path, label_encoder):
     write_shards(tmp_path / "wds", "webdataset", [4])
     stream = streaming.training_stream(
@@ -208,10 +226,47 @@ def test_a_resumed_worker_replays_its_rows_without_decoding(tmp_path, label_enco
     full = [collate(b) for b in torch.utils.data.DataLoader(stream, 2, collate_fn=list)]
     stream.replay_rows = {0: 2}
     resumed = [collate(b) for b in torch.utils.data.DataLoader(stream, 2, collate_fn=list)]
-    assert resumed[0] == {"replayed": True, "stream_rows": {0: 2}}
+    assert resumed[0] == {"replayed": True, "stream_rows": {0: 2}, "stream_items": {}}
     # Then the rest of the pass as an uninterrupted one has it, and nothing more.
     assert len(full) == len(resumed) == 2
     assert resumed[1]["texts"] == full[1]["texts"]
+
+
+@pytest.mark.parametrize("interrupted_after", [1, 2, 3])
+def test_a_resumed_packed_stream_with_two_workers_hands_out_the_uninterrupted_batches(
+    tmp_path, label_encoder, interrupted_after
+):
+    # 22 clips in 4 shards, 2 workers (2 shards each); a label budget of 16 positions packs 2
+    # clips a window, so a worker's rows and the windows it handed out differ in number.
+    write_shards(tmp_path / "wds", "webdataset", [6, 5, 6, 5])
+    stream = streaming.training_stream(
+        streaming.stream_source(tmp_path / "wds"),
+        label_encoder,
+        rank=0,
+        world_size=1,
+        seed=0,
+        shuffle_buffer=4,
+        max_label_tokens=16,
+        packing=True,
+    )
+    collate = streaming.StreamCollator(SpeechCollator(50256))
+
+    def one_pass() -> list[dict]:
+        loader = torch.utils.data.DataLoader(stream, 2, num_workers=2, collate_fn=collate)
+        return list(loader)
+
+    full = one_pass()
+    assert len(full) > interrupted_after + 1 and any(len(b["texts"][0].split()) > 4 for b in full)
+    position = streaming.StreamPosition()  # as the training loop keeps it, then saves it
+    for batch in full[:interrupted_after]:
+        position.advance(batch["stream_rows"], batch["stream_items"])
+    assert position.rows != position.items  # packed: more rows than windows handed out
+    saved = streaming.StreamPosition.from_dict(json.loads(json.dumps(position.to_dict())))
+    stream.replay_rows, stream.replay_items = saved.rows, saved.items
+
+    resumed = [batch for batch in one_pass() if not batch.get("replayed")]
+
+    assert [b["texts"] for b in resumed] == [b["texts"] for b in full[interrupted_after:]]
 
 
 def _shard_run(tiny_run_config, data, output_dir, **overrides) -> RunConfig:
@@ -264,6 +319,40 @@ def test_streamed_run_resumes_with_the_uninterrupted_losses(tmp_path, tiny_run_c
     config.update({"num_workers": 0})
     with pytest.raises(UserError, match="--num-workers 2"):
         train(config)
+
+
+def test_a_packed_stream_with_two_workers_resumes_with_the_uninterrupted_losses(
+    tmp_path, tiny_run_config, monkeypatch
+):
+    # 14 clips of 12 s in 4 shards: two fill a 30 s window, so each of the 2 workers hands out
+    # 4 windows a pass from its 7 rows, in batches of 2: 4 micro-batches a pass. The crash in
+    # step 2 leaves checkpoint-1 after one batch of worker 0: 4 rows, 2 windows.
+    rng = np.random.default_rng(3)
+    long_clips = {
+        n: (_encoded(_clip(rng, 16000, seconds=12.0), 16000, "FLAC"), f"long {n} {WORDS[n % 8]}")
+        for n in range(14)
+    }
+    data = tmp_path / "wds"
+    write_shards(data, "webdataset", [4, 4, 3, 3], special=long_clips)
+    common = {"max_steps": 5, "num_workers": 2, "packing": "on"}
+    reference = train(_shard_run(tiny_run_config, data, tmp_path / "ref", **common))
+
+    out = tmp_path / "out"
+    config = _shard_run(tiny_run_config, data, out, save_steps=1, save_total_limit=1, **common)
+    with monkeypatch.context() as patch:
+        crash_on_loss_call(patch, 2)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            train(config)
+    saved = json.loads((out / "checkpoint-1" / "stream-0.json").read_text())
+    assert saved["rows"] == {"0": 4} and saved["items"] == {"0": 2}
+    config.update({"resume": "latest"})
+    resumed = train(config)
+
+    assert resumed.steps == 5
+    reference_losses = [row["loss"] for row in metric_rows(reference.output_dir)]
+    assert len(reference_losses) == 5
+    losses = [row["loss"] for row in metric_rows(out)]
+    np.testing.assert_allclose(losses, reference_losses, rtol=0, atol=SAME_RUN_LOSS_ATOL)
 
 
 # Loaded by every Python the launcher starts (PYTHONPATH): in each training process (RANK

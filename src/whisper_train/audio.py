@@ -46,6 +46,10 @@ _RESAMPLE_QUALITY = "HQ"
 # it; nearer the start, decoding from the beginning costs less than the seek's uncertainty.
 _PYAV_SEEK_AFTER_SECONDS = 10.0
 _REMEDY = "convert it to WAV or FLAC"
+# libsndfile subtypes whose samples are stored as floats: the only formats whose samples may be
+# NaN or infinite (an integer PCM or a codec's decoder gives finite numbers), which no header
+# tells: such files are decoded wherever the data is checked whole.
+FLOAT_SUBTYPES = ("FLOAT", "DOUBLE")
 
 # A file's path, or the encoded bytes of one (WAV, FLAC, M4A... as stored in a shard).
 AudioSource = str | Path | bytes
@@ -65,6 +69,16 @@ class AudioHeader:
     def seconds(self) -> float:
         return self.frames / self.sample_rate if self.sample_rate else 0.0
 
+    @property
+    def float_samples(self) -> bool:
+        """Whether the samples are stored as floats (and so may be NaN or infinite)."""
+        return self.format.endswith(tuple(f"/{subtype}" for subtype in FLOAT_SUBTYPES))
+
+
+class NonFiniteAudio(AudioError):
+    """Samples that are NaN or infinite (a float WAV can hold them): one such sample makes the
+    clip's log-mel, and so its batch's loss, NaN. Skipped like a clip that does not decode."""
+
 
 def read_header(source: AudioSource, *, origin: str | None = None) -> AudioHeader:
     """The header of `source` (a path, or encoded bytes named `origin` in errors); AudioError
@@ -81,18 +95,19 @@ def read_header(source: AudioSource, *, origin: str | None = None) -> AudioHeade
     return _pyav_header(source, name, libsndfile_reason)
 
 
-def _header(path: str | Path) -> tuple[int, int]:
-    """(frames, sample rate) from the file's header; AudioError when the file is missing or not
-    audio soundfile or PyAV can read. (`SoundFile` rather than `soundfile.info`, and no pathlib:
-    this runs once per clip at start-up, and they cost 76 and 5 us of the ~115 us a read took.)"""
+def _header(path: str | Path) -> tuple[int, int, bool]:
+    """(frames, sample rate, whether the samples are floats) from the file's header; AudioError
+    when the file is missing or not audio soundfile or PyAV can read. (`SoundFile` rather than
+    `soundfile.info`, and no pathlib: this runs once per clip at start-up, and they cost 76 and
+    5 us of the ~115 us a read took.)"""
     path = _existing_file(path)
     try:
         with soundfile.SoundFile(path) as header:
-            return header.frames, header.samplerate
+            return header.frames, header.samplerate, header.subtype in FLOAT_SUBTYPES
     except (soundfile.LibsndfileError, RuntimeError, TypeError) as exc:
         libsndfile_reason = _first_line(exc)
     header = _pyav_header(path, path, libsndfile_reason)
-    return header.frames, header.sample_rate
+    return header.frames, header.sample_rate, False
 
 
 def _existing_file(path: str | Path) -> str:
@@ -124,8 +139,14 @@ def _first_line(exc: BaseException) -> str:
 
 def audio_duration(path: str | Path) -> float:
     """Length of the whole file in seconds, read from its header (no decoding)."""
-    frames, sample_rate = _header(path)
-    return frames / sample_rate if sample_rate else 0.0
+    return audio_length(path)[0]
+
+
+def audio_length(path: str | Path) -> tuple[float, bool]:
+    """(length of the whole file in seconds, whether its samples are stored as floats), read
+    from its header (no decoding)."""
+    frames, sample_rate, float_samples = _header(path)
+    return (frames / sample_rate if sample_rate else 0.0), float_samples
 
 
 def load_audio(
@@ -141,7 +162,7 @@ def load_audio(
     Returns a float32 array of shape (n_samples,) in [-1, 1]. Channels are averaged. Only the
     frames of the window are read from disk (PyAV files: decoded from the packet before the
     window). Raises AudioError when the file is missing, cannot be decoded, or the (window of
-    the) audio holds no samples.
+    the) audio holds no samples; NonFiniteAudio when a sample is NaN or infinite.
     """
     source, name = _checked(source, origin)
     try:
@@ -159,9 +180,25 @@ def load_audio(
         raise AudioError(name, f"no audio samples{where}; remove it from your data")
 
     mono = samples.mean(axis=1, dtype=np.float32)
+    _check_finite(mono, name, source_rate, start)
     if source_rate != SAMPLE_RATE:
         mono = soxr.resample(mono, source_rate, SAMPLE_RATE, quality=_RESAMPLE_QUALITY)
     return np.ascontiguousarray(mono, dtype=np.float32)
+
+
+def _check_finite(samples: np.ndarray, name: str, rate: int, start: float | None) -> None:
+    """NonFiniteAudio when a sample is NaN or infinite (checked before resampling, which would
+    spread it). ~0.1 ms for 30 s, against the milliseconds a decode takes."""
+    finite = np.isfinite(samples)
+    if finite.all():
+        return
+    first = int(np.argmin(finite))
+    at = (start or 0.0) + first / rate
+    raise NonFiniteAudio(
+        name,
+        f"{finite.size - int(np.count_nonzero(finite))} samples are NaN or infinite (the first "
+        f"at {at:.2f} s); re-export the audio with finite samples or remove it from your data",
+    )
 
 
 def _soundfile_decode(

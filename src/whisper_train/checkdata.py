@@ -2,11 +2,12 @@
 
 Reads the data in any layout `whisper_train.data` accepts, opens every audio header, decodes a
 sample of the clips of each audio format it meets (every clip under --strict: a header that
-opens does not prove the samples decode) and reports: clips, hours, a duration histogram, sample rates and channel counts,
-languages, and the problems that would cost a run: unreadable or missing audio, clips over
-Whisper's 30 s window, windows past the end of their file, empty labels, labels longer than the
-decoder's 448 positions, the same audio twice (same file, or same bytes under two names), and
-characters a tokenizer handles badly (control characters, text that does not survive an
+opens does not prove the samples decode; every clip of a float file, whose samples may be NaN or
+infinite) and reports: clips, hours, a duration histogram, sample rates and channel counts,
+languages, and the problems that would cost a run: unreadable or missing audio, NaN or infinite
+samples, clips over Whisper's 30 s window, windows past the end of their file, empty labels,
+labels longer than the decoder's 448 positions, the same audio twice (same file, or same bytes
+under two names), and characters a tokenizer handles badly (control characters, text that does not survive an
 encode/decode round trip). Duplicate transcripts and rare characters are reported as notes:
 common in real data ("yes", "no"), worth a look, no reason to stop.
 
@@ -29,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from whisper_train.audio import CHUNK_LENGTH, AudioHeader, load_audio, read_header
+from whisper_train.audio import CHUNK_LENGTH, AudioHeader, NonFiniteAudio, load_audio, read_header
 from whisper_train.config import DataConfig
 from whisper_train.data import (
     HASH_THREADS,
@@ -40,7 +41,14 @@ from whisper_train.data import (
 )
 from whisper_train.errors import AudioError, UserError
 from whisper_train.labels import MAX_DECODER_TOKENS, LabelEncoder
-from whisper_train.streaming import StreamSource, audio_header, open_stream, read_row, stream_source
+from whisper_train.streaming import (
+    StreamSource,
+    audio_header,
+    decode_audio,
+    open_stream,
+    read_row,
+    stream_source,
+)
 
 # Without a tokenizer, labels are measured in characters: English BPE averages ~4 characters a
 # token, so 2 characters a token is a cautious bound for "probably over 448 tokens".
@@ -74,6 +82,7 @@ DECODED_PER_FORMAT = 3
 
 PROBLEM_KINDS = {
     "unreadable": "unreadable or missing audio",
+    "non_finite": "audio with NaN or infinite samples",
     "too_long": f"clips over {CHUNK_LENGTH} s",
     "past_end": "windows past the end of the file",
     "empty_label": "empty transcripts",
@@ -252,7 +261,8 @@ def _check_audio(examples: Sequence[Example], report: DataReport, *, decode_all:
             report.findings.append(Finding("unreadable", origin, f"{example.audio}: {header}"))
             continue
         if example in undecodable:
-            report.findings.append(Finding("unreadable", origin, undecodable[example]))
+            kind, detail = undecodable[example]
+            report.findings.append(Finding(kind, origin, detail))
             continue
         file_seconds = header.seconds
         start = example.start or 0.0
@@ -283,6 +293,12 @@ def _check_stream_audio(source: StreamSource, report: DataReport) -> list[Exampl
         if isinstance(header, str):
             report.findings.append(Finding("unreadable", clip.origin, header))
             continue
+        if header.float_samples:  # NaN or inf samples show only once decoded
+            try:
+                decode_audio(clip.audio, clip.origin)
+            except AudioError as exc:
+                report.findings.append(Finding(_decode_kind(exc), clip.origin, exc.reason))
+                continue
         report.sample_rates[header.sample_rate] = report.sample_rates.get(header.sample_rate, 0) + 1
         report.channels[header.channels] = report.channels.get(header.channels, 0) + 1
         seconds = header.seconds
@@ -310,25 +326,30 @@ def _read_header(path: str) -> AudioHeader | str:
         return exc.reason
 
 
+def _decode_kind(error: AudioError) -> str:
+    return "non_finite" if isinstance(error, NonFiniteAudio) else "unreadable"
+
+
 def _decode_sample(
     examples: Sequence[Example], headers: dict[str, Any], *, decode_all: bool
-) -> dict[Example, str]:
-    """{example: why its audio does not decode} for the clips decoded: all of them with
-    `decode_all`, else the first DECODED_PER_FORMAT of each audio format."""
+) -> dict[Example, tuple[str, str]]:
+    """{example: (finding kind, why its audio cannot be used)} for the clips decoded: all of
+    them with `decode_all`, else every clip of a float file (NaN or infinite samples show only
+    once decoded) and the first DECODED_PER_FORMAT of each other audio format."""
     chosen, per_format = [], Counter()
     for example in examples:
         header = headers[example.audio]
         if isinstance(header, str):
             continue
-        if decode_all or per_format[header.format] < DECODED_PER_FORMAT:
+        if decode_all or header.float_samples or per_format[header.format] < DECODED_PER_FORMAT:
             per_format[header.format] += 1
             chosen.append(example)
 
-    def problem(example: Example) -> str | None:
+    def problem(example: Example) -> tuple[str, str] | None:
         try:
             load_audio(example.audio, start=example.start, end=example.end)
         except AudioError as exc:
-            return f"{example.audio}: {exc.reason}"
+            return _decode_kind(exc), f"{example.audio}: {exc.reason}"
         return None
 
     # Decoders release the GIL for most of a decode: threads overlap them.

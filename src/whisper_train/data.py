@@ -40,7 +40,13 @@ import numpy as np
 from filelock import FileLock
 
 from whisper_train import runfolder
-from whisper_train.audio import AUDIO_SUFFIXES, CHUNK_LENGTH, audio_duration
+from whisper_train.audio import (
+    AUDIO_SUFFIXES,
+    CHUNK_LENGTH,
+    NonFiniteAudio,
+    audio_length,
+    load_audio,
+)
 from whisper_train.errors import AudioError, UserError
 from whisper_train.labels import MAX_DECODER_TOKENS
 
@@ -61,7 +67,10 @@ HEADER_SLICE = 256  # items one thread task handles
 # Screening results kept in the cache folder (a few MB each at 200,000 rows); bump the version
 # whenever what screening decides or stores changes.
 SCREENINGS_KEPT = 16
-SCREENING_VERSION = 2
+# --eval-split holds out whole recordings only when they make up the share asked for within this
+# fraction of it (10% asked: 7.5% to 12.5% of the clips); else a time range of each recording.
+SPLIT_TOLERANCE = 0.25
+SCREENING_VERSION = 3
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +133,16 @@ class Skip:
     origin: str
     reason: str
     detail: str = ""
+
+
+NON_FINITE_SAMPLES = "non-finite audio samples"  # a Skip's reason: NaN or inf in a float file
+
+
+def decode_skip(origin: str, error: AudioError) -> Skip:
+    """The `Skip` of a clip whose audio `load_audio` refused: non-finite samples, or audio that
+    does not decode."""
+    reason = NON_FINITE_SAMPLES if isinstance(error, NonFiniteAudio) else "unreadable audio"
+    return Skip(origin, reason, error.reason)
 
 
 # -- reading text files ---------------------------------------------------------------------
@@ -806,9 +825,14 @@ def split_examples(
 ) -> tuple[list[Example], list[Example]]:
     """Hold out about `fraction` of the examples for evaluation, seeded and deterministic.
 
-    Windows of the same recording stay on one side, so evaluation never hears audio that
-    training heard; when there is only one recording, examples are split individually. Both
-    lists keep the input order. Raises UserError when no example would be left for training.
+    Windows of one recording are kept on one side where whole recordings can make up the
+    share asked for (within SPLIT_TOLERANCE of it): adjacent windows share a speaker, a room
+    and a topic, and evaluation should not score what training heard. With too few recordings
+    for that (two long recordings cut into windows by their subtitles would hold out half the
+    data), each recording gives a contiguous time range of about `fraction` of its windows
+    instead, and a training window that overlaps a held-out one in time is left out of both.
+    Which of the two was done is logged in one line. Both lists keep the input order. Raises
+    UserError when no example would be left for training.
     """
     examples = list(examples)
     if fraction <= 0 or not examples:
@@ -822,18 +846,88 @@ def split_examples(
     groups: dict[str, list[int]] = defaultdict(list)
     for index, example in enumerate(examples):
         groups[example.audio].append(index)
-    if len(groups) < 2:
-        groups = {str(index): [index] for index in range(len(examples))}
     keys = sorted(groups)
     random.Random(seed).shuffle(keys)
-    held_out: set[int] = set()
-    for key in keys:
-        if len(held_out) >= n_eval or len(held_out) + len(groups[key]) >= len(examples):
-            continue
-        held_out.update(groups[key])
-    train = [e for i, e in enumerate(examples) if i not in held_out]
+    held_out = _whole_recordings(groups, keys, n_eval, len(examples))
+    left_out: set[int] = set()
+    if held_out is not None:
+        how = f"{len(held_out)} of {len(examples)} clips held out for evaluation"
+        if len(groups) < len(examples):  # else every clip is its own recording: nothing to say
+            how += f" as whole recordings ({len(groups)} recordings)"
+    else:
+        held_out, left_out = _time_ranges(examples, groups, keys, n_eval, seed)
+        how = (
+            f"{len(held_out)} of {len(examples)} clips held out for evaluation as a time range "
+            f"of each recording: {len(groups)} recordings are too few to hold out "
+            f"{fraction:g} as whole ones"
+        )
+        if left_out:
+            how += f"; {len(left_out)} training clips that overlap a held-out one left out"
+    train = [e for i, e in enumerate(examples) if i not in held_out and i not in left_out]
+    if not train:  # every training window overlapped a held-out one
+        raise UserError(
+            f"{len(examples)} examples of {len(groups)} recordings: holding out {fraction:g} "
+            "for evaluation leaves no training window that does not overlap a held-out one; "
+            "lower --eval-split, or pass --eval-data"
+        )
+    log.info("--eval-split %g: %s", fraction, how)
     evaluation = [e for i, e in enumerate(examples) if i in held_out]
     return train, evaluation
+
+
+def _whole_recordings(
+    groups: dict[str, list[int]], keys: Sequence[str], n_eval: int, n_total: int
+) -> set[int] | None:
+    """Whole recordings (taken in `keys`' order, skipping one that would overshoot) making up
+    n_eval clips within SPLIT_TOLERANCE, or None when they cannot."""
+    slack = int(SPLIT_TOLERANCE * n_eval)
+    held_out: set[int] = set()
+    for key in keys:
+        size = len(groups[key])
+        if len(held_out) >= n_eval:
+            break
+        if len(held_out) + size <= n_eval + slack and len(held_out) + size < n_total:
+            held_out.update(groups[key])
+    return held_out if abs(len(held_out) - n_eval) <= slack else None
+
+
+def _time_ranges(
+    examples: Sequence[Example],
+    groups: dict[str, list[int]],
+    keys: Sequence[str],
+    n_eval: int,
+    seed: int,
+) -> tuple[set[int], set[int]]:
+    """(held out, left out of training): a contiguous run of each recording's windows, in time
+    order, of its share of n_eval (largest remainders), at a seeded place; and the training
+    windows whose times overlap a held-out window of their recording."""
+    n_total = len(examples)
+    exact = {key: n_eval * len(groups[key]) / n_total for key in keys}
+    shares = {key: int(exact[key]) for key in keys}
+    by_remainder = sorted(keys, key=lambda key: exact[key] - shares[key], reverse=True)
+    for key in by_remainder[: n_eval - sum(shares.values())]:
+        shares[key] += 1
+    rng = random.Random(seed)
+    held_out: set[int] = set()
+    left_out: set[int] = set()
+    for key in keys:
+        share = shares[key]
+        if not share:
+            continue
+        ordered = sorted(groups[key], key=lambda i: (examples[i].start or 0.0, i))
+        first = rng.randrange(len(ordered) - share + 1)
+        block = ordered[first : first + share]
+        held_out.update(block)
+        timed = [examples[i] for i in block if examples[i].end is not None]
+        for index in ordered[:first] + ordered[first + share :]:
+            example = examples[index]
+            if example.end is not None and any(
+                (example.start or 0.0) < other.end - _OVERLAP_TOLERANCE
+                and (other.start or 0.0) < example.end - _OVERLAP_TOLERANCE
+                for other in timed
+            ):
+                left_out.add(index)
+    return held_out, left_out
 
 
 def screen_examples(
@@ -945,15 +1039,26 @@ def read_audio_seconds(
 ) -> dict[str, float | AudioError]:
     """{path: length in seconds, or the AudioError reading its header raised} for each path
     (`threads` > 1 can hide the round trips of network storage; see HEADER_THREADS)."""
+    return {
+        path: length if isinstance(length, AudioError) else length[0]
+        for path, length in read_audio_lengths(paths, threads=threads).items()
+    }
 
-    def seconds(path: str) -> float | AudioError:
+
+def read_audio_lengths(
+    paths: Iterable[str], *, threads: int = HEADER_THREADS
+) -> dict[str, tuple[float, bool] | AudioError]:
+    """`read_audio_seconds` with, for each readable file, whether its samples are stored as
+    floats (`audio.audio_length`)."""
+
+    def length(path: str) -> tuple[float, bool] | AudioError:
         try:
-            return audio_duration(path)
+            return audio_length(path)
         except AudioError as exc:
             return exc
 
     unique = list(dict.fromkeys(paths))
-    lengths = map_in_threads(seconds, unique, threads=threads)
+    lengths = map_in_threads(length, unique, threads=threads)
     return dict(zip(unique, lengths, strict=True))
 
 
@@ -990,10 +1095,17 @@ def _screen(
     read_headers: bool,
 ) -> Screening:
     if read_headers:
-        file_seconds = read_audio_seconds(example.audio for example in examples)
+        lengths = read_audio_lengths(example.audio for example in examples)
         audio_skips = [
-            audio_problem(example, file_seconds[example.audio], max_seconds) for example in examples
+            audio_problem(example, _seconds_of(lengths[example.audio]), max_seconds)
+            for example in examples
         ]
+        # A float file's samples may be NaN or infinite, which its header does not tell: such
+        # clips are decoded (an integer PCM or compressed file's samples are always finite).
+        for index, example in enumerate(examples):
+            length = lengths[example.audio]
+            if audio_skips[index] is None and not isinstance(length, AudioError) and length[1]:
+                audio_skips[index] = samples_problem(example)
     else:
         audio_skips = [_stated_problem(example, max_seconds) for example in examples]
     candidates = [index for index, skip in enumerate(audio_skips) if skip is None]
@@ -1040,6 +1152,20 @@ def audio_problem(
     return None
 
 
+def _seconds_of(length: tuple[float, bool] | AudioError) -> float | AudioError:
+    return length if isinstance(length, AudioError) else length[0]
+
+
+def samples_problem(example: Example) -> Skip | None:
+    """Why `example`'s audio (its window) cannot be used once decoded, or None: it does not
+    decode, or a sample is NaN or infinite."""
+    try:
+        load_audio(example.audio, start=example.start, end=example.end)
+    except AudioError as exc:
+        return decode_skip(example.origin or example.audio, exc)
+    return None
+
+
 def unusable_until_one_passes(
     examples: Sequence[Example], max_seconds: float = CHUNK_LENGTH
 ) -> list[Skip]:
@@ -1058,7 +1184,7 @@ def unusable_until_one_passes(
 def clip_problem(example: Example, max_seconds: float = CHUNK_LENGTH) -> Skip | None:
     """`audio_problem` of one example, its file's header read now."""
     try:
-        length: float | AudioError = audio_duration(example.audio)
+        length: float | AudioError = audio_length(example.audio)[0]
     except AudioError as exc:
         length = exc
     return audio_problem(example, length, max_seconds)
@@ -1166,13 +1292,16 @@ __all__ = [
     "Skip",
     "audio_problem",
     "clip_problem",
+    "decode_skip",
     "load_examples",
     "unusable_until_one_passes",
     "map_in_threads",
     "pack_segments",
     "parse_subtitles",
     "Screening",
+    "read_audio_lengths",
     "read_audio_seconds",
+    "samples_problem",
     "screen",
     "screen_examples",
     "screening_cache_folder",

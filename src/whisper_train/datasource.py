@@ -2,7 +2,7 @@
 
     data = build_training_data(...)      # WholeData (read whole, packed or not) or StreamData
     data.batches_per_epoch               # micro-batches of an epoch on each process (None: unknown)
-    for micro_batches in data.steps(state):   # one optimizer step's micro-batches, on the device
+    for micro_batches in data.steps(state):   # one optimizer step's micro-batches, in host memory
         ...
     data.restore(folder, state)          # after --resume: continue exactly where the run was
     data.saved_position()                # what a checkpoint keeps beside TrainerState
@@ -28,7 +28,6 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
-from accelerate.utils import send_to_device
 from torch.utils.data import DataLoader, Sampler
 
 from whisper_train import packing as packing_module
@@ -191,8 +190,11 @@ class WholeData:
 
     # -- the loop ---------------------------------------------------------------------------
     def steps(self, state) -> Iterator[list[dict]]:
-        """Optimizer steps without end: each a list of up to `accumulation` micro-batches on the
-        device, from `state`'s place (epoch, micro-batches into it). `state` is kept current."""
+        """Optimizer steps without end: each a list of up to `accumulation` micro-batches in
+        host memory, from `state`'s place (epoch, micro-batches into it). `state` is kept
+        current. The step loop moves each micro-batch to the device as it runs it, so one
+        micro-batch's inputs are on the device at a time whatever the accumulation (the memory
+        plan counts one)."""
         epoch = state.epoch
         skip = state.batches_in_epoch
         while True:
@@ -209,7 +211,7 @@ class WholeData:
             usable += batch["size"]
             for item in batch["skipped"]:
                 self.clip_skips.setdefault(item.origin, item)
-            yield send_to_device(batch, accelerator.device)
+            yield batch
         # Every process ends its epoch here (equal micro-batches): one verdict for all of them.
         if accelerator.num_processes > 1:
             total = torch.tensor([usable], device=accelerator.device)
@@ -345,24 +347,27 @@ class StreamData:
 
     def _pass(self, state) -> Iterator[dict]:
         """This process's next pass over its stream, from its saved place after a resume: the
-        micro-batches not yet trained on, on the device."""
+        micro-batches not yet trained on, in host memory (see `WholeData.steps`)."""
         position, accelerator = self.position, self.accelerator
         self.dataset.set_epoch(position.epoch)
         self.dataset.replay_rows = dict(position.rows)
+        # Each worker hands out as many REPLAYED items as it had handed out (None: a checkpoint
+        # that did not count them; one a row then, exact only without --packing).
+        self.dataset.replay_items = {} if position.items is None else dict(position.items)
         state.epoch = position.epoch
         replayed, usable = sum(position.rows.values()), 0
         for batch in self.loader:
-            position.advance(batch.pop("stream_rows"))
+            position.advance(batch.pop("stream_rows"), batch.pop("stream_items"))
             if batch.get("replayed"):
                 continue
             position.count_skips(batch["skipped"])
             usable += batch["size"]
             state.batches_in_epoch += 1
-            yield send_to_device(batch, accelerator.device)
+            yield batch
         skipped = position.skipped
         rows = position.finish_epoch()
         state.batches_in_epoch = 0
-        self.dataset.replay_rows = {}
+        self.dataset.replay_rows, self.dataset.replay_items = {}, {}
         where = f"--data {self.source.spec}"
         if rows == 0:
             raise UserError(

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from whisper_train.audio import load_audio
-from whisper_train.data import Example, PackedExamples, Skip, clip_problem
+from whisper_train.data import Example, PackedExamples, Skip, clip_problem, decode_skip
 from whisper_train.errors import AudioError
 
 log = logging.getLogger(__name__)
@@ -207,8 +207,8 @@ class SpeechDataset(Dataset):
             return problem
         try:
             audio = load_audio(example.audio, start=example.start, end=example.end)
-        except AudioError as exc:
-            return Skip(example.origin or example.audio, "unreadable audio", exc.reason)
+        except AudioError as exc:  # undecodable, or NaN/inf samples that would poison a batch
+            return decode_skip(example.origin or example.audio, exc)
         if self.augmenter is not None:
             audio = self.augmenter(audio, rng)
         return audio, rng

@@ -26,7 +26,12 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from accelerate.utils import DistributedDataParallelKwargs, DistributedType, set_seed
+from accelerate.utils import (
+    DistributedDataParallelKwargs,
+    DistributedType,
+    send_to_device,
+    set_seed,
+)
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -548,7 +553,9 @@ class FineTuneRecipe:
         loss_sum = 0.0  # cross-entropy x tokens, this process
         for position, (batch, weight) in enumerate(zip(micro_batches, weights, strict=True)):
             if batch["size"]:
-                batch = self._with_encoder_outputs(batch)
+                # Moved now, not with the step's others: one micro-batch's inputs on the device
+                # at a time, however large the accumulation.
+                batch = self._with_encoder_outputs(send_to_device(batch, accelerator.device))
             else:
                 batch = stand_in_batch(
                     memory.whisper_of(unwrapped(self.model)).config,

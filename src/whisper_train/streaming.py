@@ -19,10 +19,14 @@ stops a run.
 
 Resuming is exact. `datasets`' own state_dict drops the shuffle buffer's contents, which would
 change the order after a resume, so the position saved in a checkpoint is instead (epoch, rows
-consumed by each worker); on resume every worker reads its first rows again without decoding
-them (`REPLAYED` items, which the loop drops), and the DataLoader then hands out the remaining
-batches in the order an uninterrupted run would have. The re-read costs reading those bytes
-again, not decoding them.
+consumed by each worker, items each worker handed out); on resume every worker reads its first
+rows again without decoding them and hands out as many `REPLAYED` items as it had handed out
+(which the loop drops), so each worker's batches, and the DataLoader's turn among the workers,
+continue where the checkpoint was: the remaining batches come in the order an uninterrupted run
+would have. (With --packing on an item is a window of several rows: counting rows alone, a
+worker would replay more batches than it had handed out, mix replayed rows into its first new
+batch, and take its turns out of step with the other workers.) The re-read costs reading those
+bytes again, not decoding them.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from whisper_train.data import (
     TEXT_COLUMNS,
     Example,
     Skip,
+    decode_skip,
 )
 from whisper_train.errors import AudioError, UserError
 
@@ -353,7 +358,9 @@ class SpeechStream(torch.utils.data.IterableDataset):
 
     Made by `training_stream`. `set_epoch(e)` selects the pass (each pass is shuffled anew);
     `replay_rows` {worker: n} makes each worker re-read its first n rows of that pass without
-    decoding them (a resumed run).
+    decoding them, and `replay_items` {worker: m} hand out m REPLAYED items for them, the items
+    (clips or packed windows) it had handed out from those rows (a resumed run). Without
+    `replay_items` (a checkpoint from before it was saved) a worker hands out one a row.
     """
 
     def __init__(
@@ -377,6 +384,7 @@ class SpeechStream(torch.utils.data.IterableDataset):
         self.augmenter = augmenter
         self.epoch = 0
         self.replay_rows: dict[int, int] = {}
+        self.replay_items: dict[int, int] = {}
         self.packing = packing
         self.gap_seconds = gap_seconds
         self.packing_timestamps = packing_timestamps
@@ -391,6 +399,12 @@ class SpeechStream(torch.utils.data.IterableDataset):
         replay = self.replay_rows.get(worker, 0)
         # Iterated inside a DataLoader worker, `datasets` gives this worker its own shards.
         rows = self._rows(worker, replay)
+        handed_out = self.replay_items.get(worker)
+        if handed_out is not None:
+            # As many REPLAYED items as were handed out, so the worker's batches fill as they
+            # did; the rows they came from are read through (never decoded) before the rest.
+            yield from ((worker, replay - 1, REPLAYED) for _ in range(handed_out))
+            rows = (row for row in rows if row[2] is not REPLAYED)
         yield from self._packed(rows) if self.packing else rows
 
     def _rows(self, worker: int, replay: int):
@@ -482,8 +496,8 @@ class SpeechStream(torch.utils.data.IterableDataset):
             return Skip(where.origin, "empty transcript")
         try:
             audio = decode_audio(where.audio, where.origin)
-        except AudioError as exc:
-            return Skip(where.origin, "unreadable audio", exc.reason)
+        except AudioError as exc:  # undecodable, or NaN/inf samples that would poison a batch
+            return decode_skip(where.origin, exc)
         seconds = len(audio) / SAMPLE_RATE
         if seconds > CHUNK_LENGTH:
             return Skip(where.origin, f"longer than {CHUNK_LENGTH} s", f"{seconds:.1f} s")
@@ -518,21 +532,26 @@ class SpeechStream(torch.utils.data.IterableDataset):
 
 class StreamCollator:
     """(worker, row, item) triples → the inner collator's batch of the items, plus
-    `stream_rows` {worker: rows it has handed out so far}; a batch of only REPLAYED rows is
-    {"replayed": True, "stream_rows": ...}."""
+    `stream_rows` {worker: rows it has handed out so far} and `stream_items` {worker: items
+    (not REPLAYED) of this batch}; a batch of only REPLAYED rows is {"replayed": True,
+    "stream_rows": ..., "stream_items": {}}."""
 
     def __init__(self, collator):
         self.collator = collator
 
     def __call__(self, triples) -> dict:
         rows: dict[int, int] = {}
-        for worker, index, _ in triples:
+        handed_out: dict[int, int] = {}
+        for worker, index, item in triples:
             rows[worker] = max(rows.get(worker, 0), index + 1)
+            if item is not REPLAYED:
+                handed_out[worker] = handed_out.get(worker, 0) + 1
         items = [item for _, _, item in triples if item is not REPLAYED]
         if not items:
-            return {"replayed": True, "stream_rows": rows}
+            return {"replayed": True, "stream_rows": rows, "stream_items": handed_out}
         batch = self.collator(items)
         batch["stream_rows"] = rows
+        batch["stream_items"] = handed_out
         return batch
 
 
@@ -592,10 +611,16 @@ class StreamPosition:
     settings: dict[str, Any] = field(default_factory=dict)
     skipped: dict[str, int] = field(default_factory=dict)  # reason → clips, this epoch
     epoch_rows: dict[int, int] = field(default_factory=dict)  # finished epoch → rows read
+    # worker → items (clips, or packed windows) handed out in `epoch`; None: not counted (a
+    # checkpoint from before it was), and a resumed worker hands out one REPLAYED item a row
+    items: dict[int, int] | None = field(default_factory=dict)
 
-    def advance(self, stream_rows: dict[int, int]) -> None:
+    def advance(self, stream_rows: dict[int, int], stream_items: dict[int, int]) -> None:
         for worker, n in stream_rows.items():
             self.rows[worker] = max(self.rows.get(worker, 0), n)
+        if self.items is not None:
+            for worker, n in stream_items.items():
+                self.items[worker] = self.items.get(worker, 0) + n
 
     def count_skips(self, skipped: list[Skip]) -> None:
         for item in skipped:
@@ -605,7 +630,7 @@ class StreamPosition:
         """Close the pass: rows read in it; the next pass starts at row 0 of every worker."""
         rows = sum(self.rows.values())
         self.epoch_rows[self.epoch] = rows
-        self.epoch, self.rows, self.skipped = self.epoch + 1, {}, {}
+        self.epoch, self.rows, self.skipped, self.items = self.epoch + 1, {}, {}, {}
         return rows
 
     def to_dict(self) -> dict:
@@ -619,6 +644,9 @@ class StreamPosition:
             settings=dict(values.get("settings", {})),
             skipped=dict(values.get("skipped", {})),
             epoch_rows={int(k): int(v) for k, v in values.get("epoch_rows", {}).items()},
+            items=(
+                {int(k): int(v) for k, v in values["items"].items()} if "items" in values else None
+            ),
         )
 
     def check_resumable(self, settings: dict[str, Any], folder: Path) -> None:

@@ -9,7 +9,9 @@ first step, in four terms:
     optimiser    AdamW: two float32 moments per trainable parameter (2x the trainable
                  weights); bitsandbytes AdamW8bit: two uint8 moments (~0.5x)
     activations  tensors autograd saves for backward, counted layer by layer below, plus a
-                 working set (the gradient of the logits, one checkpointed layer recomputed)
+                 working set (the gradient of the logits, one checkpointed layer recomputed,
+                 the inputs of the one micro-batch on the device: the step loop moves each
+                 micro-batch there as it runs it, so accumulation adds nothing)
 
 Activations are counted the way autograd keeps them (one unique storage each, parameters
 excluded), for Whisper's layers as transformers implements them with sdpa attention:
@@ -69,7 +71,9 @@ class MemoryEstimate:
     gradients: int
     optimizer: int
     activations: int  # saved for backward, summed over the batch
-    working: int  # transient at the peak: logits gradient, one recomputed layer, autocast copies
+    # transient at the peak: logits gradient, one recomputed layer, autocast copies, the running
+    # micro-batch's inputs
+    working: int
     offloaded: int = 0  # activations kept in host memory instead (not part of `total`)
 
     @property
@@ -212,6 +216,12 @@ def count_saved_bytes(
             saved += compute_bytes * n_dec * d
         saved += 4 * n_dec * vocab
         working = logits
+    # The running micro-batch's inputs (the only one on the device: see the module's doc):
+    # int64 decoder input ids and labels, and the float32 log-mel features, unless the stem
+    # trains in float32 and so saved that very tensor (counted above).
+    working += 2 * 8 * n_dec
+    if not (stem_trains and not half):
+        working += 4 * config.num_mel_bins * n_frames
     return {"device": saved, "checkpoint_inputs": checkpoint_inputs, "working": working}
 
 

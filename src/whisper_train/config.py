@@ -28,6 +28,32 @@ OPTIMIZERS = ("adamw", "adamw-fused", "adamw8bit")
 TASKS = ("transcribe", "translate")
 
 
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's booleans: only true and false (True, TRUE, ...).
+
+    YAML 1.1, PyYAML's default, also reads yes/no/on/off as booleans, which turns `language: no`
+    (Norwegian) into False and `packing: on` into True; options whose values are such words
+    (on/off, language codes) then cannot be written plainly. A boolean option still takes
+    yes/no/on/off, as text (`_coerce`). Everything else (numbers, null) reads as before.
+    Written files (`to_yaml`, PyYAML's dumper) quote every YAML 1.1 boolean word, so a 1.1
+    reader reads them the same."""
+
+
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver(
+    _BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+def read_yaml(text: str) -> Any:
+    """A configuration file's values, read with YAML 1.2's booleans (`_Yaml12Loader`)."""
+    return yaml.load(text, Loader=_Yaml12Loader)  # a SafeLoader: builds only plain values
+
+
 def named_sets(entries: list[str], flag: str) -> dict[str, tuple[str, str | None]]:
     """["target:es=t/", "general=g/"] → {"target": ("t/", "es"), "general": ("g/", None)}, in
     order: NAME=PATH, or NAME:LANG=PATH to state the set's language (a code or name Whisper
@@ -411,7 +437,7 @@ class RunConfig:
                 f"--config {path}: no such file; pass a YAML file such as configs/lora.yaml"
             )
         try:
-            values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            values = read_yaml(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as exc:
             raise UserError(
                 f"--config {path}: not valid YAML ({str(exc).splitlines()[0]})"
@@ -737,13 +763,18 @@ def _one_of(flag: str, value: str, allowed: tuple[str, ...]) -> None:
 
 
 def _on_off(flag: str, value: Any) -> str:
-    """'on' / 'off' from a flag's text or YAML's boolean (YAML reads a bare `on` as true)."""
+    """'on' / 'off' from a flag's text; true/yes/1 and false/no/0 too (the YAML file's
+    `true` reaches here as the text "true", `_coerce`)."""
     text = str(value).strip().lower()
     if text in ("on", "true", "yes", "1"):
         return "on"
     if text in ("off", "false", "no", "0"):
         return "off"
     raise UserError(f"{flag} {value}: expected on or off")
+
+
+_TRUE_WORDS = ("true", "yes", "y", "on", "1")
+_FALSE_WORDS = ("false", "no", "n", "off", "0")
 
 
 def _coerce(group: Any, name: str, value: Any, source: str) -> Any:
@@ -759,12 +790,14 @@ def _coerce(group: Any, name: str, value: Any, source: str) -> Any:
                 return [part.strip() for part in value.split(",") if part.strip()]
             return [str(v) for v in value]
         if annotation.startswith("bool"):
-            if isinstance(value, str):
-                lowered = value.lower()
-                if lowered not in ("true", "false", "yes", "no", "1", "0", "on", "off"):
-                    raise ValueError(value)
-                return lowered in ("true", "yes", "1", "on")
-            return bool(value)
+            # YAML's true/false, or a yes/no word as text (YAML 1.2 keeps yes/no/on/off text).
+            if isinstance(value, bool):
+                return value
+            word = str(value).strip().lower()
+            if word in _TRUE_WORDS or word in _FALSE_WORDS:
+                return word in _TRUE_WORDS
+            flag = "--" + name.replace("_", "-")
+            raise UserError(f"{source}: {flag} {value}: expected true or false (or yes/no, on/off)")
         if annotation.startswith("int"):
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError(value)
@@ -773,6 +806,8 @@ def _coerce(group: Any, name: str, value: Any, source: str) -> Any:
             return float(value)
         if isinstance(value, (list, tuple)):  # YAML `temperatures: [0, 0.2]`
             return ",".join(str(v) for v in value)
+        if isinstance(value, bool):  # YAML's true/false where text is expected: as written
+            return str(value).lower()
         return str(value)
     except (TypeError, ValueError):
         flag = "--" + name.replace("_", "-")

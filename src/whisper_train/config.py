@@ -512,6 +512,7 @@ class RunConfig:
             ("--batch-size", t.batch_size),
             ("--gradient-accumulation", t.gradient_accumulation),
             ("--lora-r", m.lora_r),
+            ("--lora-alpha", m.lora_alpha),  # 0 scales every adapter's update to nothing
             ("--logging-steps", t.logging_steps),
             ("--generation-max-length", t.generation_max_length),
             ("--save-total-limit", t.save_total_limit),
@@ -549,16 +550,7 @@ class RunConfig:
         ):
             if value is not None:
                 require_positive(flag, value)
-        if t.epochs is not None and t.epochs <= 0:
-            raise UserError(f"--epochs {t.epochs}: must be positive")
-        if not 0.0 <= d.eval_split < 1.0:
-            raise UserError(f"--eval-split {d.eval_split}: must be in [0, 1)")
-        if t.learning_rate is not None and t.learning_rate <= 0:
-            raise UserError(f"--learning-rate {t.learning_rate}: must be positive")
-        if t.warmup_steps < 0 or t.num_workers < 0 or t.max_grad_norm < 0:
-            raise UserError(
-                "--warmup-steps, --num-workers and --max-grad-norm must not be negative"
-            )
+        self._validate_numbers()
         if t.resume is not None and not t.resume.strip():
             raise UserError("--resume: pass 'latest' or a checkpoint folder")
         if t.resume is not None and t.overwrite:
@@ -572,6 +564,42 @@ class RunConfig:
         self._validate_eval_sets()
         self.decoding_options()  # malformed --temperatures or thresholds: one line, now
         return self
+
+    def _validate_numbers(self) -> None:
+        """Each number option within its range, NaN and infinity refused: one line naming the
+        flag and what it accepts, before anything loads (torch's AdamW raised a traceback on a
+        NaN learning rate; --weight-decay inf and --max-grad-norm nan trained without a word)."""
+        d, m, t = self.data, self.model, self.train
+        above_0, at_least_0, below_1 = (lambda v: v > 0), (lambda v: v >= 0), (lambda v: 0 <= v < 1)
+        for flag, value, in_range, accepted in (
+            ("--learning-rate", t.learning_rate, above_0, "a finite number above 0 (e.g. 1e-5)"),
+            ("--weight-decay", t.weight_decay, at_least_0, "a finite number of 0 or more"),
+            (
+                "--max-grad-norm",
+                t.max_grad_norm,
+                at_least_0,
+                "a finite norm of 0 or more (0: no clipping)",
+            ),
+            ("--epochs", t.epochs, above_0, "a finite number of passes above 0"),
+            ("--eval-split", d.eval_split, below_1, "a fraction in [0, 1)"),
+            # 1 would zero the adapter path in every training step: nothing would train.
+            ("--lora-dropout", m.lora_dropout, below_1, "a probability in [0, 1)"),
+            ("--preserve-base", t.preserve_base, at_least_0, "a finite weight of 0 (off) or more"),
+            (
+                "--max-regression",
+                t.max_regression,
+                at_least_0,
+                "a finite number of points, 0 or more",
+            ),
+        ):
+            if value is not None and not (math.isfinite(value) and in_range(value)):
+                raise UserError(f"{flag} {value:g}: expected {accepted}")
+        for flag, value in (("--warmup-steps", t.warmup_steps), ("--num-workers", t.num_workers)):
+            if value < 0:
+                raise UserError(f"{flag} {value}: expected 0 or more")
+        # numpy's seed (set with torch's and Python's) takes 32 bits, unsigned.
+        if not 0 <= t.seed < 2**32:
+            raise UserError(f"--seed {t.seed}: expected a whole number from 0 to {2**32 - 1}")
 
     def _validate_fsdp(self) -> None:
         """What --fsdp (sharded weights) cannot be combined with, each refused in one line."""
@@ -672,10 +700,6 @@ class RunConfig:
             raise UserError("--metric-for-best and --guard name the same set: name another")
         if (t.max_regression is not None or t.stop_on_regression) and t.guard is None:
             raise UserError("--max-regression and --stop-on-regression need --guard NAME")
-        if not (math.isfinite(t.preserve_base) and t.preserve_base >= 0):
-            raise UserError(f"--preserve-base {t.preserve_base}: expected a weight >= 0")
-        if t.max_regression is not None and not t.max_regression >= 0:
-            raise UserError(f"--max-regression {t.max_regression}: must be 0 or more points")
 
     def eval_sets(self) -> dict[str, str]:
         """{name: path} of --eval-data, in the order given (empty: split --data instead)."""

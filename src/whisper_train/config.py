@@ -198,7 +198,8 @@ class ModelConfig:
     lora_alpha: int = _help("LoRA scaling numerator (scale = alpha / r).", default=64)
     lora_dropout: float = _help("Dropout on the LoRA path.", default=0.05)
     lora_targets: list[str] = _help(
-        "Comma-separated module names that get adapters.",
+        "Comma-separated module names that get adapters, in the encoder and the decoder (in the "
+        "decoder only with --cache-encoder: the cached encoder stays as it is).",
         default_factory=lambda: ["q_proj", "v_proj"],
     )
     attn_implementation: str = _help("sdpa or eager attention.", default="sdpa")
@@ -728,6 +729,25 @@ class RunConfig:
         if self.train.learning_rate is not None:
             return self.train.learning_rate
         return {"full": 1e-5, "lora": 3e-4, "freeze-encoder": 3e-5}[self.model.mode]
+
+    def lora_settings(self):
+        """The adapters of --mode lora (`memory.LoraSettings`), None for the other modes. With
+        the encoder's outputs cached they go on the decoder only: the cache computes each clip's
+        encoder output once, without gradient, so adapters inside the encoder would never train
+        (trainable parameters that never get a gradient)."""
+        # Imported here: checkpointing needs torch, and `import whisper_train.config` stays light.
+        from whisper_train.memory.checkpointing import LoraSettings
+
+        m = self.model
+        if m.mode != "lora":
+            return None
+        return LoraSettings(
+            r=m.lora_r,
+            alpha=m.lora_alpha,
+            dropout=m.lora_dropout,
+            targets=tuple(m.lora_targets),
+            decoder_only=self.cache_encoder,
+        )
 
     @property
     def packing_on(self) -> bool:

@@ -398,3 +398,35 @@ def test_lora_with_the_cache_adapts_the_decoder_only(
     assert sum(encoded_rows) == 2 * N_TRAIN[True]
     assert len(cached) == 2
     np.testing.assert_allclose(cached, uncached, rtol=0, atol=SAME_RUN_LOSS_ATOL)
+
+
+def test_resuming_a_cached_lora_run_without_the_cache_names_the_flag(tmp_path, tiny_run_config):
+    """Its checkpoint holds decoder adapters only; without the cache the model has encoder
+    adapters too. The refusal must name --cache-encoder, and following it must work."""
+    run = {"mode": "lora", "encoder_cache_dir": str(tmp_path / "cache"), "max_steps": 2}
+    train(tiny_run_config(**run, cache_encoder=True, save_steps=1))
+    checkpoint = str(tmp_path / "out" / "checkpoint-1")
+    with pytest.raises(UserError, match="--cache-encoder"):
+        train(tiny_run_config(**run, resume=checkpoint))
+    train(tiny_run_config(**run, cache_encoder=True, resume=checkpoint))
+
+
+def test_cached_lora_trains_in_two_processes(tmp_path, tone_dataset, tiny_whisper_dir):
+    """Encoder adapters on cached outputs never got a gradient: with --nproc 2, DDP stopped at
+    step 2 ("Expected to have finished reduction in the prior iteration")."""
+    result = train_in_subprocess(
+        [
+            f"--data={tone_dataset}",
+            f"--model={tiny_whisper_dir}",
+            f"--output-dir={tmp_path / 'run'}",
+            f"--encoder-cache-dir={tmp_path / 'cache'}",
+            "--mode=lora",
+            "--cache-encoder",
+            "--only-train",
+            "--nproc=2",
+            "--batch-size=3",
+            "--max-steps=2",
+        ]
+    )
+    assert "LoRA adapters on the decoder only" in result.stdout
+    assert "step 2/2" in result.stdout

@@ -437,8 +437,8 @@ def _load_weights(folder: Path, model: torch.nn.Module) -> None:
     if set(saved) != set(trainable):
         raise UserError(
             f"--resume {folder}: its weights do not match this model ({len(saved)} saved, "
-            f"{len(trainable)} trainable tensors); resume with the same --model, --mode and "
-            "--lora-* options"
+            f"{len(trainable)} trainable tensors); resume with the same --model, --mode, "
+            "--lora-* and --cache-encoder options (LoRA with the cache adapts the decoder only)"
         )
     with torch.no_grad():
         for name, param in trainable.items():

@@ -734,7 +734,7 @@ class RunConfig:
         """The adapters of --mode lora (`memory.LoraSettings`), None for the other modes. With
         the encoder's outputs cached they go on the decoder only: the cache computes each clip's
         encoder output once, without gradient, so adapters inside the encoder would never train
-        (trainable parameters that never get a gradient)."""
+        (trainable parameters that never get a gradient: under --nproc, DDP stopped at step 2)."""
         # Imported here: checkpointing needs torch, and `import whisper_train.config` stays light.
         from whisper_train.memory.checkpointing import LoraSettings
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from whisper_train.cli import build_parser, config_from_args
+from whisper_train.cli import build_parser, config_from_args, main
 from whisper_train.config import RunConfig, parse_bytes
 from whisper_train.errors import UserError
 
@@ -82,3 +86,162 @@ def test_sizes_parse():
     assert parse_bytes("4GB") == 4 * 2**30 and parse_bytes("512MiB") == 512 * 2**20
     with pytest.raises(UserError, match="--max-memory lots"):
         parse_bytes("lots", flag="--max-memory")
+
+
+# -- YAML words stay words (issue 33): the config file is read as YAML 1.2, whose only booleans
+# are true and false. YAML 1.1 (PyYAML's default) also reads yes/no/on/off as booleans, which
+# turned `language: no` (Norwegian) into False and `packing: on` into True.
+
+# Every spelling YAML 1.1 resolves to a boolean (y/n only in the spec, PyYAML leaves them text).
+YAML_1_1_BOOLEANS = [
+    *("y", "Y", "n", "N"),
+    *("yes", "Yes", "YES", "no", "No", "NO"),
+    *("on", "On", "ON", "off", "Off", "OFF"),
+    *("true", "True", "TRUE", "false", "False", "FALSE"),
+]
+TRUE_WORDS = {"y", "yes", "on", "true"}
+
+
+def _from_yaml(tmp_path, text: str) -> RunConfig:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return RunConfig.from_yaml(path)
+
+
+@pytest.mark.parametrize("word", YAML_1_1_BOOLEANS)
+def test_a_text_option_keeps_the_word_written(tmp_path, word):
+    language = _from_yaml(tmp_path, f"data: {{language: {word}}}\n").data.language
+    # true/false are YAML 1.2's booleans: a text option reads them as their text.
+    assert language == (word.lower() if word.lower() in ("true", "false") else word)
+
+
+@pytest.mark.parametrize("word", YAML_1_1_BOOLEANS)
+def test_a_boolean_option_takes_every_yes_no_word(tmp_path, word):
+    config = _from_yaml(tmp_path, f"data: {{strict: {word}}}\ntrain: {{fsdp: {word}}}\n")
+    assert config.data.strict is config.train.fsdp is (word.lower() in TRUE_WORDS)
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "0.5"])
+def test_a_boolean_option_refuses_other_values_in_one_line(tmp_path, value):
+    with pytest.raises(UserError, match=rf"--strict {value}: expected true or false"):
+        _from_yaml(tmp_path, f"data: {{strict: {value}}}\n")
+
+
+def test_the_readme_spellings_validate(tmp_path):
+    config = _from_yaml(
+        tmp_path,
+        "data: {language: no, packing: on, packing_timestamps: off}\n"
+        "memory: {gradient_checkpointing: off}\n"
+        "train: {compression_ratio_threshold: off, only_train: yes}\n",
+    ).validate()
+    assert config.data.language == "no" and config.packing_on and not config.packing_timestamps_on
+    assert config.memory.gradient_checkpointing == "off" and config.train.only_train is True
+    assert config.decoding_options().compression_ratio_threshold is None
+    from whisper_train.labels import language_code
+
+    assert language_code(config.data.language) == "no"  # Norwegian, as the user meant
+
+
+def test_a_saved_config_reads_back_the_same_words(tmp_path):
+    config = RunConfig()
+    config.update(
+        {
+            "language": "no",
+            "packing": "on",
+            "gradient_checkpointing": "off",
+            "metric_for_best": "yes",
+            "data_format": "true",
+            "eval_data": ["on=a/", "off=b/"],
+            "strict": True,
+        }
+    )
+    saved = tmp_path / "whisper-train.yaml"
+    saved.write_text(config.to_saved_yaml())
+    assert RunConfig.from_yaml(saved).to_dict() == config.to_dict()
+    # The file also reads the same with a YAML 1.1 reader (PyYAML's safe_load, which resume's
+    # option check and export use): the words that are booleans there are written quoted.
+    read_by_1_1 = yaml.safe_load(saved.read_text())
+    assert {group: read_by_1_1[group] for group in ("data", "model", "memory")} == {
+        group: config.to_dict()[group] for group in ("data", "model", "memory")
+    }
+
+
+# -- numbers out of range (issue 33): one line naming the flag and what it accepts, exit 2, before
+# anything loads (`--learning-rate nan` was a traceback from torch's AdamW).
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--learning-rate", "nan"], "--learning-rate nan: expected a finite number above 0"),
+        (["--learning-rate", "inf"], "--learning-rate inf: expected a finite number above 0"),
+        (["--learning-rate=-1e-5"], "--learning-rate -1e-05: expected a finite number above"),
+        (["--learning-rate", "0"], "--learning-rate 0: expected a finite number above 0"),
+        (["--weight-decay", "nan"], "--weight-decay nan: expected a finite number of 0 or more"),
+        (["--weight-decay", "-0.1"], "--weight-decay -0.1: expected a finite number of 0 or"),
+        (["--max-grad-norm", "nan"], "--max-grad-norm nan: expected a finite norm of 0 or more"),
+        (["--max-grad-norm", "inf"], "--max-grad-norm inf: expected a finite norm of 0 or more"),
+        (["--max-grad-norm", "-1"], "--max-grad-norm -1: expected a finite norm of 0 or more"),
+        (["--epochs", "nan"], "--epochs nan: expected a finite number of passes above 0"),
+        (["--epochs", "inf"], "--epochs inf: expected a finite number of passes above 0"),
+        (["--eval-split", "nan"], "--eval-split nan: expected a fraction in [0, 1)"),
+        (["--eval-split", "1"], "--eval-split 1: expected a fraction in [0, 1)"),
+        (["--lora-dropout", "1.5"], "--lora-dropout 1.5: expected a probability in [0, 1)"),
+        (["--lora-dropout", "nan"], "--lora-dropout nan: expected a probability in [0, 1)"),
+        (["--preserve-base", "inf"], "--preserve-base inf: expected a finite weight of 0 (off)"),
+        (["--preserve-base", "nan"], "--preserve-base nan: expected a finite weight of 0 (off)"),
+        (["--lora-alpha", "0"], "--lora-alpha 0: must be at least 1"),
+        (["--seed", "-1"], "--seed -1: expected a whole number from 0 to 4294967295"),
+        (["--seed", "4294967296"], "--seed 4294967296: expected a whole number from 0 to"),
+        (["--warmup-steps", "-1"], "--warmup-steps -1: expected 0 or more"),
+        (["--num-workers", "-2"], "--num-workers -2: expected 0 or more"),
+    ],
+)
+def test_numbers_out_of_range_are_one_line(capsys, flags, expected):
+    assert main(["train", "--data", "x", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {err[0].removeprefix('error: ')}"]  # one line, no traceback
+    assert expected in err[0]
+
+
+def test_max_regression_out_of_range_is_one_line(capsys):
+    argv = ["train", "--data", "x", "--eval-data", "a=a/", "--eval-data", "b=b/", "--guard", "b"]
+    assert main([*argv, "--max-regression", "inf"]) == 2
+    assert (
+        "--max-regression inf: expected a finite number of points, 0 or more"
+        in capsys.readouterr().err
+    )
+
+
+def test_a_non_finite_learning_rate_stops_the_real_process_in_one_line(
+    tmp_path, tone_dataset, tiny_whisper_dir
+):
+    """In its own process, with real data and model: before the check, torch's AdamW raised
+    `ValueError: Invalid learning rate: nan` with a traceback after the model had loaded."""
+    argv = ["--data", str(tone_dataset), "--model", str(tiny_whisper_dir)]
+    argv += ["--output-dir", str(tmp_path / "o"), "--only-train", "--learning-rate", "nan"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "whisper_train", "train", *argv],
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: --learning-rate nan: expected a finite number above 0 (e.g. 1e-5)"
+    ]
+
+
+def test_resume_reads_the_saved_config_as_the_config_file_is_read(tmp_path):
+    """A checkpoint's whisper-train.yaml written by hand (or by another YAML tool) with a plain
+    `packing: on`: the resume check reads `on`, as --config would, not YAML 1.1's True."""
+    from whisper_train import checkpoints
+
+    (tmp_path / checkpoints.CONFIG_FILE).write_text("data: {packing: on, language: no}\n")
+    config = RunConfig.from_flat({"packing": "on", "language": "no"}).validate()
+    checkpoints.check_resume_options(tmp_path, config)  # the same options: no refusal
+    config.data.packing = "off"
+    with pytest.raises(UserError, match="--packing off differs from the checkpoint's on"):
+        checkpoints.check_resume_options(tmp_path, config)

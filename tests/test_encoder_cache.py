@@ -3,6 +3,7 @@ size limit and the free space, safe with several writers, and managed by `whispe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import transformers
 from conftest import (
     SAME_RUN_LOSS_ATOL,
     losses_and_evaluations,
@@ -346,3 +348,85 @@ def test_two_processes_each_encode_and_store_only_their_own_clips(tmp_path, tiny
         result.stdout
     )
     assert len(_clip_files(cache)) == 16
+
+
+# -- LoRA with the encoder cache (issue 33): the adapters go on the decoder only. Encoder
+# adapters would train on the first epoch's freshly encoded clips, then read back outputs cached
+# with their old values and get no gradient: stale features, silently.
+
+
+def _lora_run(tiny_run_config, tmp_path, name, **overrides):
+    config = tiny_run_config(
+        output_dir=str(tmp_path / name),
+        mode="lora",
+        batch_size=N_TRAIN[True],
+        max_steps=2,  # 2 epochs: the second reads back every clip the first cached
+        encoder_cache_dir=str(tmp_path / "cache"),
+        **overrides,
+    )
+    result = train(config)
+    return losses_and_evaluations(result.output_dir)[0], result.final_dir
+
+
+def test_lora_with_the_cache_adapts_the_decoder_only(
+    tmp_path, tiny_run_config, tiny_whisper_dir, encoded_rows, capsys, monkeypatch
+):
+    cached, final_dir = _lora_run(tiny_run_config, tmp_path, "cached", cache_encoder=True)
+    assert sum(encoded_rows) == N_TRAIN[True]  # epoch 2 read every clip back
+    out = capsys.readouterr().out
+    assert "LoRA adapters on the decoder only" in out and "--no-cache-encoder" in out
+    # The final model's encoder is the one that computed the cached outputs: the start's.
+    trained = transformers.WhisperForConditionalGeneration.from_pretrained(final_dir)
+    start = transformers.WhisperForConditionalGeneration.from_pretrained(tiny_whisper_dir)
+    for (name, a), b in zip(
+        trained.model.encoder.named_parameters(), start.model.encoder.parameters(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    decoder_q = (m.model.decoder.layers[0].self_attn.q_proj.weight for m in (trained, start))
+    assert not torch.equal(*decoder_q)  # the decoder's adapters trained (merged)
+
+    # The same math computed without the cache: decoder-only adapters, the encoder run on every
+    # clip every step. Equal up to the cache's float16 storage (as for freeze-encoder).
+    real_settings = RunConfig.lora_settings
+    monkeypatch.setattr(
+        RunConfig,
+        "lora_settings",
+        lambda self: dataclasses.replace(real_settings(self), decoder_only=True),
+    )
+    encoded_rows.clear()
+    uncached, _ = _lora_run(tiny_run_config, tmp_path, "uncached", cache_encoder=False)
+    assert sum(encoded_rows) == 2 * N_TRAIN[True]
+    assert len(cached) == 2
+    np.testing.assert_allclose(cached, uncached, rtol=0, atol=SAME_RUN_LOSS_ATOL)
+
+
+def test_resuming_a_cached_lora_run_without_the_cache_names_the_flag(tmp_path, tiny_run_config):
+    """Its checkpoint holds decoder adapters only; without the cache the model has encoder
+    adapters too. The refusal must name --cache-encoder, and following it must work."""
+    run = {"mode": "lora", "encoder_cache_dir": str(tmp_path / "cache"), "max_steps": 2}
+    train(tiny_run_config(**run, cache_encoder=True, save_steps=1))
+    checkpoint = str(tmp_path / "out" / "checkpoint-1")
+    with pytest.raises(UserError, match="--cache-encoder"):
+        train(tiny_run_config(**run, resume=checkpoint))
+    train(tiny_run_config(**run, cache_encoder=True, resume=checkpoint))
+
+
+def test_cached_lora_trains_in_two_processes(tmp_path, tone_dataset, tiny_whisper_dir):
+    """Encoder adapters on cached outputs never got a gradient: with --nproc 2, DDP stopped at
+    step 2 ("Expected to have finished reduction in the prior iteration")."""
+    result = train_in_subprocess(
+        [
+            f"--data={tone_dataset}",
+            f"--model={tiny_whisper_dir}",
+            f"--output-dir={tmp_path / 'run'}",
+            f"--encoder-cache-dir={tmp_path / 'cache'}",
+            "--mode=lora",
+            "--cache-encoder",
+            "--only-train",
+            "--nproc=2",
+            "--batch-size=3",
+            "--max-steps=2",
+        ]
+    )
+    assert "LoRA adapters on the decoder only" in result.stdout
+    assert "step 2/2" in result.stdout

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 
 import pytest
 import torch
-from tiny_models import LORA, fresh_short_whisper, nonzero_lora_b, tiny_batch
+from tiny_models import (
+    LORA,
+    fresh_short_whisper,
+    nonzero_lora_b,
+    tiny_batch,
+    trainable_gradients,
+)
 
 from whisper_train.errors import UserError
 from whisper_train.memory import (
@@ -334,3 +341,31 @@ def test_checkpointed_loss_keeps_no_full_vocabulary_tensor_for_backward(policy):
         assert vocabulary_sized == []
     loss.backward()  # and backward still runs: the chunks are recomputed
     assert model.proj_out.weight.grad is not None
+
+
+# -- LoRA with the encoder cache (issue 33): adapters on the decoder only. The cache computes
+# each clip's encoder output once, without gradient: encoder adapters would never train.
+
+
+def test_lora_on_cached_encoder_outputs_trains_every_trainable_parameter():
+    from whisper_train.config import RunConfig
+
+    config = RunConfig.from_flat({"mode": "lora", "cache_encoder": True, "lora_dropout": 0.0})
+    lora = dataclasses.replace(config.lora_settings(), r=4, alpha=8)
+    model = nonzero_lora_b(prepare_model(fresh_short_whisper(), mode="lora", lora=lora))
+    names = trainable(model)
+    assert names and not any(".encoder." in f".{n}" for n in names)
+    # The decoder's cross-attention keeps its adapters: it is the decoder's.
+    assert any(".encoder_attn.q_proj.lora_" in n for n in names)
+    assert any(".self_attn.v_proj.lora_" in n for n in names)
+    # A step on cached encoder outputs, as the training loop runs it (`loss_terms`).
+    batch = tiny_batch()
+    with torch.no_grad():
+        cached = whisper_of(model).model.encoder(batch.pop("input_features")).last_hidden_state
+    batch["encoder_hidden_states"] = cached.half()  # as the cache stores them
+    training_loss(model, batch).backward()
+    grads = trainable_gradients(model)
+    assert [n for n, g in grads.items() if g is None or not g.abs().sum() > 0] == []
+    # Without the cache, the adapters go on the encoder too.
+    uncached = RunConfig.from_flat({"mode": "lora"}).lora_settings()
+    assert uncached.decoder_only is False and uncached.targets == ("q_proj", "v_proj")

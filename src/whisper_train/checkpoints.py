@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from whisper_train.config import read_yaml
 from whisper_train.errors import UserError
 from whisper_train.runfolder import CHECKPOINT_PREFIX as PREFIX
 from whisper_train.runfolder import CONFIG_FILE
@@ -341,12 +342,11 @@ FIXED_ON_RESUME = (
 def check_resume_options(folder: Path, config) -> None:
     """Refuse (UserError, one line) a --resume whose FIXED_ON_RESUME options differ from those
     `folder` was saved with; the first difference is named with the checkpoint's value."""
-    import yaml
-
     saved_file = folder / CONFIG_FILE
     if not saved_file.is_file():
         return  # a checkpoint of an older version: nothing to compare with
-    saved = yaml.safe_load(saved_file.read_text(encoding="utf-8")) or {}
+    # Read as --config reads it (YAML 1.2 booleans): a plain `packing: on` is "on", not True.
+    saved = read_yaml(saved_file.read_text(encoding="utf-8")) or {}
     for group, name, flag in FIXED_ON_RESUME:
         if name not in saved.get(group, {}):
             continue
@@ -437,8 +437,8 @@ def _load_weights(folder: Path, model: torch.nn.Module) -> None:
     if set(saved) != set(trainable):
         raise UserError(
             f"--resume {folder}: its weights do not match this model ({len(saved)} saved, "
-            f"{len(trainable)} trainable tensors); resume with the same --model, --mode and "
-            "--lora-* options"
+            f"{len(trainable)} trainable tensors); resume with the same --model, --mode, "
+            "--lora-* and --cache-encoder options (LoRA with the cache adapts the decoder only)"
         )
     with torch.no_grad():
         for name, param in trainable.items():

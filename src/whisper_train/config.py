@@ -28,6 +28,32 @@ OPTIMIZERS = ("adamw", "adamw-fused", "adamw8bit")
 TASKS = ("transcribe", "translate")
 
 
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's booleans: only true and false (True, TRUE, ...).
+
+    YAML 1.1, PyYAML's default, also reads yes/no/on/off as booleans, which turns `language: no`
+    (Norwegian) into False and `packing: on` into True; options whose values are such words
+    (on/off, language codes) then cannot be written plainly. A boolean option still takes
+    yes/no/on/off, as text (`_coerce`). Everything else (numbers, null) reads as before.
+    Written files (`to_yaml`, PyYAML's dumper) quote every YAML 1.1 boolean word, so a 1.1
+    reader reads them the same."""
+
+
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver(
+    _BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+def read_yaml(text: str) -> Any:
+    """A configuration file's values, read with YAML 1.2's booleans (`_Yaml12Loader`)."""
+    return yaml.load(text, Loader=_Yaml12Loader)  # a SafeLoader: builds only plain values
+
+
 def named_sets(entries: list[str], flag: str) -> dict[str, tuple[str, str | None]]:
     """["target:es=t/", "general=g/"] → {"target": ("t/", "es"), "general": ("g/", None)}, in
     order: NAME=PATH, or NAME:LANG=PATH to state the set's language (a code or name Whisper
@@ -172,7 +198,8 @@ class ModelConfig:
     lora_alpha: int = _help("LoRA scaling numerator (scale = alpha / r).", default=64)
     lora_dropout: float = _help("Dropout on the LoRA path.", default=0.05)
     lora_targets: list[str] = _help(
-        "Comma-separated module names that get adapters.",
+        "Comma-separated module names that get adapters, in the encoder and the decoder (in the "
+        "decoder only with --cache-encoder: the cached encoder stays as it is).",
         default_factory=lambda: ["q_proj", "v_proj"],
     )
     attn_implementation: str = _help("sdpa or eager attention.", default="sdpa")
@@ -411,7 +438,7 @@ class RunConfig:
                 f"--config {path}: no such file; pass a YAML file such as configs/lora.yaml"
             )
         try:
-            values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            values = read_yaml(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as exc:
             raise UserError(
                 f"--config {path}: not valid YAML ({str(exc).splitlines()[0]})"
@@ -486,6 +513,7 @@ class RunConfig:
             ("--batch-size", t.batch_size),
             ("--gradient-accumulation", t.gradient_accumulation),
             ("--lora-r", m.lora_r),
+            ("--lora-alpha", m.lora_alpha),  # 0 scales every adapter's update to nothing
             ("--logging-steps", t.logging_steps),
             ("--generation-max-length", t.generation_max_length),
             ("--save-total-limit", t.save_total_limit),
@@ -523,16 +551,7 @@ class RunConfig:
         ):
             if value is not None:
                 require_positive(flag, value)
-        if t.epochs is not None and t.epochs <= 0:
-            raise UserError(f"--epochs {t.epochs}: must be positive")
-        if not 0.0 <= d.eval_split < 1.0:
-            raise UserError(f"--eval-split {d.eval_split}: must be in [0, 1)")
-        if t.learning_rate is not None and t.learning_rate <= 0:
-            raise UserError(f"--learning-rate {t.learning_rate}: must be positive")
-        if t.warmup_steps < 0 or t.num_workers < 0 or t.max_grad_norm < 0:
-            raise UserError(
-                "--warmup-steps, --num-workers and --max-grad-norm must not be negative"
-            )
+        self._validate_numbers()
         if t.resume is not None and not t.resume.strip():
             raise UserError("--resume: pass 'latest' or a checkpoint folder")
         if t.resume is not None and t.overwrite:
@@ -546,6 +565,42 @@ class RunConfig:
         self._validate_eval_sets()
         self.decoding_options()  # malformed --temperatures or thresholds: one line, now
         return self
+
+    def _validate_numbers(self) -> None:
+        """Each number option within its range, NaN and infinity refused: one line naming the
+        flag and what it accepts, before anything loads (torch's AdamW raised a traceback on a
+        NaN learning rate; --weight-decay inf and --max-grad-norm nan trained without a word)."""
+        d, m, t = self.data, self.model, self.train
+        above_0, at_least_0, below_1 = (lambda v: v > 0), (lambda v: v >= 0), (lambda v: 0 <= v < 1)
+        for flag, value, in_range, accepted in (
+            ("--learning-rate", t.learning_rate, above_0, "a finite number above 0 (e.g. 1e-5)"),
+            ("--weight-decay", t.weight_decay, at_least_0, "a finite number of 0 or more"),
+            (
+                "--max-grad-norm",
+                t.max_grad_norm,
+                at_least_0,
+                "a finite norm of 0 or more (0: no clipping)",
+            ),
+            ("--epochs", t.epochs, above_0, "a finite number of passes above 0"),
+            ("--eval-split", d.eval_split, below_1, "a fraction in [0, 1)"),
+            # 1 would zero the adapter path in every training step: nothing would train.
+            ("--lora-dropout", m.lora_dropout, below_1, "a probability in [0, 1)"),
+            ("--preserve-base", t.preserve_base, at_least_0, "a finite weight of 0 (off) or more"),
+            (
+                "--max-regression",
+                t.max_regression,
+                at_least_0,
+                "a finite number of points, 0 or more",
+            ),
+        ):
+            if value is not None and not (math.isfinite(value) and in_range(value)):
+                raise UserError(f"{flag} {value:g}: expected {accepted}")
+        for flag, value in (("--warmup-steps", t.warmup_steps), ("--num-workers", t.num_workers)):
+            if value < 0:
+                raise UserError(f"{flag} {value}: expected 0 or more")
+        # numpy's seed (set with torch's and Python's) takes 32 bits, unsigned.
+        if not 0 <= t.seed < 2**32:
+            raise UserError(f"--seed {t.seed}: expected a whole number from 0 to {2**32 - 1}")
 
     def _validate_fsdp(self) -> None:
         """What --fsdp (sharded weights) cannot be combined with, each refused in one line."""
@@ -646,10 +701,6 @@ class RunConfig:
             raise UserError("--metric-for-best and --guard name the same set: name another")
         if (t.max_regression is not None or t.stop_on_regression) and t.guard is None:
             raise UserError("--max-regression and --stop-on-regression need --guard NAME")
-        if not (math.isfinite(t.preserve_base) and t.preserve_base >= 0):
-            raise UserError(f"--preserve-base {t.preserve_base}: expected a weight >= 0")
-        if t.max_regression is not None and not t.max_regression >= 0:
-            raise UserError(f"--max-regression {t.max_regression}: must be 0 or more points")
 
     def eval_sets(self) -> dict[str, str]:
         """{name: path} of --eval-data, in the order given (empty: split --data instead)."""
@@ -678,6 +729,25 @@ class RunConfig:
         if self.train.learning_rate is not None:
             return self.train.learning_rate
         return {"full": 1e-5, "lora": 3e-4, "freeze-encoder": 3e-5}[self.model.mode]
+
+    def lora_settings(self):
+        """The adapters of --mode lora (`memory.LoraSettings`), None for the other modes. With
+        the encoder's outputs cached they go on the decoder only: the cache computes each clip's
+        encoder output once, without gradient, so adapters inside the encoder would never train
+        (trainable parameters that never get a gradient: under --nproc, DDP stopped at step 2)."""
+        # Imported here: checkpointing needs torch, and `import whisper_train.config` stays light.
+        from whisper_train.memory.checkpointing import LoraSettings
+
+        m = self.model
+        if m.mode != "lora":
+            return None
+        return LoraSettings(
+            r=m.lora_r,
+            alpha=m.lora_alpha,
+            dropout=m.lora_dropout,
+            targets=tuple(m.lora_targets),
+            decoder_only=self.cache_encoder,
+        )
 
     @property
     def packing_on(self) -> bool:
@@ -737,13 +807,18 @@ def _one_of(flag: str, value: str, allowed: tuple[str, ...]) -> None:
 
 
 def _on_off(flag: str, value: Any) -> str:
-    """'on' / 'off' from a flag's text or YAML's boolean (YAML reads a bare `on` as true)."""
+    """'on' / 'off' from a flag's text; true/yes/1 and false/no/0 too (the YAML file's
+    `true` reaches here as the text "true", `_coerce`)."""
     text = str(value).strip().lower()
     if text in ("on", "true", "yes", "1"):
         return "on"
     if text in ("off", "false", "no", "0"):
         return "off"
     raise UserError(f"{flag} {value}: expected on or off")
+
+
+_TRUE_WORDS = ("true", "yes", "y", "on", "1")
+_FALSE_WORDS = ("false", "no", "n", "off", "0")
 
 
 def _coerce(group: Any, name: str, value: Any, source: str) -> Any:
@@ -759,12 +834,14 @@ def _coerce(group: Any, name: str, value: Any, source: str) -> Any:
                 return [part.strip() for part in value.split(",") if part.strip()]
             return [str(v) for v in value]
         if annotation.startswith("bool"):
-            if isinstance(value, str):
-                lowered = value.lower()
-                if lowered not in ("true", "false", "yes", "no", "1", "0", "on", "off"):
-                    raise ValueError(value)
-                return lowered in ("true", "yes", "1", "on")
-            return bool(value)
+            # YAML's true/false, or a yes/no word as text (YAML 1.2 keeps yes/no/on/off text).
+            if isinstance(value, bool):
+                return value
+            word = str(value).strip().lower()
+            if word in _TRUE_WORDS or word in _FALSE_WORDS:
+                return word in _TRUE_WORDS
+            flag = "--" + name.replace("_", "-")
+            raise UserError(f"{source}: {flag} {value}: expected true or false (or yes/no, on/off)")
         if annotation.startswith("int"):
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError(value)
@@ -773,6 +850,8 @@ def _coerce(group: Any, name: str, value: Any, source: str) -> Any:
             return float(value)
         if isinstance(value, (list, tuple)):  # YAML `temperatures: [0, 0.2]`
             return ",".join(str(v) for v in value)
+        if isinstance(value, bool):  # YAML's true/false where text is expected: as written
+            return str(value).lower()
         return str(value)
     except (TypeError, ValueError):
         flag = "--" + name.replace("_", "-")

@@ -276,6 +276,13 @@ class FineTuneRecipe:
             f"model: {c.model.model}, mode {c.model.mode}, checkpointing {checkpointing}, "
             f"precision {self.precision.name}; {memory.trainable_parameter_summary(self.model)}",
         )
+        if lora is not None and lora.decoder_only:
+            say(
+                accelerator,
+                f"LoRA adapters on the decoder only ({','.join(lora.targets)}): the encoder's "
+                "outputs are cached (--cache-encoder), so it stays as it is; --no-cache-encoder "
+                "adapts the encoder too",
+            )
         # The doctor's cheap checks: refuse a configuration known to fail (T1-T9).
         doctor.static_checks(
             self.model,
@@ -296,12 +303,7 @@ class FineTuneRecipe:
         )
 
     def _lora_settings(self) -> memory.LoraSettings | None:
-        m = self.config.model
-        if m.mode != "lora":
-            return None
-        return memory.LoraSettings(
-            r=m.lora_r, alpha=m.lora_alpha, dropout=m.lora_dropout, targets=list(m.lora_targets)
-        )
+        return self.config.lora_settings()  # on the decoder only with the encoder cache
 
     def _setup_loaders(self) -> TrainingData:
         """The evaluation loaders, and the training data source (`datasource`), returned."""

@@ -40,12 +40,16 @@ _EVERY_N = re.compile(r"every-([1-9][0-9]*)")
 
 @dataclass(frozen=True)
 class LoraSettings:
-    """Low-rank adapters (peft) on the named linear layers of encoder and decoder."""
+    """Low-rank adapters (peft) on the named linear layers of encoder and decoder, or of the
+    decoder (and output head) only."""
 
     r: int = 32  # rank of the A·B update
     alpha: int = 64  # scale of the update is alpha / r
     dropout: float = 0.05  # dropout on the adapter path only
     targets: tuple[str, ...] = ("q_proj", "v_proj")  # module names that get adapters
+    # No adapters inside the encoder: set when its outputs are cached (`RunConfig.lora_settings`),
+    # which are computed once, without gradient, so encoder adapters could never train.
+    decoder_only: bool = False
 
 
 # -- policies -------------------------------------------------------------------------------
@@ -247,6 +251,9 @@ def _wrap_lora(whisper: nn.Module, settings: LoraSettings) -> nn.Module:
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=list(settings.targets),
+        # peft matches a string against each module's whole name; the decoder's cross-attention
+        # (`model.decoder.layers.N.encoder_attn`) is the decoder's, and keeps its adapters.
+        exclude_modules=r"model\.encoder\..*" if settings.decoder_only else None,
     )
     try:
         return get_peft_model(whisper, config)

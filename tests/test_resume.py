@@ -217,11 +217,11 @@ def test_resuming_from_an_older_checkpoint_sets_the_abandoned_later_ones_aside(
     train(tiny_run_config(max_steps=6, **back, **constant))
     said = capsys.readouterr().out
     aside = out / "abandoned-after-step-4"
+    assert [p.name for p in checkpoints.list_checkpoints(out)] == ["checkpoint-6"]
     assert (
         f"moved the later checkpoints (checkpoint-6, checkpoint-8) and their metrics.jsonl "
         f"rows to {aside}/" in said
     )
-    assert [p.name for p in checkpoints.list_checkpoints(out)] == ["checkpoint-6"]
     # Nothing lost: the abandoned checkpoints and their metrics rows are in the aside folder.
     assert [p.name for p in checkpoints.list_checkpoints(aside)] == [
         "checkpoint-6",
@@ -327,7 +327,7 @@ def test_a_file_that_fails_to_load_is_one_line_naming_it(
     # What the cheap checks cannot see: a well-formed file of the wrong contents, here a
     # pickled object that weights_only loading refuses to build (no code from a checkpoint),
     # in a checkpoint without a manifest (as an older version wrote them).
-    (out / "checkpoint-4" / "manifest.json").unlink()
+    (out / "checkpoint-4" / "manifest.json").unlink(missing_ok=True)
     torch.save(argparse.Namespace(step=4), out / "checkpoint-4" / "rng-0.pt")
     flags = ["--max-steps=4", "--batch-size=4", "--eval-split=0.25", "--only-train"]
     argv = [*train_argv(tone_dataset, tiny_whisper_dir, out), *flags, "--seed=0"]

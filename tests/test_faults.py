@@ -323,3 +323,70 @@ def test_sigterm_is_honoured_before_an_evaluation_that_is_due(
     out = tmp_path / "out"
     assert [p.name for p in checkpoints_module.list_checkpoints(out)] == ["checkpoint-2"]
     assert [row["step"] for row in metric_rows(out) if "wer" in row] == []
+
+
+# == Checkpoints: disk space at the peak, SIGKILL during a save ===============================
+
+
+def _bytes_under(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def test_the_free_space_check_counts_what_rotation_keeps_at_its_peak(
+    tmp_path, tiny_run_config, monkeypatch
+):
+    # What the check asks for, and what the run's checkpoints and final/ took at their peak:
+    # after each save, before rotation (the limit's checkpoints plus the new one), and after
+    # final/ is written.
+    out = tmp_path / "out"
+    asked, peak = [], [0]
+    real_check, real_rotate = (
+        checkpoints_module.check_free_space,
+        checkpoints_module.rotate_checkpoints,
+    )
+    real_final = recipe_module.save_final
+
+    def check(output_dir, needed, *, what):
+        asked.append((needed, what))
+        return real_check(output_dir, needed, what=what)
+
+    def measure():
+        peak[0] = max(peak[0], sum(_bytes_under(p) for p in out.glob("checkpoint-*")))
+        if (out / "final").is_dir():
+            peak[0] = max(
+                peak[0],
+                _bytes_under(out / "final")
+                + sum(_bytes_under(p) for p in out.glob("checkpoint-*")),
+            )
+
+    def rotate(*args, **kwargs):
+        measure()
+        return real_rotate(*args, **kwargs)
+
+    def save_final(*args, **kwargs):
+        folder = real_final(*args, **kwargs)
+        measure()
+        return folder
+
+    monkeypatch.setattr(checkpoints_module, "check_free_space", check)
+    monkeypatch.setattr(checkpoints_module, "rotate_checkpoints", rotate)
+    monkeypatch.setattr(recipe_module, "save_final", save_final)
+    train(tiny_run_config(max_steps=4, save_steps=1, save_total_limit=2))
+
+    [(needed, what)] = asked
+    # The estimate counts Adam's state in float32 and 1 MiB a checkpoint for the small files:
+    # at least the peak, and within a few percent of it (3 MiB of ~130 MB here).
+    assert peak[0] <= needed <= 1.05 * peak[0], (needed, peak[0])
+    assert what == "3 checkpoints (--save-total-limit 2 + one being written) and the final model"
+
+    # With evaluations during the run, rotation also keeps the best step's checkpoint.
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(
+        checkpoints_module.shutil, "disk_usage", lambda path: usage(10**9, 10**9, 1000)
+    )
+    with pytest.raises(UserError) as refused:
+        train(tiny_run_config(output_dir=str(tmp_path / "eval"), only_train=False, eval_steps=1))
+    assert (
+        "4 checkpoints (--save-total-limit 2 + the best + one being written) and the final model"
+        in str(refused.value)
+    )

@@ -63,8 +63,6 @@ SHARDED_DIR = (
     "sharded"  # --fsdp: the weights' and optimiser's shards (torch.distributed.checkpoint)
 )
 _NAME = re.compile(rf"^{PREFIX}(\d+)$")
-# A checkpoint, or the leftover of a write or replacement that was interrupted.
-_LEFTOVER = re.compile(rf"^{PREFIX}(\d+)(\.tmp|\.old)?$")
 # Adam keeps two float32 moments per trainable weight, beside the weight itself.
 _ADAM_COPIES = 3
 
@@ -146,7 +144,7 @@ def find_resume(resume: str, output_dir: Path) -> ResumePoint:
                 )
             return ResumePoint(path)
         run_dir = path
-    candidates = _checkpoint_folders(run_dir)[::-1]  # newest first
+    candidates = checkpoint_folders(run_dir)[::-1]  # newest first
     if not candidates:
         if resume == "latest":
             raise UserError(
@@ -171,7 +169,7 @@ def find_resume(resume: str, output_dir: Path) -> ResumePoint:
     )
 
 
-def _checkpoint_folders(run_dir: Path) -> list[Path]:
+def checkpoint_folders(run_dir: Path) -> list[Path]:
     """Every checkpoint-<step> folder, oldest first, intact or not (`list_checkpoints` counts
     only those with a trainer_state.json)."""
     if not run_dir.is_dir():
@@ -184,7 +182,7 @@ def _earlier_advice(folder: Path) -> str:
     """What to do instead of resuming from the damaged `folder`: the newest intact checkpoint
     before it, else a fresh start."""
     step = checkpoint_step(folder)
-    for earlier in _checkpoint_folders(folder.parent)[::-1]:
+    for earlier in checkpoint_folders(folder.parent)[::-1]:
         if step is not None and checkpoint_step(earlier) < step and find_damage(earlier) is None:
             return f"resume from an earlier one with --resume {earlier}"
     return "no earlier intact checkpoint: start afresh with --overwrite (it moves this run aside)"
@@ -497,12 +495,9 @@ def set_aside_later_checkpoints(output_dir: Path, step: int) -> Path | None:
     ones it skipped) into OUTPUT/abandoned-after-step-<step>/, with their rows of
     metrics.jsonl: they would otherwise count as the newest (`--resume latest`, rotation).
     Nothing is deleted. Returns that folder, None when there was nothing to move."""
-    names = sorted(p.name for p in output_dir.iterdir()) if output_dir.is_dir() else []
-    later = [
-        output_dir / name
-        for name in names
-        if (match := _LEFTOVER.match(name)) and int(match.group(1)) > step
-    ]
+    # Only checkpoint-<step> folders count as checkpoints: a `.tmp` one (an interrupted write)
+    # is removed when this run saves that step, as after any crash.
+    later = [p for p in checkpoint_folders(output_dir) if checkpoint_step(p) > step]
     if not later:
         return None
     aside, n = output_dir / f"{ABANDONED_PREFIX}{step}", 2

@@ -504,7 +504,7 @@ class FineTuneRecipe:
         if self.accelerator.is_main_process:
             aside = checkpoints.set_aside_later_checkpoints(self.output_dir, self.state.step)
             if aside is not None:
-                moved = sorted((p for p in aside.iterdir() if p.is_dir()), key=_step_order)
+                moved = checkpoints.checkpoint_folders(aside)
                 rows = (
                     " and their metrics.jsonl rows"
                     if (aside / runfolder.METRICS_FILE).is_file()
@@ -1078,12 +1078,6 @@ def choose_final_step(
     if guard is not None:
         reason += f", guard set {guard!r} within {max_regression:g} points of its start"
     return FinalChoice(best, reason)
-
-
-def _step_order(folder: Path) -> tuple[int, str]:
-    """checkpoint-6 before checkpoint-10 (and a name without a step after them)."""
-    step = checkpoints.checkpoint_step(folder)
-    return (step if step is not None else 1 << 62, folder.name)
 
 
 def save_final(model, processor, config: RunConfig, final_dir: Path) -> Path:

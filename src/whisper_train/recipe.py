@@ -289,7 +289,7 @@ class FineTuneRecipe:
         checkpoints.check_free_space(
             self.output_dir,
             self._disk_needed_bytes(),
-            what=f"{self._checkpoints_kept_text()} and the final model",
+            what=self._disk_needed_text(),
         )
 
     def _checkpoints_kept(self) -> int:
@@ -302,21 +302,26 @@ class FineTuneRecipe:
             return 0
         return t.save_total_limit + (1 if evaluating_during else 0)
 
-    def _checkpoints_kept_text(self) -> str:
-        kept = self._checkpoints_kept()
+    def _disk_needed_text(self) -> str:
+        """What `_disk_needed_bytes` counts, for the line that refuses too little space."""
+        kept, limit = self._checkpoints_kept(), self.config.train.save_total_limit
         if kept == 0:
-            return "a checkpoint"
-        best = " + the best" if kept > self.config.train.save_total_limit else ""
+            return "the final model (or a checkpoint, when the run is stopped)"
+        best = " + the best" if kept > limit else ""
         return (
-            f"{kept + 1} checkpoints (--save-total-limit {self.config.train.save_total_limit}"
-            f"{best} + one being written)"
+            f"the {kept} checkpoints rotation keeps (--save-total-limit {limit}{best}), with "
+            "one more being written or the final model,"
         )
 
     def _disk_needed_bytes(self) -> int:
         """Disk the checkpoints and final/ take at their peak, beyond the resumed run's
         checkpoints already there (`checkpoints.peak_disk_bytes`)."""
         already = 0
-        if self.resume_from is not None and self.resume_from.parent == self.output_dir:
+        resumed_here = (
+            self.resume_from is not None
+            and self.resume_from.parent.resolve() == self.output_dir.resolve()
+        )
+        if resumed_here:
             step = checkpoints.checkpoint_step(self.resume_from)
             already = sum(
                 1

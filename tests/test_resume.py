@@ -310,7 +310,7 @@ def test_a_damaged_checkpoint_named_or_no_intact_one_is_one_line_and_exit_2(
     assert main([*argv, "--resume=latest"]) == 2
     line = _one_error_line(capsys)
     assert f"no intact checkpoint in {out}: checkpoint-4: optimizer.pt is truncated" in line
-    assert "(and the 1 older ones)" in line and "--overwrite" in line
+    assert "(and the 1 older one)" in line and "--overwrite" in line
 
 
 def test_a_file_that_fails_to_load_is_one_line_naming_it(

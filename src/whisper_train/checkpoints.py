@@ -162,7 +162,8 @@ def find_resume(resume: str, output_dir: Path) -> ResumePoint:
             return ResumePoint(folder, skipped)
         problems.append(problem)
         skipped.append(f"--resume: skipping {folder}, it is damaged: {problem}")
-    others = f" (and the {len(candidates) - 1} older ones)" if len(candidates) > 1 else ""
+    older = len(candidates) - 1
+    others = f" (and the {older} older one{'s' if older > 1 else ''})" if older else ""
     raise UserError(
         f"--resume {resume}: no intact checkpoint in {run_dir}: {candidates[0].name}: "
         f"{problems[0]}{others}; start afresh with --overwrite (it moves this run aside)"

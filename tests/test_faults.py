@@ -375,3 +375,227 @@ def test_an_evaluation_clip_with_nan_samples_is_set_aside_before_step_one(
     assert f"1 non-finite audio samples: {eval_data}:4" in caplog.text
     evaluations = [row for row in metric_rows(result.output_dir) if "wer" in row]
     assert evaluations and all(math.isfinite(row["eval_loss"]) for row in evaluations)
+
+
+# == Checkpoints: disk space at the peak, SIGKILL during a save ===============================
+
+
+def _bytes_under(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def test_the_free_space_check_counts_what_rotation_keeps_at_its_peak(
+    tmp_path, tiny_run_config, monkeypatch
+):
+    # What the check asks for, and what the run's checkpoints and final/ took at their peak:
+    # after each save, before rotation (the limit's checkpoints plus the new one), and after
+    # final/ is written.
+    out = tmp_path / "out"
+    asked, peak = [], [0]
+    real_check, real_rotate = (
+        checkpoints_module.check_free_space,
+        checkpoints_module.rotate_checkpoints,
+    )
+    real_final = recipe_module.save_final
+
+    def check(output_dir, needed, *, what):
+        asked.append((needed, what))
+        return real_check(output_dir, needed, what=what)
+
+    def measure():
+        peak[0] = max(peak[0], sum(_bytes_under(p) for p in out.glob("checkpoint-*")))
+        if (out / "final").is_dir():
+            peak[0] = max(
+                peak[0],
+                _bytes_under(out / "final")
+                + sum(_bytes_under(p) for p in out.glob("checkpoint-*")),
+            )
+
+    def rotate(*args, **kwargs):
+        measure()
+        return real_rotate(*args, **kwargs)
+
+    def save_final(*args, **kwargs):
+        folder = real_final(*args, **kwargs)
+        measure()
+        return folder
+
+    monkeypatch.setattr(checkpoints_module, "check_free_space", check)
+    monkeypatch.setattr(checkpoints_module, "rotate_checkpoints", rotate)
+    monkeypatch.setattr(recipe_module, "save_final", save_final)
+    train(tiny_run_config(max_steps=4, save_steps=1, save_total_limit=2))
+
+    [(needed, what)] = asked
+    # The estimate counts Adam's state in float32 and 1 MiB a checkpoint for the small files:
+    # at least the peak, and within a few percent of it (3 MiB of ~130 MB here).
+    assert peak[0] <= needed <= 1.05 * peak[0], (needed, peak[0])
+    assert what == (
+        "the 2 checkpoints rotation keeps (--save-total-limit 2), with one more being written or "
+        "the final model,"
+    )
+
+    # With evaluations during the run, rotation also keeps the best step's checkpoint.
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(
+        checkpoints_module.shutil, "disk_usage", lambda path: usage(10**9, 10**9, 1000)
+    )
+    with pytest.raises(UserError) as refused:
+        train(tiny_run_config(output_dir=str(tmp_path / "eval"), only_train=False, eval_steps=1))
+    assert (
+        "but the 3 checkpoints rotation keeps (--save-total-limit 2 + the best), with one more "
+        "being written or the final model, need about " in str(refused.value)
+    )
+
+
+# Kills the process (SIGKILL: no handler, no clean-up, no `finally`) at the n-th file
+# operation inside a checkpoint save or rotation: before it, after it, or with half a file
+# written. Installed by a sitecustomize in a training subprocess; in this process, with
+# kill_at 0, it only logs the operations, numbered, to count them.
+KILL_HOOK = """
+import io, os, pathlib, shutil, signal
+
+import safetensors.torch
+import torch
+
+import whisper_train.checkpoints as checkpoints
+
+
+def install(kill_at, mode, log, setattr=setattr):
+    inside, count = [0], [0]
+
+    def boundary(what, path, write_half=None):
+        if not inside[0]:
+            return
+        count[0] += 1
+        with open(log, "a") as file:
+            file.write(f"{count[0]} {what} {path}\\n")
+        if count[0] == kill_at:
+            if mode == "half" and write_half is not None:
+                write_half()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def half(path, data):
+        return lambda: pathlib.Path(path).write_bytes(data[: len(data) // 2]) and None
+
+    def wrap(owner, name, what, make_bytes=None, path_at=0):
+        real = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            path = args[path_at]
+            if kill_at and make_bytes is not None and mode == "half":
+                boundary(what, path, half(path, make_bytes(*args, **kwargs)))
+            elif mode != "after":
+                boundary(what, path)
+            result = real(*args, **kwargs)
+            if mode == "after":
+                boundary(what, path)
+            return result
+
+        setattr(owner, name, wrapped)
+
+    def torch_bytes(obj, path, *args, **kwargs):
+        buffer = io.BytesIO()
+        real_torch_save(obj, buffer)
+        return buffer.getvalue()
+
+    real_torch_save = torch.save
+    wrap(torch, "save", "torch.save", torch_bytes, path_at=1)
+    tensor_bytes = lambda tensors, *args, **kwargs: safetensors.torch.save(tensors)
+    wrap(checkpoints, "save_file", "save_file", tensor_bytes, path_at=1)
+    wrap(pathlib.Path, "write_text", "write_text", lambda self, text, **k: text.encode())
+    wrap(pathlib.Path, "rename", "rename")
+    wrap(pathlib.Path, "unlink", "unlink")
+    wrap(shutil, "rmtree", "rmtree")
+
+    def counted(real):
+        def call(*args, **kwargs):
+            inside[0] += 1
+            with open(log, "a") as file:
+                file.write(f"{real.__name__} {args[0]}\\n")
+            try:
+                return real(*args, **kwargs)
+            finally:
+                inside[0] -= 1
+
+        return call
+
+    setattr(checkpoints, "save_checkpoint", counted(checkpoints.save_checkpoint))
+    setattr(checkpoints, "rotate_checkpoints", counted(checkpoints.rotate_checkpoints))
+"""
+
+
+def test_sigkill_during_checkpoint_saves_resumes_exactly_from_an_intact_checkpoint(
+    tmp_path, tiny_run_config, tone_dataset, tiny_whisper_dir, monkeypatch, capsys
+):
+    import importlib
+    import random
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "killhook.py").write_text(KILL_HOOK)
+    (hook / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('KILL_AT'):\n"
+        "    import killhook\n"
+        "    killhook.install(int(os.environ['KILL_AT']), os.environ['KILL_MODE'], "
+        "os.environ['KILL_LOG'])\n"
+    )
+    options = {"max_steps": 3, "save_steps": 1, "save_total_limit": 1}
+    # This process trains on one thread, as the subprocess does (OMP_NUM_THREADS=1): the same
+    # kernels in the same order, so the losses must be equal to the last bit.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        # The uninterrupted run, here, counting the file operations of its saves.
+        monkeypatch.syspath_prepend(str(hook))
+        killhook = importlib.import_module("killhook")
+        counting = tmp_path / "operations.log"
+        with monkeypatch.context() as patch:
+            killhook.install(0, "before", str(counting), setattr=patch.setattr)
+            train(tiny_run_config(output_dir=str(tmp_path / "reference"), **options))
+        reference = metric_rows(tmp_path / "reference")
+        log = counting.read_text().splitlines()
+        numbered = [int(line.split()[0]) for line in log if line.split()[0].isdigit()]
+        saves = [i for i, line in enumerate(log) if line.startswith("save_checkpoint")]
+        # Kill points after the first save is complete (before it there is nothing to resume).
+        first_after = max(int(line.split()[0]) for line in log[: saves[1]] if line[0].isdigit())
+        assert len(saves) == 3 and len(numbered) > first_after + 10
+
+        argv = train_argv(tone_dataset, tiny_whisper_dir, tmp_path / "x")[:-2]
+        flags = ["--max-steps=3", "--save-steps=1", "--save-total-limit=1", "--batch-size=4"]
+        flags += ["--learning-rate=1e-3", "--seed=0", "--eval-split=0.25", "--only-train"]
+        chance = random.Random(20261125)
+        for attempt in range(3):
+            out = tmp_path / f"killed-{attempt}"
+            kill_at = chance.randint(first_after + 1, max(numbered))
+            mode = chance.choice(["before", "half", "after"])
+            path = os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])
+            env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
+            env.update(OMP_NUM_THREADS="1", KILL_AT=str(kill_at), KILL_MODE=mode)
+            env["KILL_LOG"] = str(tmp_path / f"killed-{attempt}.log")
+            killed = subprocess.run(
+                [sys.executable, "-m", "whisper_train", *argv, f"--output-dir={out}", *flags],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=240,
+            )
+            operations = Path(env["KILL_LOG"]).read_text().splitlines()
+            where = f"killed at operation {kill_at} ({mode}): {operations[-1]}"
+            assert killed.returncode == -signal.SIGKILL, (where, killed.stderr[-2000:])
+            # The newest checkpoint whose rename (its publication) was complete at the kill.
+            published = [
+                line.split()[2].removesuffix(".tmp")
+                for line in operations
+                if line.split()[1] == "rename"
+                and (int(line.split()[0]) < kill_at or mode == "after")
+            ]
+            capsys.readouterr()
+
+            train(tiny_run_config(output_dir=str(out), resume="latest", **options))
+
+            said = capsys.readouterr().out
+            assert f"resuming from {published[-1]} at step" in said, where
+            assert metric_rows(out) == reference, where
+    finally:
+        torch.set_num_threads(threads)

@@ -66,15 +66,26 @@ def test_rotation_keeps_the_newest_and_the_best_step(tmp_path):
         folder.mkdir()
         checkpoints.TrainerState(step=step).write(folder)
     (tmp_path / "checkpoint-6.tmp").mkdir()  # an interrupted write is never a checkpoint
-    checkpoints.rotate_checkpoints(tmp_path, keep_last=2, keep_step=2)
+    checkpoints.rotate_checkpoints(tmp_path, keep_last=2, keep_step=2, saved_step=5)
     assert [p.name for p in checkpoints.list_checkpoints(tmp_path)] == [
         "checkpoint-2",
         "checkpoint-4",
         "checkpoint-5",
     ]
-    checkpoints.rotate_checkpoints(tmp_path, keep_last=1, keep_step=None)
+    checkpoints.rotate_checkpoints(tmp_path, keep_last=1, keep_step=None, saved_step=5)
     assert [p.name for p in checkpoints.list_checkpoints(tmp_path)] == ["checkpoint-5"]
-    assert checkpoints.resolve_resume("latest", tmp_path).name == "checkpoint-5"
+
+
+def test_rotation_never_deletes_the_checkpoint_just_saved_for_a_later_one(tmp_path):
+    for step in (4, 6, 8):  # 8: a later step than the one just saved (6)
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        checkpoints.TrainerState(step=step).write(folder)
+    checkpoints.rotate_checkpoints(tmp_path, keep_last=1, keep_step=None, saved_step=6)
+    assert [p.name for p in checkpoints.list_checkpoints(tmp_path)] == [
+        "checkpoint-6",
+        "checkpoint-8",
+    ]
 
 
 @pytest.mark.compat  # a save and a load on the lowest accelerate (unwrap_model's arguments)
@@ -114,6 +125,19 @@ def test_the_printed_resume_command_works_after_an_overwrite_run(tmp_path, tiny_
     assert [row["step"] for row in metric_rows(out)] == [1, 2, 3]
 
 
+def _files_of_a_checkpoint(folder, config_yaml: str) -> None:
+    """The files a checkpoint holds (`checkpoints.find_damage` looks for them), with empty
+    contents, and the configuration `config_yaml`: enough for what is checked before loading."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    (folder / "whisper-train.yaml").write_text(config_yaml)
+    (folder / "trainer_state.json").write_text("{}")
+    save_file({}, folder / checkpoints.WEIGHTS_FILE)
+    for name in ("optimizer.pt", "scheduler.pt", "rng-0.pt"):
+        torch.save({}, folder / name)
+
+
 @pytest.mark.parametrize(
     ("option", "changed", "saved"),
     [
@@ -130,9 +154,8 @@ def test_resume_refuses_options_an_exact_resume_depends_on(
 ):
     out = tmp_path / "out"
     checkpoint = out / "checkpoint-1"
-    checkpoint.mkdir(parents=True)  # what refuses is read before any training: no run needed
-    (checkpoint / "whisper-train.yaml").write_text(tiny_run_config().to_saved_yaml())
-    (checkpoint / "trainer_state.json").write_text("{}")
+    # What refuses is read before any training: no run needed.
+    _files_of_a_checkpoint(checkpoint, tiny_run_config().to_saved_yaml())
     flag = "--" + option.replace("_", "-")
 
     with pytest.raises(UserError) as caught:
@@ -146,10 +169,8 @@ def test_resume_refuses_other_data_but_not_the_same_folder_spelled_otherwise(
     tmp_path, tiny_run_config, tone_dataset
 ):
     checkpoint = tmp_path / "out" / "checkpoint-1"
-    checkpoint.mkdir(parents=True)
-    (checkpoint / "trainer_state.json").write_text("{}")
     saved = tiny_run_config(data=str(tmp_path / "recordings")).to_saved_yaml()
-    (checkpoint / "whisper-train.yaml").write_text(saved)
+    _files_of_a_checkpoint(checkpoint, saved)
     with pytest.raises(UserError, match=r"--data .* differs from the checkpoint's .*recordings"):
         train(tiny_run_config(max_steps=2, resume="latest"))
 
@@ -178,3 +199,142 @@ def test_a_half_written_last_metrics_line_is_dropped_on_resume(tmp_path):
     checkpoints.truncate_metrics(metrics, step=2)  # what --resume does before it continues
 
     assert metrics.read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n'
+
+
+def test_resuming_from_an_older_checkpoint_sets_the_abandoned_later_ones_aside(
+    tmp_path, tiny_run_config, capsys
+):
+    out = tmp_path / "out"
+    # A constant learning rate: the continuation's shorter --max-steps leaves it as it was.
+    constant = {"lr_scheduler": "constant_with_warmup", "warmup_steps": 0}
+    train(tiny_run_config(max_steps=8, save_steps=2, save_total_limit=4, **constant))
+    first_rows = metric_rows(out)
+    abandoned_weights = load_file(out / "checkpoint-8" / checkpoints.WEIGHTS_FILE)
+
+    # Back to step 4, this time to step 6, keeping one checkpoint: the abandoned run's 6 and 8
+    # must neither count as the newest nor make rotation delete the checkpoint just saved.
+    back = {"resume": str(out / "checkpoint-4"), "save_steps": 2, "save_total_limit": 1}
+    train(tiny_run_config(max_steps=6, **back, **constant))
+    said = capsys.readouterr().out
+    aside = out / "abandoned-after-step-4"
+    assert [p.name for p in checkpoints.list_checkpoints(out)] == ["checkpoint-6"]
+    assert (
+        f"moved the later checkpoints (checkpoint-6, checkpoint-8) and their metrics.jsonl "
+        f"rows to {aside}/" in said
+    )
+    # Nothing lost: the abandoned checkpoints and their metrics rows are in the aside folder.
+    assert [p.name for p in checkpoints.list_checkpoints(aside)] == [
+        "checkpoint-6",
+        "checkpoint-8",
+    ]
+    assert torch.equal(
+        load_file(aside / "checkpoint-8" / checkpoints.WEIGHTS_FILE)[
+            "model.decoder.embed_tokens.weight"
+        ],
+        abandoned_weights["model.decoder.embed_tokens.weight"],
+    )
+    assert metric_rows(aside) == first_rows[4:]
+
+    train(tiny_run_config(max_steps=7, resume="latest", save_steps=2, **constant))
+    assert f"resuming from {out / 'checkpoint-6'} at step 6" in capsys.readouterr().out
+    # One run's rows: steps 1-6 as the continuation trained them (equal to the first run's:
+    # the same data order from the same state), then step 7.
+    rows = metric_rows(out)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6, 7]
+    assert rows[:6] == first_rows[:6]
+
+
+def _copy_of_run(out, name):
+    import shutil
+
+    copy = out.with_name(name)
+    shutil.copytree(out, copy)
+    return copy
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in err if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in "\n".join(err), err
+    return errors[0]
+
+
+def test_resume_latest_skips_a_damaged_newest_checkpoint_and_trains_on_exactly(
+    tmp_path, tiny_run_config, capsys
+):
+    out = tmp_path / "out"
+    train(tiny_run_config(max_steps=4, save_steps=2))  # checkpoint-2 and checkpoint-4
+    reference = metric_rows(out)
+    for name in ("trainable.safetensors", "optimizer.pt", "trainer_state.json", "rng-0.pt"):
+        run = _copy_of_run(out, f"damaged-{name}")
+        _truncate(run / "checkpoint-4" / name)  # as a power cut or a partial copy leaves it
+        capsys.readouterr()
+
+        train(tiny_run_config(output_dir=str(run), max_steps=4, save_steps=2, resume="latest"))
+
+        said = capsys.readouterr().out
+        assert f"--resume: skipping {run / 'checkpoint-4'}, it is damaged: {name} is " in said
+        assert f"resuming from {run / 'checkpoint-2'} at step 2" in said
+        assert metric_rows(run) == reference, name  # steps 3 and 4 trained again, the same
+        # The damaged checkpoint is kept aside (its other files may be what the user wants).
+        assert (run / "abandoned-after-step-2" / "checkpoint-4" / name).is_file()
+
+
+def test_a_damaged_checkpoint_named_or_no_intact_one_is_one_line_and_exit_2(
+    tmp_path, tiny_run_config, tone_dataset, tiny_whisper_dir, capsys
+):
+    from conftest import train_argv
+
+    from whisper_train.cli import main
+
+    out = tmp_path / "out"
+    train(tiny_run_config(max_steps=4, save_steps=2))
+    flags = ["--max-steps=4", "--batch-size=4", "--eval-split=0.25", "--only-train"]
+    argv = [*train_argv(tone_dataset, tiny_whisper_dir, out), *flags, "--seed=0"]
+    optimizer_file = out / "checkpoint-4" / "optimizer.pt"
+    size = optimizer_file.stat().st_size
+    _truncate(optimizer_file)
+    capsys.readouterr()
+
+    assert main([*argv, f"--resume={out / 'checkpoint-4'}"]) == 2
+    line = _one_error_line(capsys)
+    assert f"--resume {out / 'checkpoint-4'}: the checkpoint is damaged: optimizer.pt is " in line
+    assert f"truncated: {size // 2} bytes, {size} when saved" in line
+    assert f"resume from an earlier one with --resume {out / 'checkpoint-2'}" in line
+
+    _truncate(out / "checkpoint-2" / "rng-0.pt")
+    assert main([*argv, "--resume=latest"]) == 2
+    line = _one_error_line(capsys)
+    assert f"no intact checkpoint in {out}: checkpoint-4: optimizer.pt is truncated" in line
+    assert "(and the 1 older one)" in line and "--overwrite" in line
+
+
+def test_a_file_that_fails_to_load_is_one_line_naming_it(
+    tmp_path, tiny_run_config, tone_dataset, tiny_whisper_dir, capsys
+):
+    import argparse
+
+    from conftest import train_argv
+
+    from whisper_train.cli import main
+
+    out = tmp_path / "out"
+    train(tiny_run_config(max_steps=4, save_steps=2))
+    # What the cheap checks cannot see: a well-formed file of the wrong contents, here a
+    # pickled object that weights_only loading refuses to build (no code from a checkpoint),
+    # in a checkpoint without a manifest (as an older version wrote them).
+    (out / "checkpoint-4" / "manifest.json").unlink(missing_ok=True)
+    torch.save(argparse.Namespace(step=4), out / "checkpoint-4" / "rng-0.pt")
+    flags = ["--max-steps=4", "--batch-size=4", "--eval-split=0.25", "--only-train"]
+    argv = [*train_argv(tone_dataset, tiny_whisper_dir, out), *flags, "--seed=0"]
+    capsys.readouterr()
+
+    assert main([*argv, "--resume=latest"]) == 2
+    line = _one_error_line(capsys)
+    assert f"--resume {out / 'checkpoint-4'}: rng-0.pt could not be loaded (" in line
+    assert "argparse.Namespace" in line
+    assert f"resume from an earlier one with --resume {out / 'checkpoint-2'}" in line

@@ -161,3 +161,16 @@ def test_a_failed_move_aside_says_where_everything_is(tmp_path, tiny_run_config,
     (aside,) = tmp_path.glob("out.old-*")
     assert [p.name for p in aside.iterdir()] == ["final"]  # moved: kept
     assert (out / "metrics.jsonl").read_text() == "{}\n"  # not moved: kept
+
+
+def test_checkpoints_a_resume_set_aside_belong_to_the_run(tmp_path):
+    from whisper_train import runfolder
+
+    out = tmp_path / "out"
+    for name in ("abandoned-after-step-4", "abandoned-after-step-4-2", "notes"):
+        (out / name).mkdir(parents=True)
+    # A new run refuses them and --overwrite moves them with the run; the user's own stay.
+    assert [p.name for p in runfolder.run_entries(out)] == [
+        "abandoned-after-step-4",
+        "abandoned-after-step-4-2",
+    ]

@@ -16,10 +16,14 @@ A checkpoint holds everything needed to continue a run exactly where it stopped:
     trainer_state.json     step, epoch, batches consumed in the epoch, bad-step counters,
                            evaluations so far, world size
     whisper-train.yaml     the resolved configuration of the run
+    manifest.json          written last: every file's size, so that a truncated or missing
+                           file is found before anything is loaded (`find_damage`)
 
 Every file is written into `checkpoint-<step>.tmp/` and the folder is renamed when complete, so a
 crash or a full disk mid-write never leaves a checkpoint that looks usable and is not; a failed
-write removes the temporary folder and leaves the previous checkpoints untouched.
+write removes the temporary folder and leaves the previous checkpoints untouched. What a rename
+cannot rule out (a power cut before the files reached the disk, a partial copy) `find_damage`
+finds cheaply: `--resume latest` then skips to the newest intact checkpoint.
 
 Loading never runs code from the checkpoint: weights come from safetensors, and every `.pt` file
 is read with `torch.load(..., weights_only=True)`.
@@ -38,6 +42,8 @@ import json
 import random
 import re
 import shutil
+import zipfile
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -47,10 +53,11 @@ from safetensors.torch import load_file, save_file
 
 from whisper_train.config import read_yaml
 from whisper_train.errors import UserError
+from whisper_train.runfolder import ABANDONED_PREFIX, CONFIG_FILE, METRICS_FILE
 from whisper_train.runfolder import CHECKPOINT_PREFIX as PREFIX
-from whisper_train.runfolder import CONFIG_FILE
 
 STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "manifest.json"
 STREAM_FILE = "stream-{rank}.json"
 WEIGHTS_FILE = "trainable.safetensors"
 SHARDED_DIR = (
@@ -106,27 +113,154 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
+@dataclass
+class ResumePoint:
+    """The checkpoint a --resume continues from, and a line for each newer one it skipped."""
+
+    folder: Path
+    skipped: list[str] = field(default_factory=list)
+
+
 def resolve_resume(resume: str, output_dir: Path) -> Path:
-    """`--resume latest` → the newest checkpoint in --output-dir; a path → that checkpoint
-    (or the newest one inside a run folder)."""
-    if resume == "latest":
-        found = list_checkpoints(output_dir)
-        if not found:
+    """`--resume latest` → the newest intact checkpoint in --output-dir; a path → that
+    checkpoint (or the newest intact one inside a run folder). See `find_resume`."""
+    return find_resume(resume, output_dir).folder
+
+
+def find_resume(resume: str, output_dir: Path) -> ResumePoint:
+    """The checkpoint to resume from, checked with `find_damage` before anything is loaded.
+
+    'latest' (or a run folder) skips damaged checkpoints, newest first, naming each in
+    `skipped`; a damaged checkpoint named itself, or no intact one at all, is a UserError.
+    """
+    run_dir = output_dir
+    if resume != "latest":
+        path = Path(resume)
+        if (checkpoint_step(path) is not None and path.is_dir()) or (path / STATE_FILE).is_file():
+            problem = find_damage(path)
+            if problem is not None:
+                raise UserError(
+                    f"--resume {resume}: the checkpoint is damaged: {problem}; "
+                    f"{_earlier_advice(path)}"
+                )
+            return ResumePoint(path)
+        run_dir = path
+    candidates = checkpoint_folders(run_dir)[::-1]  # newest first
+    if not candidates:
+        if resume == "latest":
             raise UserError(
                 f"--resume: no checkpoint-<step> folder in --output-dir {output_dir}; "
                 "pass --resume PATH to a checkpoint, or start without --resume"
             )
-        return found[-1]
-    path = Path(resume)
-    if (path / STATE_FILE).is_file():
-        return path
-    found = list_checkpoints(path)
-    if found:
-        return found[-1]
+        raise UserError(
+            f"--resume {resume}: not a checkpoint folder (no {STATE_FILE}) and holds none; "
+            f"pass a checkpoint-<step> folder or 'latest'"
+        )
+    skipped, problems = [], []
+    for folder in candidates:
+        problem = find_damage(folder)
+        if problem is None:
+            return ResumePoint(folder, skipped)
+        problems.append(problem)
+        skipped.append(f"--resume: skipping {folder}, it is damaged: {problem}")
+    older = len(candidates) - 1
+    others = f" (and the {older} older one{'s' if older > 1 else ''})" if older else ""
     raise UserError(
-        f"--resume {resume}: not a checkpoint folder (no {STATE_FILE}) and holds none; "
-        f"pass a checkpoint-<step> folder or 'latest'"
+        f"--resume {resume}: no intact checkpoint in {run_dir}: {candidates[0].name}: "
+        f"{problems[0]}{others}; start afresh with --overwrite (it moves this run aside)"
     )
+
+
+def checkpoint_folders(run_dir: Path) -> list[Path]:
+    """Every checkpoint-<step> folder, oldest first, intact or not (`list_checkpoints` counts
+    only those with a trainer_state.json)."""
+    if not run_dir.is_dir():
+        return []
+    found = [p for p in run_dir.iterdir() if checkpoint_step(p) is not None and p.is_dir()]
+    return sorted(found, key=checkpoint_step)
+
+
+def _earlier_advice(folder: Path) -> str:
+    """What to do instead of resuming from the damaged `folder`: the newest intact checkpoint
+    before it, else a fresh start."""
+    step = checkpoint_step(folder)
+    for earlier in checkpoint_folders(folder.parent)[::-1]:
+        if step is not None and checkpoint_step(earlier) < step and find_damage(earlier) is None:
+            return f"resume from an earlier one with --resume {earlier}"
+    return "no earlier intact checkpoint: start afresh with --overwrite (it moves this run aside)"
+
+
+def find_damage(folder: Path) -> str | None:
+    """What is wrong with checkpoint `folder`, naming the file (None when it looks intact).
+
+    Cheap: sizes against manifest.json, the files each process needs, safetensors' header,
+    the zip directory at the end of each .pt file (torch.save writes a zip archive: a truncated
+    one has lost it). Nothing is loaded; what these checks cannot see (bytes changed in place)
+    fails when loaded, as one line too (`load_checkpoint`).
+    """
+    manifest = folder / MANIFEST_FILE
+    if manifest.is_file():
+        try:
+            sizes = json.loads(manifest.read_text(encoding="utf-8"))["files"]
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            return f"{MANIFEST_FILE} is damaged (not the JSON a save writes)"
+        for name, size in sizes.items():
+            path = folder / name
+            if not path.is_file():
+                return f"{name} is missing"
+            actual = path.stat().st_size
+            if actual != size:
+                how = "truncated" if actual < size else "changed"
+                return f"{name} is {how}: {actual} bytes, {size} when saved"
+    if not (folder / STATE_FILE).is_file():
+        return f"{STATE_FILE} is missing (an incomplete checkpoint)"
+    try:
+        state = TrainerState.read(folder)
+    except (ValueError, TypeError, UnicodeDecodeError) as exc:
+        return f"{STATE_FILE} is damaged ({type(exc).__name__}: {exc})"
+    needed = [f"rng-{rank}.pt" for rank in range(state.world_size)] + ["scheduler.pt"]
+    if not (folder / SHARDED_DIR).is_dir():
+        needed += [WEIGHTS_FILE, "optimizer.pt"]
+    for name in needed:
+        if not (folder / name).is_file():
+            return f"{name} is missing"
+    problem = _safetensors_damage(folder / WEIGHTS_FILE)
+    if problem is not None:
+        return f"{WEIGHTS_FILE} is {problem}"
+    for path in sorted(folder.glob("*.pt")):
+        try:
+            zipfile.ZipFile(path).close()
+        except (zipfile.BadZipFile, OSError) as exc:
+            return f"{path.name} is damaged or truncated (not a complete torch file: {exc})"
+    for path in sorted(folder.glob("*.json")):
+        try:
+            json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            return f"{path.name} is damaged or truncated (not JSON)"
+    return None
+
+
+def _safetensors_damage(path: Path) -> str | None:
+    """A safetensors file is 8 bytes of header length, a JSON header giving each tensor's byte
+    range, then the data: a file shorter than the header says is truncated."""
+    if not path.is_file():
+        return None  # --fsdp: no such file (sharded/ is checked against the manifest)
+    size = path.stat().st_size
+    with path.open("rb") as file:
+        length = int.from_bytes(file.read(8), "little") if size >= 8 else None
+        if length is None or length > size - 8:
+            return f"truncated: {size} bytes, too short for its own header"
+        try:
+            header = json.loads(file.read(length))
+            end = max(
+                (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
+                default=0,
+            )
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            return "damaged (its header is not safetensors' JSON)"
+    if 8 + length + end > size:
+        return f"truncated: {size} bytes, {8 + length + end} when saved"
+    return None
 
 
 # -- space ---------------------------------------------------------------------------------
@@ -136,6 +270,20 @@ def estimate_checkpoint_bytes(model: torch.nn.Module) -> int:
     """Bytes of one checkpoint: trainable weights and Adam's two moments, in float32."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return _ADAM_COPIES * 4 * trainable + (1 << 20)  # + RNG, scheduler, state: well under 1 MiB
+
+
+def peak_disk_bytes(
+    model: torch.nn.Module, *, checkpoints_kept: int, already_saved: int, final_bytes: int
+) -> int:
+    """The most disk a run's checkpoints and final model take beyond what is there already.
+
+    `rotate_checkpoints` runs after a save is complete, so at each save `checkpoints_kept`
+    (--save-total-limit, plus the best one) are on disk while the next one is written; at the
+    end the last rotation has run before final/ is written. `already_saved`: checkpoints of
+    the run being resumed, on disk already, that count towards the kept ones.
+    """
+    one = estimate_checkpoint_bytes(model)
+    return max(0, checkpoints_kept - already_saved) * one + max(one, final_bytes)
 
 
 def check_free_space(output_dir: Path, needed: int, *, what: str) -> None:
@@ -199,6 +347,9 @@ def save_checkpoint(
     failure = _agree_on_failure(accelerator, error, folder, needed)
     if failure is None and main:
         try:
+            # Every process has written its files (the agreement above gathered them all):
+            # the manifest can list them, and a rename publishes the whole.
+            _write_manifest(tmp)
             _publish(tmp, folder)
         except Exception as exc:
             error = exc
@@ -226,6 +377,18 @@ def save_checkpoint(
         )
     accelerator.wait_for_everyone()
     return folder
+
+
+def _write_manifest(folder: Path) -> None:
+    """manifest.json: the size of every file in `folder` (`find_damage` compares them)."""
+    sizes = {
+        str(path.relative_to(folder)): path.stat().st_size
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }
+    (folder / MANIFEST_FILE).write_text(
+        json.dumps({"files": sizes}, indent=1) + "\n", encoding="utf-8"
+    )
 
 
 def _publish(tmp: Path, folder: Path) -> None:
@@ -302,18 +465,51 @@ def _write_contents(
             torch.save(accelerator.scaler.state_dict(), tmp / "scaler.pt")
     if accelerator.is_main_process:
         (tmp / CONFIG_FILE).write_text(config_yaml, encoding="utf-8")
-        state.write(tmp)  # last: its presence marks the contents complete
+        state.write(tmp)
 
 
-def rotate_checkpoints(output_dir: Path, *, keep_last: int, keep_step: int | None) -> None:
-    """Delete all but the newest `keep_last` checkpoints and the one of `keep_step` (the best
-    evaluated step, which final/ will hold: `recipe.choose_final_step`)."""
-    found = list_checkpoints(output_dir)
+def rotate_checkpoints(
+    output_dir: Path, *, keep_last: int, keep_step: int | None, saved_step: int
+) -> None:
+    """Delete all but the newest `keep_last` checkpoints up to `saved_step` (the one just
+    saved) and the one of `keep_step` (the best evaluated step, which final/ will hold:
+    `recipe.choose_final_step`). A checkpoint after `saved_step` is never the newest, and is
+    not deleted: only a run abandoned by a resume leaves one, and the resume moves those aside
+    (`set_aside_later_checkpoints`)."""
+    found = [p for p in list_checkpoints(output_dir) if checkpoint_step(p) <= saved_step]
     keep = set(found[-keep_last:])
     keep.update(p for p in found if keep_step is not None and checkpoint_step(p) == keep_step)
     for folder in found:
         if folder not in keep:
-            _remove(folder, ignore_errors=True)
+            _delete_checkpoint(folder)
+
+
+def _delete_checkpoint(folder: Path) -> None:
+    """Its markers first: a deletion killed half-way leaves a folder no resume takes for a
+    checkpoint (`list_checkpoints` needs trainer_state.json), not one with files missing."""
+    for marker in (MANIFEST_FILE, STATE_FILE):
+        (folder / marker).unlink(missing_ok=True)
+    _remove(folder, ignore_errors=True)
+
+
+def set_aside_later_checkpoints(output_dir: Path, step: int) -> Path | None:
+    """Move the checkpoints after `step` (of the run a resume from `step` abandons, or damaged
+    ones it skipped) into OUTPUT/abandoned-after-step-<step>/, with their rows of
+    metrics.jsonl: they would otherwise count as the newest (`--resume latest`, rotation).
+    Nothing is deleted. Returns that folder, None when there was nothing to move."""
+    # Only checkpoint-<step> folders count as checkpoints: a `.tmp` one (an interrupted write)
+    # is removed when this run saves that step, as after any crash.
+    later = [p for p in checkpoint_folders(output_dir) if checkpoint_step(p) > step]
+    if not later:
+        return None
+    aside, n = output_dir / f"{ABANDONED_PREFIX}{step}", 2
+    while aside.exists():
+        aside, n = output_dir / f"{ABANDONED_PREFIX}{step}-{n}", n + 1
+    aside.mkdir()
+    for folder in later:
+        folder.rename(aside / folder.name)
+    truncate_metrics(output_dir / METRICS_FILE, step, dropped_to=aside / METRICS_FILE)
+    return aside
 
 
 # -- loading -------------------------------------------------------------------------------
@@ -389,7 +585,8 @@ def load_checkpoint(folder: Path, *, accelerator, model, optimizer, scheduler) -
     random state is restored last, so set-up that draws random numbers (LoRA initialisation)
     does not shift it.
     """
-    state = TrainerState.read(folder)
+    with _loading(folder / STATE_FILE):
+        state = TrainerState.read(folder)
     if state.world_size != accelerator.num_processes:
         raise UserError(
             f"--resume {folder}: saved by {state.world_size} process(es), this run has "
@@ -402,13 +599,42 @@ def load_checkpoint(folder: Path, *, accelerator, model, optimizer, scheduler) -
         _load_shards(folder, model, optimizer)
     else:
         _load_weights(folder, accelerator.unwrap_model(model, keep_torch_compile=False))
-        optimizer.load_state_dict(_load_pt(folder / "optimizer.pt"))
-    scheduler.load_state_dict(_load_pt(folder / "scheduler.pt"))
+        with _loading(folder / "optimizer.pt"):
+            optimizer.load_state_dict(_load_pt(folder / "optimizer.pt"))
+    with _loading(folder / "scheduler.pt"):
+        scheduler.load_state_dict(_load_pt(folder / "scheduler.pt"))
     _apply_new_learning_rate(optimizer, scheduler, new_base_lrs)
     if accelerator.scaler is not None and (folder / "scaler.pt").is_file():
-        accelerator.scaler.load_state_dict(_load_pt(folder / "scaler.pt"))
-    _set_rng_state(_load_pt(folder / f"rng-{accelerator.process_index}.pt"))
+        with _loading(folder / "scaler.pt"):
+            accelerator.scaler.load_state_dict(_load_pt(folder / "scaler.pt"))
+    rng_file = folder / f"rng-{accelerator.process_index}.pt"
+    with _loading(rng_file):
+        _set_rng_state(_load_pt(rng_file))
     return state
+
+
+@contextmanager
+def _loading(path: Path):
+    """A failure to read or apply `path` of a checkpoint, as one line naming it (UserError):
+    what `find_damage` cannot see (bytes changed in place) shows only here."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(
+            f"--resume {path.parent}: {path.name} could not be loaded ({_load_error(exc)}): "
+            f"the file is damaged or not this run's; {_earlier_advice(path.parent)}"
+        ) from None
+
+
+def _load_error(error: BaseException) -> str:
+    """The line of a loading error that says what went wrong: torch.load's refusal of a
+    pickled object (weights_only) puts it in the middle of advice to load it unsafely."""
+    for line in str(error).splitlines():
+        if "WeightsUnpickler error:" in line:
+            return line.strip().split(". ")[0]
+    return _last_line(error)
 
 
 def read_stream_position(folder: Path, rank: int) -> dict:
@@ -432,7 +658,8 @@ def load_weights(folder: Path, *, accelerator, model) -> None:
 
 
 def _load_weights(folder: Path, model: torch.nn.Module) -> None:
-    saved = load_file(folder / WEIGHTS_FILE)
+    with _loading(folder / WEIGHTS_FILE):
+        saved = load_file(folder / WEIGHTS_FILE)
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if set(saved) != set(trainable):
         raise UserError(
@@ -450,7 +677,7 @@ def _load_weights(folder: Path, model: torch.nn.Module) -> None:
             param.copy_(saved[name])
 
 
-def _load_pt(path: Path):
+def _load_pt(path: Path):  # inside `_loading(path)`: its failures are one line
     if not path.is_file():
         raise UserError(
             f"--resume {path.parent}: {path.name} is missing; the checkpoint is incomplete"
@@ -508,13 +735,15 @@ def _load_shards(folder: Path, model, optimizer) -> None:
     options = _shard_options()
     if optimizer is None:
         state = {"model": get_model_state_dict(model, options=options)}
-        dcp.load(state, checkpoint_id=str(folder / SHARDED_DIR))
+        with _loading(folder / SHARDED_DIR):
+            dcp.load(state, checkpoint_id=str(folder / SHARDED_DIR))
         set_model_state_dict(model, state["model"], options=_shard_options(loading=True))
         return
     inner = _torch_optimizer(optimizer)
     weights, optimizer_state = get_state_dict(model, inner, options=options)
     state = {"model": weights, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=str(folder / SHARDED_DIR))
+    with _loading(folder / SHARDED_DIR):
+        dcp.load(state, checkpoint_id=str(folder / SHARDED_DIR))
     set_state_dict(
         model,
         inner,
@@ -546,11 +775,12 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def truncate_metrics(metrics_file: Path, step: int) -> None:
-    """Drop metrics lines past `step`, so a resumed run's file reads like one run."""
+def truncate_metrics(metrics_file: Path, step: int, *, dropped_to: Path | None = None) -> None:
+    """Drop metrics lines past `step`, so a resumed run's file reads like one run; with
+    `dropped_to`, the rows past `step` are written there instead of lost."""
     if not metrics_file.is_file():
         return
-    kept = []
+    kept, dropped = [], []
     for line in metrics_file.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             row = json.loads(line)
@@ -558,6 +788,12 @@ def truncate_metrics(metrics_file: Path, step: int) -> None:
             continue
         if isinstance(row, dict) and row.get("step", 0) <= step:
             kept.append(line)
+        else:
+            dropped.append(line)
+    if dropped_to is not None:
+        if not dropped:
+            return
+        dropped_to.write_text("".join(line + "\n" for line in dropped), encoding="utf-8")
     metrics_file.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
 

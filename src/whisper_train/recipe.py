@@ -123,11 +123,13 @@ class FineTuneRecipe:
         self.config = config
         self.output_dir = Path(config.train.output_dir)
         self.evaluating = not config.train.only_train
-        self.resume_from = (
-            checkpoints.resolve_resume(config.train.resume, self.output_dir)
+        # Chosen before any process moves a checkpoint (`_restore`): every process picks the same.
+        self.resume_point = (
+            checkpoints.find_resume(config.train.resume, self.output_dir)
             if config.train.resume
             else None
         )
+        self.resume_from = self.resume_point.folder if self.resume_point else None
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -294,12 +296,55 @@ class FineTuneRecipe:
             },
             compile=c.memory.compile,
         )
-        # A checkpoint and the final model must fit: say so now, not after hours of training.
+        # The checkpoints rotation keeps and the final model must fit: say so now, not after
+        # hours of training.
         checkpoints.check_free_space(
             self.output_dir,
-            checkpoints.estimate_checkpoint_bytes(self.model)
-            + 4 * sum(p.numel() for p in self.model.parameters()),
-            what="a checkpoint and the final model",
+            self._disk_needed_bytes(),
+            what=self._disk_needed_text(),
+        )
+
+    def _checkpoints_kept(self) -> int:
+        """How many checkpoints rotation keeps: --save-total-limit, plus the best one when
+        evaluations during the run can make an older step the best; none when nothing but a
+        stop saves one (the run ends there, before final/ is written)."""
+        t = self.config.train
+        evaluating_during = bool(self.evaluating and t.eval_steps)
+        if not (t.save_steps or evaluating_during):
+            return 0
+        return t.save_total_limit + (1 if evaluating_during else 0)
+
+    def _disk_needed_text(self) -> str:
+        """What `_disk_needed_bytes` counts, for the line that refuses too little space."""
+        kept, limit = self._checkpoints_kept(), self.config.train.save_total_limit
+        if kept == 0:
+            return "the final model (or a checkpoint, when the run is stopped)"
+        best = " + the best" if kept > limit else ""
+        return (
+            f"the {kept} checkpoints rotation keeps (--save-total-limit {limit}{best}), with "
+            "one more being written or the final model,"
+        )
+
+    def _disk_needed_bytes(self) -> int:
+        """Disk the checkpoints and final/ take at their peak, beyond the resumed run's
+        checkpoints already there (`checkpoints.peak_disk_bytes`)."""
+        already = 0
+        resumed_here = (
+            self.resume_from is not None
+            and self.resume_from.parent.resolve() == self.output_dir.resolve()
+        )
+        if resumed_here:
+            step = checkpoints.checkpoint_step(self.resume_from)
+            already = sum(
+                1
+                for p in checkpoints.list_checkpoints(self.output_dir)
+                if step is not None and checkpoints.checkpoint_step(p) <= step
+            )
+        return checkpoints.peak_disk_bytes(
+            self.model,
+            checkpoints_kept=self._checkpoints_kept(),
+            already_saved=min(already, self._checkpoints_kept()),
+            final_bytes=4 * sum(p.numel() for p in self.model.parameters()),
         )
 
     def _lora_settings(self) -> memory.LoraSettings | None:
@@ -359,8 +404,7 @@ class FineTuneRecipe:
             limit_bytes=parse_bytes(
                 c.memory.encoder_cache_max_size, flag="--encoder-cache-max-size"
             ),
-            reserve_bytes=checkpoints.estimate_checkpoint_bytes(self.model)
-            + 4 * sum(p.numel() for p in self.model.parameters()),
+            reserve_bytes=self._disk_needed_bytes(),
             processes=accelerator.num_processes,
         )
         n_clips = len(self.datasets.train) + sum(len(e) for e in self.datasets.eval.values())
@@ -458,10 +502,33 @@ class FineTuneRecipe:
             scheduler=self.scheduler,
         )
         where = self.data.restore(self.resume_from, self.state)
+        for line in self.resume_point.skipped:
+            say(self.accelerator, line)
         say(
             self.accelerator,
             f"resuming from {self.resume_from} at step {self.state.step} ({where})",
         )
+        # Checkpoints after this step (the run this resume abandons, or damaged ones skipped)
+        # would count as the newest: for --resume latest and for rotation, which would delete
+        # what this run saves. Moved aside, not deleted: the user may want them. Every process
+        # has chosen its checkpoint (in __init__) before the first moves any.
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            aside = checkpoints.set_aside_later_checkpoints(self.output_dir, self.state.step)
+            if aside is not None:
+                moved = checkpoints.checkpoint_folders(aside)
+                rows = (
+                    " and their metrics.jsonl rows"
+                    if (aside / runfolder.METRICS_FILE).is_file()
+                    else ""
+                )
+                say(
+                    self.accelerator,
+                    f"--resume at step {self.state.step}: moved the later checkpoints "
+                    f"({', '.join(p.name for p in moved)}){rows} to {aside}/, so that they no "
+                    "longer count as the newest",
+                )
+        self.accelerator.wait_for_everyone()
 
     def _open_run_log(self) -> None:
         """OUTPUT/whisper-train.yaml and metrics.jsonl (cut back to the checkpoint on resume),
@@ -745,6 +812,7 @@ class FineTuneRecipe:
                 self.output_dir,
                 keep_last=self.config.train.save_total_limit,
                 keep_step=self._final_choice().step,
+                saved_step=self.state.step,
             )
         say(self.accelerator, f"{reason}: saved {folder}")
         return folder

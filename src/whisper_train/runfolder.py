@@ -28,6 +28,9 @@ ENCODER_CACHE_DIR = "encoder-cache"
 EVALUATION_DIR = "evaluation"  # `whisper-train evaluate` reports about this run
 REPORT_FILES = ("report.json", "report.baseline.json", "report.md", "report.png")
 CHECKPOINT_PREFIX = "checkpoint-"  # OUTPUT/checkpoint-<step>/ (`checkpoints`)
+# OUTPUT/abandoned-after-step-<step>[-n]/: the later checkpoints of a run that a resume from
+# <step> abandoned (`checkpoints.set_aside_later_checkpoints`)
+ABANDONED_PREFIX = "abandoned-after-step-"
 RUN_ENTRIES = frozenset(
     {
         CONFIG_FILE,
@@ -54,8 +57,11 @@ def user_cache_dir(name: str) -> Path:
     return Path(root) / name
 
 
-# Complete checkpoints, and the leftovers of an interrupted write or replacement.
-_CHECKPOINT_ENTRY = re.compile(rf"^{CHECKPOINT_PREFIX}\d+(\.tmp|\.old)?$")
+# Complete checkpoints, the leftovers of an interrupted write or replacement, and the later
+# checkpoints a resume set aside.
+_CHECKPOINT_ENTRY = re.compile(
+    rf"^({CHECKPOINT_PREFIX}\d+(\.tmp|\.old)?|{ABANDONED_PREFIX}\d+(-\d+)?)$"
+)
 # A folder holding either of these is a model itself (transformers' config.json, also in a
 # CTranslate2 folder; peft's adapter_config.json), whatever else it holds.
 _MODEL_FILES = ("config.json", "adapter_config.json")

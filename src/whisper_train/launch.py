@@ -35,11 +35,13 @@ def claimed_by_parent(output_dir: Path) -> bool:
     return os.environ.get(CLAIMED_ENV) == str(output_dir.resolve())
 
 
-def launch_data_parallel(config: RunConfig) -> TrainResult:
+def launch_data_parallel(config: RunConfig, lock: runfolder.RunLock | None = None) -> TrainResult:
     """Run `config` as `config.train.nproc` processes and wait for them.
 
     If one process dies, the launcher stops the others and this call raises instead of waiting;
-    SIGINT / SIGTERM are passed on, so the workers save a checkpoint before they exit.
+    SIGINT / SIGTERM are passed on, so the workers save a checkpoint before they exit. `lock`
+    (the output folder's, held by this process) is inherited by torchrun too: a launcher killed
+    outright leaves torchrun and its workers running, and the folder stays theirs until they end.
     """
     n = config.train.nproc
     if torch.cuda.is_available() and torch.cuda.device_count() < n:
@@ -68,7 +70,8 @@ def launch_data_parallel(config: RunConfig) -> TrainResult:
     env[CLAIMED_ENV] = str(output_dir.resolve())
     # Two processes on one CPU must not each take every core.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
-    process = subprocess.Popen(command, env=env)
+    inherited = (lock.fd,) if lock is not None and lock.fd is not None else ()
+    process = subprocess.Popen(command, env=env, pass_fds=inherited)
     received = []
 
     def forward(signum, frame):  # the workers save a checkpoint and exit; wait for them

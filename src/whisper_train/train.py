@@ -30,13 +30,23 @@ def train(config: RunConfig) -> TrainResult:
         raise UserError("--data is required: a folder with metadata.csv, or a JSONL/CSV manifest")
     output_dir = Path(config.train.output_dir)
     runfolder.check_writable(output_dir)
+    if claimed_by_parent(output_dir) or int(os.environ.get("RANK", "0")) != 0:
+        # A process of a run whose launching process (--nproc) or process 0 (an outside
+        # launcher) holds the folder's lock: all of them are one run.
+        return _train_in(config, None)
+    with runfolder.RunLock(output_dir) as lock:  # before the folder is claimed, until the end
+        return _train_in(config, lock)
+
+
+def _train_in(config: RunConfig, lock: runfolder.RunLock | None) -> TrainResult:
+    output_dir = Path(config.train.output_dir)
     if not claimed_by_parent(output_dir):
         claim_output_dir(config)  # refuse an earlier run's folder, or move it aside
         if config.train.resume:  # options an exact resume depends on must not change
             resume_from = checkpoints.resolve_resume(config.train.resume, output_dir)
             checkpoints.check_resume_options(resume_from, config)
     if config.train.nproc > 1 and not inside_launcher():
-        return launch_data_parallel(config)
+        return launch_data_parallel(config, lock)
     recipe = FineTuneRecipe(config)
     recipe.setup()
     recipe.train()

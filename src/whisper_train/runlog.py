@@ -220,8 +220,12 @@ class StopRequest:
 
     def requested(self) -> bool:
         if self.accelerator.num_processes > 1:
+            # torch's MAX, not accelerate's reduce: before accelerate 1.14 (this project takes
+            # 1.3 on) that summed for any reduction but "mean": two processes that both caught
+            # SIGINT agreed on signal 4 and exited 132.
             flag = torch.tensor([self.signum], device=self.accelerator.device)
-            self.signum = int(self.accelerator.reduce(flag, reduction="max").item())
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            self.signum = int(flag.item())
         return bool(self.signum)
 
     @property

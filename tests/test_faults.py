@@ -323,3 +323,107 @@ def test_sigterm_is_honoured_before_an_evaluation_that_is_due(
     out = tmp_path / "out"
     assert [p.name for p in checkpoints_module.list_checkpoints(out)] == ["checkpoint-2"]
     assert [row["step"] for row in metric_rows(out) if "wer" in row] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Stopping a multi-process run (issue 33): the processes agree on the exit code, an interrupted
+# --nproc run prints only its stop and resume lines, a full disk at the metrics writer, a killed
+# process, process 0's work at the end.
+
+
+# Each of two gloo processes catches the given signal (0: none) and asks for the shared stop;
+# it prints the answers (stop?, exit code) of its cases, one a line. The cases run in order in
+# the same two processes: the same collective, once each.
+_STOP_CASES = [
+    (signal.SIGINT, signal.SIGINT),  # Ctrl-C passed on to both: 130, not 128 + 2 + 2
+    (signal.SIGTERM, signal.SIGTERM),  # a scheduler's SIGTERM to every process: 143
+    (0, signal.SIGTERM),  # only one caught it yet: both stop after this step, 143
+    (0, 0),  # no signal: no stop
+]
+_AGREE_ON_STOP = """
+import sys
+from accelerate import Accelerator
+from whisper_train.runlog import StopRequest
+accelerator = Accelerator(cpu=True)  # gloo, as a --nproc run on CPUs
+for signals in eval(sys.argv[1]):
+    stop = StopRequest(accelerator)
+    stop.signum = signals[accelerator.process_index]
+    print(stop.requested(), stop.exit_code)
+accelerator.end_training()
+"""
+
+
+def test_the_processes_agree_on_the_stop_and_its_exit_code(tmp_path):
+    import socket
+
+    with socket.socket() as probe:  # a free port for the two processes to meet on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cases = repr([tuple(int(s) for s in case) for case in _STOP_CASES])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    env["MASTER_PORT"] = str(port)
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", _AGREE_ON_STOP, cases],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    answers = [rank.communicate(timeout=120)[0].split("\n")[:-1] for rank in ranks]
+    expected = ["True 130", "True 143", "True 143", "False 128"]
+    assert answers == [expected, expected]
+
+
+def test_ctrl_c_on_a_two_process_run_saves_and_prints_only_the_resume_command(
+    tmp_path, tone_dataset, tiny_whisper_dir, capsys
+):
+    # Ctrl-C at a terminal: SIGINT to the whole foreground process group (here: the launcher's
+    # own session). The workers finish the step and save; what is printed from the signal on is
+    # the stop line, the checkpoint and the resume command, no torchrun logs or traceback.
+    import socket
+
+    out = tmp_path / "out"
+    argv = train_argv(tone_dataset, tiny_whisper_dir, out, "--max-steps=100000", "--nproc=2")
+    argv += ["--batch-size=2", "--only-train", "--seed=0", "--logging-steps=100000"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "whisper_train", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 200
+        metrics = out / "metrics.jsonl"
+        while not (metrics.is_file() and metrics.read_text().count("\n") >= 1):
+            assert process.poll() is None, process.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.2)
+        # The run's folder is held by the launcher for both processes.
+        assert main([*argv[:7], "--overwrite"]) == 2
+        refusal = capsys.readouterr().err
+        assert f"in use by another whisper-train run (PID {process.pid} on" in refusal
+        assert socket.gethostname() in refusal
+        os.killpg(process.pid, signal.SIGINT)
+        output, _ = process.communicate(timeout=150)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+    assert process.returncode == 130, output[-3000:]
+    (checkpoint,) = checkpoints_module.list_checkpoints(out)
+    step = checkpoints_module.TrainerState.read(checkpoint).step
+    assert [row["step"] for row in metric_rows(out)] == list(range(1, step + 1))
+    lines = [line for line in output.splitlines() if line.strip()]
+    stop = next(i for i, line in enumerate(lines) if line.startswith("SIGINT: finishing"))
+    assert all(line.startswith(("screening:", "model:", "data:")) for line in lines[:stop]), lines
+    config = out / "whisper-train.yaml"
+    assert lines[stop + 1 :] == [
+        f"interrupted: saved {checkpoint}",
+        f"to continue: whisper-train train --config {config} --resume {checkpoint}",
+    ], lines

@@ -23,6 +23,8 @@ from whisper_train.runlog import StopRequest, TrainingInterrupted, TrainResult, 
 # Set for the worker processes: the parent already checked (and, with --overwrite, cleared) the
 # output folder, so the workers must not refuse their own run.
 CLAIMED_ENV = "WHISPER_TRAIN_CLAIMED_OUTPUT_DIR"
+# Exit codes of a run stopped by SIGINT / SIGTERM after a checkpoint (`TrainingInterrupted`).
+STOPPED_CODES = tuple(128 + signum for signum in StopRequest.SIGNALS)
 
 
 def inside_launcher() -> bool:
@@ -71,14 +73,19 @@ def launch_data_parallel(config: RunConfig, lock: runfolder.RunLock | None = Non
     # Two processes on one CPU must not each take every core.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
     inherited = (lock.fd,) if lock is not None and lock.fd is not None else ()
-    process = subprocess.Popen(command, env=env, pass_fds=inherited)
+    # torchrun in a session of its own: Ctrl-C at a terminal signals the whole foreground
+    # group, and torchrun, which also gets the signal passed on below, took the second one
+    # for a new shutdown in the middle of the first. Its workers have sessions of their own.
+    process = subprocess.Popen(command, env=env, pass_fds=inherited, start_new_session=True)
     received = []
 
     def forward(signum, frame):  # the workers save a checkpoint and exit; wait for them
         received.append(signum)
         process.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in StopRequest.SIGNALS}
+    # SIGHUP too (a closed terminal): torchrun, out of the terminal's session, would not get it.
+    forwarded = (*StopRequest.SIGNALS, signal.SIGHUP)
+    previous = {s: signal.signal(s, forward) for s in forwarded}
     try:
         code = process.wait()
     finally:
@@ -86,6 +93,8 @@ def launch_data_parallel(config: RunConfig, lock: runfolder.RunLock | None = Non
             signal.signal(signum, handler)
     if received:
         raise TrainingInterrupted(128 + received[0])
+    if code in STOPPED_CODES:  # the workers were signalled themselves (a scheduler's SIGTERM)
+        raise TrainingInterrupted(code)
     if code != 0:
         raise UserError(
             f"--nproc {n}: a training process failed (exit code {code}); its error is printed above"
@@ -94,17 +103,34 @@ def launch_data_parallel(config: RunConfig, lock: runfolder.RunLock | None = Non
 
 
 def _torchrun(argv: list[str]) -> int:
-    """torchrun on `argv`. When a worker fails, torchrun raises ChildFailedError: a launcher
-    traceback and a report table after the worker's own one-line error. Each worker has printed
-    its error already (every process learns of a failure: see checkpoints.save_checkpoint), so
-    the launcher only passes the failure on as its exit code."""
+    """torchrun on `argv`, saying nothing of its own: the workers say what happened.
+
+    When a worker fails, torchrun raises ChildFailedError: a launcher traceback and a report
+    table after the worker's own one-line error. Each worker has printed its error already
+    (every process learns of a failure: see checkpoints.save_checkpoint), so the launcher only
+    passes the failure on as its exit code: 130 / 143 when every worker stopped for SIGINT /
+    SIGTERM (they saved and printed the resume command), else 1. When torchrun itself is
+    signalled it passes the signal to the workers, waits for them (they save), logs warnings
+    and raises SignalException (40-odd lines of traceback): the exit code 128 + signal instead.
+    """
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    # torchrun's loggers set their own level (WARNING) when created: quiet each one. Warnings
+    # only: "Received 2 death signal, shutting down workers", "Sending process N closing signal".
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.ERROR)
     try:
         run(parse_args(argv))
-    except ChildFailedError:
-        return 1
+    except SignalException as exc:
+        return 128 + int(exc.sigval)
+    except ChildFailedError as exc:
+        codes = {failure.exitcode for failure in exc.failures.values()}
+        return codes.pop() if len(codes) == 1 and codes <= set(STOPPED_CODES) else 1
     return 0
 
 

@@ -420,10 +420,59 @@ def test_ctrl_c_on_a_two_process_run_saves_and_prints_only_the_resume_command(
     step = checkpoints_module.TrainerState.read(checkpoint).step
     assert [row["step"] for row in metric_rows(out)] == list(range(1, step + 1))
     lines = [line for line in output.splitlines() if line.strip()]
-    stop = next(i for i, line in enumerate(lines) if line.startswith("SIGINT: finishing"))
+    stop = next(i for i, line in enumerate(lines) if line.startswith("SIGINT: saving a checkpoint"))
     assert all(line.startswith(("screening:", "model:", "data:")) for line in lines[:stop]), lines
     config = out / "whisper-train.yaml"
     assert lines[stop + 1 :] == [
         f"interrupted: saved {checkpoint}",
         f"to continue: whisper-train train --config {config} --resume {checkpoint}",
     ], lines
+
+
+def test_a_killed_process_stops_the_other_and_the_launcher_with_one_line_each(
+    tmp_path, tone_dataset, tiny_whisper_dir
+):
+    # Process 1 is killed outright (SIGKILL, as the out-of-memory killer does): process 0 must
+    # not wait for it for ever at the next collective, and nobody prints a traceback.
+    import psutil
+
+    out = tmp_path / "out"
+    argv = train_argv(tone_dataset, tiny_whisper_dir, out, "--max-steps=100000", "--nproc=2")
+    argv += ["--batch-size=2", "--only-train", "--seed=0", "--logging-steps=100000"]
+    argv += ["--save-steps=1"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "whisper_train", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 200
+        while not checkpoints_module.list_checkpoints(out):
+            assert process.poll() is None, process.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.2)
+        workers = psutil.Process(process.pid).children(recursive=True)
+        (rank1,) = [w for w in workers if w.environ().get("RANK") == "1"]
+        rank1.kill()
+        killed_at = time.monotonic()
+        output, _ = process.communicate(timeout=120)
+        stopped_after = time.monotonic() - killed_at
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+    assert process.returncode == 2 and stopped_after < 60, (stopped_after, output[-3000:])
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert "Traceback" not in output, output[-3000:]
+    # Before the kill: the start-up lines and the checkpoints; after it, one line a process.
+    said = [line for line in lines if not line.startswith(("screening:", "model:", "data:"))]
+    said = [line for line in said if not line.startswith("checkpoint: saved ")]
+    assert len(said) == 2, said
+    assert said[0].startswith("error: process 0: another process of this run stopped or was")
+    assert said[1].startswith("error: --nproc 2: a training process was killed by SIGKILL")
+    assert "continue from " in said[1] and "--resume latest" in said[1]

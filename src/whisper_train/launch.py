@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from whisper_train import runfolder
+from whisper_train import checkpoints, runfolder
 from whisper_train.config import RunConfig
 from whisper_train.errors import UserError
 from whisper_train.runlog import StopRequest, TrainingInterrupted, TrainResult, read_result
@@ -95,6 +95,17 @@ def launch_data_parallel(config: RunConfig, lock: runfolder.RunLock | None = Non
         raise TrainingInterrupted(128 + received[0])
     if code in STOPPED_CODES:  # the workers were signalled themselves (a scheduler's SIGTERM)
         raise TrainingInterrupted(code)
+    if code > 128:  # a worker was killed: it printed nothing; the others said they stopped
+        found = checkpoints.list_checkpoints(output_dir)
+        then = (
+            f"continue from {found[-1]} with --resume latest"
+            if found
+            else "no checkpoint was saved: start again with --overwrite"
+        )
+        raise UserError(
+            f"--nproc {n}: a training process was killed by {_signal_name(code - 128)} (the "
+            f"out-of-memory killer sends SIGKILL) and the run stopped; {then}"
+        )
     if code != 0:
         raise UserError(
             f"--nproc {n}: a training process failed (exit code {code}); its error is printed above"
@@ -119,19 +130,29 @@ def _torchrun(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    # torchrun's loggers set their own level (WARNING) when created: quiet each one. Warnings
-    # only: "Received 2 death signal, shutting down workers", "Sending process N closing signal".
+    # torchrun's loggers set their own level (WARNING) when created: quiet each one ("Received
+    # 2 death signal, shutting down workers", "Sending process N closing signal", "failed
+    # (exitcode: -9) local_rank: 1"): the workers' lines and the launcher's say it in words.
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed"):
-            logging.getLogger(name).setLevel(logging.ERROR)
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         run(parse_args(argv))
     except SignalException as exc:
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         codes = {failure.exitcode for failure in exc.failures.values()}
+        if killed := [code for code in codes if code < 0]:  # -N: killed by signal N
+            return 128 + -min(killed)
         return codes.pop() if len(codes) == 1 and codes <= set(STOPPED_CODES) else 1
     return 0
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 if __name__ == "__main__":

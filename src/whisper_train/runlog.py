@@ -210,13 +210,14 @@ class StopRequest:
         if self.signum:
             raise KeyboardInterrupt
         self.signum = signum
-        if self.accelerator.is_main_process:
-            print(
-                f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
-                "(send it again to stop at once)",
-                file=sys.stderr,
-                flush=True,
-            )
+        # With several processes the line waits for their agreement (`requested`): torchrun
+        # also sends SIGTERM to the others when a process dies, and those cannot save.
+        if self.accelerator.is_main_process and self.accelerator.num_processes == 1:
+            self._announce("finishing this step, then saving a checkpoint")
+
+    def _announce(self, what: str) -> None:
+        name = signal.Signals(self.signum).name
+        print(f"\n{name}: {what} (send it again to stop at once)", file=sys.stderr, flush=True)
 
     def requested(self) -> bool:
         if self.accelerator.num_processes > 1:
@@ -226,6 +227,8 @@ class StopRequest:
             flag = torch.tensor([self.signum], device=self.accelerator.device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
             self.signum = int(flag.item())
+            if self.signum and self.accelerator.is_main_process:
+                self._announce("saving a checkpoint after this step")
         return bool(self.signum)
 
     @property

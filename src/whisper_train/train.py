@@ -48,9 +48,47 @@ def _train_in(config: RunConfig, lock: runfolder.RunLock | None) -> TrainResult:
     if config.train.nproc > 1 and not inside_launcher():
         return launch_data_parallel(config, lock)
     recipe = FineTuneRecipe(config)
-    recipe.setup()
-    recipe.train()
-    return recipe.finish()
+    try:
+        recipe.setup()
+        recipe.train()
+        return recipe.finish()
+    except RuntimeError as exc:
+        if inside_launcher() and lost_another_process(exc):
+            # A traceback here says nothing about the cause, which is in the other process's
+            # error (or in its death: the launcher names the signal that killed it).
+            rank = os.environ.get("RANK", "?")
+            raise UserError(
+                f"process {rank}: another process of this run stopped or was killed "
+                f"({_last_line(exc)}); this one stopped too"
+            ) from None
+        raise
+
+
+# What a collective raises when a process of the run is gone: gloo's socket errors; NCCL's
+# communicator aborted (torch.distributed.DistError covers its backend and network errors).
+_LOST_PROCESS_SIGNS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Connection refused",
+    "Broken pipe",
+    "Socket closed",
+    "NCCL communicator was aborted",
+)
+
+
+def lost_another_process(exc: BaseException) -> bool:
+    """True when `exc` is a collective's failure because a process of the run went away."""
+    import torch.distributed
+
+    text = str(exc)
+    return isinstance(exc, torch.distributed.DistError) or any(
+        sign in text for sign in _LOST_PROCESS_SIGNS
+    )
+
+
+def _last_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 def claim_output_dir(config: RunConfig) -> None:

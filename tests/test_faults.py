@@ -476,3 +476,71 @@ def test_a_killed_process_stops_the_other_and_the_launcher_with_one_line_each(
     assert said[0].startswith("error: process 0: another process of this run stopped or was")
     assert said[1].startswith("error: --nproc 2: a training process was killed by SIGKILL")
     assert "continue from " in said[1] and "--resume latest" in said[1]
+
+
+def _train_into_a_disk_that_fills(tone_dataset, tiny_whisper_dir, out, capsys) -> tuple[str, str]:
+    """A 5-step run whose disk fills at step 3 (the caller injects where): (its error line, its
+    resume command); asserts exit code 2, nothing else on stderr, and checkpoint-3."""
+    argv = train_argv(tone_dataset, tiny_whisper_dir, out, "--max-steps=5", "--batch-size=4")
+    assert main([*argv, "--only-train", "--seed=0", "--eval-split=0.25"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Exception in thread" not in err, err
+    [line] = err.strip().splitlines()
+    assert line.startswith("error: could not write ") and "No space left on device" in line
+    assert [p.name for p in checkpoints_module.list_checkpoints(out)] == ["checkpoint-3"]
+    command = line.split("free some space, then continue with: ")[1]
+    assert command.endswith(f"--resume {out / 'checkpoint-3'}")
+    return line, command
+
+
+def test_a_disk_that_fills_at_the_metrics_file_stops_with_a_checkpoint_and_one_line(
+    tmp_path, tone_dataset, tiny_whisper_dir, monkeypatch, capsys
+):
+    import whisper_train.runlog as runlog_module
+
+    real_write = runlog_module.os.write
+    full = {"at": None}
+
+    def disk_fills_at_step_3(fd, data):
+        # Step 3's row: half of it reaches the file, then the disk is full. Once: the space
+        # is back when the row is tried again after the checkpoint.
+        if b'"step": 3, "loss"' in bytes(data) and full["at"] is None:
+            full["at"] = real_write(fd, bytes(data)[: len(data) // 2])
+            return full["at"]
+        if full["at"] is not None and full["at"] > 0 and len(data) < 200:
+            full["at"] = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(runlog_module.os, "write", disk_fills_at_step_3)
+    out = tmp_path / "out"
+    line, command = _train_into_a_disk_that_fills(tone_dataset, tiny_whisper_dir, out, capsys)
+    assert f"could not write {out / 'metrics.jsonl'} (No space left on device)" in line
+    # Whole lines only (the half row was cut back), and step 3's row written after the save.
+    assert [row["step"] for row in metric_rows(out)] == [1, 2, 3]
+    monkeypatch.undo()
+
+    # The advice works: the printed command finishes the run.
+    assert main(command.split()[1:]) == 0
+    assert [row["step"] for row in metric_rows(out)] == [1, 2, 3, 4, 5]
+
+
+def test_a_disk_that_fills_under_tensorboards_writer_thread_stops_with_one_line(
+    tmp_path, tone_dataset, tiny_whisper_dir, monkeypatch, capsys
+):
+    from tensorboard.compat.tensorflow_stub.io import gfile
+
+    real_append = gfile.LocalFileSystem.append
+    events = {"n": 0}
+
+    def disk_full_after_two_steps(self, filename, file_content, binary_mode=False):
+        events["n"] += 1  # step rows log 4 scalars (loss, lr, grad_norm, epoch)
+        if events["n"] > 8:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_append(self, filename, file_content, binary_mode)
+
+    monkeypatch.setattr(gfile.LocalFileSystem, "append", disk_full_after_two_steps)
+    out = tmp_path / "out"
+    line, _ = _train_into_a_disk_that_fills(tone_dataset, tiny_whisper_dir, out, capsys)
+    assert f"could not write {out / 'tensorboard'} (No space left on device)" in line
+    assert [row["step"] for row in metric_rows(out)] == [1, 2, 3]

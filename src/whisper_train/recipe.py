@@ -63,10 +63,8 @@ from whisper_train.runlog import (
     MetricsLog,
     ProgressTable,
     StopRequest,
-    TrainingInterrupted,
     TrainResult,
     progress_bars_wanted,
-    resume_command,
     say,
     step_line,
     write_result,
@@ -497,7 +495,7 @@ class FineTuneRecipe:
             dynamic_ncols=True,
             leave=False,
         )
-        self.stop = StopRequest(accelerator)
+        self.stop = StopRequest(accelerator, self.metrics)
         self.losses_since_log: list[float] = []  # finite step losses since the last log line
         self.train_seconds = 0.0
         self.first_step = self.state.step  # 0, or the step a --resume starts from
@@ -600,11 +598,9 @@ class FineTuneRecipe:
             )
         # A stop request first: an evaluation due now would outlast the grace period a
         # scheduler or torchrun gives after SIGTERM (torchrun kills workers after 30 s).
-        if self.stop.requested():
-            folder = self.save_checkpoint("interrupted")
-            config_file = self.output_dir / runfolder.CONFIG_FILE
-            say(self.accelerator, f"to continue: {resume_command(config_file, folder)}")
-            raise TrainingInterrupted(self.stop.exit_code)
+        if self.stop.requested():  # a signal, or a run log that could not be written
+            folder = self.save_checkpoint(self.stop.reason)
+            self.stop.stop(folder, self.output_dir / runfolder.CONFIG_FILE)
         last = state.step >= self.total_steps  # finish() evaluates and saves the last step
         new_best = False
         if self.evaluating and t.eval_steps and state.step % t.eval_steps == 0 and not last:
@@ -737,7 +733,8 @@ class FineTuneRecipe:
                 keep_last=self.config.train.save_total_limit,
                 keep_step=self._final_choice().step,
             )
-        say(self.accelerator, f"{reason}: saved {folder}")
+        if reason:  # none when the caller's own line names the checkpoint
+            say(self.accelerator, f"{reason}: saved {folder}")
         return folder
 
     # -- the end -------------------------------------------------------------------------------

@@ -544,3 +544,45 @@ def test_a_disk_that_fills_under_tensorboards_writer_thread_stops_with_one_line(
     line, _ = _train_into_a_disk_that_fills(tone_dataset, tiny_whisper_dir, out, capsys)
     assert f"could not write {out / 'tensorboard'} (No space left on device)" in line
     assert [row["step"] for row in metric_rows(out)] == [1, 2, 3]
+
+
+def test_the_main_process_final_work_outlasts_the_collective_timeout(
+    tmp_path, tone_dataset, tiny_whisper_dir
+):
+    # Process 0 alone writes final/ and compares with the baseline: on a large model that takes
+    # longer than a collective may wait (NCCL: 10 minutes). Here the workers' process group
+    # times out after 15 s and process 0's final/ takes 25 s: process 1 must not be waiting.
+    hook = tmp_path / "slow"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') is not None:\n"
+        "    import datetime, time\n"
+        "    import torch.distributed as dist\n"
+        "    real_init = dist.init_process_group\n"
+        "    def init(*args, **kwargs):\n"
+        "        kwargs['timeout'] = datetime.timedelta(seconds=15)\n"
+        "        return real_init(*args, **kwargs)\n"
+        "    dist.init_process_group = init\n"
+        "    if os.environ['RANK'] == '0':\n"
+        "        import whisper_train.recipe as recipe\n"
+        "        real_save_final = recipe.save_final\n"
+        "        def slow_save_final(*args, **kwargs):\n"
+        "            time.sleep(25)\n"
+        "            return real_save_final(*args, **kwargs)\n"
+        "        recipe.save_final = slow_save_final\n"
+    )
+    out = tmp_path / "out"
+    argv = train_argv(tone_dataset, tiny_whisper_dir, out, "--max-steps=2", "--nproc=2")
+    argv += ["--batch-size=2", "--only-train", "--seed=0"]
+    path = os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "whisper_train", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (out / "final" / "model.safetensors").is_file() and (out / "result.json").is_file()

@@ -785,6 +785,14 @@ class FineTuneRecipe:
             checkpoints.load_weights(best_folder, accelerator=accelerator, model=self.model)
         say(accelerator, f"final/: step {result.final_step}: {choice.reason}")
         final_model = self._whole_model()
+        # The last collective is done: every process leaves the group together now (a process
+        # that tore its group down while the main one still worked left the main one's gloo
+        # teardown waiting for ever: ~ProcessGroupGloo in a thread join, once in four runs of
+        # test_two_processes_share_one_pass). What follows is the main process's alone and
+        # may take long (final/ of a large model, the baseline comparison): the others must
+        # not wait for it at a barrier, which NCCL gives up on after 10 minutes.
+        accelerator.wait_for_everyone()
+        accelerator.end_training()
         if accelerator.is_main_process:
             result.final_dir = save_final(
                 final_model,
@@ -804,13 +812,6 @@ class FineTuneRecipe:
                     c, result.final_dir, primary_examples, self.output_dir, self.primary_set
                 )
         self.metrics.close()
-        # end_training destroys the process group: every process does it together, once the
-        # main one has written final/. A process that tore its group down while the main one
-        # still worked left the main one's gloo teardown waiting for ever (seen once in four
-        # fresh-clone runs of test_two_processes_share_one_pass: ~ProcessGroupGloo in a thread
-        # join, after result.json was written).
-        accelerator.wait_for_everyone()
-        accelerator.end_training()
         return result
 
     def _whole_model(self):

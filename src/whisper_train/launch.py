@@ -141,9 +141,10 @@ def _torchrun(argv: list[str]) -> int:
     except SignalException as exc:
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
+        _, first = exc.get_first_failure()  # the cause; torchrun then stopped the others
+        if first.exitcode < 0:  # -N: killed by signal N
+            return 128 - first.exitcode
         codes = {failure.exitcode for failure in exc.failures.values()}
-        if killed := [code for code in codes if code < 0]:  # -N: killed by signal N
-            return 128 + -min(killed)
         return codes.pop() if len(codes) == 1 and codes <= set(STOPPED_CODES) else 1
     return 0
 

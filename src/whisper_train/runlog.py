@@ -109,6 +109,7 @@ class MetricsLog:
         self.writer = None
         self.failure: OSError | None = None
         self.failed_path = self.path  # metrics.jsonl, or TensorBoard's folder
+        self.reported = False  # whether the failure was said (`StopRequest.stop`)
         self.unwritten: list[dict] = []
         if not enabled:
             return
@@ -162,6 +163,14 @@ class MetricsLog:
         return len(self.unwritten)
 
     def close(self) -> None:
+        # A failure the loop did not stop for (in the last evaluation, after it): say so.
+        if self.failure is not None and not self.reported:
+            missing = self.write_unwritten()
+            tqdm.write(
+                f"could not write {self.failed_path} ({self.failure.strerror or self.failure})"
+                + (f": its last {missing} row(s) are missing" if missing else "")
+            )
+            self.reported = True
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -335,6 +344,7 @@ class StopRequest:
             raise SystemExit(2)  # process 0, whose log it is, says why
         failure, path = self.metrics.failure, self.metrics.failed_path
         missing = self.metrics.write_unwritten()
+        self.metrics.reported = True
         lost = f" ({missing} rows of the last steps are not in {path.name})" if missing else ""
         raise UserError(
             f"could not write {path} ({failure.strerror or failure}); stopped after saving "

@@ -59,7 +59,7 @@ def _train_in(config: RunConfig, lock: runfolder.RunLock | None) -> TrainResult:
             rank = os.environ.get("RANK", "?")
             raise UserError(
                 f"process {rank}: another process of this run stopped or was killed "
-                f"({_last_line(exc)}); this one stopped too"
+                f"({checkpoints._last_line(exc)}); this one stopped too"
             ) from None
         raise
 
@@ -84,11 +84,6 @@ def lost_another_process(exc: BaseException) -> bool:
     return isinstance(exc, torch.distributed.DistError) or any(
         sign in text for sign in _LOST_PROCESS_SIGNS
     )
-
-
-def _last_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return lines[-1] if lines else type(exc).__name__
 
 
 def claim_output_dir(config: RunConfig) -> None:

@@ -599,3 +599,266 @@ def test_sigkill_during_checkpoint_saves_resumes_exactly_from_an_intact_checkpoi
             assert metric_rows(out) == reference, where
     finally:
         torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stopping a multi-process run (issue 33): the processes agree on the exit code, an interrupted
+# --nproc run prints only its stop and resume lines, a full disk at the metrics writer, a killed
+# process, process 0's work at the end.
+
+
+# Each of two gloo processes catches the given signal (0: none) and asks for the shared stop;
+# it prints the answers (stop?, exit code) of its cases, one a line. The cases run in order in
+# the same two processes: the same collective, once each.
+_STOP_CASES = [
+    (signal.SIGINT, signal.SIGINT),  # Ctrl-C passed on to both: 130, not 128 + 2 + 2
+    (signal.SIGTERM, signal.SIGTERM),  # a scheduler's SIGTERM to every process: 143
+    (0, signal.SIGTERM),  # only one caught it yet: both stop after this step, 143
+    (0, 0),  # no signal: no stop
+]
+_AGREE_ON_STOP = """
+import sys
+from accelerate import Accelerator
+from whisper_train.runlog import StopRequest
+accelerator = Accelerator(cpu=True)  # gloo, as a --nproc run on CPUs
+for signals in eval(sys.argv[1]):
+    stop = StopRequest(accelerator)
+    stop.signum = signals[accelerator.process_index]
+    print(stop.requested(), stop.exit_code)
+accelerator.end_training()
+"""
+
+
+def test_the_processes_agree_on_the_stop_and_its_exit_code(tmp_path):
+    import socket
+
+    with socket.socket() as probe:  # a free port for the two processes to meet on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cases = repr([tuple(int(s) for s in case) for case in _STOP_CASES])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    env["MASTER_PORT"] = str(port)
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", _AGREE_ON_STOP, cases],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    answers = [rank.communicate(timeout=120)[0].split("\n")[:-1] for rank in ranks]
+    expected = ["True 130", "True 143", "True 143", "False 128"]
+    assert answers == [expected, expected]
+
+
+def test_ctrl_c_on_a_two_process_run_saves_and_prints_only_the_resume_command(
+    tmp_path, tone_dataset, tiny_whisper_dir, capsys
+):
+    # Ctrl-C at a terminal: SIGINT to the whole foreground process group (here: the launcher's
+    # own session). The workers finish the step and save; what is printed from the signal on is
+    # the stop line, the checkpoint and the resume command, no torchrun logs or traceback.
+    import socket
+
+    out = tmp_path / "out"
+    argv = train_argv(tone_dataset, tiny_whisper_dir, out, "--max-steps=100000", "--nproc=2")
+    argv += ["--batch-size=2", "--only-train", "--seed=0", "--logging-steps=100000"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "whisper_train", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 200
+        metrics = out / "metrics.jsonl"
+        while not (metrics.is_file() and metrics.read_text().count("\n") >= 1):
+            assert process.poll() is None, process.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.2)
+        # The run's folder is held by the launcher for both processes.
+        assert main([*argv[:7], "--overwrite"]) == 2
+        refusal = capsys.readouterr().err
+        assert f"in use by another whisper-train run (PID {process.pid} on" in refusal
+        assert socket.gethostname() in refusal
+        os.killpg(process.pid, signal.SIGINT)
+        output, _ = process.communicate(timeout=150)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+    assert process.returncode == 130, output[-3000:]
+    (checkpoint,) = checkpoints_module.list_checkpoints(out)
+    step = checkpoints_module.TrainerState.read(checkpoint).step
+    assert [row["step"] for row in metric_rows(out)] == list(range(1, step + 1))
+    lines = [line for line in output.splitlines() if line.strip()]
+    stop = next(i for i, line in enumerate(lines) if line.startswith("SIGINT: saving a checkpoint"))
+    assert all(line.startswith(("screening:", "model:", "data:")) for line in lines[:stop]), lines
+    config = out / "whisper-train.yaml"
+    assert lines[stop + 1 :] == [
+        f"interrupted: saved {checkpoint}",
+        f"to continue: whisper-train train --config {config} --resume {checkpoint}",
+    ], lines
+
+
+def test_a_killed_process_stops_the_other_and_the_launcher_with_one_line_each(
+    tmp_path, tone_dataset, tiny_whisper_dir
+):
+    # Process 1 is killed outright (SIGKILL, as the out-of-memory killer does): process 0 must
+    # not wait for it for ever at the next collective, and nobody prints a traceback.
+    import psutil
+
+    out = tmp_path / "out"
+    argv = train_argv(tone_dataset, tiny_whisper_dir, out, "--max-steps=100000", "--nproc=2")
+    argv += ["--batch-size=2", "--only-train", "--seed=0", "--logging-steps=100000"]
+    argv += ["--save-steps=1"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "whisper_train", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 200
+        while not checkpoints_module.list_checkpoints(out):
+            assert process.poll() is None, process.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.2)
+        workers = psutil.Process(process.pid).children(recursive=True)
+        (rank1,) = [w for w in workers if w.environ().get("RANK") == "1"]
+        rank1.kill()
+        killed_at = time.monotonic()
+        output, _ = process.communicate(timeout=120)
+        stopped_after = time.monotonic() - killed_at
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+    assert process.returncode == 2 and stopped_after < 60, (stopped_after, output[-3000:])
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert "Traceback" not in output, output[-3000:]
+    # Before the kill: the start-up lines and the checkpoints; after it, one line a process.
+    said = [line for line in lines if not line.startswith(("screening:", "model:", "data:"))]
+    said = [line for line in said if not line.startswith("checkpoint: saved ")]
+    assert len(said) == 2, said
+    assert said[0].startswith("error: process 0: another process of this run stopped or was")
+    assert said[1].startswith("error: --nproc 2: a training process was killed by SIGKILL")
+    assert "continue from " in said[1] and "--resume latest" in said[1]
+
+
+def _train_into_a_disk_that_fills(tone_dataset, tiny_whisper_dir, out, capsys) -> tuple[str, str]:
+    """A 5-step run whose disk fills at step 3 (the caller injects where): (its error line, its
+    resume command); asserts exit code 2, nothing else on stderr, and checkpoint-3."""
+    argv = train_argv(tone_dataset, tiny_whisper_dir, out, "--max-steps=5", "--batch-size=4")
+    assert main([*argv, "--only-train", "--seed=0", "--eval-split=0.25"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Exception in thread" not in err, err
+    [line] = err.strip().splitlines()
+    assert line.startswith("error: could not write ") and "No space left on device" in line
+    assert [p.name for p in checkpoints_module.list_checkpoints(out)] == ["checkpoint-3"]
+    command = line.split("free some space, then continue with: ")[1]
+    assert command.endswith(f"--resume {out / 'checkpoint-3'}")
+    return line, command
+
+
+def test_a_disk_that_fills_at_the_metrics_file_stops_with_a_checkpoint_and_one_line(
+    tmp_path, tone_dataset, tiny_whisper_dir, monkeypatch, capsys
+):
+    import whisper_train.runlog as runlog_module
+
+    real_write = runlog_module.os.write
+    full = {"at": None}
+
+    def disk_fills_at_step_3(fd, data):
+        # Step 3's row: half of it reaches the file, then the disk is full. Once: the space
+        # is back when the row is tried again after the checkpoint.
+        if b'"step": 3, "loss"' in bytes(data) and full["at"] is None:
+            full["at"] = real_write(fd, bytes(data)[: len(data) // 2])
+            return full["at"]
+        if full["at"] is not None and full["at"] > 0 and len(data) < 200:
+            full["at"] = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(runlog_module.os, "write", disk_fills_at_step_3)
+    out = tmp_path / "out"
+    line, command = _train_into_a_disk_that_fills(tone_dataset, tiny_whisper_dir, out, capsys)
+    assert f"could not write {out / 'metrics.jsonl'} (No space left on device)" in line
+    # Whole lines only (the half row was cut back), and step 3's row written after the save.
+    assert [row["step"] for row in metric_rows(out)] == [1, 2, 3]
+    monkeypatch.undo()
+
+    # The advice works: the printed command finishes the run.
+    assert main(command.split()[1:]) == 0
+    assert [row["step"] for row in metric_rows(out)] == [1, 2, 3, 4, 5]
+
+
+def test_a_disk_that_fills_under_tensorboards_writer_thread_stops_with_one_line(
+    tmp_path, tone_dataset, tiny_whisper_dir, monkeypatch, capsys
+):
+    from tensorboard.compat.tensorflow_stub.io import gfile
+
+    real_append = gfile.LocalFileSystem.append
+    events = {"n": 0}
+
+    def disk_full_after_two_steps(self, filename, file_content, binary_mode=False):
+        events["n"] += 1  # step rows log 4 scalars (loss, lr, grad_norm, epoch)
+        if events["n"] > 8:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_append(self, filename, file_content, binary_mode)
+
+    monkeypatch.setattr(gfile.LocalFileSystem, "append", disk_full_after_two_steps)
+    out = tmp_path / "out"
+    line, _ = _train_into_a_disk_that_fills(tone_dataset, tiny_whisper_dir, out, capsys)
+    assert f"could not write {out / 'tensorboard'} (No space left on device)" in line
+    assert [row["step"] for row in metric_rows(out)] == [1, 2, 3]
+
+
+def test_the_main_process_final_work_outlasts_the_collective_timeout(
+    tmp_path, tone_dataset, tiny_whisper_dir
+):
+    # Process 0 alone writes final/ and compares with the baseline: on a large model that takes
+    # longer than a collective may wait (NCCL: 10 minutes). Here the workers' process group
+    # times out after 15 s and process 0's final/ takes 25 s: process 1 must not be waiting.
+    hook = tmp_path / "slow"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') is not None:\n"
+        "    import datetime, time\n"
+        "    import torch.distributed as dist\n"
+        "    real_init = dist.init_process_group\n"
+        "    def init(*args, **kwargs):\n"
+        "        kwargs['timeout'] = datetime.timedelta(seconds=15)\n"
+        "        return real_init(*args, **kwargs)\n"
+        "    dist.init_process_group = init\n"
+        "    if os.environ['RANK'] == '0':\n"
+        "        import whisper_train.recipe as recipe\n"
+        "        real_save_final = recipe.save_final\n"
+        "        def slow_save_final(*args, **kwargs):\n"
+        "            time.sleep(25)\n"
+        "            return real_save_final(*args, **kwargs)\n"
+        "        recipe.save_final = slow_save_final\n"
+    )
+    out = tmp_path / "out"
+    argv = train_argv(tone_dataset, tiny_whisper_dir, out, "--max-steps=2", "--nproc=2")
+    argv += ["--batch-size=2", "--only-train", "--seed=0"]
+    path = os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "whisper_train", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (out / "final" / "model.safetensors").is_file() and (out / "result.json").is_file()

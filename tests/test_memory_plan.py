@@ -168,10 +168,10 @@ def test_a_steps_micro_batches_stay_in_host_memory_until_run(tmp_path):
 def test_the_step_loop_moves_each_micro_batch_to_the_device_as_it_runs_it(
     tiny_run_config, monkeypatch
 ):
+    from accelerate.utils import send_to_device
+
     import whisper_train.recipe as recipe_module
     from whisper_train.train import train
-
-    from accelerate.utils import send_to_device
 
     events = []
     real_move, real_loss = send_to_device, recipe_module.loss_terms

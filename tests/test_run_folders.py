@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 from conftest import metric_rows, train_argv
 
+import whisper_train.checkpoints as checkpoints_module
 import whisper_train.launch as launch_module
 from whisper_train.cli import main
 from whisper_train.config import RunConfig
@@ -20,7 +27,7 @@ def _hashes(folder: Path) -> dict[str, str]:
     return {
         str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
         for path in sorted(folder.rglob("*"))
-        if path.is_file()
+        if path.is_file() and path.name != ".whisper-train.lock"  # the folder's, not a run's
     }
 
 
@@ -121,7 +128,7 @@ def test_nproc_checks_once_and_its_workers_use_their_folder(tmp_path, tiny_run_c
     launched = []
 
     class FakeLaunch:  # runs "the worker" in this process, with the environment it would get
-        def __init__(self, command, env):
+        def __init__(self, command, env, **kwargs):
             assert not (out / "metrics.jsonl").exists(), "the parent clears the folder first"
             config = RunConfig.from_yaml(out / "launch.yaml")
             config.update({"nproc": 1})  # one in-process worker stands in for the two
@@ -174,3 +181,69 @@ def test_checkpoints_a_resume_set_aside_belong_to_the_run(tmp_path):
         "abandoned-after-step-4",
         "abandoned-after-step-4-2",
     ]
+
+
+# -- one run at a time in a folder (issue 33) --------------------------------------------------
+
+
+def _start_run(tone_dataset, tiny_whisper_dir, out: Path) -> subprocess.Popen:
+    """A run of many steps in its own process, returned once it has logged its first step."""
+    argv = _argv(tone_dataset, tiny_whisper_dir, out, "--max-steps", "100000", "--batch-size", "2")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "whisper_train", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 150
+    metrics = out / "metrics.jsonl"
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 1):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(process.communicate()[1][-2000:] or "training never started")
+        time.sleep(0.2)
+    return process
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused_and_the_first_goes_on(
+    tmp_path, tone_dataset, tiny_whisper_dir, capsys
+):
+    out = tmp_path / "out"
+    first = _start_run(tone_dataset, tiny_whisper_dir, out)
+    try:
+        # --overwrite would move the first run's files aside under it; --resume would train
+        # beside it; a plain start would find its files: each is refused for the lock first.
+        for flags in (["--overwrite"], ["--resume"], []):
+            assert main(_argv(tone_dataset, tiny_whisper_dir, out, *flags)) == 2
+            line = _error_line(capsys)
+            assert f"--output-dir {out} is in use by another whisper-train run" in line
+            assert f"PID {first.pid} on {socket.gethostname()}" in line
+        assert not list(tmp_path.glob("out.old-*"))
+        first.send_signal(signal.SIGTERM)
+        stdout, stderr = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    # The first run saved and stopped as asked; its folder holds its own steps and nothing else.
+    assert first.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    (checkpoint,) = checkpoints_module.list_checkpoints(out)
+    step = checkpoints_module.TrainerState.read(checkpoint).step
+    assert [row["step"] for row in metric_rows(out)] == list(range(1, step + 1))
+    assert f"--resume {checkpoint}" in stdout + stderr
+
+
+def test_the_folder_of_a_killed_run_is_usable_at_once(
+    tmp_path, tone_dataset, tiny_whisper_dir, capsys
+):
+    out = tmp_path / "out"
+    killed = _start_run(tone_dataset, tiny_whisper_dir, out)
+    killed.kill()  # SIGKILL: no handler runs, nothing is released but by the kernel
+    killed.communicate()
+    assert (out / ".whisper-train.lock").is_file()  # the file stays; its lock went with the run
+    assert main(_argv(tone_dataset, tiny_whisper_dir, out, "--overwrite")) == 0
+    assert [row["step"] for row in metric_rows(out)] == [1, 2]
+    (aside,) = tmp_path.glob("out.old-*")
+    assert (aside / "metrics.jsonl").is_file()  # the killed run's files, moved aside

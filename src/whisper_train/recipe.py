@@ -68,10 +68,8 @@ from whisper_train.runlog import (
     MetricsLog,
     ProgressTable,
     StopRequest,
-    TrainingInterrupted,
     TrainResult,
     progress_bars_wanted,
-    resume_command,
     say,
     step_line,
     write_result,
@@ -571,7 +569,7 @@ class FineTuneRecipe:
             dynamic_ncols=True,
             leave=False,
         )
-        self.stop = StopRequest(accelerator)
+        self.stop = StopRequest(accelerator, self.metrics)
         self.losses_since_log: list[float] = []  # finite step losses since the last log line
         self.train_seconds = 0.0
         self.first_step = self.state.step  # 0, or the step a --resume starts from
@@ -676,11 +674,9 @@ class FineTuneRecipe:
             )
         # A stop request first: an evaluation due now would outlast the grace period a
         # scheduler or torchrun gives after SIGTERM (torchrun kills workers after 30 s).
-        if self.stop.requested():
-            folder = self.save_checkpoint("interrupted")
-            config_file = self.output_dir / runfolder.CONFIG_FILE
-            say(self.accelerator, f"to continue: {resume_command(config_file, folder)}")
-            raise TrainingInterrupted(self.stop.exit_code)
+        if self.stop.requested():  # a signal, or a run log that could not be written
+            folder = self.save_checkpoint(self.stop.reason)
+            self.stop.stop(folder, self.output_dir / runfolder.CONFIG_FILE)
         last = state.step >= self.total_steps  # finish() evaluates and saves the last step
         new_best = False
         if self.evaluating and t.eval_steps and state.step % t.eval_steps == 0 and not last:
@@ -814,7 +810,8 @@ class FineTuneRecipe:
                 keep_step=self._final_choice().step,
                 saved_step=self.state.step,
             )
-        say(self.accelerator, f"{reason}: saved {folder}")
+        if reason:  # none when the caller's own line names the checkpoint
+            say(self.accelerator, f"{reason}: saved {folder}")
         return folder
 
     # -- the end -------------------------------------------------------------------------------
@@ -865,6 +862,14 @@ class FineTuneRecipe:
             checkpoints.load_weights(best_folder, accelerator=accelerator, model=self.model)
         say(accelerator, f"final/: step {result.final_step}: {choice.reason}")
         final_model = self._whole_model()
+        # The last collective is done: every process leaves the group together now (a process
+        # that tore its group down while the main one still worked left the main one's gloo
+        # teardown waiting for ever: ~ProcessGroupGloo in a thread join, once in four runs of
+        # test_two_processes_share_one_pass). What follows is the main process's alone and
+        # may take long (final/ of a large model, the baseline comparison): the others must
+        # not wait for it at a barrier, which NCCL gives up on after 10 minutes.
+        accelerator.wait_for_everyone()
+        accelerator.end_training()
         if accelerator.is_main_process:
             result.final_dir = save_final(
                 final_model,
@@ -884,13 +889,6 @@ class FineTuneRecipe:
                     c, result.final_dir, primary_examples, self.output_dir, self.primary_set
                 )
         self.metrics.close()
-        # end_training destroys the process group: every process does it together, once the
-        # main one has written final/. A process that tore its group down while the main one
-        # still worked left the main one's gloo teardown waiting for ever (seen once in four
-        # fresh-clone runs of test_two_processes_share_one_pass: ~ProcessGroupGloo in a thread
-        # join, after result.json was written).
-        accelerator.wait_for_everyone()
-        accelerator.end_training()
         return result
 
     def _whole_model(self):

@@ -4,13 +4,17 @@ Everything a run writes into OUTPUT is named here (`RUN_ENTRIES`): a new run ref
 holding any of it unless told to `--resume` the run or to move it aside (`--overwrite`,
 `move_aside`; the refusal itself is `train.claim_output_dir`). Files with other names are the
 user's and never touched. A run's model is `OUTPUT/final/`: `final_model_dir` is the one place
-that turns a `--model` path naming a run folder into that model folder.
+that turns a `--model` path naming a run folder into that model folder. One run at a time
+trains in a folder: `RunLock` (OUTPUT/.whisper-train.lock) refuses a second.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
+import socket
 import time
 from pathlib import Path
 
@@ -31,6 +35,9 @@ CHECKPOINT_PREFIX = "checkpoint-"  # OUTPUT/checkpoint-<step>/ (`checkpoints`)
 # OUTPUT/abandoned-after-step-<step>[-n]/: the later checkpoints of a run that a resume from
 # <step> abandoned (`checkpoints.set_aside_later_checkpoints`)
 ABANDONED_PREFIX = "abandoned-after-step-"
+# Held by the run training in the folder (`RunLock`). Not a run entry: it marks no earlier run
+# and stays in place when --overwrite moves one aside (the new run holds it then).
+LOCK_FILE = ".whisper-train.lock"
 RUN_ENTRIES = frozenset(
     {
         CONFIG_FILE,
@@ -145,3 +152,67 @@ def check_writable(output_dir: Path) -> None:
         raise UserError(
             f"--output-dir {output_dir}: {probe} is not writable; choose another folder"
         )
+
+
+class RunLock:
+    """One run at a time in `output_dir`: an OS lock (flock) on OUTPUT/.whisper-train.lock.
+
+    Taken before the folder is claimed (`train.claim_output_dir`) and held until the run ends,
+    so two runs started together cannot both claim the folder and write into it. With
+    `--nproc` the launching process holds it for all its processes (and hands it to torchrun:
+    `fd`). The kernel releases an flock when the last descriptor of it closes, so a run that was
+    killed (SIGKILL, a crash, a lost power) leaves no stale lock behind: the file stays, the lock
+    does not. The file holds the holder's PID and host, for the refusal of a second run.
+
+    flock directly rather than the `filelock` package: filelock 3.x opens the lock file with
+    O_TRUNC, so each refused contender would erase the holder's PID and host; and torchrun must
+    inherit the very descriptor (`launch.launch_data_parallel`).
+    """
+
+    def __init__(self, output_dir: Path):
+        self.output_dir = Path(output_dir)
+        self.path = self.output_dir / LOCK_FILE
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock, or raise UserError naming the run that holds it."""
+        try:
+            import fcntl
+        except ImportError:  # Windows: no flock; runs there are not kept apart
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip()
+            os.close(fd)
+            if exc.errno in (errno.ENOLCK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+                return  # a file system without locks (some network mounts): as before locks
+            raise UserError(
+                f"--output-dir {self.output_dir} is in use by another whisper-train run "
+                f"({holder or 'starting now'}); wait for it to end, stop it, or choose another "
+                "--output-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.pwrite(fd, f"PID {os.getpid()} on {socket.gethostname()}, since {started}\n".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        """Empty the file (nobody holds it now) and let the lock go. The file is not deleted: a
+        contender that opened it just before would lock a deleted file while a third run
+        created a new one."""
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):  # the lock goes all the same
+            os.ftruncate(self.fd, 0)
+        os.close(self.fd)
+        self.fd = None
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()

@@ -10,18 +10,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import shlex
 import signal
 import sys
+import threading
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from tqdm.auto import tqdm
 
 from whisper_train import runfolder
+from whisper_train.errors import UserError
 
 
 def progress_bars_wanted() -> bool:
@@ -85,44 +91,126 @@ def read_result(output_dir: Path) -> TrainResult:
 
 
 class MetricsLog:
-    """OUTPUT/metrics.jsonl (one JSON line per optimizer step and per evaluation) + TensorBoard."""
+    """OUTPUT/metrics.jsonl (one JSON line per optimizer step and per evaluation) + TensorBoard.
+
+    A write that fails (a full disk, a quota) does not stop the run here: the first failure is
+    kept (`failure`) and the rows from then on wait (`unwritten`); the loop sees it at the end
+    of the step (`StopRequest`), saves a checkpoint and stops with one line. Nothing written
+    before is lost: a row is appended whole or not at all.
+    """
 
     def __init__(self, output_dir: Path, *, enabled: bool, purge_step: int | None = None):
         """`purge_step`: on --resume, the first step after the checkpoint; TensorBoard then
         hides the events the interrupted run logged from that step on, as metrics.jsonl is cut
         back (without it, both runs' steps after the checkpoint show, one over the other)."""
         self.enabled = enabled
-        self.file = None
+        self.path = output_dir / runfolder.METRICS_FILE
+        self.fd: int | None = None
         self.writer = None
+        self.failure: OSError | None = None
+        self.failed_path = self.path  # metrics.jsonl, or TensorBoard's folder
+        self.reported = False  # whether the failure was said (`StopRequest.stop`)
+        self.unwritten: list[dict] = []
         if not enabled:
             return
-        self.file = (output_dir / runfolder.METRICS_FILE).open("a", encoding="utf-8")
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             from torch.utils.tensorboard import SummaryWriter
 
+            before = set(threading.enumerate())
             self.writer = SummaryWriter(
                 log_dir=str(output_dir / runfolder.TENSORBOARD_DIR), purge_step=purge_step
             )
+            _quiet_writer_threads(set(threading.enumerate()) - before)
         except ImportError:  # tensorboard is a dependency, but never fail a run over logging
             self.writer = None
 
     def write(self, row: dict) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
-        if self.writer is not None:
+        if self.failure is not None:
+            self.unwritten.append(row)
+            return
+        try:
+            _append_whole(self.fd, (json.dumps(row) + "\n").encode("utf-8"))
+        except OSError as exc:
+            self.failure = exc
+            self.unwritten.append(row)
+            return
+        if self.writer is None:
+            return
+        try:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                     # eval/<set>/wer for each evaluation set, train/loss for the steps
                     scope = f"eval/{row['set']}" if "set" in row else "train"
                     self.writer.add_scalar(f"{scope}/{key}", value, row["step"])
+            # Its thread writes the events: a failure there shows at this flush, this step.
+            self.writer.flush()
+        except OSError as exc:  # the row is in metrics.jsonl; TensorBoard's thread is gone
+            self.failure, self.failed_path = exc, Path(self.writer.log_dir)
+            self.writer = None
+
+    def write_unwritten(self) -> int:
+        """Try the rows that waited once more (after the checkpoint: space may be back); the
+        number still unwritten."""
+        while self.unwritten and self.fd is not None:
+            try:
+                _append_whole(self.fd, (json.dumps(self.unwritten[0]) + "\n").encode("utf-8"))
+            except OSError:
+                break
+            self.unwritten.pop(0)
+        return len(self.unwritten)
 
     def close(self) -> None:
-        if self.file:
-            self.file.close()
+        # A failure the loop did not stop for (in the last evaluation, after it): say so.
+        if self.failure is not None and not self.reported:
+            missing = self.write_unwritten()
+            tqdm.write(
+                f"could not write {self.failed_path} ({self.failure.strerror or self.failure})"
+                + (f": its last {missing} row(s) are missing" if missing else "")
+            )
+            self.reported = True
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
         if self.writer:
-            self.writer.close()
+            with contextlib.suppress(OSError):  # a full disk: said already, or said at the stop
+                self.writer.close()
+            self.writer = None
+
+
+def _append_whole(fd: int, data: bytes) -> None:
+    """Append `data` to `fd` (opened O_APPEND) whole, or cut the file back to where it was."""
+    end = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, end)  # frees space: a half line would end the file otherwise
+        raise
+
+
+# TensorBoard's writer threads: an OSError that ends one is the run's to report (MetricsLog
+# sees it at the next flush, and the run stops with one line), not a traceback on stderr.
+_writer_threads: weakref.WeakSet = weakref.WeakSet()
+
+
+def _quiet_writer_threads(threads: set) -> None:
+    _writer_threads.update(threads)
+    if getattr(threading.excepthook, "_whisper_train", False):
+        return
+    previous = threading.excepthook
+
+    def excepthook(args) -> None:
+        if args.thread in _writer_threads and issubclass(args.exc_type, OSError):
+            return
+        previous(args)
+
+    excepthook._whisper_train = True
+    threading.excepthook = excepthook
 
 
 class ProgressTable:
@@ -188,9 +276,13 @@ class StopRequest:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, accelerator):
+    def __init__(self, accelerator, metrics: MetricsLog | None = None):
+        """`metrics`: the run log; a write of it that failed (a full disk) stops the run too,
+        with one line (`stop`)."""
         self.accelerator = accelerator
+        self.metrics = metrics
         self.signum = 0
+        self.log_failed = False
         self.previous: dict = {}
 
     def install(self) -> None:
@@ -210,19 +302,54 @@ class StopRequest:
         if self.signum:
             raise KeyboardInterrupt
         self.signum = signum
-        if self.accelerator.is_main_process:
-            print(
-                f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
-                "(send it again to stop at once)",
-                file=sys.stderr,
-                flush=True,
-            )
+        # With several processes the line waits for their agreement (`requested`): torchrun
+        # also sends SIGTERM to the others when a process dies, and those cannot save.
+        if self.accelerator.is_main_process and self.accelerator.num_processes == 1:
+            self._announce("finishing this step, then saving a checkpoint")
+
+    def _announce(self, what: str) -> None:
+        name = signal.Signals(self.signum).name
+        print(f"\n{name}: {what} (send it again to stop at once)", file=sys.stderr, flush=True)
 
     def requested(self) -> bool:
+        """Whether to save and stop after this step: a signal, or a failed write of the run
+        log (process 0's), on any process. Every process calls this once a step."""
+        failed = int(self.metrics is not None and self.metrics.failure is not None)
         if self.accelerator.num_processes > 1:
-            flag = torch.tensor([self.signum], device=self.accelerator.device)
-            self.signum = int(self.accelerator.reduce(flag, reduction="max").item())
-        return bool(self.signum)
+            # torch's MAX, not accelerate's reduce: before accelerate 1.14 (this project takes
+            # 1.3 on) that summed for any reduction but "mean": two processes that both caught
+            # SIGINT agreed on signal 4 and exited 132.
+            flags = torch.tensor([self.signum, failed], device=self.accelerator.device)
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+            self.signum, failed = (int(flag) for flag in flags.tolist())
+            if self.signum and not failed and self.accelerator.is_main_process:
+                self._announce("saving a checkpoint after this step")
+        self.log_failed = bool(failed)
+        return bool(self.signum or self.log_failed)
+
+    @property
+    def reason(self) -> str:
+        """The checkpoint's line (`recipe.save_checkpoint`); none for a failed log: `stop`
+        says it all in one line."""
+        return "" if self.log_failed else "interrupted"
+
+    def stop(self, checkpoint: Path, config_file: Path) -> NoReturn:
+        """After the checkpoint: say how to continue and exit (128 + signal; 2 for a log that
+        could not be written, as a UserError)."""
+        command = resume_command(config_file, checkpoint)
+        if not self.log_failed:
+            say(self.accelerator, f"to continue: {command}")
+            raise TrainingInterrupted(self.exit_code)
+        if not self.accelerator.is_main_process:
+            raise SystemExit(2)  # process 0, whose log it is, says why
+        failure, path = self.metrics.failure, self.metrics.failed_path
+        missing = self.metrics.write_unwritten()
+        self.metrics.reported = True
+        lost = f" ({missing} rows of the last steps are not in {path.name})" if missing else ""
+        raise UserError(
+            f"could not write {path} ({failure.strerror or failure}); stopped after saving "
+            f"{checkpoint}{lost}; free some space, then continue with: {command}"
+        )
 
     @property
     def exit_code(self) -> int:

@@ -30,17 +30,60 @@ def train(config: RunConfig) -> TrainResult:
         raise UserError("--data is required: a folder with metadata.csv, or a JSONL/CSV manifest")
     output_dir = Path(config.train.output_dir)
     runfolder.check_writable(output_dir)
+    if claimed_by_parent(output_dir) or int(os.environ.get("RANK", "0")) != 0:
+        # A process of a run whose launching process (--nproc) or process 0 (an outside
+        # launcher) holds the folder's lock: all of them are one run.
+        return _train_in(config, None)
+    with runfolder.RunLock(output_dir) as lock:  # before the folder is claimed, until the end
+        return _train_in(config, lock)
+
+
+def _train_in(config: RunConfig, lock: runfolder.RunLock | None) -> TrainResult:
+    output_dir = Path(config.train.output_dir)
     if not claimed_by_parent(output_dir):
         claim_output_dir(config)  # refuse an earlier run's folder, or move it aside
         if config.train.resume:  # options an exact resume depends on must not change
             resume_from = checkpoints.resolve_resume(config.train.resume, output_dir)
             checkpoints.check_resume_options(resume_from, config)
     if config.train.nproc > 1 and not inside_launcher():
-        return launch_data_parallel(config)
+        return launch_data_parallel(config, lock)
     recipe = FineTuneRecipe(config)
-    recipe.setup()
-    recipe.train()
-    return recipe.finish()
+    try:
+        recipe.setup()
+        recipe.train()
+        return recipe.finish()
+    except RuntimeError as exc:
+        if inside_launcher() and lost_another_process(exc):
+            # A traceback here says nothing about the cause, which is in the other process's
+            # error (or in its death: the launcher names the signal that killed it).
+            rank = os.environ.get("RANK", "?")
+            raise UserError(
+                f"process {rank}: another process of this run stopped or was killed "
+                f"({checkpoints._last_line(exc)}); this one stopped too"
+            ) from None
+        raise
+
+
+# What a collective raises when a process of the run is gone: gloo's socket errors; NCCL's
+# communicator aborted (torch.distributed.DistError covers its backend and network errors).
+_LOST_PROCESS_SIGNS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Connection refused",
+    "Broken pipe",
+    "Socket closed",
+    "NCCL communicator was aborted",
+)
+
+
+def lost_another_process(exc: BaseException) -> bool:
+    """True when `exc` is a collective's failure because a process of the run went away."""
+    import torch.distributed
+
+    text = str(exc)
+    return isinstance(exc, torch.distributed.DistError) or any(
+        sign in text for sign in _LOST_PROCESS_SIGNS
+    )
 
 
 def claim_output_dir(config: RunConfig) -> None:

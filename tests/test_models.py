@@ -186,3 +186,34 @@ def test_a_damaged_model_folder_is_one_line_naming_the_file_and_exit_2(
     assert str(target) in line and says in line, line
     assert "copy" in line  # the remedy
     assert not (tmp_path / "exported").exists() and not (tmp_path / "run" / "final").exists()
+
+
+class _RunsCode:
+    """Pickles as a call of os.system: unpickling it runs a command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pytorch_model_bin_with_a_pickled_object_that_runs_code_is_refused(
+    tmp_path, tiny_whisper_dir
+):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_whisper_dir, folder)
+    weights = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    marker = tmp_path / "the-pickle-ran"
+    torch.save({**weights, "extra": _RunsCode(marker)}, folder / "pytorch_model.bin")
+    with pytest.raises(UserError, match=r"could not load .*UnpicklingError") as caught:
+        load_model(str(folder))
+    assert "\n" not in str(caught.value)
+    assert not marker.exists()

@@ -443,3 +443,33 @@ def test_a_model_with_a_nan_weight_it_did_not_train_is_not_written_as_final(
     assert "the model of step 2 has 1 of" in line and "final/ was not written" in line
     assert f"--model {model} holds them" in line
     assert not (out / "final").exists()
+
+
+def test_two_processes_stop_together_when_an_update_blows_up(
+    tmp_path, tone_dataset, tiny_whisper_dir
+):
+    # Both processes check their weights after every update and all-reduce the flags (the same
+    # collective on each, whatever its weights): both stop after the same step with the same
+    # line, and no process waits at a collective the other never reaches. Step 2 runs at
+    # 1e308 / 4 (warm-up), infinite in float32. (Not --fsdp: its torch AdamW raises on a
+    # learning rate that overflows float32 before any weight changes.)
+    out = tmp_path / "out"
+    argv = train_argv(tone_dataset, tiny_whisper_dir, out, "--max-steps=4", "--save-steps=1")
+    flags = ["--nproc=2", "--batch-size=1", "--only-train", "--eval-split=0.25"]
+    flags += ["--learning-rate=1e308", "--warmup-steps=4", "--seed=0"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "whisper_train", *argv, *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if "its update made" in line]
+    assert lines and all("stopped at step 2: its update made" in line for line in lines), lines
+    assert f"--resume {out / 'checkpoint-1'} --learning-rate 1e-05" in lines[0]
+    assert [p.name for p in checkpoints_module.list_checkpoints(out)] == ["checkpoint-1"]
+    assert not (out / "final").exists()

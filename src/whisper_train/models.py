@@ -428,7 +428,9 @@ def _from_pretrained(source: str, spec: str, attn_implementation: str):
         ("unexpected_keys", "holds {} tensor(s) that config.json has no place for"),
     ):
         # transformers 4 lists a mismatch as (name, saved shape, model shape).
-        keys = sorted(key[0] if isinstance(key, tuple) else str(key) for key in loading[kind])
+        keys = sorted(
+            key[0] if isinstance(key, tuple) else str(key) for key in loading.get(kind) or ()
+        )
         if keys:
             raise UserError(
                 f"--model {spec}: its weights file {what.format(len(keys))} (first: {keys[0]}): "

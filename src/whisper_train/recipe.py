@@ -935,9 +935,10 @@ def nonfinite_tensors(parameters: list[torch.Tensor], accelerator) -> list[bool]
     weight comes near), then one host sync. With several processes the flags are all-reduced
     (under --fsdp each process holds a shard of each tensor), so every process takes the same
     decision; every process must call this, with the same parameters in the same order.
-    Measured on this project's 2-core CPU (load 11, other jobs running): 2-3 ms per check
-    for the tests' tiny model (3.6M parameters; its step took ~0.9 s at batch 4), 45-58 ms for
-    tiny.en trained in full (38M); the max-abs (ord inf) took 29 and 388 ms on that CPU.
+    Measured on this project's 2-core CPU (load 9-11, other jobs running, one thread): 2-3 ms
+    per check for the tests' tiny model (3.6M parameters; its step ~0.9 s at batch 4), 45-58 ms
+    for tiny.en trained in full (38M; its step 10-11 s at batch 4 x 30 s): under 0.6%. The
+    max-abs (ord inf) took 29 and 388 ms there; no GPU was measured.
     """
     local = [p.to_local() if hasattr(p, "to_local") else p for p in parameters]  # DTensor shards
     flags = torch.zeros(max(1, len(local)), device=accelerator.device)  # never an empty reduce

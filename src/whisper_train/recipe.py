@@ -614,9 +614,10 @@ class FineTuneRecipe:
             folder = self.save_checkpoint("too many bad steps", rotate=False)
             last_good = state.step - state.bad_steps_in_a_row
             fp16 = ""
-            if self.precision.name == "fp16":
+            if self.precision.name == "fp16":  # only ever on CUDA (`resolve_precision`)
                 command = resume_command(self.output_dir / runfolder.CONFIG_FILE, folder)
-                fp16 = f"With fp16 this is usually overflow: {command} --precision bf16. Else "
+                wider = "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+                fp16 = f"With fp16 this is usually overflow: {command} --precision {wider}. Else "
             raise UserError(
                 f"stopped at step {state.step}: {state.bad_steps_in_a_row} optimizer steps in a "
                 "row had a NaN or infinite loss or gradient and were skipped; "

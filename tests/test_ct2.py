@@ -8,6 +8,7 @@ swapped q/k/v slice) would otherwise go unnoticed.
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import ctranslate2
@@ -302,3 +303,48 @@ def test_save_ct2_refuses_bad_inputs(tiny_whisper_dir, tmp_path):
     (tmp_path / "full" / "keep.txt").write_text("user data")
     with pytest.raises(UserError, match="not empty"):
         save_ct2(tiny_whisper_dir, tmp_path / "full")
+
+
+# -- crafted or damaged model.bin: one line, checked against the file's size before reading --
+
+
+def _ct2_string(text: str) -> bytes:
+    encoded = text.encode() + b"\0"
+    return struct.pack("<H", len(encoded)) + encoded
+
+
+def _crafted_folder(folder: Path, *, version: int, shape: tuple[int, ...], n_bytes: int) -> Path:
+    """A CTranslate2 folder whose model.bin holds one float32 variable with the given shape and
+    byte count, followed by that many bytes of data only when the count is small."""
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "tokenizer.json").write_bytes((tiny_en_dir() / "tokenizer.json").read_bytes())
+    body = struct.pack("<I", version) + _ct2_string("WhisperSpec") + struct.pack("<I", 1)
+    body += struct.pack("<I", 1) + _ct2_string("encoder/conv1/weight")
+    body += struct.pack(f"<B{len(shape)}I", len(shape), *shape) + struct.pack("<B", 0)
+    body += struct.pack("<I", n_bytes) + bytes(min(n_bytes, 64))
+    (folder / "model.bin").write_bytes(body + struct.pack("<I", 0))
+    return folder
+
+
+CRAFTED = {
+    # 2^16 x 2^16 x 2^16 float32: 1 PiB asked for, nothing stored
+    "dims asking for a petabyte": ((2**16, 2**16, 2**16), 0, "needs 1125899906842624 bytes"),
+    # shape and count agree (4 GiB - 4), the file holds 64 bytes of it
+    "a byte count past the end": ((2**30 - 1,), 2**32 - 4, "is truncated"),
+    "another format version": ((4,), 16, "format version 7"),
+}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_a_crafted_model_bin_is_one_line_and_allocates_nothing(case, tmp_path):
+    from whisper_train.models import load_model
+
+    shape, n_bytes, says = CRAFTED[case]
+    version = 7 if "version" in case else 6
+    folder = _crafted_folder(tmp_path / "ct2", version=version, shape=shape, n_bytes=n_bytes)
+    with pytest.raises(UserError) as caught:
+        load_model(str(folder))
+    message = str(caught.value)
+    assert str(folder / "model.bin") in message and says in message
+    assert "\n" not in message

@@ -216,6 +216,102 @@ def test_damaged_model_files_as_model_give_one_line_and_exit_2(format, tmp_path)
         assert "Traceback" not in result.stderr
 
 
+def _first_tensor_header(path) -> int:
+    """The byte offset of the first tensor header of a ggml-model.bin (after the vocabulary)."""
+    reader = ggml._Reader(path)
+    reader.ints(1 + 11, "i")
+    n_mel, n_fft = reader.ints(2)
+    reader.take(4 * n_mel * n_fft)
+    for _ in range(reader.ints(1)[0]):
+        reader.take(reader.ints(1, "I")[0])
+    return reader.offset
+
+
+@pytest.mark.parametrize("field", ["mel filter rows", "tensor name length"])
+def test_a_negative_length_in_a_ggml_file_is_one_line_not_a_reader_running_backwards(
+    field, tmp_path
+):
+    from whisper_train.errors import UserError
+
+    model, processor = _shaped_like(**SHAPES["large-v3"])
+    save_export(model, processor, tmp_path, format="ggml", quantization="float16")
+    path = tmp_path / ggml.MODEL_FILE
+    data = bytearray(path.read_bytes())
+    if field == "mel filter rows":  # after the magic and the 11 hyper-parameters
+        struct.pack_into("<i", data, 4 + 4 * 11, -1)
+    else:
+        # Made to step back over this header and its dims: a reader that accepts it reads the
+        # same bytes again, or whatever lies behind them.
+        header = _first_tensor_header(path)
+        n_dims = struct.unpack_from("<i", data, header)[0]
+        struct.pack_into("<i", data, header + 4, -(12 + 4 * n_dims))
+    path.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=r"is negative \(-\d+\): the file is damaged"):
+        ggml.read_ggml(path)
+
+
+class _RunsCode:
+    """Pickles as a call of os.system: unpickling it runs a command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_model_pt_with_a_pickled_object_that_runs_code_is_refused_in_one_line(tmp_path):
+    model, processor = _shaped_like(**SHAPES["large-v3"])
+    save_export(model, processor, tmp_path, format="openai", quantization="float16")
+    path = tmp_path / openai_whisper.MODEL_FILE
+    checkpoint = torch.load(path, weights_only=True)
+    marker = tmp_path / "the-pickle-ran"
+    torch.save({**checkpoint, "extra": _RunsCode(marker)}, path)
+    result = subprocess.run(
+        [sys.executable, "-m", "whisper_train", "export", "--model", str(tmp_path)]
+        + ["--output", str(tmp_path / "out"), "--no-check"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2, result.stderr
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert str(path) in line and "Weights only load failed" in line
+    assert "Traceback" not in result.stderr
+    assert not marker.exists()
+
+
+MODEL_PT_DAMAGES = {
+    "a dim that is not a number": (lambda c: c["dims"].update(n_mels="80x"), "not a whole number"),
+    "heads that do not divide the width": (
+        lambda c: c["dims"].update(n_audio_head=7),
+        "do not describe a Whisper model",
+    ),
+    "weights that are a list": (
+        lambda c: c.update(model_state_dict=list(c["model_state_dict"].values())),
+        "not a mapping of names to tensors",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", list(MODEL_PT_DAMAGES))
+def test_a_model_pt_with_wrong_contents_is_one_line(damage, tmp_path):
+    from whisper_train.errors import UserError
+    from whisper_train.models import load_model
+
+    model, processor = _shaped_like(**SHAPES["large-v3"])
+    save_export(model, processor, tmp_path, format="openai", quantization="float16")
+    path = tmp_path / openai_whisper.MODEL_FILE
+    checkpoint = torch.load(path, weights_only=True)
+    change, says = MODEL_PT_DAMAGES[damage]
+    change(checkpoint)
+    torch.save(checkpoint, path)
+    with pytest.raises(UserError, match=says) as caught:
+        load_model(str(tmp_path))
+    assert str(path) in str(caught.value) and "\n" not in str(caught.value)
+
+
 def test_export_folders_load_with_the_hub_unreachable(tmp_path, monkeypatch):
     """Each folder carries what its runtime needs: no download is even tried."""
     import socket

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,7 +61,7 @@ def test_too_many_bad_steps_stop_with_a_checkpoint_and_advice(
     tmp_path, tiny_run_config, monkeypatch
 ):
     _nan_on_calls(monkeypatch, set(range(2, 100)))
-    with pytest.raises(UserError, match=r"3 optimizer steps in a row.*--precision bf16"):
+    with pytest.raises(UserError, match=r"3 optimizer steps in a row.*holds the weights from"):
         train(tiny_run_config(max_steps=50, max_bad_steps=3))
     out = tmp_path / "out"
     # Step 1 trained; steps 2-4 were skipped; the checkpoint holds step 1's (finite) weights.
@@ -862,3 +863,152 @@ def test_the_main_process_final_work_outlasts_the_collective_timeout(
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert (out / "final" / "model.safetensors").is_file() and (out / "result.json").is_file()
+
+
+# -- non-finite weights: never final/, never a checkpoint; advice that works when followed --
+
+
+def _train_cli(*args: str) -> tuple[int, str]:
+    """`whisper-train ARGS` in this process: (exit code, the one `error:` line or "")."""
+    import io
+    from contextlib import redirect_stderr
+
+    err = io.StringIO()
+    with redirect_stderr(err):
+        code = main(list(args))
+    lines = [line for line in err.getvalue().splitlines() if line.startswith("error:")]
+    assert len(lines) <= 1 and "Traceback" not in err.getvalue(), err.getvalue()[-3000:]
+    return code, lines[0] if lines else ""
+
+
+def _advised_command(line: str) -> list[str]:
+    """The `whisper-train train ...` command an error line advises, as arguments."""
+    import shlex
+
+    assert "whisper-train train " in line, line
+    return shlex.split(line[line.index("whisper-train train ") :])[1:]
+
+
+def _tiny_run_argv(out, tone_dataset, tiny_whisper_dir, *flags):
+    return train_argv(tone_dataset, tiny_whisper_dir, out, "--batch-size=4", "--only-train") + [
+        "--eval-split=0.25",
+        "--seed=0",
+        *flags,
+    ]
+
+
+def _all_finite(file) -> bool:
+    return all(torch.isfinite(t).all() for t in load_file(file).values())
+
+
+def test_a_learning_rate_that_overflows_the_weights_stops_at_step_1_without_final(
+    tmp_path, tone_dataset, tiny_whisper_dir
+):
+    # Issue 33: --learning-rate 1e308 finished with exit 0 and a final/ whose tensors were NaN.
+    out = tmp_path / "out"
+    argv = _tiny_run_argv(out, tone_dataset, tiny_whisper_dir, "--max-steps=3")
+    code, line = _train_cli(*argv, "--learning-rate=1e308", "--save-steps=1")
+
+    assert code == 2
+    assert re.search(r"stopped at step 1: its update made \d+ of \d+ trained tensors NaN", line)
+    assert "No checkpoint from before step 1 is kept" in line
+    assert not (out / "final").exists() and not (out / "result.json").exists()
+    assert checkpoints_module.list_checkpoints(out) == []
+    # The advice, followed: a lower learning rate trains to the end with finite weights.
+    code, line = _train_cli(*_advised_command(line))
+    assert code == 0, line
+    assert _all_finite(out / "final" / "model.safetensors")
+
+
+def test_weights_that_blow_up_later_stop_there_and_the_advice_resumes_from_before(
+    tmp_path, tone_dataset, tiny_whisper_dir
+):
+    # Linear warm-up over 4 steps: step 1 runs at learning rate 0 (finite, saved as
+    # checkpoint-1), step 2 at 1e308 / 4, which is infinite in float32.
+    out = tmp_path / "out"
+    argv = _tiny_run_argv(out, tone_dataset, tiny_whisper_dir, "--max-steps=4", "--save-steps=1")
+    code, line = _train_cli(*argv, "--learning-rate=1e308", "--warmup-steps=4")
+
+    assert code == 2 and "stopped at step 2: its update made" in line
+    assert [p.name for p in checkpoints_module.list_checkpoints(out)] == ["checkpoint-1"]
+    assert _all_finite(out / "checkpoint-1" / "trainable.safetensors")
+    assert f"--resume {out / 'checkpoint-1'} --learning-rate 1e-05" in line
+    code, line = _train_cli(*_advised_command(line))
+    assert code == 0, line
+    assert [row["step"] for row in metric_rows(out)] == [1, 2, 3, 4]
+    assert all(row["loss"] is not None for row in metric_rows(out))
+    assert _all_finite(out / "final" / "model.safetensors")
+
+
+def test_a_bad_step_stop_after_finite_but_blown_weights_advises_what_trains_on(
+    tmp_path, tone_dataset, tiny_whisper_dir
+):
+    # Step 2's update (learning rate 1e12 / 4) leaves the weights finite but near 1e11: every
+    # later forward is NaN. The stop's checkpoint holds those (finite) weights; resuming from it
+    # would stop again at once, so the advice resumes from checkpoint-1, before that update.
+    out = tmp_path / "out"
+    argv = _tiny_run_argv(out, tone_dataset, tiny_whisper_dir, "--max-steps=8", "--save-steps=1")
+    flags = ["--learning-rate=1e12", "--warmup-steps=4", "--max-bad-steps=3"]
+    flags += ["--save-total-limit=10"]  # checkpoint-1 is kept through the bad steps' saves
+    code, line = _train_cli(*argv, *flags)
+
+    assert code == 2 and "stopped at step 5: 3 optimizer steps in a row" in line
+    assert _all_finite(out / "checkpoint-5" / "trainable.safetensors")
+    assert f"--resume {out / 'checkpoint-1'} --learning-rate 1e-05" in line
+    code, line = _train_cli(*_advised_command(line))
+    assert code == 0, line
+    rows = metric_rows(out)
+    assert [row["step"] for row in rows] == list(range(1, 9))
+    assert all(row["loss"] is not None for row in rows)
+
+
+def test_a_model_with_a_nan_weight_it_did_not_train_is_not_written_as_final(
+    tmp_path, tone_dataset, tiny_whisper_dir
+):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_whisper_dir, model)
+    weights = load_file(model / "model.safetensors")
+    weights["model.encoder.layers.0.fc1.bias"][0] = math.nan
+    save_file(weights, model / "model.safetensors")
+    out = tmp_path / "out"
+    argv = _tiny_run_argv(out, tone_dataset, model, "--max-steps=2", "--mode=lora")
+    code, line = _train_cli(*argv)
+
+    assert code == 2
+    assert "the model of step 2 has 1 of" in line and "final/ was not written" in line
+    assert f"--model {model} holds them" in line
+    assert not (out / "final").exists()
+
+
+def test_two_processes_stop_together_when_an_update_blows_up(
+    tmp_path, tone_dataset, tiny_whisper_dir
+):
+    # Both processes check their weights after every update and all-reduce the flags (the same
+    # collective on each, whatever its weights): both stop after the same step with the same
+    # line, and no process waits at a collective the other never reaches. Step 2 runs at
+    # 1e308 / 4 (warm-up), infinite in float32. (Not --fsdp: its torch AdamW raises on a
+    # learning rate that overflows float32 before any weight changes.)
+    out = tmp_path / "out"
+    argv = train_argv(tone_dataset, tiny_whisper_dir, out, "--max-steps=4", "--save-steps=1")
+    flags = ["--nproc=2", "--batch-size=1", "--only-train", "--eval-split=0.25"]
+    flags += ["--learning-rate=1e308", "--warmup-steps=4", "--seed=0"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "whisper_train", *argv, *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if "its update made" in line]
+    assert lines and all("stopped at step 2: its update made" in line for line in lines), lines
+    assert f"--resume {out / 'checkpoint-1'} --learning-rate 1e-05" in lines[0]
+    assert [p.name for p in checkpoints_module.list_checkpoints(out)] == ["checkpoint-1"]
+    assert not (out / "final").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -126,3 +127,93 @@ def test_non_whisper_config_is_refused(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "bert"}')
     with pytest.raises(UserError, match="not a Whisper model config"):
         load_model(str(tmp_path))
+
+
+# -- damaged model folders: one line naming the file, exit 2, for every command -------------
+
+
+def _truncate(file):
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+
+
+def _drop_shape_keys(file):
+    config = json.loads(file.read_text())
+    del config["d_model"], config["encoder_layers"]
+    file.write_text(json.dumps(config))
+
+
+# (what is done to the folder, the file the error must name, what it must say about it)
+DAMAGES = {
+    "truncated weights": ("model.safetensors", _truncate, "is truncated"),
+    "config not JSON": ("config.json", lambda f: f.write_text('{"model_type": '), "valid JSON"),
+    "config lacks keys": ("config.json", _drop_shape_keys, "lacks d_model, encoder_layers"),
+    "no weights file": ("model.safetensors", lambda f: f.unlink(), "no weights file"),
+}
+
+
+def _command_argv(command, model, tmp_path, tone_dataset):
+    if command == "train":
+        return ["train", "--data", str(tone_dataset), "--model", str(model), "--only-train"] + [
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--max-steps=1",
+        ]
+    if command == "evaluate":
+        return ["evaluate", "--model", str(model), "--data", str(tone_dataset)]
+    return ["export", "--model", str(model), "--output", str(tmp_path / "exported"), "--no-check"]
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+@pytest.mark.parametrize("command", ["train", "evaluate", "export"])
+def test_a_damaged_model_folder_is_one_line_naming_the_file_and_exit_2(
+    command, damage, tmp_path, tiny_whisper_dir, tone_dataset, capsys
+):
+    import shutil
+
+    from whisper_train.cli import main
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_whisper_dir, folder)
+    name, damage_it, says = DAMAGES[damage]
+    damage_it(folder / name)
+    code = main(_command_argv(command, folder, tmp_path, tone_dataset))
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    [line] = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in err
+    target = folder if name == "model.safetensors" and "no weights" in says else folder / name
+    assert str(target) in line and says in line, line
+    assert "copy" in line  # the remedy
+    assert not (tmp_path / "exported").exists() and not (tmp_path / "run" / "final").exists()
+
+
+class _RunsCode:
+    """Pickles as a call of os.system: unpickling it runs a command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pytorch_model_bin_with_a_pickled_object_that_runs_code_is_refused(
+    tmp_path, tiny_whisper_dir
+):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_whisper_dir, folder)
+    weights = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    marker = tmp_path / "the-pickle-ran"
+    torch.save({**weights, "extra": _RunsCode(marker)}, folder / "pytorch_model.bin")
+    with pytest.raises(UserError, match=r"could not load .*UnpicklingError") as caught:
+        load_model(str(folder))
+    assert "\n" not in str(caught.value)
+    assert not marker.exists()

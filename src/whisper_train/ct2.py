@@ -17,6 +17,7 @@ become one tensor), so aliases must be resolved before anything is looked up by 
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import struct
@@ -103,18 +104,26 @@ def vocabulary_size(model_dir: str | Path) -> int | None:
 
 
 class _BinaryReader:
-    """Reads the little-endian primitives of `model.bin` from a file, in order."""
+    """Reads the little-endian primitives of `model.bin` from a file, in order.
+
+    Every length the file states is checked against the bytes the file still holds before
+    anything is read or allocated: a damaged or crafted count (a u32 asking for 4 GiB, dims
+    whose product is a petabyte) is one line, never a MemoryError.
+    """
 
     def __init__(self, stream: BinaryIO, path: Path):
         self.stream = stream
         self.path = path
+        self.size = path.stat().st_size
+
+    def damaged(self, what: str) -> UserError:
+        return UserError(
+            f"{self.path} is damaged ({what}, at byte {self.stream.tell()} of {self.size}): "
+            "download or convert the model again"
+        )
 
     def _unpack(self, fmt: str) -> int:
-        size = struct.calcsize(fmt)
-        data = self.stream.read(size)
-        if len(data) != size:
-            raise UserError(f"{self.path} is truncated: download or convert the model again")
-        return struct.unpack(fmt, data)[0]
+        return struct.unpack(fmt, self.raw(struct.calcsize(fmt)))[0]
 
     def u8(self) -> int:
         return self._unpack("<B")
@@ -127,14 +136,19 @@ class _BinaryReader:
 
     def string(self) -> str:
         length = self.u16()  # counts the trailing NUL
-        return self.raw(length)[:-1].decode("utf-8")
+        try:
+            return self.raw(length)[:-1].decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.damaged("a name that is not UTF-8") from None
 
     def raw(self, n_bytes: int) -> bytearray:
+        if n_bytes > self.size - self.stream.tell():
+            raise UserError(
+                f"{self.path} is truncated ({self.size} bytes; byte {self.stream.tell()} "
+                f"announces {n_bytes} more): download or convert the model again"
+            )
         # A fresh bytearray is writable, so torch.frombuffer can wrap it without a copy.
-        data = bytearray(self.stream.read(n_bytes))
-        if len(data) != n_bytes:
-            raise UserError(f"{self.path} is truncated: download or convert the model again")
-        return data
+        return bytearray(self.stream.read(n_bytes))
 
 
 def read_ct2_variables(model_dir: str | Path) -> dict[str, torch.Tensor]:
@@ -169,15 +183,24 @@ def read_ct2_variables(model_dir: str | Path) -> dict[str, torch.Tensor]:
             dtype_id = reader.u8()
             if dtype_id not in _DTYPES:
                 raise UserError(f"{path}: variable {name} has unknown dtype id {dtype_id}")
-            data = reader.raw(reader.u32())
             dtype = _DTYPES[dtype_id]
+            n_bytes = reader.u32()
+            # Python integers: a crafted shape cannot overflow, and nothing is allocated for it.
+            needed = math.prod(shape) * dtype.itemsize
+            if n_bytes != needed:
+                raise reader.damaged(
+                    f"variable {name} of shape {shape} needs {needed} bytes but stores {n_bytes}"
+                )
+            data = reader.raw(n_bytes)
             if data:
                 tensor = torch.frombuffer(data, dtype=dtype).reshape(shape)
-            else:
+            else:  # a zero-sized shape
                 tensor = torch.empty(shape, dtype=dtype)
             variables[name] = tensor
         for _ in range(reader.u32()):
             alias, target = reader.string(), reader.string()
+            if target not in variables:
+                raise reader.damaged(f"alias {alias} names no variable ({target})")
             variables[alias] = variables[target]
             # An alias of a quantised weight shares its scale too.
             if f"{target}_scale" in variables:
@@ -223,7 +246,7 @@ def _count_layers(weights: dict[str, torch.Tensor], stack: str) -> int:
 
 
 def _scalar(weights: dict[str, torch.Tensor], name: str) -> int:
-    if name not in weights:
+    if name not in weights or weights[name].numel() != 1:
         raise UserError(f"model.bin has no {name}: this is not a Whisper model from ctranslate2")
     return int(weights[name].item())
 
@@ -239,6 +262,10 @@ def _hf_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     used: set[str] = set()
 
     def take(name: str) -> torch.Tensor:
+        if name not in weights:
+            raise UserError(
+                f"model.bin has no {name}: it is damaged or not a Whisper model from ctranslate2"
+            )
         used.add(name)
         return weights[name]
 
@@ -318,7 +345,16 @@ def load_tokenizer(model_dir: Path, vocab_size: int) -> WhisperTokenizerFast:
             f"{model_dir} has no {TOKENIZER_FILE}: copy the tokenizer.json of the original "
             f"Whisper model into it"
         )
-    tokenizer = WhisperTokenizerFast(tokenizer_file=str(tokenizer_file), pad_token="<|endoftext|>")
+    try:
+        tokenizer = WhisperTokenizerFast(
+            tokenizer_file=str(tokenizer_file), pad_token="<|endoftext|>"
+        )
+    except Exception as exc:  # the tokenizers library raises a bare Exception on a bad file
+        raise UserError(
+            f"{tokenizer_file} cannot be read ({type(exc).__name__}: "
+            f"{str(exc).strip()[:120]}); copy the tokenizer.json of the original Whisper model "
+            "into it"
+        ) from None
     # A bare tokenizer.json marks <|...|> tokens special but does not register them as the
     # tokenizer's special tokens (the hub's tokenizer_config.json does). Without that,
     # transformers takes <|endoftext|> + 1 as the first timestamp and decodes times wrongly.
@@ -420,8 +456,33 @@ def load_ct2_whisper(
     counts from the stored scalars. int8 weights are dequantised; every weight ends in `dtype`.
     """
     model_dir = Path(path)
-    weights = dequantize(read_ct2_variables(model_dir))
-    ct2_config = json.loads((model_dir / CONFIG_FILE).read_text())
+    variables = read_ct2_variables(model_dir)
+    ct2_config = _read_config(model_dir / CONFIG_FILE)
+    try:
+        return _whisper_from_variables(model_dir, variables, ct2_config, dtype, attn_implementation)
+    except (RuntimeError, ValueError, IndexError) as exc:
+        # Tensors that read well but do not fit together (a fused weight that does not split
+        # in 3, a conv1 of rank 2, a scale per row of another length): damaged, not ours.
+        text = str(exc).strip().splitlines()
+        raise UserError(
+            f"{model_dir / MODEL_FILE}: its tensors do not form a Whisper model "
+            f"({type(exc).__name__}: {(text[0] if text else '')[:160]}); download or convert "
+            "the model again"
+        ) from None
+
+
+def _read_config(config_file: Path) -> dict:
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        config = None
+    if not isinstance(config, dict):
+        raise UserError(f"{config_file} is not a JSON object: download or convert the model again")
+    return config
+
+
+def _whisper_from_variables(model_dir, variables, ct2_config, dtype, attn_implementation):
+    weights = dequantize(variables)
 
     # Only the decoder records its activation; the encoder shares it.
     activation = _scalar(weights, "decoder/activation")

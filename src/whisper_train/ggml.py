@@ -32,6 +32,7 @@ only the .bin. Reading a float32 file back is bit-exact; a float16 one is float1
 
 from __future__ import annotations
 
+import math
 import struct
 from pathlib import Path
 
@@ -155,6 +156,11 @@ class _Reader:
         self.offset = 0
 
     def take(self, n: int) -> bytes:
+        if n < 0:  # a negative count (signed in the file) would move the reader backwards
+            raise UserError(
+                f"--model {self.path}: a length at byte {self.offset} is negative ({n}): the "
+                "file is damaged; re-export or download it again"
+            )
         if self.offset + n > len(self.data):
             raise UserError(
                 f"--model {self.path}: the file ends early (at byte {len(self.data)}): it is "
@@ -206,7 +212,7 @@ def read_ggml(path: str | Path) -> tuple[dict[str, int], np.ndarray, dict[str, t
         shape = tuple(reversed(reader.ints(n_dims)))
         name = reader.take(name_length).decode("utf-8", errors="replace")
         dtype = np.dtype("<f4") if tensor_type == TYPE_F32 else np.dtype("<f2")
-        count = int(np.prod(shape))
+        count = math.prod(shape)  # Python integers: a crafted shape cannot overflow
         array = np.frombuffer(reader.take(count * dtype.itemsize), dtype=dtype).reshape(shape)
         if name in _CONV_BIASES:
             array = array.reshape(-1)

@@ -18,9 +18,12 @@ The model comes back in float32 (master weights; mixed precision is the training
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import pickle
 import re
+import struct
 from pathlib import Path
 
 import torch
@@ -97,12 +100,12 @@ def folder_is_multilingual(folder: Path) -> bool | None:
     if not config_file.is_file():  # a ggml / openai export folder has the generation config
         if not generation_file.is_file():
             return None
-        declared = json.loads(generation_file.read_text(encoding="utf-8")).get("is_multilingual")
+        declared = read_json_object(generation_file, str(folder)).get("is_multilingual")
         return None if declared is None else bool(declared)
-    vocab_size = json.loads(config_file.read_text(encoding="utf-8")).get("vocab_size")
+    vocab_size = read_json_object(config_file, str(folder)).get("vocab_size")
     declared = None
     if generation_file.is_file():
-        declared = json.loads(generation_file.read_text(encoding="utf-8")).get("is_multilingual")
+        declared = read_json_object(generation_file, str(folder)).get("is_multilingual")
     if declared is None and vocab_size is None:
         return None
     return _multilingual(declared, vocab_size)
@@ -125,13 +128,147 @@ def _load_local(path: Path, spec: str, attn_implementation: str):
         return model, processor
     config_file = path / "config.json"
     if path.is_dir() and config_file.exists():
-        if '"whisper"' not in config_file.read_text(encoding="utf-8", errors="replace"):
-            raise UserError(f"--model {spec}: {config_file} is not a Whisper model config")
-        return _from_pretrained(str(path), spec, attn_implementation)
+        check_hf_folder(path, spec)
+        try:
+            return _from_pretrained(str(path), spec, attn_implementation)
+        except UserError:
+            raise
+        except _LOAD_ERRORS as exc:  # what the checks above cannot foresee (a damaged .bin)
+            raise UserError(
+                f"--model {spec}: transformers could not load the model in {path} "
+                f"({type(exc).__name__}: {_first_line(exc)[:160]}); the folder is damaged: copy "
+                "or save the model again"
+            ) from None
     raise UserError(
         f"--model {spec}: holds neither a Hugging Face model (config.json + weights) nor a "
         "CTranslate2 model (model.bin + config.json); point at the model folder itself"
     )
+
+
+# What a damaged local model folder makes transformers raise: a truncated or altered
+# pytorch_model.bin (torch.load, weights_only), a config transformers refuses. Anything else
+# is a defect of ours and keeps its traceback.
+_LOAD_ERRORS = (OSError, ValueError, RuntimeError, TypeError, EOFError, pickle.UnpicklingError)
+
+# The config.json keys that fix the weights' shapes. transformers fills a missing one with
+# its default (tiny-sized: 4 layers, d_model 384), which either fails to load with a report of
+# every tensor, or silently leaves whole layers at random values; every Whisper config.json
+# that transformers or whisper-train writes has them all.
+WHISPER_SHAPE_KEYS = (
+    "vocab_size",
+    "num_mel_bins",
+    "d_model",
+    "encoder_layers",
+    "decoder_layers",
+    "encoder_attention_heads",
+    "decoder_attention_heads",
+    "encoder_ffn_dim",
+    "decoder_ffn_dim",
+    "max_source_positions",
+    "max_target_positions",
+)
+# The weights files transformers reads from a folder, in its order of preference.
+SAFETENSORS_FILE, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
+PYTORCH_FILE, PYTORCH_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+_REMEDY = "copy the model folder again from where it came from, or save or export it again"
+
+
+def read_json_object(file: Path, spec: str) -> dict:
+    """A JSON file of `--model spec` that must hold an object; one line naming it otherwise."""
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        value = None
+    except json.JSONDecodeError as exc:
+        raise UserError(
+            f"--model {spec}: {file} is not valid JSON ({exc.msg} at line {exc.lineno} column "
+            f"{exc.colno}); {_REMEDY}"
+        ) from None
+    if not isinstance(value, dict):
+        raise UserError(f"--model {spec}: {file} does not hold a JSON object; {_REMEDY}")
+    return value
+
+
+def check_hf_folder(path: Path, spec: str) -> None:
+    """Refuse, in one line naming the file, a Hugging Face model folder that transformers would
+    fail on with a traceback or, worse, load with random weights: config.json unreadable or
+    missing a shape key, no weights file, a safetensors file shorter than its header says."""
+    config_file = path / "config.json"
+    config = read_json_object(config_file, spec)
+    if config.get("model_type") != "whisper":
+        raise UserError(f"--model {spec}: {config_file} is not a Whisper model config")
+    missing = [key for key in WHISPER_SHAPE_KEYS if key not in config]
+    if missing:
+        raise UserError(
+            f"--model {spec}: {config_file} lacks {', '.join(missing)}, which fix the weights' "
+            f"shapes; {_REMEDY}"
+        )
+    for key in WHISPER_SHAPE_KEYS:
+        value = config[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise UserError(
+                f"--model {spec}: {config_file} has {key} {value!r}, not a positive whole "
+                f"number; {_REMEDY}"
+            )
+    for weights_file in _weights_files(path, spec):
+        if weights_file.suffix == ".safetensors":
+            check_safetensors(weights_file, spec)
+
+
+def _weights_files(path: Path, spec: str) -> list[Path]:
+    """The weights files transformers will read from `path`, each one present."""
+    for single, index in ((SAFETENSORS_FILE, SAFETENSORS_INDEX), (PYTORCH_FILE, PYTORCH_INDEX)):
+        if (path / single).is_file():
+            return [path / single]
+        if (path / index).is_file():
+            weight_map = read_json_object(path / index, spec).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise UserError(f"--model {spec}: {path / index} has no weight_map; {_REMEDY}")
+            shards = [path / name for name in sorted(set(map(str, weight_map.values())))]
+            absent = [shard for shard in shards if not shard.is_file()]
+            if absent:
+                raise UserError(
+                    f"--model {spec}: {absent[0]} is missing ({index} lists {len(shards)} "
+                    f"files); {_REMEDY}"
+                )
+            return shards
+    raise UserError(
+        f"--model {spec}: {path} has config.json but no weights file ({SAFETENSORS_FILE} or "
+        f"{PYTORCH_FILE}); copy the weights into it, or point --model at the folder that "
+        "holds them"
+    )
+
+
+def check_safetensors(file: Path, spec: str) -> None:
+    """A safetensors file is an 8-byte header length, a JSON header giving each tensor's byte
+    range, then the data: the file must be as long as its header says (a cut-off download or
+    copy is not), checked before anything of that size is read or allocated."""
+    size = file.stat().st_size
+    with file.open("rb") as stream:
+        head = stream.read(8)
+        header_bytes = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        if header_bytes is None or header_bytes > size - 8:
+            raise UserError(
+                f"--model {spec}: {file} is truncated or not a safetensors file ({size} "
+                f"bytes); {_REMEDY}"
+            )
+        try:
+            header = json.loads(stream.read(header_bytes))
+            ends = [
+                int(entry["data_offsets"][1])
+                for name, entry in header.items()
+                if name != "__metadata__"
+            ]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            raise UserError(
+                f"--model {spec}: {file} has a damaged safetensors header; {_REMEDY}"
+            ) from None
+    needed = 8 + header_bytes + max(ends, default=0)
+    if needed > size:
+        raise UserError(
+            f"--model {spec}: {file} is truncated ({size} bytes, its header describes "
+            f"{needed}); {_REMEDY}"
+        )
 
 
 def _runtime_format(path: Path):
@@ -239,6 +376,23 @@ def _hub_failure(exc: BaseException) -> str:
     return "other"
 
 
+@contextlib.contextmanager
+def _quiet_load_report():
+    """Drop transformers' table of missing or mismatched tensors (`_from_pretrained` says it in
+    one line). A filter, not a higher level: transformers runs other checks when that logger's
+    level is raised."""
+
+    def not_the_report(record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in str(record.msg)
+
+    report = logging.getLogger("transformers.modeling_utils")
+    report.addFilter(not_the_report)
+    try:
+        yield
+    finally:
+        report.removeFilter(not_the_report)
+
+
 def _offline_note() -> str:
     from huggingface_hub import constants
 
@@ -259,9 +413,30 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _from_pretrained(source: str, spec: str, attn_implementation: str):
-    model = WhisperForConditionalGeneration.from_pretrained(
-        source, attn_implementation=attn_implementation
-    )
+    # transformers logs a table of every missing or mismatched tensor, then either raises or
+    # (missing ones) initialises them at random: both are refused below in one line instead.
+    with _quiet_load_report():
+        model, loading = WhisperForConditionalGeneration.from_pretrained(
+            source,
+            attn_implementation=attn_implementation,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,
+        )
+    for kind, what in (
+        ("missing_keys", "lacks {} tensor(s) that config.json describes"),
+        ("mismatched_keys", "holds {} tensor(s) in another shape than config.json says"),
+        ("unexpected_keys", "holds {} tensor(s) that config.json has no place for"),
+    ):
+        # transformers 4 lists a mismatch as (name, saved shape, model shape).
+        keys = sorted(
+            key[0] if isinstance(key, tuple) else str(key) for key in loading.get(kind) or ()
+        )
+        if keys:
+            raise UserError(
+                f"--model {spec}: its weights file {what.format(len(keys))} (first: {keys[0]}): "
+                f"config.json and the weights belong to different models, or one is damaged; "
+                f"{_REMEDY}"
+            )
     try:
         processor = WhisperProcessor.from_pretrained(source)
     except (OSError, ValueError, TypeError) as exc:

@@ -195,13 +195,25 @@ def load_openai(path: str | Path):
             f"--model {model_file}: a torch file but not an openai-whisper checkpoint (it needs "
             "'dims' and 'model_state_dict')"
         )
-    dims = checkpoint["dims"]
-    missing = [key for key in DIMS if key not in dims]
+    dims, weights = checkpoint["dims"], checkpoint["model_state_dict"]
+    missing = [key for key in DIMS if not isinstance(dims, dict) or key not in dims]
     if missing:
         raise UserError(f"--model {model_file}: 'dims' lacks {', '.join(missing)}")
-    return model_from_openai_weights(
-        model_file, {key: int(dims[key]) for key in DIMS}, checkpoint["model_state_dict"]
-    )
+    wrong = [key for key in DIMS if isinstance(dims[key], bool) or not isinstance(dims[key], int)]
+    if wrong:
+        raise UserError(
+            f"--model {model_file}: 'dims' has {wrong[0]} {dims[wrong[0]]!r}, not a whole "
+            "number; re-export it or check the download"
+        )
+    if not isinstance(weights, dict) or not all(
+        isinstance(name, str) and isinstance(tensor, torch.Tensor)
+        for name, tensor in weights.items()
+    ):
+        raise UserError(
+            f"--model {model_file}: 'model_state_dict' is not a mapping of names to tensors; "
+            "re-export it or check the download"
+        )
+    return model_from_openai_weights(model_file, {key: dims[key] for key in DIMS}, weights)
 
 
 def model_from_openai_weights(source: Path, dims: dict[str, int], weights: dict):
@@ -232,7 +244,13 @@ def model_from_openai_weights(source: Path, dims: dict[str, int], weights: dict)
         begin_suppress_tokens=list(generation_config.begin_suppress_tokens or []),
         tie_word_embeddings=True,
     )
-    names = hf_names(config)
+    try:
+        names = hf_names(config)
+    except ValueError as exc:  # e.g. a width the head count does not divide
+        raise UserError(
+            f"--model {source}: its dimensions {dims} do not describe a Whisper model "
+            f"({str(exc).strip()[:120]}); the file is damaged"
+        ) from None
     unknown = sorted(set(weights) - set(names))
     absent = sorted(set(names) - set(weights))
     if unknown or absent:

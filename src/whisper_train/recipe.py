@@ -71,6 +71,7 @@ from whisper_train.runlog import (
     StopRequest,
     TrainResult,
     progress_bars_wanted,
+    resume_command,
     say,
     step_line,
     write_result,

@@ -71,6 +71,24 @@ def test_too_many_bad_steps_stop_with_a_checkpoint_and_advice(
     assert [row["loss"] is None for row in metric_rows(out)] == [False, True, True, True]
 
 
+def test_a_resume_after_a_bad_step_stop_gets_the_whole_allowance_again(
+    tmp_path, tiny_run_config, monkeypatch
+):
+    # The remedy for a bad-step stop is a resume with another setting (fp16 -> bf16): the new
+    # process must get --max-bad-steps fresh chances, not stop at its first bad step because
+    # the checkpoint counted the stopped run's.
+    unpoisoned = recipe_module.loss_terms
+    _nan_on_calls(monkeypatch, set(range(2, 100)))
+    with pytest.raises(UserError, match=r"3 optimizer steps in a row"):
+        train(tiny_run_config(max_steps=50, max_bad_steps=3))
+    monkeypatch.setattr(recipe_module, "loss_terms", unpoisoned)
+    _nan_on_calls(monkeypatch, {1})  # the resumed run's first step is bad, the rest are not
+    result = train(tiny_run_config(max_steps=7, max_bad_steps=3, resume="latest"))
+    rows = metric_rows(result.output_dir)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6, 7]
+    assert [row["loss"] is None for row in rows[4:]] == [True, False, False]
+
+
 def test_full_disk_at_save_time_keeps_the_previous_checkpoint(
     tmp_path, tiny_run_config, monkeypatch
 ):

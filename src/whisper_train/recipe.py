@@ -501,6 +501,9 @@ class FineTuneRecipe:
             optimizer=self.optimizer,
             scheduler=self.scheduler,
         )
+        # A resume after a bad-step stop is its remedy (another precision, a lower rate): the
+        # new run gets --max-bad-steps chances of its own, not the stopped run's last one.
+        self.state.bad_steps_in_a_row = 0
         where = self.data.restore(self.resume_from, self.state)
         for line in self.resume_point.skipped:
             say(self.accelerator, line)

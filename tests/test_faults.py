@@ -110,6 +110,24 @@ def test_full_disk_at_save_time_keeps_the_previous_checkpoint(
     assert load_file(out / "checkpoint-1" / "trainable.safetensors")
 
 
+def test_a_first_save_that_fails_advises_what_works_and_following_it_trains(
+    tmp_path, tiny_run_config, monkeypatch
+):
+    real_save = checkpoints_module.save_file
+
+    def disk_full(tensors, path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checkpoints_module, "save_file", disk_full)
+    with pytest.raises(UserError, match=r"no earlier checkpoint") as refused:
+        train(tiny_run_config(save_steps=1, max_steps=2))
+    # No checkpoint to resume from: "--resume latest" would fail; a fresh start works.
+    assert "--resume" not in str(refused.value) and "--overwrite" in str(refused.value)
+    monkeypatch.setattr(checkpoints_module, "save_file", real_save)
+    result = train(tiny_run_config(save_steps=1, max_steps=2, overwrite=True))
+    assert result.steps == 2
+
+
 def test_too_little_free_space_is_refused_before_training(tmp_path, tiny_run_config, monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(

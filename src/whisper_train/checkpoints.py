@@ -371,9 +371,10 @@ def save_checkpoint(
             if "Error" not in failure  # an OSError's text: "Permission denied", ...
             else "fix the cause"
         )
+        # With nothing to resume from, --resume latest would fail: the run starts again.
+        then = "resume with --resume latest" if previous else "train again with --overwrite"
         raise UserError(
-            f"could not write checkpoint {folder} ({failure}); {kept}; "
-            f"{remedy}, then resume with --resume latest"
+            f"could not write checkpoint {folder} ({failure}); {kept}; {remedy}, then {then}"
         )
     accelerator.wait_for_everyone()
     return folder

@@ -87,9 +87,19 @@ FORBIDDEN = {_pair_key(*pair) for pair in [*REFUSED, *MEANINGLESS]}
 
 
 def _consistent(assigned: dict) -> bool:
-    """No forbidden pair among the values assigned so far (every constraint is a pair)."""
+    """No forbidden pair among the values assigned so far, nor a streamed row whose step no
+    plain twin holds (`TWINLESS`)."""
     items = list(assigned.items())
+    if all(assigned.get(name) == value for name, value in TWINLESS):
+        return False
     return not any(_pair_key(a, b) in FORBIDDEN for a, b in itertools.combinations(items, 2))
+
+
+# Each DataLoader worker batches its own share of a stream: with 2 workers, one micro-batch
+# holds one worker's clips, so a step holds every clip only if it takes a micro-batch of each
+# worker (accumulation 2). Without, a step of 2 workers is other clips than the twin's
+# (measured: step 1 moved by 1.8e-2). A valid run, but one no plain twin repeats.
+TWINLESS = (("data", "stream"), ("workers", 2), ("accumulation", 1))
 
 
 def _tuples(row: dict, strength: int) -> set:
@@ -445,7 +455,7 @@ def twin_losses(row: dict, data: dict, monkeypatch) -> list[float]:
 # micro-batches) or whose encoder outputs come from the cache (stored as float16, then cast)
 # round differently. Measured over this matrix's bf16 rows: 2e-4 at most. 1e-3 sits 5x above
 # that, and 6.5x below the smallest real change conftest names (learning rate +10% moves
-# step 2 by 6.5e-3); a clip lost or seen twice in a step moves the loss by ~4e-2 here.
+# step 2 by 6.5e-3); the same 8 clips packed into other windows moved step 1 by 3.5e-2 here.
 BF16_LOSS_ATOL = 1e-3
 
 
@@ -546,7 +556,7 @@ def three_wise() -> list[dict]:
     return covering_array(3)
 
 
-THREE_WISE_ROWS = 42
+THREE_WISE_ROWS = 39
 
 
 @pytest.mark.slow

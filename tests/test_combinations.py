@@ -3,19 +3,22 @@ invariants, or is refused at start in one line that names the flags.
 
 The factors (`FACTORS`) are the training options that interact: mode, processes, gradient
 accumulation, checkpointing, packing, streamed shards, --fsdp, the encoder cache, precision,
-LoRA's targets and --resume. A seeded greedy generator (`covering_array`) picks rows until every
-pair of values that some valid row can hold is in a row (the 3-wise array is the slow test).
-Pairs no row may hold (`REFUSED`) are each tested to be refused.
+LoRA's targets, --resume, data-loading workers, and settings given as flags or in a YAML
+--config. A seeded greedy generator (`covering_array`) picks rows until every pair of values
+that some valid row can hold is in a row (the 3-wise array is the slow test). Pairs no row may
+hold (`REFUSED`) are each tested to be refused.
 
 Every training row is compared with its twin: the same mode, data, packing, precision and
 targets, trained in this process without anything else (1 process, no accumulation, no
-checkpointing, no cache, no --fsdp, uninterrupted) at the same global batch. The row's losses
-must be the twin's: N processes = 1 process, batch b x accumulation a = batch a*b, recomputed =
-stored activations, cached = computed encoder outputs, sharded = whole, resumed = uninterrupted.
-Each step holds every training clip (4 clips, global batch 4), so equal losses need neither
-the same order nor the same split of clips over processes, only every clip once a step.
-A row also checks that every parameter its mode trains gets a nonzero gradient (observed at
-the optimizer step, `install_gradient_observer`) and that final/ changed exactly those weights.
+checkpointing, no cache, no --fsdp, no workers, flags, uninterrupted) at the same global batch.
+The row's losses must be the twin's: N processes = 1 process, batch b x accumulation a = batch
+a*b, recomputed = stored activations, cached = computed encoder outputs, sharded = whole,
+resumed = uninterrupted, workers = none, YAML = flags. Each step holds every training clip (a
+step is the whole data), so equal losses need neither the same order nor the same split of
+clips over processes, only every clip once a step. A row also checks that every parameter its
+mode trains gets a nonzero gradient (observed at the optimizer step,
+`install_gradient_observer`) and that final/ changed exactly the weights those parameters are.
+Twins are shared by the rows that have the same one.
 """
 
 from __future__ import annotations
@@ -190,7 +193,11 @@ GLOBAL_BATCH = 4  # every training clip: a step is a pass over the data
 def install_gradient_observer(out_dir: str, patch=setattr) -> None:
     """Log, at every optimizer step of this process, the parameters with a nonzero gradient
     (and once the ones that require one) to OUT_DIR/grads-RANK-PID.jsonl. Runs in the test's
-    process (patch: monkeypatch.setattr) and, as sitecustomize, in each launched process."""
+    process (patch: monkeypatch.setattr) and, as sitecustomize, in each launched process.
+
+    The gradients themselves, not moved weights: AdamW's first step moves a parameter with any
+    nonzero gradient by ~lr however small it is, and a later step moves one whose gradient
+    stopped reaching it by its momentum alone (with --fsdp: each process's shard, unioned)."""
     import json
     import os
 

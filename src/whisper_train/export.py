@@ -58,7 +58,7 @@ EXPORT_MARKERS = ("config.json", "ggml-model.bin", "model.pt")
 DEVICES = ("cpu", "cuda")
 # The largest mean |log p_source - log p_export| per token of the source's transcripts, in nats,
 # by weight precision (logprob_tolerance says where the numbers come from).
-LOGPROB_TOLERANCE = {"float32": 0.02, "float16": 0.05, "int8": 0.15, "int8_float16": 0.15}
+LOGPROB_TOLERANCE = {"float32": 0.005, "float16": 0.02, "int8": 0.1, "int8_float16": 0.1}
 CHECK_CLIPS = 12
 # Spoken by espeak-ng when no --check-data is given: everyday sentences, about 110 words, so
 # that one near-tied word is under 1% of the check.
@@ -286,11 +286,12 @@ class ParityCheck:
 def logprob_tolerance(quantization: str) -> float:
     """The largest mean |Δ log p| per token of the source's transcripts an intact export shows.
 
-    Measured (BENCHMARKS.md, "The export check, like with like") on tiny.en and base over the
-    12 synthesised clips: float32 and float16 weights in a float32 runtime 0.0001 nats or less,
-    whisper.cpp's float16 arithmetic up to NN, int8 up to NN; a wrong, swapped or transposed
-    tensor, wrong mel filters: NN and more. Each bound sits several times above what precision
-    explains and well below what a broken file does.
+    Measured (BENCHMARKS.md, "The export check, like with like") over the 12 synthesised clips:
+    float32 and float16 weights in a float32 runtime (CTranslate2 and openai-whisper on a CPU)
+    0.0000 nats on tiny.en and base; whisper.cpp's float16 arithmetic 0.0074 (tiny.en); int8
+    0.029 (tiny.en) and 0.021 (base). One swapped q/k pair in tiny.en's first decoder layer,
+    the subtlest breakage measured, moved it 0.044. Each bound is 2.5-3x what an intact export
+    of that precision showed.
     """
     return LOGPROB_TOLERANCE.get(quantization, LOGPROB_TOLERANCE["int8"])
 

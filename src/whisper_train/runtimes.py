@@ -10,8 +10,9 @@ must decode the same way, whatever each runtime's defaults: greedy (temperature 
 candidate, no fallback), no timestamps, no previous text, one 30 s window, the same language
 token forced (none for English-only models), the non-speech tokens suppressed and a blank or
 <|endoftext|> suppressed as the first token (what the source's generation config says for
-OpenAI's checkpoints, and each runtime's `suppress_blank` / `suppress_tokens=-1`). Any word that
-still differs is then the export's doing (precision, a broken conversion), not the decoder's.
+OpenAI's checkpoints, and each runtime's `suppress_blank` / `suppress_tokens=-1`). Words still
+differ now and then where two tokens are nearly tied, so the check's verdict rests on the
+teacher-forced scores below (`*_scores`); the greedy transcripts are reported beside them.
 """
 
 from __future__ import annotations

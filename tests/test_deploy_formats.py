@@ -25,12 +25,7 @@ from transformers import (
 )
 
 from whisper_train import ggml, openai_whisper
-from whisper_train.export import (
-    check_clips,
-    compare,
-    save_export,
-)
-from whisper_train.runtimes import runtime_greedy, transformers_greedy
+from whisper_train.export import check_clips, check_export, save_export, score_source
 
 
 def _shaped_like(*, encoder_layers: int, decoder_layers: int, seed: int = 0):
@@ -80,9 +75,9 @@ def check_set():
 
 
 @pytest.fixture(scope="module")
-def source_texts(tiny_en, check_set):
+def source_side(tiny_en, check_set):
     model, processor = tiny_en
-    return transformers_greedy(model, processor, [clip[1] for clip in check_set], None)
+    return score_source(model, processor, check_set, None)
 
 
 @pytest.mark.parametrize(
@@ -96,18 +91,14 @@ def source_texts(tiny_en, check_set):
         ("hf", "float32"),
     ],
 )
-def test_real_tiny_en_transcribes_within_the_check_threshold_in_each_runtime(
-    tiny_en, check_set, source_texts, format, quantization, tmp_path
+def test_real_tiny_en_passes_the_check_in_each_runtime(
+    tiny_en, check_set, source_side, format, quantization, tmp_path
 ):
     model, processor = tiny_en
     audio = [clip[1] for clip in check_set]
-    source = source_texts
     save_export(model, processor, tmp_path, format=format, quantization=quantization)
-    exported = runtime_greedy(format, tmp_path, audio, None)
-    check = compare(
-        check_set, source, exported, runtime=format, language=None, quantization=quantization
-    )
-    assert check.words > 30  # the comparison is over real transcripts, not empty strings
+    check = check_export(source_side, format, tmp_path, quantization)
+    assert check.tokens > 30  # the comparison is over real transcripts, not empty strings
     assert check.passed, check.summary()
     assert check.export_wer <= 0.1, "tiny.en understands these espeak-ng sentences"
 
@@ -397,3 +388,129 @@ def test_a_float32_ggml_export_needs_no_check_because_whisper_cpp_aborts_on_it(t
         check=False,
     )
     assert struct.unpack("<I11i", (tmp_path / "b" / ggml.MODEL_FILE).read_bytes()[:48])[-1] == 0
+
+
+# -- the export check on deliberately broken exports -----------------------------------------
+#
+# A random model with weights drawn at std 0.1 (not the 0.02 of initialisation) is confident
+# enough that a wrong tensor moves its log-probabilities (a 0.02 model is nearly uniform), yet
+# tame enough for whisper.cpp's float16 arithmetic: measured 0.015 nats mean |Δ log p| intact
+# (allowed 0.02), 1.2 with one transposed 64 x 64 weight.
+
+
+def _confident(seed: int = 0):
+    model, processor = _shaped_like(**SHAPES["large-v3"])
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if weight.dim() >= 2 and "embed_positions" not in name:
+                weight.copy_(torch.randn(weight.shape, generator=generator) * 0.1)
+    model.generation_config.max_length = 12  # greedy writes ~10 tokens of nonsense: enough
+    return model, processor
+
+
+@pytest.fixture(scope="module")
+def confident_source():
+    model, processor = _confident()
+    return model, processor, score_source(model, processor, check_clips(None, n_clips=2), None)
+
+
+def _transposed(model, processor, output):  # a converter that wrote [in, out] as [out, in]
+    weight = model.model.encoder.layers[0].self_attn.out_proj.weight
+    with torch.no_grad():
+        weight.copy_(weight.T.clone())
+
+
+def _cross_k_v_swapped(model, processor, output):  # a fused k|v split the wrong way round
+    with torch.no_grad():
+        for layer in model.model.decoder.layers:
+            k = layer.encoder_attn.k_proj.weight.clone()
+            layer.encoder_attn.k_proj.weight.copy_(layer.encoder_attn.v_proj.weight)
+            layer.encoder_attn.v_proj.weight.copy_(k)
+
+
+def _ggml_vocabulary_shifted(model, processor, output):  # token i spelled as token i + 1
+    path = output / ggml.MODEL_FILE
+    data = path.read_bytes()
+    start = 4 + 11 * 4 + 8 + 4 * model.config.num_mel_bins * ggml.N_FFT_BINS
+    (count,) = struct.unpack("<i", data[start : start + 4])
+    offset, tokens = start + 4, []
+    for _ in range(count):
+        (length,) = struct.unpack("<I", data[offset : offset + 4])
+        tokens.append(data[offset + 4 : offset + 4 + length])
+        offset += 4 + length
+    body = b"".join(struct.pack("<I", len(t)) + t for t in tokens[1:] + tokens[:1])
+    path.write_bytes(data[: start + 4] + body + data[offset:])
+
+
+def _ggml_text_context_225(model, processor, output):  # generation's max_length (#2730)
+    path = output / ggml.MODEL_FILE
+    data = bytearray(path.read_bytes())
+    data[4 + 5 * 4 : 4 + 6 * 4] = struct.pack("<i", 225)  # n_text_ctx, the 6th header int
+    path.write_bytes(bytes(data))
+
+
+def _ct2_tokenizer_shifted(model, processor, output):
+    import json
+
+    path = output / "tokenizer.json"
+    tokenizer = json.loads(path.read_text(encoding="utf-8"))
+    vocab = tokenizer["model"]["vocab"]
+    tokenizer["model"]["vocab"] = {token: (i + 1) % len(vocab) for token, i in vocab.items()}
+    path.write_text(json.dumps(tokenizer), encoding="utf-8")
+
+
+def _ct2_80_mel_bins(model, processor, output):  # a preprocessor_config.json for another model
+    import json
+
+    path = output / "preprocessor_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["feature_size"] = 80
+    path.write_text(json.dumps(config), encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    ("format", "quantization", "breakage", "finding"),
+    [
+        ("ct2", "float32", None, None),
+        ("ct2", "int8", None, None),
+        ("ct2", "float16", _transposed, "deviation"),
+        ("ct2", "int8", _cross_k_v_swapped, "deviation"),
+        ("ct2", "float16", _ct2_tokenizer_shifted, "spelling"),
+        ("ct2", "float16", _ct2_80_mel_bins, "runtime"),
+        ("ggml", "float16", None, None),
+        ("ggml", "float16", _transposed, "deviation"),
+        ("ggml", "float16", _cross_k_v_swapped, "deviation"),
+        ("ggml", "float16", _ggml_vocabulary_shifted, "spelling"),
+        ("ggml", "float16", _ggml_text_context_225, "runtime"),
+        ("openai", "float16", None, None),
+        ("openai", "float16", _transposed, "deviation"),
+        ("openai", "float16", _cross_k_v_swapped, "deviation"),
+    ],
+    ids=lambda value: getattr(value, "__name__", value),
+)
+def test_the_check_passes_intact_exports_and_fails_broken_ones(
+    confident_source, format, quantization, breakage, finding, tmp_path
+):
+    import copy
+
+    model, processor, source = confident_source
+    exported = copy.deepcopy(model)
+    if breakage in (_transposed, _cross_k_v_swapped):
+        breakage(exported, processor, tmp_path)
+    save_export(exported, processor, tmp_path, format=format, quantization=quantization)
+    if breakage not in (None, _transposed, _cross_k_v_swapped):
+        breakage(model, processor, tmp_path)
+
+    check = check_export(source, format, tmp_path, quantization, greedy=False)
+
+    if finding is None:
+        assert check.passed, check.summary()
+        return
+    assert not check.passed
+    if finding == "runtime":
+        assert check.runtime_error, check.summary()
+    elif finding == "spelling":
+        assert check.misspelled and check.deviation <= check.tolerance, check.summary()
+    else:
+        assert check.deviation > 2 * check.tolerance, check.summary()

@@ -207,6 +207,23 @@ def _start_run(tone_dataset, tiny_whisper_dir, out: Path) -> subprocess.Popen:
     return process
 
 
+def test_a_run_refused_at_setup_leaves_no_folder_behind(tmp_path, tiny_run_config):
+    # The lock is taken before the folder is claimed, so it creates the folder: a run that then
+    # stops before training (here: data with no transcripts) must not leave it, holding only
+    # the lock file, where the user did not ask for one.
+    empty = tmp_path / "no-data"
+    empty.mkdir()
+    out = tmp_path / "new" / "out"
+    with pytest.raises(UserError):
+        train(tiny_run_config(data=str(empty), output_dir=str(out)))
+    assert not (tmp_path / "new").exists()
+    # A folder that was there before is left as it was (its lock file, empty, stays).
+    out.mkdir(parents=True)
+    with pytest.raises(UserError):
+        train(tiny_run_config(data=str(empty), output_dir=str(out)))
+    assert [p.name for p in out.iterdir()] == [".whisper-train.lock"]
+
+
 def test_a_second_run_into_a_folder_in_use_is_refused_and_the_first_goes_on(
     tmp_path, tone_dataset, tiny_whisper_dir, capsys
 ):

@@ -173,6 +173,7 @@ class RunLock:
         self.output_dir = Path(output_dir)
         self.path = self.output_dir / LOCK_FILE
         self.fd: int | None = None
+        self.created: list[Path] = []  # the folders acquire() made, innermost first
 
     def acquire(self) -> None:
         """Take the lock, or raise UserError naming the run that holds it."""
@@ -180,6 +181,9 @@ class RunLock:
             import fcntl
         except ImportError:  # Windows: no flock; runs there are not kept apart
             return
+        self.created = [
+            folder for folder in (self.output_dir, *self.output_dir.parents) if not folder.exists()
+        ]
         self.output_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
@@ -207,6 +211,14 @@ class RunLock:
             return
         with contextlib.suppress(OSError):  # the lock goes all the same
             os.ftruncate(self.fd, 0)
+            # A run that stopped before writing anything (refused at setup) leaves no folder
+            # it made for its lock: the user asked for a run, not for an empty folder. Removed
+            # while still locked; a contender that opened the file in this instant locks a
+            # removed file and starts into a new folder, as if it had come a moment later.
+            if self.created and [p.name for p in self.output_dir.iterdir()] == [LOCK_FILE]:
+                self.path.unlink()
+                for folder in self.created:
+                    folder.rmdir()  # innermost first; one holding anything else stays
         os.close(self.fd)
         self.fd = None
 

@@ -54,6 +54,15 @@ def train_in_subprocess(args: list[str]) -> subprocess.CompletedProcess:
     return result
 
 
+def start_whisper_train(argv: list[str], **popen_kwargs) -> subprocess.Popen:
+    """`python -m whisper_train ARGV` started in the background, offline, one OpenMP thread: a
+    run the test signals, kills or races another against."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "whisper_train", *argv], env=env, text=True, **popen_kwargs
+    )
+
+
 def crash_on_loss_call(monkeypatch, n: int) -> None:
     """Make the n-th training forward raise, as a crash or power cut would stop the run."""
     import whisper_train.recipe as recipe_module

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import metric_rows, train_argv, write_tone_dataset
+from conftest import metric_rows, start_whisper_train, train_argv, write_tone_dataset
 from safetensors.torch import load_file
 
 import whisper_train.checkpoints as checkpoints_module
@@ -152,23 +152,9 @@ def test_a_signal_finishes_the_step_saves_and_prints_the_resume_command(
     tmp_path, tone_dataset, tiny_whisper_dir, signum
 ):
     out = tmp_path / "out"
-    command = [
-        sys.executable,
-        "-m",
-        "whisper_train",
-        *train_argv(tone_dataset, tiny_whisper_dir, out),
-        "--max-steps",
-        "100000",
-        "--batch-size",
-        "2",
-        "--only-train",
-        "--seed",
-        "0",
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    argv = train_argv(tone_dataset, tiny_whisper_dir, out)
+    argv += ["--max-steps", "100000", "--batch-size", "2", "--only-train", "--seed", "0"]
+    process = start_whisper_train(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 150
         metrics = out / "metrics.jsonl"
@@ -700,14 +686,8 @@ def test_ctrl_c_on_a_two_process_run_saves_and_prints_only_the_resume_command(
     out = tmp_path / "out"
     argv = train_argv(tone_dataset, tiny_whisper_dir, out, "--max-steps=100000", "--nproc=2")
     argv += ["--batch-size=2", "--only-train", "--seed=0", "--logging-steps=100000"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "whisper_train", *argv],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    process = start_whisper_train(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
     try:
         deadline = time.monotonic() + 200
@@ -753,14 +733,8 @@ def test_a_killed_process_stops_the_other_and_the_launcher_with_one_line_each(
     argv = train_argv(tone_dataset, tiny_whisper_dir, out, "--max-steps=100000", "--nproc=2")
     argv += ["--batch-size=2", "--only-train", "--seed=0", "--logging-steps=100000"]
     argv += ["--save-steps=1"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "whisper_train", *argv],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    process = start_whisper_train(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
     try:
         deadline = time.monotonic() + 200

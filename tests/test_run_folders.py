@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import metric_rows, train_argv
+from conftest import metric_rows, start_whisper_train, train_argv
 
 import whisper_train.checkpoints as checkpoints_module
 import whisper_train.launch as launch_module
@@ -189,14 +187,7 @@ def test_checkpoints_a_resume_set_aside_belong_to_the_run(tmp_path):
 def _start_run(tone_dataset, tiny_whisper_dir, out: Path) -> subprocess.Popen:
     """A run of many steps in its own process, returned once it has logged its first step."""
     argv = _argv(tone_dataset, tiny_whisper_dir, out, "--max-steps", "100000", "--batch-size", "2")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "whisper_train", *argv],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    process = start_whisper_train(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 150
     metrics = out / "metrics.jsonl"
     while not (metrics.is_file() and metrics.read_text().count("\n") >= 1):

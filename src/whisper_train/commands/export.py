@@ -48,8 +48,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--check-data",
         default=None,
-        help="Clips with transcripts for the check (default: --check-clips synthesised English sentences); "
-        "their language is forced in both decoders.",
+        help="Clips with transcripts for the check (default: --check-clips synthesised English "
+        "sentences); their language is forced in both decoders.",
     )
     parser.add_argument(
         "--check-clips",

@@ -246,14 +246,21 @@ def _disable_checkpointing(whisper: nn.Module) -> None:
 def _wrap_lora(whisper: nn.Module, settings: LoraSettings) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
+    targets = list(settings.targets)
+    if settings.decoder_only:
+        # Every targeted module outside the encoder, by its whole name (peft's `exclude_modules`
+        # is newer than the oldest peft supported). The decoder's cross-attention
+        # (`model.decoder.layers.N.encoder_attn`) is the decoder's, and keeps its adapters.
+        targets = [
+            name
+            for name, _ in whisper.named_modules()
+            if name.rsplit(".", 1)[-1] in settings.targets and ".encoder." not in f".{name}."
+        ] or targets  # none: peft's own message names the targets
     config = LoraConfig(
         r=settings.r,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
-        target_modules=list(settings.targets),
-        # peft matches a string against each module's whole name; the decoder's cross-attention
-        # (`model.decoder.layers.N.encoder_attn`) is the decoder's, and keeps its adapters.
-        exclude_modules=r"model\.encoder\..*" if settings.decoder_only else None,
+        target_modules=targets,
     )
     try:
         return get_peft_model(whisper, config)

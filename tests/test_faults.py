@@ -972,8 +972,8 @@ def test_a_bad_step_stop_after_finite_but_blown_weights_advises_what_trains_on(
     assert all(row["loss"] is not None for row in rows)
 
 
-def test_a_model_with_a_nan_weight_it_did_not_train_is_not_written_as_final(
-    tmp_path, tone_dataset, tiny_whisper_dir
+def test_a_model_with_a_nan_weight_is_refused_before_training_evaluating_or_exporting(
+    tmp_path, tone_dataset, tiny_whisper_dir, capsys
 ):
     import shutil
 
@@ -985,13 +985,21 @@ def test_a_model_with_a_nan_weight_it_did_not_train_is_not_written_as_final(
     weights["model.encoder.layers.0.fc1.bias"][0] = math.nan
     save_file(weights, model / "model.safetensors")
     out = tmp_path / "out"
+    # Before: LoRA trained 2 steps on it and stopped only at final/; evaluate and export
+    # reported and shipped its NaN outputs.
     argv = _tiny_run_argv(out, tone_dataset, model, "--max-steps=2", "--mode=lora")
     code, line = _train_cli(*argv)
-
     assert code == 2
-    assert "the model of step 2 has 1 of" in line and "final/ was not written" in line
-    assert f"--model {model} holds them" in line
-    assert not (out / "final").exists()
+    assert f"--model {model}: 1 of" in line and "model.encoder.layers.0.fc1.bias" in line
+    assert not (out / "metrics.jsonl").exists() and not (out / "final").exists()
+    for command in (
+        ["evaluate", "--model", str(model), "--data", str(tone_dataset)],
+        ["export", "--model", str(model), "--format", "hf", "--output", str(tmp_path / "hf")],
+    ):
+        assert main(command) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "NaN or infinite" in err, err
+    assert not (tmp_path / "hf").exists()
 
 
 def test_two_processes_stop_together_when_an_update_blows_up(

@@ -79,7 +79,24 @@ def load_model(
         )
     if any(p.dtype != torch.float32 for p in model.parameters()):
         model = model.float()
+    _refuse_nonfinite_weights(model, spec)
     return model, processor
+
+
+def _refuse_nonfinite_weights(model, spec: str) -> None:
+    """A weight that is NaN or infinite makes every output NaN: training would only find out at
+    its end, and evaluate or export would report or ship garbage. One fused norm per tensor
+    (NaN or infinite exactly when the tensor holds one, or is so large that no trained weight
+    comes near), before anything uses the model."""
+    named = [(name, p.detach()) for name, p in model.named_parameters() if p.numel()]
+    norms = torch._foreach_norm([p for _, p in named], 2)
+    blown = [name for (name, _), norm in zip(named, norms, strict=True) if not norm.isfinite()]
+    if blown:
+        raise UserError(
+            f"--model {spec}: {len(blown)} of {len(named)} weight tensors hold NaN or infinite "
+            f"values ({', '.join(blown[:3])}{', ...' if len(blown) > 3 else ''}); the weights are "
+            "damaged: use an undamaged copy of the model, or an earlier checkpoint of its run"
+        )
 
 
 def is_multilingual(model) -> bool:

@@ -951,22 +951,16 @@ class FineTuneRecipe:
         with a NaN or infinite weight is not written there, nor called fine-tuned (every
         forward through it is NaN). Its checkpoints stay; nothing in final/ is replaced. Every
         process calls this (`nonfinite_tensors` is collective)."""
+        # Only trained tensors can be NaN here: `load_model` refuses a model that holds one.
         parameters = list(self.model.parameters())
-        blown = nonfinite_tensors(parameters, self.accelerator)
-        blown_trained = sum(b for b, p in zip(blown, parameters, strict=True) if p.requires_grad)
-        blown_untrained = sum(blown) - blown_trained
-        if not blown_trained and not blown_untrained:
+        blown = sum(nonfinite_tensors(parameters, self.accelerator))
+        if not blown:
             return
-        where = f"the model of step {final_step} has {blown_trained + blown_untrained} of "
-        where += (
-            f"{len(parameters)} tensors NaN or infinite; {runfolder.FINAL_DIR}/ was not written"
+        raise UserError(
+            f"the model of step {final_step} has {blown} of {len(parameters)} tensors NaN or "
+            f"infinite; {runfolder.FINAL_DIR}/ was not written. "
+            f"{self._lower_learning_rate_advice(final_step)}"
         )
-        if blown_untrained:  # never updated: they came so from --model
-            raise UserError(
-                f"{where}: {blown_untrained} of them were not trained, so --model "
-                f"{self.config.model.model} holds them; use an undamaged model"
-            )
-        raise UserError(f"{where}. {self._lower_learning_rate_advice(final_step)}")
 
     def _whole_model(self):
         """The trained model, unwrapped, for final/: on the main process (None on the others

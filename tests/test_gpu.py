@@ -29,10 +29,18 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from conftest import SAME_RUN_LOSS_ATOL, metric_rows, train_argv, train_in_subprocess
+from conftest import (
+    SAME_RUN_LOSS_ATOL,
+    losses_and_evaluations,
+    metric_rows,
+    train_argv,
+    train_in_subprocess,
+    write_tone_dataset,
+)
 from safetensors.torch import load_file
 from tiny_models import (
     LORA,
+    cached_batch,
     fresh_short_whisper,
     nonzero_lora_b,
     tiny_batch,
@@ -47,6 +55,7 @@ from whisper_train.memory import (
     activation_offload,
     build_optimizer,
     checkpointing_state,
+    cross_attention,
     prepare_model,
     training_loss,
     unwrapped,
@@ -587,3 +596,133 @@ def test_two_gpus_train_sharded_in_bf16_resume_and_save_a_whole_model(
     assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
     final = load_file(out / "final" / "model.safetensors")
     assert final and all(tensor.dtype == torch.float32 for tensor in final.values())
+
+
+# -- 9. the folded cross-attention under bf16 autocast -------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["freeze-encoder", "full"])
+def test_folded_cross_attention_gives_the_layers_own_gradients_under_bf16_autocast(
+    device, monkeypatch, mode
+):
+    """On cached encoder outputs the decoder's cross-attention runs in its folded order
+    (`memory.cross_attention`); the CPU suite proves it in float64. Here under bf16 autocast on
+    the device, against the layers' own attention on the same cached outputs: the two orders
+    round at other places, so the bf16 parity tolerance applies (one bf16 ulp carried upward),
+    several times below a real fault (a wrong head split or a lost scale moves the loss by
+    1e-3 relative and gradients by their whole size)."""
+    needs_bf16(device)
+    model = prepared_for_parity(mode, "off", device)
+    batch = {k: v for k, v in cached_batch(model).items() if k != "input_features"}
+    folds: list[int] = []
+    real_folded = cross_attention._folded
+
+    def counted(attention, hidden_states, encoder_states):
+        folds.append(hidden_states.shape[1])
+        return real_folded(attention, hidden_states, encoder_states)
+
+    monkeypatch.setattr(cross_attention, "_folded", counted)
+
+    def step() -> tuple[float, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = training_loss(model, batch)
+        loss.backward()
+        grads = {n: g for n, g in trainable_gradients(model).items() if g is not None}
+        return loss.detach().float().item(), grads
+
+    loss, grads = step()
+    assert folds == [5] * model.config.decoder_layers  # every layer folded, 5 decoder inputs
+    monkeypatch.setattr(cross_attention, "folded_cost_is_lower", lambda *_: False)
+    reference_loss, reference = step()
+    assert len(folds) == model.config.decoder_layers  # the reference did not fold
+
+    relative = PARITY_TOLERANCE["bf16"]
+    assert math.isfinite(loss) and abs(loss - reference_loss) <= relative * abs(reference_loss)
+    assert grads.keys() == reference.keys() and grads  # the decoder's, both ways
+    unequal = far_apart(grads, reference, relative)
+    assert not unequal, f"folded bf16 gradients differ: {unequal[:5]}"
+
+
+# -- 10. packed windows ----------------------------------------------------------------------
+
+
+def test_packed_windows_on_the_device_accumulate_to_the_token_mean_and_train_in_bf16(
+    device, tmp_path, tiny_run_config, float32_math, deterministic_algorithms
+):
+    """--packing on the device: packed windows of several clips each, batch 2 against batch 1 x
+    accumulation 2 in fp32 (the same token mean per step: equal within the suite's same-run
+    bound, as on the CPU), then a bf16 packed run whose steps are all finite and applied."""
+    data = write_tone_dataset(tmp_path / "many", n=48)  # 1.2 s tones: a handful of windows
+    common = {
+        "data": str(data),
+        "packing": "on",
+        "eval_split": 0.0,
+        "max_steps": 3,
+        "lr_scheduler": "constant_with_warmup",
+    }
+    two = train(
+        tiny_run_config(output_dir=str(tmp_path / "b2"), batch_size=2, precision="fp32", **common)
+    )
+    one_by_two = train(
+        tiny_run_config(
+            output_dir=str(tmp_path / "b1x2"),
+            batch_size=1,
+            gradient_accumulation=2,
+            precision="fp32",
+            **common,
+        )
+    )
+    losses = losses_and_evaluations(two.output_dir)[0]
+    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
+    np.testing.assert_allclose(
+        losses_and_evaluations(one_by_two.output_dir)[0], losses, rtol=0, atol=SAME_RUN_LOSS_ATOL
+    )
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return
+    half = train(
+        tiny_run_config(output_dir=str(tmp_path / "bf16"), batch_size=2, precision="bf16", **common)
+    )
+    rows = metric_rows(half.output_dir)
+    assert half.steps == 3 and half.skipped_steps == 0
+    assert all(math.isfinite(row["loss"]) for row in rows)
+
+
+# -- 11. data parallelism with gradient accumulation on two GPUs --------------------------------
+
+
+def test_two_gpus_with_accumulation_equal_one_process_with_the_whole_batch(
+    tmp_path, tiny_whisper_dir, monkeypatch
+):
+    """The run users start most (`--nproc 2 --gradient-accumulation 2`, which crashed at its
+    first backward under DDP's static graph): 2 GPUs x batch 1 x accumulation 2 give the losses
+    of one process with batch 4, in fp32 without TF32."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    data = write_tone_dataset(tmp_path / "tones", n=16)
+    common = [
+        f"--data={data}",
+        f"--model={tiny_whisper_dir}",
+        "--learning-rate=1e-3",
+        "--seed=0",
+        "--eval-split=0",
+        "--only-train",
+        "--lr-scheduler=constant_with_warmup",
+        "--max-steps=3",
+        "--precision=fp32",
+    ]
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")  # cuBLAS and cuDNN in full float32
+    train_in_subprocess([*common, "--batch-size=4", f"--output-dir={tmp_path / 'one'}"])
+    train_in_subprocess(
+        [
+            *common,
+            "--nproc=2",
+            "--batch-size=1",
+            "--gradient-accumulation=2",
+            f"--output-dir={tmp_path / 'two'}",
+        ]
+    )
+    one = losses_and_evaluations(tmp_path / "one")[0]
+    two = losses_and_evaluations(tmp_path / "two")[0]
+    assert len(one) == 3
+    np.testing.assert_allclose(two, one, rtol=0, atol=SAME_RUN_LOSS_ATOL)

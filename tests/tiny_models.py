@@ -19,6 +19,7 @@ from transformers import (
 )
 
 from whisper_train.memory import LoraSettings
+from whisper_train.memory.wrappers import whisper_of
 
 SOT, EOT, NO_TIMESTAMPS = 50257, 50256, 50362
 ENGLISH_VOCAB = 51864
@@ -59,10 +60,10 @@ def tiny_whisper_config(
         d_model=d_model,
         encoder_layers=encoder_layers,
         decoder_layers=decoder_layers,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=2 * d_model,
-        decoder_ffn_dim=2 * d_model,
+        encoder_attention_heads=config_overrides.pop("encoder_attention_heads", 4),
+        decoder_attention_heads=config_overrides.pop("decoder_attention_heads", 4),
+        encoder_ffn_dim=config_overrides.pop("encoder_ffn_dim", 2 * d_model),
+        decoder_ffn_dim=config_overrides.pop("decoder_ffn_dim", 2 * d_model),
         max_source_positions=max_source_positions,
         max_target_positions=448,
         dropout=0.0,
@@ -191,4 +192,27 @@ def trainable_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor | None
         name: (param.grad.detach().clone() if param.grad is not None else None)
         for name, param in model.named_parameters()
         if param.requires_grad
+    }
+
+
+def cached_batch(model, *, tokens: int = 5) -> dict:
+    """tiny_batch's clips with their encoder outputs computed (as the encoder cache holds them)
+    and labels of `tokens` positions, on the model's device."""
+    batch = tiny_batch()
+    labels = torch.randint(0, 5000, (2, tokens), generator=torch.Generator().manual_seed(1))
+    labels[:, -1] = EOT
+    labels[1, tokens // 2 :] = -100  # a shorter second label, padded as the collator pads
+    decoder_input_ids = torch.cat([torch.full((2, 1), SOT), labels[:, :-1]], dim=1)
+    decoder_input_ids[decoder_input_ids == -100] = EOT
+    with torch.no_grad():
+        whisper = whisper_of(model)
+        device = next(whisper.parameters()).device
+        features = batch["input_features"].to(device, whisper.dtype)
+        labels, decoder_input_ids = labels.to(device), decoder_input_ids.to(device)
+        encoded = whisper.model.encoder(features).last_hidden_state
+    return {
+        "input_features": features,
+        "encoder_hidden_states": encoded,
+        "decoder_input_ids": decoder_input_ids,
+        "labels": labels,
     }

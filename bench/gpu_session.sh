@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Everything a lent GPU machine runs for issue 31, in one device call (docs/gpu-session.md):
+#   run(command="bash bench/gpu_session.sh", carry=[".whl", ".whl-compat", ".gpu"], timeout_s=590)
+# after `bash bench/gpu_carry.sh` here. Each phase has its own time cap, so one that hangs leaves
+# the others their time; each writes its log to $OUT (at most 8 files come back). Phases run in
+# the issue's order of importance: the CUDA tests, peak memory against the planner, the seed
+# reports on transformers 4.56.2 and 5.x, then throughput against the Seq2SeqTrainer.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-session-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl >"$OUT/env.log" 2>&1 || { cat "$OUT/env.log"; exit 1; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site-compat .whl-compat/*.whl >>"$OUT/env.log" 2>&1
+export PYTHONPATH=/tmp/site:$PWD/src:$PWD/.gpu
+export WHISPER_TRAIN_REALSPEECH=$PWD/.gpu/realspeech
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, transformers, peft, accelerate, bitsandbytes; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__, '| peft', peft.__version__, '| accelerate', accelerate.__version__, '| bitsandbytes', bitsandbytes.__version__)"
+  nproc
+} >>"$OUT/env.log" 2>&1
+cat "$OUT/env.log"
+
+phase() {  # phase NAME SECONDS COMMAND...: runs COMMAND with a cap, output to $OUT/NAME.log
+  local name=$1 cap=$2
+  shift 2
+  local start=$SECONDS
+  timeout --kill-after=5 "$cap" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc after $((SECONDS - start)) s (cap $cap s)"
+}
+
+phase tests 170 python3 -m pytest -p no:cacheprovider -m gpu tests/test_gpu.py -q -rs \
+  --durations=15
+tail -25 "$OUT/tests.log"
+
+phase memory 90 python3 bench/gpu_memory.py
+grep -v -i "warn" "$OUT/memory.log" | tail -20
+
+phase seed-4.56 60 env PYTHONPATH=/tmp/site-compat:$PYTHONPATH python3 bench/seed_scenarios.py
+phase seed-5 45 python3 bench/seed_scenarios.py
+grep -h "^device\|^medium\|^large" "$OUT/seed-4.56.log" "$OUT/seed-5.log"
+
+# whisper-small's shape (d_model 768, 12 + 12 layers), bf16, batch 16, checkpointing off (both):
+# AN4 (0.7-1.3 s) listed 40 times, packed and not, then the first 45 real clips (MFU).
+phase throughput 200 bash -c "python3 bench/throughput.py --d-model 768 --layers 12 \
+  --batch-size 16 --rounds 1 --packing-sets an4 --repeat 40 && \
+  python3 bench/throughput.py --d-model 768 --layers 12 --batch-size 16 --rounds 1 \
+  --clips 45 --scenarios full --full-epochs 2"
+grep -v -i "warn" "$OUT/throughput.log" | tail -30

@@ -4,8 +4,11 @@
 # after `bash bench/gpu_carry.sh` here. Each phase has its own time cap, so one that hangs leaves
 # the others their time; each writes its log to $OUT (at most 8 files come back). Phases run in
 # the issue's order of importance: the CUDA tests, peak memory against the planner, the seed
-# reports on transformers 4.56.2 and 5.x, then throughput against the Seq2SeqTrainer.
+# reports on transformers 4.56.2 and 5.x, then throughput against the Seq2SeqTrainer. PHASES
+# picks some (default: tests memory seed throughput; also: profile, workers).
 set -u
+PHASES=${PHASES:-tests memory seed throughput}
+want() { [[ " $PHASES " == *" $1 "* ]]; }
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-session-out}
 mkdir -p "$OUT"
@@ -32,21 +35,30 @@ phase() {  # phase NAME SECONDS COMMAND...: runs COMMAND with a cap, output to $
   echo "== $name: exit $rc after $((SECONDS - start)) s (cap $cap s)"
 }
 
-phase tests 170 python3 -m pytest -p no:cacheprovider -m gpu tests/test_gpu.py -q -rs \
+want tests && phase tests 170 python3 -m pytest -p no:cacheprovider -m gpu tests/test_gpu.py -q -rs \
   --durations=15
-tail -25 "$OUT/tests.log"
+want tests && tail -25 "$OUT/tests.log"
 
-phase memory 90 python3 bench/gpu_memory.py
-grep -v -i "warn" "$OUT/memory.log" | tail -20
+want memory && phase memory 90 python3 bench/gpu_memory.py
+want memory && grep -v -i "warn" "$OUT/memory.log" | tail -20
 
-phase seed-4.56 60 env PYTHONPATH=/tmp/site-compat:$PYTHONPATH python3 bench/seed_scenarios.py
-phase seed-5 45 python3 bench/seed_scenarios.py
-grep -h "^device\|^medium\|^large" "$OUT/seed-4.56.log" "$OUT/seed-5.log"
+want seed && phase seed-4.56 60 env PYTHONPATH=/tmp/site-compat:$PYTHONPATH python3 bench/seed_scenarios.py
+want seed && phase seed-5 45 python3 bench/seed_scenarios.py
+want seed && grep -h "^device\|^medium\|^large" "$OUT/seed-4.56.log" "$OUT/seed-5.log"
 
 # whisper-small's shape (d_model 768, 12 + 12 layers), bf16, batch 16, checkpointing off (both):
 # AN4 (0.7-1.3 s) listed 40 times, packed and not, then the first 45 real clips (MFU).
-phase throughput 200 bash -c "python3 bench/throughput.py --d-model 768 --layers 12 \
+want throughput && phase throughput 200 bash -c "python3 bench/throughput.py --d-model 768 --layers 12 \
   --batch-size 16 --rounds 1 --packing-sets an4 --repeat 40 && \
   python3 bench/throughput.py --d-model 768 --layers 12 --batch-size 16 --rounds 1 \
   --clips 45 --scenarios full --full-epochs 2"
-grep -v -i "warn" "$OUT/throughput.log" | tail -30
+want throughput && grep -v -i "warn" "$OUT/throughput.log" | tail -30
+
+# The same AN4 comparison with whisper-train's data loaded by 4 worker processes.
+want workers && phase workers 130 python3 bench/throughput.py --d-model 768 --layers 12 \
+  --batch-size 16 --rounds 1 --packing-sets an4 --repeat 40 --num-workers 4
+want workers && grep -v -i "warn" "$OUT/workers.log" | tail -12
+
+# The model's own step time (no data path), eager and compiled, batch 16 and 64, and a profile.
+want profile && phase profile 260 python3 bench/gpu_profile.py --batches 16,64 --compile --profile
+want profile && grep -v -i "warn" "$OUT/profile.log" | tail -45

@@ -157,6 +157,7 @@ def run_whisper_train(args) -> dict:
             "learning_rate": 1e-5,
             "seed": 0,
             "packing": args.packing,
+            "num_workers": args.num_workers,
             # The bench's own cache: main() fills it in an untimed warm-up run, so every timed
             # epoch is a cached one (the user's cache would carry clips over between versions).
             "encoder_cache_dir": str(Path(args.workdir) / "encoder-cache"),
@@ -345,6 +346,8 @@ def launch(args, system: str, scenario: str, epochs: int, packing: str = "off") 
         str(args.peak_tflops),
         "--packing",
         packing,
+        "--num-workers",
+        str(args.num_workers),
     ]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     match = re.search(r"^RESULT (.*)$", done.stdout, flags=re.MULTILINE)
@@ -367,6 +370,9 @@ def main() -> None:
     parser.add_argument("--freeze-epochs", type=int, default=3)
     parser.add_argument("--scenarios", default="full,freeze-encoder")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument(
+        "--num-workers", type=int, default=0, help="whisper-train's data-loading workers"
+    )
     parser.add_argument(
         "--packing-sets",
         default=None,

@@ -5,7 +5,7 @@
 # the others their time; each writes its log to $OUT (at most 8 files come back). Phases run in
 # the order of importance: the CUDA tests, peak memory against the planner, the seed
 # reports on transformers 4.56.2 and 5.x, then throughput against the Seq2SeqTrainer. PHASES
-# picks some (default: tests memory seed throughput; also: profile, workers).
+# picks some (default: tests memory seed throughput; also: workers, profile, loop).
 set -u
 PHASES=${PHASES:-tests memory seed throughput}
 want() { [[ " $PHASES " == *" $1 "* ]]; }
@@ -62,3 +62,7 @@ want workers && grep -v -i "warn" "$OUT/workers.log" | tail -12
 # The model's own step time (no data path), eager and compiled, batch 16 and 64, and a profile.
 want profile && phase profile 260 python3 bench/gpu_profile.py --batches 16,64 --compile --profile
 want profile && grep -v -i "warn" "$OUT/profile.log" | tail -45
+
+# whisper-train's own loop split into data wait, train step and after-step, with a profile.
+want loop && phase loop 150 python3 bench/gpu_loop_profile.py --repeat 20
+want loop && grep -v -i "warn\|^step " "$OUT/loop.log" | tail -42

@@ -15,13 +15,15 @@ and once on 5.x), with random weights of the published shapes on CUDA (bf16, as 
                       must get a non-zero gradient by step 2 (peft starts B at zero)
 
 Each row prints what happened (trained, or the error's first line), the steps' losses and the
-peak allocated memory. Without CUDA it runs on the CPU with 2-layer models of the same widths
+peak allocated memory (before 2026-11-26 it included the earlier cases' leftovers: the first
+H200 run's 9.27 and 10.06 GiB for the LoRA row are not its own; bench/gpu_memory.py's 7.03 is). Without CUDA it runs on the CPU with 2-layer models of the same widths
 (a dry run of the code).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import tempfile
@@ -162,6 +164,7 @@ def main() -> None:
         "large-v3, LoRA r=64 q/v, checkpointing (ours)": lambda: lora_run(args.steps),
     }
     for label, run in cases.items():
+        gc.collect()  # the last case's model, optimizer and Trainer: not in this case's peak
         if CUDA:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()

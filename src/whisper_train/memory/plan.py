@@ -128,8 +128,17 @@ def estimate_memory(
     if offload:  # checkpoint inputs go to host memory; the rest stays on the device
         offloaded = int(per_sample["checkpoint_inputs"] * batch_size * activation_scale)
         kept -= offloaded
-    # Autocast keeps a half-precision copy of each weight it casts for the whole step.
-    autocast_copies = 2 * sum(p.numel() for p in params if p.ndim >= 2) if half else 0
+    # Autocast keeps a half-precision copy of each trained weight it casts for the whole
+    # forward (its cast cache holds leaves that require grad). A frozen weight (LoRA's base) is
+    # cast at each use and the copy freed, unless backward keeps it, which it does in a layer
+    # that is not recomputed: not counted under full checkpointing, counted in full otherwise
+    # (a partial policy's recomputed layers free theirs: an overestimate, the safe side).
+    # Measured on an H200: large-v3 LoRA r=64 under full checkpointing peaks at 7.03 GiB, which
+    # counting every frozen copy overestimated by 40% (BENCHMARKS.md).
+    autocast_copies = 0
+    if half:
+        cast = [p for p in params if p.ndim >= 2 and (p.requires_grad or policy != "full")]
+        autocast_copies = 2 * sum(p.numel() for p in cast)
     working = (per_sample["working"] * batch_size) + autocast_copies
     return MemoryEstimate(
         weights=weights,

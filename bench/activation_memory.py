@@ -29,7 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import WhisperConfig, WhisperForConditionalGeneration  # noqa: E402
 
-from whisper_train import memory  # noqa: E402
+from whisper_train import memory
 from whisper_train.memory import plan as planner  # noqa: E402
 
 # (d_model, encoder layers, decoder layers, heads, mel bins, vocabulary) from the model cards

@@ -170,7 +170,7 @@ def startup_worker(manifest: str, model: str, output_dir: str, mode: str) -> dic
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
     from whisper_train.config import RunConfig
-    from whisper_train.recipe import FineTuneRecipe
+    from whisper_train.training.recipe import FineTuneRecipe
 
     config = RunConfig()
     config.update(

@@ -4,7 +4,7 @@ original weights, export time and file size.
     python bench/deploy.py --data ../shared/realspeech/manifest.jsonl [--model tiny.en] [--stride 3]
 
 For every format (hf, ct2 float32 / int8, ggml f16, openai f16) the model is exported with
-`whisper_train.export.save_export` (timed), then every clip is decoded by the format's own
+`whisper_train.deploy.export.save_export` (timed), then every clip is decoded by the format's own
 runtime the export-check way (runtimes.py: greedy, no timestamps, no previous text, the same
 suppression) and scored with Whisper's English normaliser. "original" is the same runtime on
 the original weights where they exist in that runtime's format (the tiny.en package is
@@ -20,11 +20,11 @@ import time
 from pathlib import Path
 
 from whisper_train.audio import load_audio
-from whisper_train.data import load_examples
-from whisper_train.evaluate import score
-from whisper_train.export import save_export
+from whisper_train.data.layouts import load_examples
+from whisper_train.deploy.export import save_export
+from whisper_train.deploy.runtimes import RUNTIME_NAMES, runtime_greedy, transformers_greedy
+from whisper_train.evaluation.evaluate import score
 from whisper_train.models import load_model, resolve_alias
-from whisper_train.runtimes import RUNTIME_NAMES, runtime_greedy, transformers_greedy
 
 EXPORTS = (
     ("hf", "float32"),

@@ -45,7 +45,7 @@ def time_to_step1_worker(manifest: str, model: str, output_dir: str) -> dict:
     from transformers.models.whisper import modeling_whisper
 
     from whisper_train.config import RunConfig
-    from whisper_train.recipe import FineTuneRecipe
+    from whisper_train.training.recipe import FineTuneRecipe
 
     encoded = []
     forward = modeling_whisper.WhisperEncoder.forward

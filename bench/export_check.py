@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from whisper_train.export import (
+from whisper_train.deploy.export import (
     check_clips,
     check_export,
     check_language,

@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers import WhisperFeatureExtractor  # noqa: E402
 
-from whisper_train.features import LogMel  # noqa: E402
+from whisper_train.data.features import LogMel  # noqa: E402
 
 SAMPLES_30S = 30 * 16_000
 

@@ -45,7 +45,7 @@ def losses(workdir: Path, **overrides) -> list[float]:
     from tiny_models import make_tiny_whisper
 
     from whisper_train.config import RunConfig
-    from whisper_train.train import train
+    from whisper_train.training.train import train
 
     model_dir, data = workdir / "model", workdir / "tones"
     if not model_dir.exists():

@@ -41,7 +41,7 @@ def worker(size: str, sharded: bool) -> dict:
     from activation_memory import whisper_config
     from transformers import WhisperForConditionalGeneration
 
-    from whisper_train.datasource import stand_in_batch
+    from whisper_train.data.source import stand_in_batch
     from whisper_train.memory import build_optimizer, loss_terms, prepare_model, shard_model
 
     torch.manual_seed(0)

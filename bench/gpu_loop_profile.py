@@ -29,9 +29,9 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput  # noqa: E402
 
-from whisper_train import recipe  # noqa: E402
 from whisper_train.config import RunConfig  # noqa: E402
-from whisper_train.train import train  # noqa: E402
+from whisper_train.training import recipe
+from whisper_train.training.train import train  # noqa: E402
 
 
 def synchronize() -> None:

@@ -36,7 +36,7 @@ from transformers import WhisperForConditionalGeneration  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from activation_memory import whisper_config  # noqa: E402
 
-from whisper_train import memory  # noqa: E402
+from whisper_train import memory
 from whisper_train.memory import LoraSettings  # noqa: E402
 from whisper_train.memory import plan as planner  # noqa: E402
 

@@ -29,7 +29,7 @@ from transformers import WhisperForConditionalGeneration  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from activation_memory import whisper_config  # noqa: E402
 
-from whisper_train import memory  # noqa: E402
+from whisper_train import memory
 from whisper_train.memory.plan import model_flops_per_sample  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

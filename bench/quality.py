@@ -182,8 +182,8 @@ def score_timestamps(specs: list[str], sets: dict[str, Path]) -> None:
     import torch
 
     from whisper_train.audio import load_audio
-    from whisper_train.data import load_examples
-    from whisper_train.evaluate import get_normalizer
+    from whisper_train.data.layouts import load_examples
+    from whisper_train.evaluation.evaluate import get_normalizer
     from whisper_train.models import load_model
 
     normalize = get_normalizer("english")

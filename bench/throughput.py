@@ -127,12 +127,12 @@ def run_whisper_train(args) -> dict:
     import torch
 
     from whisper_train.config import RunConfig
-    from whisper_train.train import train
+    from whisper_train.training.train import train
 
     try:  # the module whose loop prints "trained N steps in X s" (train.py before the recipe)
-        import whisper_train.recipe as loop_module
+        import whisper_train.training.recipe as loop_module
     except ImportError:
-        import whisper_train.train as loop_module
+        import whisper_train.training.train as loop_module
     if args.worker == "whisper-train-own-order":  # before memory.cross_attention: for comparison
         from whisper_train.memory import loss
 
@@ -466,7 +466,7 @@ def set_manifest(folder: Path, name: str, repeat: int) -> tuple[Path, int, float
     elif name == "synth":
         import csv
 
-        from whisper_train.synth import make_speech_dataset
+        from whisper_train.data.synth import make_speech_dataset
 
         speech = make_speech_dataset(folder / "synth", n_utterances=64, seed=0)
         with (speech / "metadata.csv").open(encoding="utf-8") as stream:
@@ -487,7 +487,7 @@ def packing_fill(args) -> None:
     (label budget not binding on these sets: plain text, tiny.en's 448 positions)."""
     import soundfile
 
-    from whisper_train.packing import ClipSize, fill_ratio, plan_windows
+    from whisper_train.data.packing import ClipSize, fill_ratio, plan_windows
 
     print("| set | clips | gap s | windows | speech share of the encoder's input |")
     print("|---|---|---|---|---|")

@@ -121,7 +121,7 @@ def fine_tune(
     """The demo's training run (demo.run_demo's settings), without its evaluation sets, with
     `labels` one of LABELS."""
     from whisper_train.config import RunConfig
-    from whisper_train.train import train
+    from whisper_train.training.train import train
 
     config = RunConfig()
     config.update(

@@ -65,7 +65,7 @@ def start_whisper_train(argv: list[str], **popen_kwargs) -> subprocess.Popen:
 
 def crash_on_loss_call(monkeypatch, n: int) -> None:
     """Make the n-th training forward raise, as a crash or power cut would stop the run."""
-    import whisper_train.recipe as recipe_module
+    import whisper_train.training.recipe as recipe_module
 
     real = recipe_module.loss_terms
     calls = {"n": 0}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from whisper_train.augment import (
+from whisper_train.data.augment import (
     WaveformAugmenter,
     add_noise,
     change_gain,

@@ -11,8 +11,9 @@ import pytest
 import yaml
 
 from whisper_train.cli import build_parser, config_from_args, main
-from whisper_train.config import RunConfig, parse_bytes
+from whisper_train.config import RunConfig
 from whisper_train.errors import UserError
+from whisper_train.units import parse_bytes
 
 PRESETS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
 
@@ -137,7 +138,7 @@ def test_the_readme_spellings_validate(tmp_path):
     assert config.data.language == "no" and config.packing_on and not config.packing_timestamps_on
     assert config.memory.gradient_checkpointing == "off" and config.train.only_train is True
     assert config.decoding_options().compression_ratio_threshold is None
-    from whisper_train.labels import language_code
+    from whisper_train.data.labels import language_code
 
     assert language_code(config.data.language) == "no"  # Norwegian, as the user meant
 
@@ -237,7 +238,7 @@ def test_a_non_finite_learning_rate_stops_the_real_process_in_one_line(
 def test_resume_reads_the_saved_config_as_the_config_file_is_read(tmp_path):
     """A checkpoint's whisper-train.yaml written by hand (or by another YAML tool) with a plain
     `packing: on`: the resume check reads `on`, as --config would, not YAML 1.1's True."""
-    from whisper_train import checkpoints
+    from whisper_train.training import checkpoints
 
     (tmp_path / checkpoints.CONFIG_FILE).write_text("data: {packing: on, language: no}\n")
     config = RunConfig.from_flat({"packing": "on", "language": "no"}).validate()

@@ -16,16 +16,9 @@ import pytest
 import soundfile
 
 from whisper_train.audio import SAMPLE_RATE, load_audio
-from whisper_train.data import (
-    Example,
-    Skip,
-    load_examples,
-    pack_segments,
-    parse_subtitles,
-    screen_examples,
-    split_examples,
-    summarize_skips,
-)
+from whisper_train.data.examples import Example, Skip
+from whisper_train.data.layouts import load_examples, pack_segments, parse_subtitles
+from whisper_train.data.screening import screen_examples, split_examples, summarize_skips
 from whisper_train.errors import UserError
 
 

@@ -18,9 +18,11 @@ from tiny_models import english_tokenizer
 from whisper_train import checkdata, data
 from whisper_train.checkdata import PREFIX_BYTES, check_data
 from whisper_train.config import RunConfig
-from whisper_train.data import Example, load_examples, screen
-from whisper_train.labels import LabelEncoder
-from whisper_train.recipe import prepare_datasets
+from whisper_train.data.examples import Example
+from whisper_train.data.labels import LabelEncoder
+from whisper_train.data.layouts import load_examples
+from whisper_train.data.screening import screen
+from whisper_train.training.recipe import prepare_datasets
 
 
 def _wav(path: Path, samples: np.ndarray, rate: int = 16_000) -> Path:
@@ -244,7 +246,7 @@ def test_the_loader_skips_each_clip_for_the_reason_screening_gives(tmp_path, mon
     screened = screen(examples, count_all=lambda exs: [1] * len(exs), read_headers=True)
     assert screened.kept == [0]
 
-    from whisper_train import features
+    from whisper_train.data import features
 
     decoded = []
     original = features.load_audio
@@ -351,7 +353,7 @@ def test_packed_examples_give_back_every_field_of_every_example():
 def test_the_training_set_reaches_the_loader_packed(tmp_path, monkeypatch, tone_dataset):
     """No list of objects for forked workers to copy: prepare_datasets hands over the packed
     set and SpeechDataset keeps it as it is (packing any other sequence itself)."""
-    from whisper_train.features import SpeechDataset
+    from whisper_train.data.features import SpeechDataset
 
     monkeypatch.setenv("WHISPER_TRAIN_CACHE", str(tmp_path / "cache"))
     config = RunConfig()

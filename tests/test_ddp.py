@@ -12,7 +12,7 @@ from conftest import (
 )
 
 from whisper_train.config import RunConfig
-from whisper_train.train import train
+from whisper_train.training.train import train
 
 
 def test_two_processes_equal_one_and_resume_exactly(tmp_path, tiny_whisper_dir):

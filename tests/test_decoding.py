@@ -14,7 +14,8 @@ import torch
 from transformers.generation.utils import GenerateEncoderDecoderOutput
 
 from whisper_train.commands import evaluate as evaluate_command
-from whisper_train.data import Example
+from whisper_train.data.examples import Example
+from whisper_train.data.features import LogMel
 from whisper_train.decoding import (
     NO_FALLBACK,
     Decoded,
@@ -26,8 +27,7 @@ from whisper_train.decoding import (
     parse_threshold,
 )
 from whisper_train.errors import UserError
-from whisper_train.evaluate import evaluate_examples, generate_texts, write_report_json
-from whisper_train.features import LogMel
+from whisper_train.evaluation.evaluate import evaluate_examples, generate_texts, write_report_json
 
 CLEAN = "The weather today is cold and windy with a chance of rain in the afternoon."
 LOOP = "nod " * 50
@@ -331,7 +331,7 @@ def test_evaluate_command_passes_the_decoding_flags(monkeypatch):
         seen.update(kwargs)
         raise SystemExit(0)
 
-    monkeypatch.setattr("whisper_train.evaluate.evaluate", fake_evaluate)
+    monkeypatch.setattr("whisper_train.evaluation.evaluate.evaluate", fake_evaluate)
     parser = argparse.ArgumentParser()
     evaluate_command.add_parser(parser.add_subparsers())
     argv = ["evaluate", "--model", "m", "--data", "d"]

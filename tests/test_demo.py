@@ -10,9 +10,8 @@ from dataclasses import astuple
 from pathlib import Path
 from types import SimpleNamespace
 
-from whisper_train import synth
 from whisper_train.cli import build_parser
-from whisper_train.demo import DemoResult, prepare_demo_data, print_comparison, run_demo
+from whisper_train.demo import DemoResult, prepare_demo_data, print_comparison, run_demo, synth
 
 
 def _rows(folder: Path) -> list[dict]:

@@ -24,8 +24,9 @@ from transformers import (
     WhisperProcessor,
 )
 
-from whisper_train import ggml, openai_whisper
-from whisper_train.export import check_clips, check_export, save_export, score_source
+from whisper_train.deploy.export import check_clips, check_export, save_export, score_source
+from whisper_train.formats import ggml
+from whisper_train.formats import openai as openai_whisper
 
 
 def _shaped_like(*, encoder_layers: int, decoder_layers: int, seed: int = 0):
@@ -113,7 +114,7 @@ def test_real_tiny_en_passes_the_check_in_each_runtime(
     if format not in ("ggml", "openai"):
         return  # test_transcribe.py covers the transformers and faster-whisper backends
     # `transcribe` runs the export in the same runtime, with that runtime's own fallback.
-    from whisper_train.evaluate import score
+    from whisper_train.evaluation.evaluate import score
     from whisper_train.transcribe import load_backend
 
     backend = load_backend(str(tmp_path))
@@ -346,8 +347,8 @@ def test_export_folders_load_with_the_hub_unreachable(tmp_path, monkeypatch):
 def test_missing_client_is_one_line_naming_the_extra_and_no_check_still_exports(
     format, module, extra, tmp_path, monkeypatch
 ):
+    from whisper_train.deploy.export import export_model, save_hf
     from whisper_train.errors import UserError
-    from whisper_train.export import export_model, save_hf
 
     model, processor = _shaped_like(**SHAPES["large-v3"])
     save_hf(model, processor, tmp_path / "source")
@@ -363,7 +364,7 @@ def test_missing_client_is_one_line_naming_the_extra_and_no_check_still_exports(
 
 
 def test_missing_openai_whisper_names_its_extra(monkeypatch):
-    from whisper_train.runtimes import MissingRuntimeError, require_client
+    from whisper_train.deploy.runtimes import MissingRuntimeError, require_client
 
     monkeypatch.setitem(sys.modules, "whisper", None)
     with pytest.raises(MissingRuntimeError, match=r"whisper-train\[openai\]"):
@@ -371,8 +372,8 @@ def test_missing_openai_whisper_names_its_extra(monkeypatch):
 
 
 def test_a_float32_ggml_export_needs_no_check_because_whisper_cpp_aborts_on_it(tmp_path):
+    from whisper_train.deploy.export import export_model, save_hf
     from whisper_train.errors import UserError
-    from whisper_train.export import export_model, save_hf
 
     model, processor = _shaped_like(**SHAPES["large-v3"])
     save_hf(model, processor, tmp_path / "source")

@@ -26,20 +26,21 @@ from conftest import (
 from safetensors.torch import save as save_safetensors
 from transformers.models.whisper import modeling_whisper
 
-from whisper_train import encoder_cache
 from whisper_train.cli import main
-from whisper_train.config import RunConfig, parse_bytes
-from whisper_train.data import Example
-from whisper_train.encoder_cache import (
+from whisper_train.config import RunConfig
+from whisper_train.data.examples import Example
+from whisper_train.errors import UserError
+from whisper_train.memory.plan import encoder_cache_line
+from whisper_train.training import encoder_cache
+from whisper_train.training.encoder_cache import (
     TENSOR_NAME,
     EncoderCache,
     clip_key,
     list_cache,
     model_key,
 )
-from whisper_train.errors import UserError
-from whisper_train.memory.plan import encoder_cache_line
-from whisper_train.train import train
+from whisper_train.training.train import train
+from whisper_train.units import parse_bytes
 
 # tiny_run_config holds 3 of its 12 clips out for evaluation, unless the run only trains. One
 # batch of every training clip a step: 2 steps are 2 epochs.
@@ -200,7 +201,7 @@ from pathlib import Path
 
 import torch
 
-from whisper_train.encoder_cache import EncoderCache
+from whisper_train.training.encoder_cache import EncoderCache
 
 root, rounds, *keys = sys.argv[1:]
 cache = EncoderCache(Path(root), "0123456789abcdef", (1500, 64), limit_bytes=2**40)
@@ -307,7 +308,7 @@ def test_the_memory_plan_sizes_the_cache_and_names_its_folder(tiny_whisper):
         model.config, n_clips=10_000, folder=folder, limit_bytes=parse_bytes("10GB")
     )
     size = 10_000 * 1500 * model.config.d_model * 2  # 16-bit, 1500 positions a clip
-    assert f"= {size / 2**30:.2f}GiB at most, in {folder}" in line
+    assert f"= {size / 2**30:.2f} GiB at most, in {folder}" in line
     assert "disk, not device memory" in line
 
 

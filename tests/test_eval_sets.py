@@ -10,12 +10,12 @@ import torch
 from conftest import metric_rows, write_tone_dataset
 from safetensors.torch import load_file
 
-import whisper_train.recipe as recipe_module
+import whisper_train.training.recipe as recipe_module
 from whisper_train.cli import build_parser
 from whisper_train.commands.flags import config_from_args
 from whisper_train.errors import UserError
-from whisper_train.recipe import choose_final_step
-from whisper_train.train import train
+from whisper_train.training.recipe import choose_final_step
+from whisper_train.training.train import train
 
 
 def _rows(table: dict[str, dict[int, float]]) -> list[dict]:
@@ -185,8 +185,8 @@ def test_an_evaluation_set_in_another_layout_than_a_forced_data_format_is_read(
 ):
     from tiny_models import english_tokenizer
 
-    from whisper_train.labels import LabelEncoder
-    from whisper_train.recipe import prepare_datasets
+    from whisper_train.data.labels import LabelEncoder
+    from whisper_train.training.recipe import prepare_datasets
 
     manifest = write_tone_dataset(tmp_path / "held", n=3, layout="jsonl")  # not an audiofolder
     config = tiny_run_config(data_format="audiofolder", only_train=False)
@@ -204,7 +204,7 @@ def test_the_baseline_comparison_holds_one_model_at_a_time(
     import gc
     import weakref
 
-    from whisper_train.data import Example
+    from whisper_train.data.examples import Example
 
     live = []
     real_load = recipe_module.load_model

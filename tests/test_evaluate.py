@@ -11,10 +11,11 @@ import soundfile
 import torch
 
 from whisper_train.commands import evaluate as evaluate_command
-from whisper_train.data import Example
+from whisper_train.data.examples import Example
+from whisper_train.data.features import LogMel
 from whisper_train.decoding import NO_FALLBACK
 from whisper_train.errors import UserError
-from whisper_train.evaluate import (
+from whisper_train.evaluation.evaluate import (
     evaluate_examples,
     generate_texts,
     get_normalizer,
@@ -22,8 +23,7 @@ from whisper_train.evaluate import (
     score,
     write_report_json,
 )
-from whisper_train.features import LogMel
-from whisper_train.report import write_curves_png
+from whisper_train.evaluation.report import write_curves_png
 
 # -- scoring --------------------------------------------------------------------------------
 
@@ -182,7 +182,7 @@ def test_when_no_clip_reads_the_error_names_the_first_clip_and_why(tiny_whisper,
 
 
 def test_evaluate_command_with_baseline_writes_comparison(tiny_whisper_dir, tmp_path):
-    from whisper_train.synth import synthesize
+    from whisper_train.data.synth import synthesize
 
     sentences = [
         "the quick brown fox jumps over the lazy dog",

@@ -11,14 +11,14 @@ import torch
 from transformers import WhisperForConditionalGeneration
 
 from whisper_train.commands import export as export_command
-from whisper_train.errors import UserError
-from whisper_train.export import (
+from whisper_train.deploy.export import (
     ClipComparison,
     ParityCheck,
     export_model,
     logprob_tolerance,
     parity_failure,
 )
+from whisper_train.errors import UserError
 
 
 def _inputs(seed: int = 0):
@@ -75,7 +75,7 @@ def test_lora_run_folder_exports_merged_weights_equal_to_base_plus_adapter(
 
 
 def test_hf_to_ct2_round_trip_keeps_the_weights(tiny_whisper_dir, tmp_path):
-    from whisper_train.ct2 import load_ct2_whisper
+    from whisper_train.formats.ct2 import load_ct2_whisper
 
     source = WhisperForConditionalGeneration.from_pretrained(tiny_whisper_dir)
     result = export_model(
@@ -99,7 +99,7 @@ def test_an_exact_export_passes_though_the_runtimes_greedy_transcripts_differ(
     """Issue 33: base exported to ct2 float16, bitwise equal to Systran's conversion, failed the
     check because faster-whisper's greedy decoder tipped 7 near-tied words. The verdict now
     rests on the runtime scoring the source's own tokens; the transcripts are only reported."""
-    import whisper_train.runtimes as runtimes
+    import whisper_train.deploy.runtimes as runtimes
 
     real_greedy = runtimes.runtime_greedy
 
@@ -168,7 +168,7 @@ def test_the_failure_names_the_clips_and_what_differs():
 
 
 def test_the_tolerance_follows_the_runtimes_arithmetic_not_the_file_alone():
-    from whisper_train.export import scoring_arithmetic
+    from whisper_train.deploy.export import scoring_arithmetic
 
     assert logprob_tolerance("float32") < logprob_tolerance("float16") < logprob_tolerance("int8")
     # whisper.cpp multiplies float16 matrices; openai-whisper holds float16 weights in float32.
@@ -223,9 +223,9 @@ def _hashes(folder):
 def test_ct2_default_quantization_follows_the_target_device(
     tiny_whisper_dir, tmp_path, monkeypatch, caplog
 ):
-    import whisper_train.export as export_module
+    import whisper_train.deploy.export as export_module
 
-    caplog.set_level("INFO", logger="whisper_train.export")
+    caplog.set_level("INFO", logger="whisper_train.deploy.export")
     # --device defaults to this machine.
     monkeypatch.setattr(export_module.torch.cuda, "is_available", lambda: False)
     assert export_module.default_device() == "cpu"

@@ -18,12 +18,12 @@ import torch
 from conftest import metric_rows, start_whisper_train, train_argv, write_tone_dataset
 from safetensors.torch import load_file
 
-import whisper_train.checkpoints as checkpoints_module
-import whisper_train.features as features_module
-import whisper_train.recipe as recipe_module
+import whisper_train.data.features as features_module
+import whisper_train.training.checkpoints as checkpoints_module
+import whisper_train.training.recipe as recipe_module
 from whisper_train.cli import main
 from whisper_train.errors import AudioError, UserError
-from whisper_train.train import train
+from whisper_train.training.train import train
 
 
 def _nan_on_calls(monkeypatch, bad_calls: set[int]) -> None:
@@ -480,7 +480,7 @@ import io, os, pathlib, shutil, signal
 import safetensors.torch
 import torch
 
-import whisper_train.checkpoints as checkpoints
+import whisper_train.training.checkpoints as checkpoints
 
 
 def install(kill_at, mode, log, setattr=setattr):
@@ -852,7 +852,7 @@ def test_the_main_process_final_work_outlasts_the_collective_timeout(
         "        return real_init(*args, **kwargs)\n"
         "    dist.init_process_group = init\n"
         "    if os.environ['RANK'] == '0':\n"
-        "        import whisper_train.recipe as recipe\n"
+        "        import whisper_train.training.recipe as recipe\n"
         "        real_save_final = recipe.save_final\n"
         "        def slow_save_final(*args, **kwargs):\n"
         "            time.sleep(25)\n"

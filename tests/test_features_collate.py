@@ -6,10 +6,10 @@ import numpy as np
 import torch
 from transformers import WhisperFeatureExtractor
 
-from whisper_train.collate import IGNORE_INDEX, SpeechCollator
-from whisper_train.data import Example, Skip
-from whisper_train.features import LogMel, SpeechDataset
-from whisper_train.labels import LabelEncoder
+from whisper_train.data.collate import IGNORE_INDEX, SpeechCollator
+from whisper_train.data.examples import Example, Skip
+from whisper_train.data.features import LogMel, SpeechDataset
+from whisper_train.data.labels import LabelEncoder
 
 
 def test_batched_log_mel_matches_whisper_feature_extractor():

@@ -17,7 +17,7 @@ from whisper_train.cli import build_parser, config_from_args
 from whisper_train.config import RunConfig
 from whisper_train.errors import UserError
 from whisper_train.models import load_model
-from whisper_train.train import train
+from whisper_train.training.train import train
 
 
 def _runs(tmp_path, tiny_whisper_dir, **extra):

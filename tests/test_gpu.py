@@ -48,9 +48,8 @@ from tiny_models import (
 )
 from transformers import WhisperFeatureExtractor
 
-import whisper_train.recipe as recipe_module
-from whisper_train import checkpoints
-from whisper_train.features import LogMel
+import whisper_train.training.recipe as recipe_module
+from whisper_train.data.features import LogMel
 from whisper_train.memory import (
     activation_offload,
     build_optimizer,
@@ -61,7 +60,8 @@ from whisper_train.memory import (
     unwrapped,
     whisper_of,
 )
-from whisper_train.train import train
+from whisper_train.training import checkpoints
+from whisper_train.training.train import train
 
 pytestmark = pytest.mark.gpu
 

@@ -15,11 +15,11 @@ from multilingual import make_tiny_multilingual_whisper, multilingual_tokenizer
 from tiny_models import EOT, NO_TIMESTAMPS, SOT, english_tokenizer, make_tiny_whisper
 from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
-from whisper_train.collate import SpeechCollator
-from whisper_train.data import Example
+from whisper_train.data.collate import SpeechCollator
+from whisper_train.data.examples import Example
+from whisper_train.data.features import LogMel
+from whisper_train.data.labels import LabelEncoder, configure_generation
 from whisper_train.errors import UserError
-from whisper_train.features import LogMel
-from whisper_train.labels import LabelEncoder, configure_generation
 
 SEGMENTS = ((0.2, 1.4, "Hello"), (1.8, 3.0, "world"))
 

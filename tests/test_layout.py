@@ -139,3 +139,61 @@ def test_no_function_is_longer_than_a_readable_page():
                 if length > MAX_FUNCTION_LINES:
                     long.append(f"{path.name}:{node.lineno} {node.name} ({length} lines)")
     assert not long, long
+
+
+# The package's layers, lowest first (docs/architecture.md): a module imports only from its own
+# layer or those below it, and inside the data, memory, formats, evaluation, training and deploy
+# packages a module may import its own package's modules. Within the shared first and the
+# tools' layer, modules are independent concepts that may use one another.
+LAYERS = (
+    ("errors", "units", "audio", "runfolder", "runlog"),
+    ("data",),
+    ("decoding",),
+    ("memory",),
+    ("config",),
+    ("formats",),
+    ("models",),
+    ("evaluation",),
+    ("doctor",),
+    ("training",),
+    ("deploy",),
+    ("checkdata", "transcribe", "demo"),
+    ("cli", "commands", "__main__"),
+)
+
+
+def _layer(module: str) -> int:
+    top = module.removeprefix("whisper_train.").split(".")[0]
+    for depth, names in enumerate(LAYERS):
+        if top in names:
+            return depth
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS and docs/architecture.md")
+
+
+def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, deps in sorted(graph.items()):
+        if module == "whisper_train":
+            continue
+        for dep in sorted(deps):
+            if dep != "whisper_train" and _layer(dep) > _layer(module):
+                found.append(f"{module} -> {dep}")
+    return found
+
+
+def test_the_layer_check_finds_an_upward_import():
+    """The check below can fail: data reading the training package is reported."""
+    graph = {
+        "whisper_train.data.source": {"whisper_train.training.checkpoints"},
+        "whisper_train.training.recipe": {"whisper_train.data.source"},
+    }
+    assert _upward_imports(graph) == [
+        "whisper_train.data.source -> whisper_train.training.checkpoints"
+    ]
+
+
+def test_every_import_points_down_the_layers():
+    """Data and memory never import training, evaluation or the formats; the formats never
+    import training; nothing below the command line imports it (lazy imports count too)."""
+    upward = _upward_imports(_import_graph())
+    assert not upward, f"imports that point up the layers of docs/architecture.md: {upward}"

@@ -165,10 +165,10 @@ def test_a_steps_micro_batches_stay_in_host_memory_until_run(tmp_path):
     from tiny_models import english_tokenizer
 
     from whisper_train.checkdata import label_encoder_for
-    from whisper_train.collate import SpeechCollator
-    from whisper_train.data import load_examples
-    from whisper_train.datasource import WholeData
-    from whisper_train.features import SpeechDataset
+    from whisper_train.data.collate import SpeechCollator
+    from whisper_train.data.features import SpeechDataset
+    from whisper_train.data.layouts import load_examples
+    from whisper_train.data.source import WholeData
 
     examples = load_examples(write_tone_dataset(tmp_path / "data", n=6))
     dataset = SpeechDataset(examples, label_encoder_for(english_tokenizer()))
@@ -195,8 +195,8 @@ def test_the_step_loop_moves_each_micro_batch_to_the_device_as_it_runs_it(
 ):
     from accelerate.utils import send_to_device
 
-    import whisper_train.recipe as recipe_module
-    from whisper_train.train import train
+    import whisper_train.training.recipe as recipe_module
+    from whisper_train.training.train import train
 
     events = []
     real_move, real_loss = send_to_device, recipe_module.loss_terms

@@ -24,12 +24,12 @@ import torch
 
 from whisper_train.audio import SAMPLE_RATE
 from whisper_train.cli import main
+from whisper_train.data.features import LogMel
+from whisper_train.data.synth import synthesize
 from whisper_train.decoding import DecodingOptions, generate_decoded
 from whisper_train.errors import UserError
-from whisper_train.evaluate import score
-from whisper_train.features import LogMel
+from whisper_train.evaluation.evaluate import score
 from whisper_train.models import load_model, resolve_alias
-from whisper_train.synth import synthesize
 
 ENGLISH = (
     "Please bring me a cup of coffee and two slices of bread.",
@@ -102,7 +102,7 @@ def test_the_base_alias_is_the_joined_and_verified_multilingual_model(base):
 
 
 def test_a_damaged_half_is_refused_and_nothing_is_left_under_the_model_name(monkeypatch, tmp_path):
-    from whisper_train import packaged
+    from whisper_train.formats import packaged
 
     first, second = packaged.packaged_base_parts()
     fake_first, fake_second = tmp_path / "part1", tmp_path / "part2"

@@ -22,15 +22,15 @@ from conftest import (
 )
 from tiny_models import english_tokenizer
 
-from whisper_train.augment import WaveformAugmenter
-from whisper_train.data import load_examples
-from whisper_train.datasource import WholeData, group_steps, shard_batches
+from whisper_train.data.augment import WaveformAugmenter
+from whisper_train.data.features import SpeechDataset
+from whisper_train.data.labels import LabelEncoder
+from whisper_train.data.layouts import load_examples
+from whisper_train.data.packing import ClipSize, plan_windows, window_seconds
+from whisper_train.data.source import WholeData, group_steps, shard_batches
 from whisper_train.errors import UserError
-from whisper_train.features import SpeechDataset
-from whisper_train.labels import LabelEncoder
-from whisper_train.packing import ClipSize, plan_windows, window_seconds
-from whisper_train.recipe import FineTuneRecipe
-from whisper_train.train import train
+from whisper_train.training.recipe import FineTuneRecipe
+from whisper_train.training.train import train
 
 
 def _random_clips(n: int, seed: int = 0) -> list[ClipSize]:
@@ -174,7 +174,7 @@ def test_packing_timestamps_label_every_window_of_two_clips_with_its_clips_times
 
 
 def test_packing_timestamps_windows_count_their_time_tokens_in_the_label_budget(tmp_path):
-    from whisper_train.datasource import clip_sizes, packing_budget
+    from whisper_train.data.source import clip_sizes, packing_budget
 
     examples = load_examples(str(write_tone_dataset(tmp_path / "data", n=24)))
     encoder = LabelEncoder(english_tokenizer(), multilingual=False)
@@ -374,7 +374,7 @@ def test_two_processes_packed_with_an_empty_share_equal_one(tmp_path, tiny_whisp
 def test_a_clip_whose_encoder_output_is_cached_is_not_decoded_again(
     tmp_path, tiny_run_config, monkeypatch
 ):
-    import whisper_train.features as features_module
+    import whisper_train.data.features as features_module
 
     decoded = []
     real = features_module.load_audio
@@ -394,7 +394,7 @@ def test_a_clip_whose_encoder_output_is_cached_is_not_decoded_again(
 
 
 def _packed_stream(folder, label_encoder, *, max_label_tokens=24, packing_timestamps=False):
-    from whisper_train import streaming
+    from whisper_train.data import streaming
 
     return streaming.training_stream(
         streaming.stream_source(folder),
@@ -412,9 +412,9 @@ def _packed_stream(folder, label_encoder, *, max_label_tokens=24, packing_timest
 def test_streamed_shards_pack_every_sample_once_and_resume_at_a_window(tmp_path):
     from test_streaming import write_shards
 
-    from whisper_train import streaming
     from whisper_train.checkdata import label_encoder_for
-    from whisper_train.collate import SpeechCollator
+    from whisper_train.data import streaming
+    from whisper_train.data.collate import SpeechCollator
 
     tokenizer = english_tokenizer()
     encoder = label_encoder_for(tokenizer)

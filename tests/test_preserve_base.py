@@ -16,7 +16,7 @@ import torch
 from conftest import metric_rows
 from tiny_models import LORA, fresh_short_whisper, nonzero_lora_b, pristine, tiny_batch
 
-from whisper_train.collate import IGNORE_INDEX
+from whisper_train.data.collate import IGNORE_INDEX
 from whisper_train.errors import UserError
 from whisper_train.memory import (
     BasePreservation,
@@ -358,7 +358,7 @@ def test_preserve_base_zero_trains_bit_identically_and_a_weight_changes_training
 ):
     from safetensors.torch import load_file
 
-    from whisper_train.train import train
+    from whisper_train.training.train import train
 
     def run(name, **overrides):
         result = train(tiny_run_config(output_dir=str(tmp_path / name), **overrides))

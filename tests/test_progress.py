@@ -7,7 +7,7 @@ import re
 import pytest
 from conftest import metric_rows, train_argv
 
-import whisper_train.recipe as recipe_module
+import whisper_train.training.recipe as recipe_module
 from whisper_train.cli import main
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+)  loss (\S+)  lr (\S+)$")

@@ -7,9 +7,9 @@ import torch
 from conftest import crash_on_loss_call, metric_rows
 from safetensors.torch import load_file
 
-from whisper_train import checkpoints
 from whisper_train.errors import UserError
-from whisper_train.train import train
+from whisper_train.training import checkpoints
+from whisper_train.training.train import train
 
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
@@ -98,7 +98,7 @@ def test_checkpoint_state_loads_with_weights_only(tmp_path, tiny_run_config):
 
 
 def test_the_closing_line_after_a_resume_times_only_the_steps_it_ran():
-    from whisper_train.recipe import trained_line
+    from whisper_train.training.recipe import trained_line
 
     assert trained_line(0, 30, 595.5) == "trained 30 steps in 595.5 s"
     assert trained_line(20, 30, 190.0) == (

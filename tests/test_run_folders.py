@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from conftest import metric_rows, start_whisper_train, train_argv
 
-import whisper_train.checkpoints as checkpoints_module
-import whisper_train.launch as launch_module
+import whisper_train.training.checkpoints as checkpoints_module
+import whisper_train.training.launch as launch_module
 from whisper_train.cli import main
 from whisper_train.config import RunConfig
 from whisper_train.errors import UserError
-from whisper_train.train import train
+from whisper_train.training.train import train
 
 
 def _hashes(folder: Path) -> dict[str, str]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
-from whisper_train.sampling import LengthGroupedBatchSampler, padding_fraction
+from whisper_train.data.sampling import LengthGroupedBatchSampler, padding_fraction
 
 
 def _lengths(n: int = 400, seed: int = 0) -> list[int]:

@@ -21,13 +21,16 @@ import soundfile
 from multilingual import make_tiny_multilingual_whisper
 
 import whisper_train
-from whisper_train import audio, ct2, data, export, labels, runfolder, transcribe
+from whisper_train import audio, data, runfolder, transcribe
 from whisper_train.checkdata import check_data, label_encoder_for
 from whisper_train.config import RunConfig
-from whisper_train.evaluate import report_paths
+from whisper_train.data import labels
+from whisper_train.deploy import export
+from whisper_train.evaluation.evaluate import report_paths
+from whisper_train.formats import ct2
 from whisper_train.memory import plan
 from whisper_train.models import is_multilingual, load_model, model_folder
-from whisper_train.recipe import FineTuneRecipe
+from whisper_train.training.recipe import FineTuneRecipe
 
 PACKAGE = Path(whisper_train.__file__).parent
 

@@ -17,14 +17,15 @@ import torch
 from conftest import SAME_RUN_LOSS_ATOL, crash_on_loss_call, metric_rows, train_in_subprocess
 from tiny_models import english_tokenizer
 
-import whisper_train.recipe as recipe_module
-from whisper_train import checkpoints, streaming
+import whisper_train.training.recipe as recipe_module
 from whisper_train.checkdata import check_data, label_encoder_for
-from whisper_train.collate import SpeechCollator
 from whisper_train.config import RunConfig
-from whisper_train.data import Skip
+from whisper_train.data import streaming
+from whisper_train.data.collate import SpeechCollator
+from whisper_train.data.examples import Skip
 from whisper_train.errors import UserError
-from whisper_train.train import train
+from whisper_train.training import checkpoints
+from whisper_train.training.train import train
 
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
 
@@ -362,7 +363,7 @@ TRACE_SITECUSTOMIZE = r"""
 import os
 
 if os.environ.get("RANK") is not None and os.environ.get("STREAM_TRACE_DIR"):
-    from whisper_train import streaming
+    from whisper_train.data import streaming
 
     real_item = streaming.SpeechStream._item
 

@@ -8,11 +8,10 @@ import sys
 import numpy as np
 import pytest
 
-from whisper_train import synth
 from whisper_train.audio import SAMPLE_RATE, load_audio
-from whisper_train.data import load_examples
-from whisper_train.errors import UserError
-from whisper_train.synth import (
+from whisper_train.data import synth
+from whisper_train.data.layouts import load_examples
+from whisper_train.data.synth import (
     FUNCTION_WORDS,
     GUARD_VOICE,
     HELD_OUT_VOICES,
@@ -26,6 +25,7 @@ from whisper_train.synth import (
     vocabulary,
     word_family,
 )
+from whisper_train.errors import UserError
 
 SENTENCE = "The quick brown fox jumps over the lazy dog."
 

@@ -30,12 +30,12 @@ import pytest
 import soundfile
 import torch
 
-from whisper_train import synth
 from whisper_train.audio import SAMPLE_RATE
 from whisper_train.config import RunConfig
+from whisper_train.data import synth
 from whisper_train.decoding import NO_FALLBACK
 from whisper_train.models import load_model
-from whisper_train.train import train
+from whisper_train.training.train import train
 from whisper_train.transcribe import transcribe_paths
 
 SENTENCES = (

@@ -17,8 +17,8 @@ from tiny_models import tiny_en_dir
 from whisper_normalizer.english import EnglishTextNormalizer
 
 from whisper_train.audio import SAMPLE_RATE
-from whisper_train.ct2 import load_ct2_whisper
-from whisper_train.synth import synthesize
+from whisper_train.data.synth import synthesize
+from whisper_train.formats.ct2 import load_ct2_whisper
 
 SENTENCES = (
     "The weather is nice today, so we will walk to the park.",

@@ -13,9 +13,9 @@ import transformers
 import yaml
 from conftest import SAME_RUN_LOSS_ATOL, losses_and_evaluations, write_tone_dataset
 
-import whisper_train.evaluate as evaluate_module
+import whisper_train.evaluation.evaluate as evaluate_module
 from whisper_train.cli import main
-from whisper_train.train import train
+from whisper_train.training.train import train
 
 # Training loss after each of 3 optimizer steps of conftest's tiny_run_config on the seeded tiny
 # model and tone dataset (full fine-tune, batch 4, lr 1e-3, seed 0, fp32 CPU), stored from an
@@ -239,7 +239,7 @@ def test_auto_checkpointing_plans_within_the_budget_and_grouping_trains(tiny_run
     # The plan is printed on stdout with the run's other lines, and only there: the budget, a
     # row per policy, the chosen one marked "->". A budget far above the need: the planner
     # keeps checkpointing off (no recompute cost), its estimate fits, and the run uses it.
-    assert "budget 64.00GiB" in captured.out
+    assert "budget 64.00 GiB" in captured.out
     chosen = [line.split() for line in captured.out.splitlines() if line.startswith("-> ")]
     assert len(chosen) == 1, captured.out
     policy, *_, total_gib, fits = chosen[0][1:]

@@ -52,7 +52,7 @@ def test_json_holds_text_and_timed_segments():
 @pytest.fixture(scope="module")
 def long_recording(tmp_path_factory):
     """~40 s of synthesised speech (sentences with pauses) and its reference text."""
-    from whisper_train.synth import synthesize
+    from whisper_train.data.synth import synthesize
 
     sentences = [
         "the weather today is cold and windy with a chance of rain",
@@ -91,7 +91,7 @@ def test_long_form_covers_the_whole_recording(
     backend, tiny_en_ct2_dir, tiny_en_transformers, long_recording
 ):
     from whisper_train.audio import load_audio
-    from whisper_train.evaluate import score
+    from whisper_train.evaluation.evaluate import score
 
     path, reference, duration = long_recording
     assert duration > 35, "the recording must need more than one 30 s window"
@@ -110,8 +110,8 @@ def test_faster_whisper_gets_the_fallback_options_and_stays_offline(tiny_en_ct2_
     folder, nothing fetched), with our temperatures and thresholds."""
     import socket
 
+    from whisper_train.data.synth import synthesize
     from whisper_train.decoding import NO_FALLBACK
-    from whisper_train.synth import synthesize
 
     def no_network(*args, **kwargs):
         raise AssertionError(f"network access: {args}")
@@ -156,7 +156,7 @@ def test_transformers_long_form_checks_the_text_compression_ratio(tiny_en_transf
     from unittest import mock
 
     from whisper_train import transcribe as transcribe_module
-    from whisper_train.synth import synthesize
+    from whisper_train.data.synth import synthesize
 
     backend = TransformersBackend(*tiny_en_transformers)
     model = backend.model

@@ -33,7 +33,7 @@ def tiny_en_dir() -> Path:
 
 def english_tokenizer():
     """OpenAI's English tokenizer with special and timestamp tokens registered as on the hub."""
-    from whisper_train.ct2 import load_tokenizer
+    from whisper_train.formats.ct2 import load_tokenizer
 
     return load_tokenizer(tiny_en_dir(), ENGLISH_VOCAB)
 

@@ -2,10 +2,10 @@
 
 The library entry points, for use without the CLI:
 
-    from whisper_train import prepare_model, LoraSettings   # checkpointing/LoRA/freezing
-    from whisper_train import load_model, RunConfig          # resolve --model; typed options
-    from whisper_train.train import train                    # the whole training run
-    from whisper_train import doctor                         # pre-flight checks
+    from whisper_train import prepare_model, LoraSettings
+    from whisper_train import load_model, RunConfig
+    from whisper_train.training.train import train                    # the whole training run
+    from whisper_train import doctor
 
 They are imported on first use, so `import whisper_train` stays cheap.
 """

@@ -31,6 +31,7 @@ HOP_LENGTH = 160  # samples between STFT frames: 10 ms at 16 kHz
 CHUNK_LENGTH = 30  # seconds: Whisper's encoder sees exactly one 30 s window
 N_SAMPLES = CHUNK_LENGTH * SAMPLE_RATE  # 480000 samples in one window
 N_FRAMES = N_SAMPLES // HOP_LENGTH  # 3000 mel frames in one window
+ENCODER_POSITIONS = N_FRAMES // 2  # 1500: the encoder's second convolution has stride 2
 
 # File names a folder of audio is searched for (lower case): libsndfile's formats, then the
 # containers PyAV reads (phones record M4A, browsers WebM, video is MP4/MKV).

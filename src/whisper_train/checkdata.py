@@ -32,16 +32,11 @@ import numpy as np
 
 from whisper_train.audio import CHUNK_LENGTH, AudioHeader, NonFiniteAudio, load_audio, read_header
 from whisper_train.config import DataConfig
-from whisper_train.data import (
-    HASH_THREADS,
-    HEADER_THREADS,
-    Example,
-    load_examples,
-    map_in_threads,
-)
-from whisper_train.errors import AudioError, UserError
-from whisper_train.labels import MAX_DECODER_TOKENS, LabelEncoder
-from whisper_train.streaming import (
+from whisper_train.data.examples import Example
+from whisper_train.data.labels import MAX_DECODER_TOKENS, LabelEncoder
+from whisper_train.data.layouts import load_examples
+from whisper_train.data.screening import HASH_THREADS, HEADER_THREADS, map_in_threads
+from whisper_train.data.streaming import (
     StreamSource,
     audio_header,
     decode_audio,
@@ -49,6 +44,7 @@ from whisper_train.streaming import (
     read_row,
     stream_source,
 )
+from whisper_train.errors import AudioError, UserError
 
 # Without a tokenizer, labels are measured in characters: English BPE averages ~4 characters a
 # token, so 2 characters a token is a cautious bound for "probably over 448 tokens".
@@ -611,7 +607,7 @@ def label_encoder_for(
     and `is_multilingual` would say), or a bare Whisper tokenizer (multilingual when its
     vocabulary's size says so: there is no model to ask).
     """
-    from whisper_train.ct2 import is_multilingual_vocab
+    from whisper_train.formats.ct2 import is_multilingual_vocab
 
     if isinstance(model, (str, Path)):
         tokenizer, multilingual = load_tokenizer(str(model))
@@ -627,7 +623,7 @@ def load_tokenizer(spec: str) -> tuple[Any, bool]:
     the small files where they tell (no weights read), else from the loaded model (a hub id)."""
     from transformers import WhisperTokenizerFast
 
-    from whisper_train import ct2
+    from whisper_train.formats import ct2
     from whisper_train.models import (
         folder_is_multilingual,
         is_multilingual,

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from whisper_train.errors import UserError
+from whisper_train.units import parse_bytes
 
 MODES = ("full", "lora", "freeze-encoder")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -74,7 +75,7 @@ def named_sets(entries: list[str], flag: str) -> dict[str, tuple[str, str | None
         if name in sets:
             raise UserError(f"{flag} {entry}: the name {name} is used twice")
         if language:
-            from whisper_train.labels import language_code
+            from whisper_train.data.labels import language_code
 
             try:
                 language = language_code(language)
@@ -662,7 +663,7 @@ class RunConfig:
         """The `streaming.StreamSource` --data names when it is read as a stream, else None."""
         # Imported here: streaming needs torch and soundfile; `import whisper_train.config` stays
         # light for the CLI's --help.
-        from whisper_train.streaming import stream_source
+        from whisper_train.data.streaming import stream_source
 
         d = self.data
         return stream_source(d.data, data_format=d.data_format, streaming=d.streaming)
@@ -670,7 +671,11 @@ class RunConfig:
     def decoding_options(self):
         """The `decoding.DecodingOptions` of evaluation during training."""
         # Imported here: decoding needs torch, and `import whisper_train.config` stays light.
-        from whisper_train.decoding import DecodingOptions, parse_temperatures, parse_threshold
+        from whisper_train.decoding import (
+            DecodingOptions,
+            parse_temperatures,
+            parse_threshold,
+        )
 
         t = self.train
         return DecodingOptions(
@@ -779,15 +784,6 @@ def field_owners() -> dict[str, str]:
             assert f.name not in owners, f"option {f.name} defined twice"
             owners[f.name] = group_name
     return owners
-
-
-def parse_bytes(text: str, *, flag: str = "size") -> int:
-    """'4GB' / '512MiB' / '1.5G' → bytes (decimal and binary suffixes are both taken as 2^30)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B?)\s*", text, flags=re.IGNORECASE)
-    if not match:
-        raise UserError(f"{flag} {text}: expected a size such as 4GB or 512MB")
-    number, unit = float(match.group(1)), match.group(2).upper()
-    return int(number * 1024 ** " KMGT".index(unit or " "))
 
 
 def require_positive(flag: str, value: int, *, alternative: str | None = None) -> None:

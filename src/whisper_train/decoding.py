@@ -408,7 +408,7 @@ def _chosen_languages(
         languages = [forced] * len(detected)
     if len(languages) != len(detected):
         raise ValueError(f"{len(languages)} languages for a batch of {len(detected)}")
-    from whisper_train.labels import language_code
+    from whisper_train.data.labels import language_code
 
     return [
         language_code(given) if given is not None else code

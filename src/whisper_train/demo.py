@@ -41,7 +41,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from whisper_train.config import RunConfig
-from whisper_train.train import TrainResult, train
+from whisper_train.training.train import TrainResult, train
 
 SETS = ("train", "held-out", "guard")
 SCORED_SETS = ("held-out", "guard")
@@ -145,7 +145,7 @@ def prepare_demo_data(
 ) -> dict[str, Path]:
     """Synthesise (or reuse) `train/`, `held-out/` and `guard/` under `data_dir` (Spanish
     train/ and held-out/ under `data_dir/es` for `language` es, with a `language` column)."""
-    from whisper_train import synth
+    from whisper_train.data import synth
 
     if language == "es":
         train_words, held_out_words = synth.split_spanish_words()
@@ -187,7 +187,7 @@ def prepare_demo_data(
 
 def _synthesised(folder: Path, plan: dict) -> Path:
     """Synthesise once: a next demo reuses the clips when it would say the same things."""
-    from whisper_train import synth
+    from whisper_train.data import synth
 
     planned = synth.plan_utterances(**{k: v for k, v in plan.items() if k != "language"})
     plan_file = folder / "plan.json"
@@ -206,7 +206,7 @@ def _synthesised(folder: Path, plan: dict) -> Path:
 
 def print_comparison(demo: DemoResult, *, model: str, mode: str, language: str = "en") -> None:
     """The demo's closing table: each figure before and after fine-tuning."""
-    from whisper_train import synth
+    from whisper_train.data import synth
 
     before, after, result = demo.before, demo.after, demo.train
 
@@ -244,7 +244,7 @@ def print_comparison(demo: DemoResult, *, model: str, mode: str, language: str =
 
 
 def _print_spanish(demo: DemoResult, row, *, model: str, mode: str) -> None:
-    from whisper_train import synth
+    from whisper_train.data import synth
 
     result = demo.train
     sizes = {name: _count(demo.data_dirs[name]) for name in SCORED_SETS}
@@ -277,7 +277,7 @@ def _print_spanish(demo: DemoResult, row, *, model: str, mode: str) -> None:
 
 def _count(folder: Path) -> int:
     """Utterances in a synthesised set (its metadata rows)."""
-    from whisper_train import synth
+    from whisper_train.data import synth
 
     with (folder / synth.METADATA_FILE).open(encoding="utf-8") as stream:
         return sum(1 for _ in stream) - 1

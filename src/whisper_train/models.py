@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
-from whisper_train import ct2, packaged
 from whisper_train.errors import UserError
+from whisper_train.formats import ct2, packaged
 from whisper_train.runfolder import final_model_dir
 
 log = logging.getLogger(__name__)
@@ -291,7 +291,8 @@ def check_safetensors(file: Path, spec: str) -> None:
 def _runtime_format(path: Path):
     """The reader of a whisper.cpp or openai-whisper model at `path` (the file or its folder),
     or None when `path` is neither."""
-    from whisper_train import ggml, openai_whisper
+    from whisper_train.formats import ggml
+    from whisper_train.formats import openai as openai_whisper
 
     if path.is_dir() and not (path / "config.json").is_file():
         if (path / ggml.MODEL_FILE).is_file():

@@ -37,7 +37,12 @@ import numpy as np
 import torch
 
 from whisper_train.audio import AUDIO_SUFFIXES, N_SAMPLES, SAMPLE_RATE, load_audio
-from whisper_train.decoding import DecodingOptions, compression_ratio, generate_decoded, seeded
+from whisper_train.decoding import (
+    DecodingOptions,
+    compression_ratio,
+    generate_decoded,
+    seeded,
+)
 from whisper_train.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -132,7 +137,7 @@ class TransformersBackend:
         beam_size=1,
         decoding: DecodingOptions | None = None,
     ):
-        from whisper_train.evaluate import set_language
+        from whisper_train.evaluation.evaluate import set_language
 
         self.model = model.eval()
         self.processor = processor
@@ -301,7 +306,7 @@ class WhisperCppBackend:
     """whisper.cpp through pywhispercpp on a ggml-model.bin: its loop and temperature fallback."""
 
     def __init__(self, model_file: Path, *, language=None, task=None, beam_size=1, decoding=None):
-        from whisper_train.runtimes import require_client
+        from whisper_train.deploy.runtimes import require_client
 
         require_client("ggml")
         from pywhispercpp.model import Model
@@ -352,7 +357,7 @@ class OpenAIWhisperBackend:
     """openai-whisper's `transcribe()` on a model.pt: its loop and temperature fallback."""
 
     def __init__(self, model_file: Path, *, language=None, task=None, beam_size=1, decoding=None):
-        from whisper_train.runtimes import require_client
+        from whisper_train.deploy.runtimes import require_client
 
         require_client("openai")
         import whisper
@@ -412,7 +417,8 @@ def _saved_language_and_task(model_dir: Path) -> tuple[str | None, str | None]:
 
 def _runtime_file(path: Path) -> Path | None:
     """The ggml-model.bin or model.pt that `path` is or holds, else None."""
-    from whisper_train import ggml, openai_whisper
+    from whisper_train.formats import ggml
+    from whisper_train.formats import openai as openai_whisper
 
     if path.is_file() and path.suffix in (".bin", ".pt"):
         return path
@@ -467,7 +473,7 @@ class _Input:
 
 def collect_inputs(inputs: Sequence[str | Path]) -> list[_Input]:
     """Files, folders (searched for audio files) and manifests → recordings to transcribe."""
-    from whisper_train.data import load_examples
+    from whisper_train.data.layouts import load_examples
 
     found: list[_Input] = []
     for item in map(Path, inputs):

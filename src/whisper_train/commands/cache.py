@@ -39,7 +39,8 @@ def add_parser(subparsers) -> None:
 
 
 def run_ls(args: argparse.Namespace) -> int:
-    from whisper_train.encoder_cache import cache_dir, format_bytes, list_cache
+    from whisper_train.training.encoder_cache import cache_dir, list_cache
+    from whisper_train.units import format_bytes
 
     root = _existing_root(args.encoder_cache_dir, cache_dir)
     entries = list_cache(root)
@@ -58,7 +59,8 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def run_clear(args: argparse.Namespace) -> int:
-    from whisper_train.encoder_cache import cache_dir, clear_cache, format_bytes
+    from whisper_train.training.encoder_cache import cache_dir, clear_cache
+    from whisper_train.units import format_bytes
 
     root = _existing_root(args.encoder_cache_dir, cache_dir)
     removed = clear_cache(root, key=args.model_key, everything=args.all)

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from whisper_train.config import named_sets
-from whisper_train.evaluate import NORMALIZERS, EvalReport, detected_counts, report_paths
+from whisper_train.evaluation.evaluate import NORMALIZERS, EvalReport, detected_counts, report_paths
 
 
 def add_parser(subparsers) -> None:
@@ -103,7 +103,11 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
 
 def decoding_from_args(args: argparse.Namespace):
     """The DecodingOptions the decoding flags ask for (UserError if malformed)."""
-    from whisper_train.decoding import DecodingOptions, parse_temperatures, parse_threshold
+    from whisper_train.decoding import (
+        DecodingOptions,
+        parse_temperatures,
+        parse_threshold,
+    )
 
     return DecodingOptions(
         temperatures=parse_temperatures(args.temperatures),
@@ -117,7 +121,7 @@ def decoding_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     """Prints WER/CER (the model's as soon as it is scored, then the baseline's) and where the
     reports went; `evaluate` writes report.json (+ .md/.png with --baseline)."""
-    from whisper_train.evaluate import evaluate
+    from whisper_train.evaluation.evaluate import evaluate
 
     decoding = decoding_from_args(args)
 

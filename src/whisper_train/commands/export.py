@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from whisper_train.export import CHECK_CLIPS, DEVICES, EXPORT_QUANTIZATIONS, FORMATS
+from whisper_train.deploy.export import CHECK_CLIPS, DEVICES, EXPORT_QUANTIZATIONS, FORMATS
 
 
 def add_parser(subparsers) -> None:
@@ -68,7 +68,7 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     """0: exported and checked; 1: exported but the check failed; 2: a usage error (a missing
     runtime client included)."""
-    from whisper_train.export import ExportParityError, export_model
+    from whisper_train.deploy.export import ExportParityError, export_model
 
     try:
         result = export_model(

@@ -20,7 +20,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """0 when the run finished; prints the final WER when it was measured."""
-    from whisper_train.train import train
+    from whisper_train.training.train import train
 
     result = train(config_from_args(args))
     if result.final_wer is not None:

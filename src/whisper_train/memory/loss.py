@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from whisper_train.collate import IGNORE_INDEX
+from whisper_train.data.collate import IGNORE_INDEX
 from whisper_train.errors import UserError
 from whisper_train.memory.checkpointing import checkpointing_on, recomputed_decoder_layers
 from whisper_train.memory.cross_attention import folded_cross_attention

@@ -46,8 +46,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from whisper_train.audio import ENCODER_POSITIONS, N_FRAMES
+from whisper_train.data.labels import MAX_DECODER_TOKENS
 from whisper_train.errors import UserError
-from whisper_train.labels import MAX_DECODER_TOKENS
 from whisper_train.memory.checkpointing import (
     LoraSettings,
     checkpointed_layers,
@@ -56,10 +57,8 @@ from whisper_train.memory.checkpointing import (
 )
 from whisper_train.memory.loss import LOSS_CHUNK_TOKENS, training_loss
 from whisper_train.memory.wrappers import whisper_of
+from whisper_train.units import format_bytes
 
-ENCODER_POSITIONS = 1500  # 3000 log-mel frames, halved by the stride-2 second convolution
-MEL_FRAMES = 3000  # 30 s at 100 frames/s
-POLICY_ORDER = ("off", "every-N", "encoder", "full")  # cheapest (fastest) first
 _HALF_PRECISIONS = ("bf16", "fp16")
 
 
@@ -476,8 +475,8 @@ def plan_checkpointing(
     if chosen is None:
         smallest = min(estimates.values(), key=lambda e: e.total)
         raise UserError(
-            f"--max-memory {_gib(max_memory_bytes)}: nothing fits at batch {batch_size} (smallest: "
-            f"full checkpointing + offload needs {_gib(smallest.total)}); raise --max-memory, "
+            f"--max-memory {format_bytes(max_memory_bytes)}: nothing fits at batch {batch_size} (smallest: "
+            f"full checkpointing + offload needs {format_bytes(smallest.total)}); raise --max-memory, "
             f"lower --batch-size, or use --mode lora / freeze-encoder / --optim adamw8bit"
         )
     name = chosen[0] + (" + offload" if chosen[1] else "")
@@ -545,7 +544,7 @@ def format_plan_table(
 ) -> str:
     """A fixed-width table, one row per policy, GiB per term; the chosen row is marked."""
     chosen_name = None if chosen is None else chosen[0] + (" + offload" if chosen[1] else "")
-    lines = [f"memory plan ({header}); budget {_gib(max_memory_bytes)}"] if header else []
+    lines = [f"memory plan ({header}); budget {format_bytes(max_memory_bytes)}"] if header else []
     lines.append(
         f"   {'policy':<17}{'weights':>9}{'grads':>9}{'optim':>9}{'activ.':>9}"
         f"{'working':>9}{'total':>9}  fits"
@@ -572,13 +571,9 @@ def encoder_cache_line(
     clip_bytes = ENCODER_POSITIONS * config.d_model * storage_bits // 8
     return (
         f"   encoder cache (disk, not device memory): {n_clips} clips x "
-        f"{_gib(clip_bytes)} = {_gib(n_clips * clip_bytes)} at most, in {folder} "
-        f"(limit {_gib(limit_bytes)})"
+        f"{format_bytes(clip_bytes)} = {format_bytes(n_clips * clip_bytes)} at most, in {folder} "
+        f"(limit {format_bytes(limit_bytes)})"
     )
-
-
-def _gib(n_bytes: float) -> str:
-    return f"{n_bytes / 2**30:.2f}GiB" if n_bytes >= 2**30 / 10 else f"{n_bytes / 2**20:.0f}MiB"
 
 
 def model_flops_per_sample(config, label_tokens: int) -> float:
@@ -588,7 +583,7 @@ def model_flops_per_sample(config, label_tokens: int) -> float:
     """
     s, t, d = ENCODER_POSITIONS, label_tokens, config.d_model
     encoder = config.encoder_layers * (24 * s * d**2 + 4 * s**2 * d)
-    convolutions = 2 * MEL_FRAMES * 3 * config.num_mel_bins * d + 2 * s * 3 * d**2
+    convolutions = 2 * N_FRAMES * 3 * config.num_mel_bins * d + 2 * s * 3 * d**2
     decoder = config.decoder_layers * (28 * t * d**2 + 4 * s * d**2 + 4 * t**2 * d + 4 * t * s * d)
     head = 2 * t * d * config.vocab_size
     return float(encoder + convolutions + decoder + head)

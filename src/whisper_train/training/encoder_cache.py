@@ -56,8 +56,9 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from whisper_train import runfolder
-from whisper_train.collate import SpeechCollator
+from whisper_train.data.collate import SpeechCollator
 from whisper_train.errors import UserError
+from whisper_train.units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -102,14 +103,6 @@ def model_key(encoder: torch.nn.Module, feature_extractor, *, compute: str) -> s
         digest.update(f"\0{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
         digest.update(tensor.view(torch.uint8).numpy().data)
     return digest.hexdigest()[:16]
-
-
-def format_bytes(n_bytes: float) -> str:
-    """Binary units, as --encoder-cache-max-size reads them (10GB is 10 GiB)."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n_bytes) >= scale:
-            return f"{n_bytes / scale:.2f} {unit}"
-    return f"{int(n_bytes)} B"
 
 
 def _tree_size(folder: Path) -> tuple[int, int]:

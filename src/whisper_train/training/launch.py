@@ -15,10 +15,11 @@ from pathlib import Path
 
 import torch
 
-from whisper_train import checkpoints, runfolder
+from whisper_train import runfolder
 from whisper_train.config import RunConfig
 from whisper_train.errors import UserError
 from whisper_train.runlog import StopRequest, TrainingInterrupted, TrainResult, read_result
+from whisper_train.training import checkpoints
 
 # Set for the worker processes: the parent already checked (and, with --overwrite, cleared) the
 # output folder, so the workers must not refuse their own run.
@@ -59,7 +60,7 @@ def launch_data_parallel(config: RunConfig, lock: runfolder.RunLock | None = Non
     command = [
         sys.executable,
         "-m",
-        "whisper_train.launch",  # torchrun (`_torchrun` below)
+        "whisper_train.training.launch",  # torchrun (`_torchrun` below)
         "--standalone",
         f"--nproc-per-node={n}",
         "-m",

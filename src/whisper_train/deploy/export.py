@@ -38,9 +38,9 @@ import torch
 import yaml
 
 from whisper_train.config import require_positive
+from whisper_train.deploy.runtimes import MissingRuntimeError
 from whisper_train.errors import UserError
 from whisper_train.runfolder import CONFIG_FILE, aside_path
-from whisper_train.runtimes import MissingRuntimeError
 
 log = logging.getLogger(__name__)
 
@@ -324,7 +324,7 @@ def check_clips(
     from whisper_train.audio import load_audio
 
     if check_data is not None:
-        from whisper_train.data import load_examples
+        from whisper_train.data.layouts import load_examples
 
         examples = load_examples(check_data)[:n_clips]
         return [
@@ -336,7 +336,7 @@ def check_clips(
             )
             for e in examples
         ]
-    from whisper_train.synth import synthesize
+    from whisper_train.data.synth import synthesize
 
     return [
         (f"synthesised #{i + 1}", synthesize(text), text, "en")
@@ -348,8 +348,8 @@ def check_language(model, processor, clips) -> str | None:
     """The one language both sides are forced to: None for English-only models; else the
     language the check data states, or the one the model was fine-tuned for (its generation
     config), or English for the synthesised clips, or the source's detection on the first clip."""
+    from whisper_train.deploy.runtimes import detect_language
     from whisper_train.models import is_multilingual
-    from whisper_train.runtimes import detect_language
 
     if not is_multilingual(model):
         return None
@@ -391,8 +391,12 @@ class SourceSide:
 def score_source(model, processor, clips, language: str | None) -> SourceSide:
     """The source's greedy transcripts of `clips` and its scores of their tokens (before the
     export is written: saving in float16 converts `model` in place)."""
+    from whisper_train.deploy.runtimes import (
+        prompt_ids,
+        transformers_greedy_tokens,
+        transformers_scores,
+    )
     from whisper_train.models import is_multilingual
-    from whisper_train.runtimes import prompt_ids, transformers_greedy_tokens, transformers_scores
 
     audio = [clip[1] for clip in clips]
     texts, tokens = transformers_greedy_tokens(model, processor, audio, language)
@@ -413,7 +417,7 @@ def check_export(
     only: a near-tied word tipped by another runtime's arithmetic is not a defect of the file
     (issue 33).
     """
-    from whisper_train.runtimes import RUNTIME_NAMES, runtime_greedy, runtime_scores
+    from whisper_train.deploy.runtimes import RUNTIME_NAMES, runtime_greedy, runtime_scores
 
     audio = [clip[1] for clip in source.clips]
     runtime = RUNTIME_NAMES[format]
@@ -462,7 +466,7 @@ def compare(
 ) -> ParityCheck:
     """Per clip: the token log-probabilities' differences, the spelling, and (informative) the
     word differences between the greedy transcripts."""
-    from whisper_train.evaluate import _word_counts, get_normalizer, score
+    from whisper_train.evaluation.evaluate import _word_counts, get_normalizer, score
 
     normalize = get_normalizer(None, source.language)
     rows = []
@@ -553,7 +557,7 @@ def export_model(
     runtimes.MissingRuntimeError before writing anything when the check's runtime client is
     not installed.
     """
-    from whisper_train.runtimes import require_client
+    from whisper_train.deploy.runtimes import require_client
 
     if format not in FORMATS:
         raise UserError(f"--format {format}: expected one of {', '.join(FORMATS)}")
@@ -619,16 +623,16 @@ def save_export(model, processor, output: Path, *, format: str, quantization: st
         dtype = torch.float16 if quantization == "float16" else torch.float32
         save_hf(model, processor, output, dtype=dtype)
     elif format == "ggml":
-        from whisper_train.ggml import save_ggml
+        from whisper_train.formats.ggml import save_ggml
 
         save_ggml(model, processor, output, quantization=quantization)
     elif format == "openai":
-        from whisper_train.openai_whisper import save_openai
+        from whisper_train.formats.openai import save_openai
 
         dtype = torch.float16 if quantization == "float16" else torch.float32
         save_openai(model, processor, output, dtype=dtype)
     else:
-        from whisper_train.ct2 import save_ct2
+        from whisper_train.formats.ct2 import save_ct2
 
         with tempfile.TemporaryDirectory(prefix="whisper-train-export-") as hf_dir:
             save_hf(model, processor, Path(hf_dir))

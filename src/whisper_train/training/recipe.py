@@ -37,14 +37,16 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from whisper_train import checkpoints, doctor, memory, runfolder, streaming
-from whisper_train.collate import IGNORE_INDEX, SpeechCollator
-from whisper_train.config import RunConfig, parse_bytes
-from whisper_train.data import (
-    Example,
-    PackedExamples,
+from whisper_train import doctor, memory, runfolder
+from whisper_train.config import RunConfig
+from whisper_train.data import streaming
+from whisper_train.data.collate import IGNORE_INDEX, SpeechCollator
+from whisper_train.data.examples import Example, PackedExamples
+from whisper_train.data.features import LogMel, SpeechDataset
+from whisper_train.data.labels import LabelEncoder, configure_generation, with_language
+from whisper_train.data.layouts import load_examples
+from whisper_train.data.screening import (
     Screening,
-    load_examples,
     raise_first_skip,
     screen,
     screening_cache_folder,
@@ -52,19 +54,14 @@ from whisper_train.data import (
     summarize_skips,
     unusable_until_one_passes,
 )
-from whisper_train.datasource import TrainingData, build_training_data, stand_in_batch
-from whisper_train.encoder_cache import CachedClip, EncoderCache, EncoderCacheCollator
-from whisper_train.encoder_cache import cache_dir as encoder_cache_dir
+from whisper_train.data.source import TrainingData, build_training_data, stand_in_batch
 from whisper_train.errors import UserError
-from whisper_train.evaluate import get_normalizer, row_languages, run_evaluation
-from whisper_train.features import LogMel, SpeechDataset
-from whisper_train.labels import LabelEncoder, configure_generation, with_language
-from whisper_train.launch import inside_launcher
+from whisper_train.evaluation.evaluate import get_normalizer, row_languages, run_evaluation
+from whisper_train.evaluation.report import write_curves_png
 from whisper_train.memory import loss_terms
 from whisper_train.memory.plan import encoder_cache_line
 from whisper_train.memory.wrappers import unwrapped
 from whisper_train.models import is_multilingual, load_model
-from whisper_train.report import write_curves_png
 from whisper_train.runlog import (
     MetricsLog,
     ProgressTable,
@@ -76,6 +73,11 @@ from whisper_train.runlog import (
     step_line,
     write_result,
 )
+from whisper_train.training import checkpoints
+from whisper_train.training.encoder_cache import CachedClip, EncoderCache, EncoderCacheCollator
+from whisper_train.training.encoder_cache import cache_dir as encoder_cache_dir
+from whisper_train.training.launch import inside_launcher
+from whisper_train.units import parse_bytes
 
 # Points of guard-set WER a chosen step may lose against the start, when --guard is given and
 # --max-regression is not: a default picked by judgement, not measured.
@@ -205,7 +207,7 @@ class FineTuneRecipe:
             multilingual=self.multilingual,
         )
         if c.data.spec_augment:
-            from whisper_train.augment import spec_augment_overrides
+            from whisper_train.data.augment import spec_augment_overrides
 
             for key, value in spec_augment_overrides().items():
                 setattr(self.model.config, key, value)
@@ -504,7 +506,7 @@ class FineTuneRecipe:
         # A resume after a bad-step stop is its remedy (another precision, a lower rate): the
         # new run gets --max-bad-steps chances of its own, not the stopped run's last one.
         self.state.bad_steps_in_a_row = 0
-        where = self.data.restore(self.resume_from, self.state)
+        where = self.data.restore(self.resume_from, self.state, checkpoints.read_stream_position)
         for line in self.resume_point.skipped:
             say(self.accelerator, line)
         say(
@@ -1225,8 +1227,8 @@ def compare_with_baseline(
     `set_name`, decoded in its language): report.md / report.png."""
     import gc
 
-    from whisper_train.evaluate import evaluate_examples, write_report_json
-    from whisper_train.report import write_comparison
+    from whisper_train.evaluation.evaluate import evaluate_examples, write_report_json
+    from whisper_train.evaluation.report import write_comparison
 
     reports = []
     normalizer = None  # the baseline's choice (`normalizer_for`), then the same for both

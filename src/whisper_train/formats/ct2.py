@@ -35,8 +35,8 @@ from transformers import (
     WhisperTokenizerFast,
 )
 
+from whisper_train.data.labels import MAX_DECODER_TOKENS, N_TIME_TOKENS, TIME_PRECISION
 from whisper_train.errors import UserError
-from whisper_train.labels import MAX_DECODER_TOKENS, N_TIME_TOKENS, TIME_PRECISION
 
 MODEL_FILE = "model.bin"
 CONFIG_FILE = "config.json"

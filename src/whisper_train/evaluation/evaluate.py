@@ -30,8 +30,8 @@ from pathlib import Path
 import jiwer
 import torch
 
-from whisper_train.collate import IGNORE_INDEX
 from whisper_train.config import require_positive
+from whisper_train.data.collate import IGNORE_INDEX
 from whisper_train.decoding import Decoded, DecodingOptions, generate_decoded
 from whisper_train.errors import AudioError, UserError
 from whisper_train.memory import training_loss
@@ -249,7 +249,7 @@ def _generate_batch(
         inputs = {"input_features": batch["input_features"].to(weight.device, weight.dtype)}
     elif "audio" in batch:
         # A collator without a LogMel hands over waveforms: compute features where the model is.
-        from whisper_train.features import LogMel
+        from whisper_train.data.features import LogMel
 
         features = LogMel(processor.feature_extractor, device=weight.device)(batch["audio"])
         inputs = {"input_features": features.to(weight.dtype)}
@@ -402,7 +402,7 @@ def detected_counts(decoded: Iterable[Decoded]) -> dict[str, int]:
 def row_languages(examples: Iterable, default: str | None) -> list[str | None]:
     """The language each example is decoded in on a multilingual model: its own `language`
     (the data's column), else `default` (the set's), else None: detected from its audio."""
-    from whisper_train.labels import language_code
+    from whisper_train.data.labels import language_code
 
     default = language_code(default)
     return [language_code(example.language) or default for example in examples]
@@ -419,7 +419,7 @@ def _feature_batches(
     """Examples → batches {"input_features": (batch, n_mels, 3000), "texts", "languages"}
     (`row_languages`); bad clips skipped."""
     from whisper_train.audio import load_audio
-    from whisper_train.features import LogMel
+    from whisper_train.data.features import LogMel
 
     log_mel = LogMel(processor.feature_extractor)
     for first in range(0, len(examples), batch_size):
@@ -592,7 +592,7 @@ def evaluate_examples(
     progress: bool = False,
     decoding: DecodingOptions | None = None,
 ) -> EvalReport:
-    """Transcribe `examples` (whisper_train.data.Example) and score them against their text.
+    """Transcribe `examples` (whisper_train.data.examples.Example) and score them against their text.
 
     On a multilingual model each clip is decoded in its own `language` (the data's), else in
     `language`, else in the model's configured one, else in the language detected in it
@@ -604,7 +604,7 @@ def evaluate_examples(
     `progress`: a bar on a terminal, else a line every tenth of the batches (a log file)."""
     from tqdm.auto import tqdm
 
-    from whisper_train.labels import language_code
+    from whisper_train.data.labels import language_code
 
     decoding = DecodingOptions() if decoding is None else decoding
 
@@ -787,7 +787,7 @@ def evaluate(
     unless `overwrite`. `on_report("model" | "baseline", report)` is called as each model is
     scored, before the next one starts. `decoding`: the temperature fallback, the same for
     both models (None: on, with openai-whisper's defaults)."""
-    from whisper_train.data import load_examples
+    from whisper_train.data.layouts import load_examples
     from whisper_train.models import load_model
 
     require_positive("--batch-size", batch_size)
@@ -840,7 +840,7 @@ def evaluate(
         return result
     write_report_json(result.report, paths[0])
     if baseline:
-        from whisper_train.report import write_comparison
+        from whisper_train.evaluation.report import write_comparison
 
         result.baseline = run(baseline, "baseline")
         _, baseline_json, markdown, png = paths

@@ -169,14 +169,6 @@ def save_side_files(model, processor, output: Path) -> None:
         stray.unlink()
 
 
-def find_model_file(path: Path, file_name: str) -> Path | None:
-    """`path` itself when it is the file, or `path/file_name` in a folder; None otherwise."""
-    if path.is_file():
-        return path if path.name.endswith(Path(file_name).suffix) else None
-    candidate = path / file_name
-    return candidate if candidate.is_file() else None
-
-
 def load_openai(path: str | Path):
     """`model.pt` (or its folder) -> (WhisperForConditionalGeneration in float32, processor)."""
     model_file = Path(path)
@@ -280,7 +272,7 @@ def side_files(folder: Path, vocab_size: int, n_mels: int):
     """(processor, generation config) from the tokenizer and configs beside a runtime file."""
     from transformers import GenerationConfig, WhisperProcessor
 
-    from whisper_train.ct2 import (
+    from whisper_train.formats.ct2 import (
         _feature_extractor,
         _generation_config,
         is_multilingual_vocab,

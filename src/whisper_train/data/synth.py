@@ -565,13 +565,13 @@ def make_speech_dataset(
 
 
 def _run_in_fresh_process(job: dict) -> None:
-    """Run `_write_utterances(job)` in `python -m whisper_train.synth`; UserError on failure."""
+    """Run `_write_utterances(job)` in `python -m whisper_train.data.synth`; UserError on failure."""
     # The package's parent folder on PYTHONPATH lets the child import it from a source checkout.
-    package_parent = str(Path(__file__).resolve().parents[1])
+    package_parent = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
     result = subprocess.run(
-        [sys.executable, "-m", "whisper_train.synth"],
+        [sys.executable, "-m", "whisper_train.data.synth"],
         input=json.dumps(job).encode("utf-8"),
         capture_output=True,
         env=env,

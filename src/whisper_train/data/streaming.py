@@ -53,15 +53,13 @@ from whisper_train.audio import (
     load_audio,
     read_header,
 )
-from whisper_train.data import (
+from whisper_train.data.examples import Example, Skip, decode_skip
+from whisper_train.data.layouts import (
     AUDIO_COLUMNS,
     DATASETS_EXTRA,
     LANGUAGE_COLUMNS,
     LAYOUTS,
     TEXT_COLUMNS,
-    Example,
-    Skip,
-    decode_skip,
 )
 from whisper_train.errors import AudioError, UserError
 
@@ -73,7 +71,6 @@ WEBDATASET_AUDIO = tuple(suffix.lstrip(".") for suffix in AUDIO_SUFFIXES)
 # The audio column as raw bytes and path. `datasets` 5 types audio as `Audio`, whose every
 # encode imports torchcodec (even with decode=False); a plain struct needs nothing.
 RAW_AUDIO = {"bytes": "binary", "path": "string"}
-DEFAULT_SHUFFLE_BUFFER = 1000
 # A hub id: `name` or `owner/name`, optionally `:config` and `:split`.
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?(:[\w.-]*){0,2}$")
 _BRACE = re.compile(r"\{([^{}]*)\}")
@@ -420,7 +417,7 @@ class SpeechStream(torch.utils.data.IterableDataset):
         next window). A window is handed out with the last row it covers, skips included, so
         the rows a checkpoint counts as consumed are exactly those of the windows trained on:
         a resumed worker starts its next window at that row, as the uninterrupted one did."""
-        from whisper_train.packing import window_label, window_timestamps
+        from whisper_train.data.packing import window_label, window_timestamps
 
         gap = int(round(self.gap_seconds * SAMPLE_RATE))
         max_samples = int(CHUNK_LENGTH * SAMPLE_RATE)

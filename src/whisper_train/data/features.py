@@ -16,7 +16,8 @@ import torch
 from torch.utils.data import Dataset
 
 from whisper_train.audio import load_audio
-from whisper_train.data import Example, PackedExamples, Skip, clip_problem, decode_skip
+from whisper_train.data.examples import Example, PackedExamples, Skip, decode_skip
+from whisper_train.data.screening import clip_problem
 from whisper_train.errors import AudioError
 
 log = logging.getLogger(__name__)
@@ -217,7 +218,7 @@ class SpeechDataset(Dataset):
         """A packed window: the usable clips of `indices` (each augmented on its own) joined by
         silence, labelled with their transcripts in order; `skipped` lists the others."""
         from whisper_train.audio import CHUNK_LENGTH, SAMPLE_RATE
-        from whisper_train.packing import window_label, window_timestamps
+        from whisper_train.data.packing import window_label, window_timestamps
 
         if len(indices) == 1:  # a window of one clip is that clip, label and all
             item = self[(epoch, indices[0])]

@@ -12,13 +12,14 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from whisper_train import checkpoints, runfolder
+from whisper_train import runfolder
 from whisper_train.config import RunConfig
 from whisper_train.errors import UserError
-from whisper_train.launch import claimed_by_parent, inside_launcher, launch_data_parallel
 from whisper_train.models import resolve_alias
-from whisper_train.recipe import FineTuneRecipe
 from whisper_train.runlog import TrainResult
+from whisper_train.training import checkpoints
+from whisper_train.training.launch import claimed_by_parent, inside_launcher, launch_data_parallel
+from whisper_train.training.recipe import FineTuneRecipe
 
 __all__ = ["TrainResult", "train"]
 

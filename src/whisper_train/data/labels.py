@@ -43,7 +43,7 @@ MAX_DECODER_TOKENS = 448
 
 
 class _HasText(Protocol):
-    """What `encode` needs from a `whisper_train.data.Example`."""
+    """What `encode` needs from a `whisper_train.data.examples.Example`."""
 
     text: str
     language: str | None

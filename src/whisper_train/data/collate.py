@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from whisper_train.data import Skip
-from whisper_train.features import LogMel
+from whisper_train.data.examples import Skip
+from whisper_train.data.features import LogMel
 
 IGNORE_INDEX = -100  # ignored by torch's cross-entropy
 

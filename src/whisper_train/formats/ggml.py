@@ -39,8 +39,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from whisper_train.audio import N_FFT
 from whisper_train.errors import UserError
-from whisper_train.openai_whisper import (
+from whisper_train.formats.openai import (
     DIMS,
     check_representable,
     dims_of,
@@ -51,7 +52,7 @@ from whisper_train.openai_whisper import (
 
 MODEL_FILE = "ggml-model.bin"
 MAGIC = 0x67676D6C
-N_FFT_BINS = 201  # n_fft 400 // 2 + 1
+N_FFT_BINS = N_FFT // 2 + 1  # 201 frequency bins of each STFT frame
 # The order of the hyper-parameters in the file.
 HPARAMS = (
     "n_vocab",

@@ -195,11 +195,11 @@ def runtime_greedy(format: str, output: Path, clips, language: str | None) -> li
     if format == "ct2":
         return faster_whisper_greedy(output, clips, language)
     if format == "ggml":
-        from whisper_train.ggml import MODEL_FILE
+        from whisper_train.formats.ggml import MODEL_FILE
 
         return whisper_cpp_greedy(output / MODEL_FILE, clips, language)
     if format == "openai":
-        from whisper_train.openai_whisper import MODEL_FILE
+        from whisper_train.formats.openai import MODEL_FILE
 
         return openai_whisper_greedy(output / MODEL_FILE, clips, language)
     from whisper_train.models import load_model
@@ -429,11 +429,11 @@ def runtime_scores(format: str, output: Path, clips, prompt, tokens) -> list[Tok
     if format == "ct2":
         return faster_whisper_scores(output, clips, prompt, tokens)
     if format == "ggml":
-        from whisper_train.ggml import MODEL_FILE
+        from whisper_train.formats.ggml import MODEL_FILE
 
         return whisper_cpp_scores(output / MODEL_FILE, clips, prompt, tokens)
     if format == "openai":
-        from whisper_train.openai_whisper import MODEL_FILE
+        from whisper_train.formats.openai import MODEL_FILE
 
         return openai_whisper_scores(output / MODEL_FILE, clips, prompt, tokens)
     from whisper_train.models import load_model

@@ -4,7 +4,7 @@
     data.batches_per_epoch               # micro-batches of an epoch on each process (None: unknown)
     for micro_batches in data.steps(state):   # one optimizer step's micro-batches, in host memory
         ...
-    data.restore(folder, state)          # after --resume: continue exactly where the run was
+    data.restore(folder, state, reader)  # after --resume: continue exactly where the run was
     data.saved_position()                # what a checkpoint keeps beside TrainerState
 
 Equal micro-batches on every process is owned here: a multi-process step all-reduces the loss's
@@ -26,17 +26,19 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from whisper_train import packing as packing_module
-from whisper_train import streaming
-from whisper_train.collate import IGNORE_INDEX
-from whisper_train.data import Example, Skip, read_audio_seconds, summarize_skips
+from whisper_train.data import packing as packing_module
+from whisper_train.data import streaming
+from whisper_train.data.collate import IGNORE_INDEX
+from whisper_train.data.examples import Example, Skip
+from whisper_train.data.features import SpeechDataset
+from whisper_train.data.labels import MAX_DECODER_TOKENS
+from whisper_train.data.screening import read_audio_seconds, summarize_skips
 from whisper_train.errors import AudioError, UserError
-from whisper_train.features import SpeechDataset
-from whisper_train.labels import MAX_DECODER_TOKENS
 from whisper_train.runlog import say
 
 
@@ -170,7 +172,7 @@ class WholeData:
         if self.clip_sizes is not None:
             items: list = self.windows(epoch)
         elif self.label_lengths is not None:
-            from whisper_train.sampling import LengthGroupedBatchSampler
+            from whisper_train.data.sampling import LengthGroupedBatchSampler
 
             grouped = LengthGroupedBatchSampler(self.label_lengths, size, seed=self.seed)
             grouped.set_epoch(epoch)
@@ -247,7 +249,8 @@ class WholeData:
     def saved_position(self) -> dict | None:
         return None  # (epoch, micro-batches into it) is in the TrainerState
 
-    def restore(self, folder, state) -> str:
+    def restore(self, folder, state, read_stream_position: Callable[[Path, int], dict]) -> str:
+        """Continue where `state` says (a stream's saved place is not needed here)."""
         return f"epoch {state.epoch}, {state.batches_in_epoch} batches into it"
 
     def describe(self) -> str:
@@ -395,10 +398,10 @@ class StreamData:
     def saved_position(self) -> dict | None:
         return self.position.to_dict()
 
-    def restore(self, folder, state) -> str:
-        from whisper_train import checkpoints
-
-        saved = checkpoints.read_stream_position(folder, self.accelerator.process_index)
+    def restore(self, folder, state, read_stream_position: Callable[[Path, int], dict]) -> str:
+        """Continue at this process's saved place in the stream, read from checkpoint `folder`
+        by `read_stream_position` (`training.checkpoints` owns what a checkpoint holds)."""
+        saved = read_stream_position(folder, self.accelerator.process_index)
         position = streaming.StreamPosition.from_dict(saved)
         position.check_resumable(self.position.settings, folder)
         self.position = position
@@ -492,7 +495,7 @@ def build_training_data(
     c, t = config, config.train
     augmenter = None
     if c.data.audio_augment:
-        from whisper_train.augment import WaveformAugmenter
+        from whisper_train.data.augment import WaveformAugmenter
 
         augmenter = WaveformAugmenter(seed=t.seed)
     source = config.stream_source()

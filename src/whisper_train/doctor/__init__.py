@@ -842,9 +842,9 @@ def check_config(config: RunConfig, *, probe_batch_size: int = 2) -> DoctorRepor
 def probe_batch(model, processor, config, *, size: int = 2) -> dict[str, torch.Tensor]:
     """The first `size` utterances of --data through the training pipeline, or, without
     --data, `size` rows of noise features with a short transcript: the shapes are what matter."""
-    from whisper_train.collate import SpeechCollator
-    from whisper_train.features import LogMel, SpeechDataset
-    from whisper_train.labels import LabelEncoder
+    from whisper_train.data.collate import SpeechCollator
+    from whisper_train.data.features import LogMel, SpeechDataset
+    from whisper_train.data.labels import LabelEncoder
     from whisper_train.models import is_multilingual
 
     encoder = LabelEncoder(
@@ -857,7 +857,7 @@ def probe_batch(model, processor, config, *, size: int = 2) -> dict[str, torch.T
         processor.tokenizer.pad_token_id, log_mel=LogMel(processor.feature_extractor)
     )
     if config.data.data:
-        from whisper_train.data import load_examples
+        from whisper_train.data.layouts import load_examples
 
         examples = load_examples(config.data.data, data_format=config.data.data_format)[:size]
         batch = collator([SpeechDataset(examples, encoder)[i] for i in range(len(examples))])
@@ -867,7 +867,7 @@ def probe_batch(model, processor, config, *, size: int = 2) -> dict[str, torch.T
                 "read; run `whisper-train check-data` on it"
             )
     else:
-        from whisper_train.data import Example
+        from whisper_train.data.examples import Example
 
         tokens = [encoder.encode(Example(audio="", text="hello world"))] * size
         batch = collator.pad_labels([t for t, _ in tokens], [n for _, n in tokens])

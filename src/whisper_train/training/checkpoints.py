@@ -55,6 +55,7 @@ from whisper_train.config import read_yaml
 from whisper_train.errors import UserError
 from whisper_train.runfolder import ABANDONED_PREFIX, CONFIG_FILE, METRICS_FILE
 from whisper_train.runfolder import CHECKPOINT_PREFIX as PREFIX
+from whisper_train.units import format_bytes
 
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
@@ -292,13 +293,9 @@ def check_free_space(output_dir: Path, needed: int, *, what: str) -> None:
     free = shutil.disk_usage(probe).free
     if free < needed:
         raise UserError(
-            f"--output-dir {output_dir}: {_gb(free)} free, but {what} need about {_gb(needed)}; "
+            f"--output-dir {output_dir}: {format_bytes(free)} free, but {what} need about {format_bytes(needed)}; "
             "free some space or choose another --output-dir"
         )
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 # -- saving --------------------------------------------------------------------------------
@@ -430,8 +427,8 @@ def _failure_reason(error: BaseException, folder: Path, needed: int) -> str:
     )
     if full or (free is not None and free < needed):
         if free is not None:
-            return f"disk full: {text}; {_gb(free)} free, a checkpoint needs about {_gb(needed)}"
-        return f"disk full: {text}; a checkpoint needs about {_gb(needed)}"
+            return f"disk full: {text}; {format_bytes(free)} free, a checkpoint needs about {format_bytes(needed)}"
+        return f"disk full: {text}; a checkpoint needs about {format_bytes(needed)}"
     return text
 
 

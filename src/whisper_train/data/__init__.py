@@ -1,0 +1,16 @@
+"""Training data, from files on disk to batches a model takes. Nothing here trains or evaluates.
+
+examples    `Example` (one utterance) and `Skip` (a clip left out, and why)
+layouts     any common layout on disk (audiofolder, manifests, Common Voice, Kaldi, HF,
+            subtitles) → a list of examples
+screening   held-out split, and the cheap check of every clip before training
+labels      transcripts → decoder token ids (prompt prefix, timestamps, languages)
+packing     several short clips into one 30-s window
+features    log-mel features and the training dataset (whole clips or packed windows)
+collate     a micro-batch padded for the model
+augment     waveform augmentation
+sampling    mixing several training sets by weight
+streaming   sharded datasets read as streams, never whole
+synth       speech synthesised with espeak-ng in many languages (demo, checks, tests)
+source      the training data as optimizer steps, split over processes
+"""

@@ -1,0 +1,8 @@
+"""Fine-tuning: the recipe, its checkpoints and its processes.
+
+train          `train(config)`: the library entry point (one process, or launches N)
+launch         starting and supervising N processes (`--nproc`)
+recipe         `FineTuneRecipe`: setup, the step loop, evaluation during training, final/
+checkpoints    saving and resuming exactly (manifest, damaged-checkpoint skipping)
+encoder_cache  encoder outputs kept on disk for --mode freeze-encoder
+"""

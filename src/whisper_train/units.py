@@ -1,0 +1,33 @@
+"""Sizes in bytes, read and written one way: binary units, whatever the suffix says.
+
+`--max-memory 4GB` and `--encoder-cache-max-size 10GB` mean GiB (what `nvidia-smi` and `df -h`
+show), so every size the tool prints is in the same binary units, with the unit named.
+"""
+
+from __future__ import annotations
+
+import re
+
+from whisper_train.errors import UserError
+
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B?)\s*", flags=re.IGNORECASE)
+
+
+def parse_bytes(text: str, *, flag: str = "size") -> int:
+    """'4GB' / '512MiB' / '1.5G' → bytes (decimal and binary suffixes are both taken as 2^30)."""
+    match = _SIZE.fullmatch(text)
+    if not match:
+        raise UserError(f"{flag} {text}: expected a size such as 4GB or 512MB")
+    number, unit = float(match.group(1)), match.group(2).upper()
+    return int(number * 1024 ** " KMGT".index(unit or " "))
+
+
+def format_bytes(n_bytes: float) -> str:
+    """Bytes in the largest binary unit they reach: '2.00 GiB', '512.00 MiB', '12 B'."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n_bytes) >= scale:
+            return f"{n_bytes / scale:.2f} {unit}"
+    return f"{int(n_bytes)} B"
+
+
+__all__ = ["format_bytes", "parse_bytes"]

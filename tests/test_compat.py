@@ -5,13 +5,15 @@
 through the graph a second time" (T1); on 5.x the same recipe trains, and the tests assert that
 instead, so both runs assert something real. Either way, the same training through
 `prepare_model` matches training without checkpointing bit for bit, and doctor tells the two
-apart. The seed-report cases (a)-(c) from issue 3 are here too, plus the README snippet.
+apart. The seed-report cases (a)-(c) from issue 3 are here too, plus the documented Trainer snippet (docs/checkpointing.md).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,34 +179,30 @@ def test_seed_case_c_hand_enabled_checkpointing_with_the_trainer_flag_false(tmp_
     assert check.status == ("fail" if AFFECTED else "warn")
 
 
-# The README's Seq2SeqTrainer example, verbatim; the test fills in a tiny model and data and
-# shortens the run (max_steps, batch size) but runs exactly these lines.
-README_SNIPPET = """
-from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
-from whisper_train.memory import LoraSettings, prepare_model
-
-# Freezing, LoRA and non-reentrant gradient checkpointing, in the one order that works.
-model = prepare_model(model, mode="lora", checkpointing="full",
-                      lora=LoraSettings(r=32, alpha=64, targets=("q_proj", "v_proj")))
-args = Seq2SeqTrainingArguments(
-    output_dir="whisper-lora",
-    per_device_train_batch_size=16,
-    learning_rate=1e-3,
-    max_steps=4000,
-    remove_unused_columns=False,
-    label_names=["labels"],
-    # Leave the Trainer's gradient_checkpointing off: prepare_model owns checkpointing.
-)
-trainer = Seq2SeqTrainer(model=model, args=args, train_dataset=train_dataset,
-                         data_collator=data_collator)
-trainer.train()
-"""
+DOCUMENTED_RECIPE = Path(__file__).resolve().parents[1] / "docs" / "checkpointing.md"
 
 
-def test_readme_trainer_snippet_trains(tmp_path, monkeypatch):
+def trainer_snippet() -> str:
+    """docs/checkpointing.md's Seq2SeqTrainer example, as printed there (the one ```python block
+    that builds a Seq2SeqTrainer)."""
+    text = DOCUMENTED_RECIPE.read_text(encoding="utf-8")
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+    found = [block for block in blocks if "Seq2SeqTrainer(" in block]
+    assert len(found) == 1, f"{DOCUMENTED_RECIPE} needs exactly one Seq2SeqTrainer example"
+    return found[0]
+
+
+def test_the_documented_trainer_snippet_trains(tmp_path, monkeypatch):
+    """The snippet runs as printed; the test fills in a tiny model and data and shortens the run
+    (max_steps, batch size)."""
     monkeypatch.chdir(tmp_path)
-    snippet = README_SNIPPET.replace("max_steps=4000", "max_steps=2, report_to=[], use_cpu=True")
-    snippet = snippet.replace("per_device_train_batch_size=16", "per_device_train_batch_size=2")
+    snippet = trainer_snippet()
+    for printed, shortened in (
+        ("max_steps=4000", "max_steps=2, report_to=[], use_cpu=True"),
+        ("per_device_train_batch_size=16", "per_device_train_batch_size=2"),
+    ):
+        assert snippet.count(printed) == 1, f"the documented snippet no longer sets {printed}"
+        snippet = snippet.replace(printed, shortened)
     namespace = {
         "model": fresh_short_whisper(),
         "train_dataset": utterances(),

@@ -15,14 +15,15 @@ import pytest
 import soundfile
 from tiny_models import english_tokenizer
 
-from whisper_train import checkdata, data
+from whisper_train import checkdata
 from whisper_train.checkdata import PREFIX_BYTES, check_data
 from whisper_train.config import RunConfig
-from whisper_train.data.examples import Example
+from whisper_train.data import screening
+from whisper_train.data.examples import Example, PackedExamples
 from whisper_train.data.labels import LabelEncoder
 from whisper_train.data.layouts import load_examples
 from whisper_train.data.screening import screen
-from whisper_train.training.recipe import prepare_datasets
+from whisper_train.training.datasets import prepare_datasets
 
 
 def _wav(path: Path, samples: np.ndarray, rate: int = 16_000) -> Path:
@@ -88,8 +89,10 @@ def test_prepare_datasets_counts_each_label_once_and_hands_the_counts_on(
 # -- the screening cache ------------------------------------------------------------------------
 def _screen_with_counted_reads(examples, cache, monkeypatch, salt="tokenizer-a"):
     reads = []
-    original = data.audio_length
-    monkeypatch.setattr(data, "audio_length", lambda path: reads.append(path) or original(path))
+    original = screening.audio_length
+    monkeypatch.setattr(
+        screening, "audio_length", lambda path: reads.append(path) or original(path)
+    )
     result = screen(
         examples,
         count_all=lambda exs: [len(e.text.split()) for e in exs],
@@ -147,12 +150,12 @@ def test_the_screening_is_redone_when_what_it_depends_on_changes(tmp_path, monke
 # A rank of its own: screens the manifest and prints how many headers it read and what it kept.
 _RANK = """
 import json, sys
-from whisper_train import data
+from whisper_train.data import layouts, screening
 reads = []
-original = data.audio_length
-data.audio_length = lambda path: reads.append(path) or original(path)
-result = data.screen(
-    data.load_examples(sys.argv[1]),
+original = screening.audio_length
+screening.audio_length = lambda path: reads.append(path) or original(path)
+result = screening.screen(
+    layouts.load_examples(sys.argv[1]),
     count_all=lambda exs: [len(e.text.split()) for e in exs],
     max_label_tokens=3,
     cache_folder=sys.argv[2],
@@ -273,8 +276,10 @@ def test_training_audio_is_not_read_before_step_one_unless_strict(tmp_path, monk
         _wav(tmp_path / f"c{i}.wav", _noise(8000, i))
     manifest = _manifest(tmp_path, [(f"c{i}.wav", f"word {i}") for i in range(10)])
     reads = []
-    original = data.audio_length
-    monkeypatch.setattr(data, "audio_length", lambda path: reads.append(path) or original(path))
+    original = screening.audio_length
+    monkeypatch.setattr(
+        screening, "audio_length", lambda path: reads.append(path) or original(path)
+    )
 
     def read_before_step_one(**settings) -> tuple[int, int, int]:
         monkeypatch.setenv("WHISPER_TRAIN_CACHE", str(tmp_path / f"cache-{len(reads)}"))
@@ -296,7 +301,7 @@ def test_a_stated_duration_over_30_s_is_skipped_without_reading_the_file(tmp_pat
         Example(str(tmp_path / "a.wav"), "kept", duration=29.9),
         Example(str(tmp_path / "b.wav"), "too long", duration=30.5),
     ]
-    monkeypatch.setattr(data, "audio_length", lambda path: pytest.fail(f"read {path}"))
+    monkeypatch.setattr(screening, "audio_length", lambda path: pytest.fail(f"read {path}"))
     screened = screen(examples, count_all=lambda exs: [1] * len(exs), read_headers=False)
     assert screened.kept == [0]
     assert [(s.reason, s.detail) for s in screened.skips] == [("longer than 30 s", "30.5 s")]
@@ -336,7 +341,7 @@ def test_packed_examples_give_back_every_field_of_every_example():
         ),
         Example("/d/c.wav", "", duration=0.0),
     ]
-    packed = data.PackedExamples(iter(examples))  # any iterable, read once
+    packed = PackedExamples(iter(examples))  # any iterable, read once
     assert len(packed) == 3
     assert list(packed) == examples
     assert [packed[-1], packed[-3]] == [examples[2], examples[0]]
@@ -347,7 +352,7 @@ def test_packed_examples_give_back_every_field_of_every_example():
         packed[-4]
     # DataLoader workers started by spawn (macOS, Windows) receive it pickled.
     assert list(pickle.loads(pickle.dumps(packed))) == examples
-    assert len(data.PackedExamples([])) == 0
+    assert len(PackedExamples([])) == 0
 
 
 def test_the_training_set_reaches_the_loader_packed(tmp_path, monkeypatch, tone_dataset):
@@ -359,8 +364,8 @@ def test_the_training_set_reaches_the_loader_packed(tmp_path, monkeypatch, tone_
     config = RunConfig()
     config.update({"data": str(tone_dataset), "only_train": True, "output_dir": str(tmp_path)})
     sets = prepare_datasets(config, _encoder(), max_label_tokens=448)
-    assert isinstance(sets.train, data.PackedExamples)
+    assert isinstance(sets.train, PackedExamples)
     assert list(sets.train) == load_examples(tone_dataset)
     assert SpeechDataset(sets.train, _encoder()).examples is sets.train
     listed = SpeechDataset(list(sets.train), _encoder()).examples
-    assert isinstance(listed, data.PackedExamples) and list(listed) == list(sets.train)
+    assert isinstance(listed, PackedExamples) and list(listed) == list(sets.train)

@@ -186,7 +186,7 @@ def test_an_evaluation_set_in_another_layout_than_a_forced_data_format_is_read(
     from tiny_models import english_tokenizer
 
     from whisper_train.data.labels import LabelEncoder
-    from whisper_train.training.recipe import prepare_datasets
+    from whisper_train.training.datasets import prepare_datasets
 
     manifest = write_tone_dataset(tmp_path / "held", n=3, layout="jsonl")  # not an audiofolder
     config = tiny_run_config(data_format="audiofolder", only_train=False)

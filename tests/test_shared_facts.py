@@ -21,10 +21,10 @@ import soundfile
 from multilingual import make_tiny_multilingual_whisper
 
 import whisper_train
-from whisper_train import audio, data, runfolder, transcribe
+from whisper_train import audio, runfolder, transcribe
 from whisper_train.checkdata import check_data, label_encoder_for
 from whisper_train.config import RunConfig
-from whisper_train.data import labels
+from whisper_train.data import labels, layouts, screening
 from whisper_train.deploy import export
 from whisper_train.evaluation.evaluate import report_paths
 from whisper_train.formats import ct2
@@ -100,7 +100,7 @@ def _numbers(path: Path) -> list[float]:
 
 
 def test_the_448_tokens_and_the_30_s_window_are_each_named_once():
-    homes = {"448": PACKAGE / "labels.py", "30": PACKAGE / "audio.py"}
+    homes = {"448": PACKAGE / "data" / "labels.py", "30": PACKAGE / "audio.py"}
     for literal, home in homes.items():
         found = [
             path.relative_to(PACKAGE)
@@ -110,7 +110,7 @@ def test_the_448_tokens_and_the_30_s_window_are_each_named_once():
         assert found == [home.relative_to(PACKAGE)], literal
 
     assert labels.MAX_DECODER_TOKENS == 448 and audio.CHUNK_LENGTH == 30
-    screen = inspect.signature(data.screen_examples).parameters
+    screen = inspect.signature(screening.screen_examples).parameters
     assert screen["max_label_tokens"].default == labels.MAX_DECODER_TOKENS
     assert screen["max_seconds"].default == audio.CHUNK_LENGTH
     for function in (plan.estimate_memory, plan.plan_checkpointing):
@@ -174,7 +174,7 @@ def _skipped_by_train(tmp_path: Path, data_path: Path, model: str, **options) ->
     recipe._setup_accelerator()
     recipe._setup_model_and_labels()
     kept = {example.origin for example in recipe._setup_data().train}
-    return {example.origin for example in data.load_examples(data_path)} - kept
+    return {example.origin for example in layouts.load_examples(data_path)} - kept
 
 
 def _check_and_train(tmp_path, data_path, model, **options):

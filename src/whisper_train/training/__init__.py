@@ -3,6 +3,7 @@
 train          `train(config)`: the library entry point (one process, or launches N)
 launch         starting and supervising N processes (`--nproc`)
 recipe         `FineTuneRecipe`: setup, the step loop, evaluation during training, final/
+datasets       the run's training and evaluation sets, read, split and screened
 checkpoints    saving and resuming exactly (manifest, damaged-checkpoint skipping)
 encoder_cache  encoder outputs kept on disk for --mode freeze-encoder
 """

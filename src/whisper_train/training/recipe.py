@@ -2,12 +2,13 @@
 
     recipe = FineTuneRecipe(config)
     recipe.setup()    # accelerator, model and labels, data, memory, loaders, optimisation, restore
-    recipe.train()    # each step's micro-batches (`datasource`) → `_train_step`; then
+    recipe.train()    # each step's micro-batches (`data.source`) → `_train_step`; then
                       #   `_after_step`: log, bad-step guard, stop if asked, evaluate, save
     result = recipe.finish()   # last evaluation, OUTPUT/final/, result.json, curves, report
 
-Where things are decided: the training data, its order, packing and each process's share in
-`datasource` (read whole or streamed: the recipe does not know which); memory (freezing, LoRA, checkpointing, precision, optimiser) in
+Where things are decided: which utterances train and evaluate in `training.datasets`; their
+order, packing and each process's share in `data.source` (read whole or streamed: the recipe
+does not know which); memory (freezing, LoRA, checkpointing, precision, optimiser) in
 `whisper_train.memory`; what a checkpoint holds in `checkpoints`; what the run prints and logs in
 `runlog`; the loss in `memory.training_loss`. At the end `OUTPUT/final/` holds a model folder
 that `transformers.pipeline("automatic-speech-recognition", model=...)` loads.
@@ -20,7 +21,6 @@ import logging
 import math
 import shlex
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,21 +39,10 @@ from transformers import get_scheduler
 
 from whisper_train import doctor, memory, runfolder
 from whisper_train.config import RunConfig
-from whisper_train.data import streaming
 from whisper_train.data.collate import IGNORE_INDEX, SpeechCollator
-from whisper_train.data.examples import Example, PackedExamples
+from whisper_train.data.examples import Example
 from whisper_train.data.features import LogMel, SpeechDataset
-from whisper_train.data.labels import LabelEncoder, configure_generation, with_language
-from whisper_train.data.layouts import load_examples
-from whisper_train.data.screening import (
-    Screening,
-    raise_first_skip,
-    screen,
-    screening_cache_folder,
-    split_examples,
-    summarize_skips,
-    unusable_until_one_passes,
-)
+from whisper_train.data.labels import LabelEncoder, configure_generation
 from whisper_train.data.source import TrainingData, build_training_data, stand_in_batch
 from whisper_train.errors import UserError
 from whisper_train.evaluation.evaluate import get_normalizer, row_languages, run_evaluation
@@ -74,6 +63,7 @@ from whisper_train.runlog import (
     write_result,
 )
 from whisper_train.training import checkpoints
+from whisper_train.training.datasets import Datasets, prepare_datasets
 from whisper_train.training.encoder_cache import CachedClip, EncoderCache, EncoderCacheCollator
 from whisper_train.training.encoder_cache import cache_dir as encoder_cache_dir
 from whisper_train.training.launch import inside_launcher
@@ -84,20 +74,6 @@ from whisper_train.units import parse_bytes
 DEFAULT_MAX_REGRESSION = 2.0
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Datasets:
-    train: Sequence[Example]  # a PackedExamples from prepare_datasets
-    eval: dict[str, list[Example]]  # evaluation set name → its utterances, in --eval-data order
-    # `LabelEncoder.count_tokens` of each training utterance, counted once (by screening)
-    train_label_tokens: list[int] | None = None
-
-    def label_lengths(self, label_encoder: LabelEncoder) -> list[int]:
-        """Every training label's length in tokens, counted at most once."""
-        if self.train_label_tokens is None:
-            self.train_label_tokens = label_encoder.count_tokens_batch(self.train)
-        return self.train_label_tokens
 
 
 @dataclass
@@ -353,7 +329,7 @@ class FineTuneRecipe:
         return self.config.lora_settings()  # on the decoder only with the encoder cache
 
     def _setup_loaders(self) -> TrainingData:
-        """The evaluation loaders, and the training data source (`datasource`), returned."""
+        """The evaluation loaders, and the training data source (`data.source`), returned."""
         c, t = self.config, self.config.train
         log_mel = LogMel(self.processor.feature_extractor)
         pad_id = self.processor.tokenizer.pad_token_id
@@ -464,7 +440,7 @@ class FineTuneRecipe:
         optimizer = memory.build_optimizer(
             self.model, name=c.memory.optim, lr=c.learning_rate, weight_decay=t.weight_decay
         )
-        # The training data is already this process's share (`datasource`): not prepared.
+        # The training data is already this process's share (`data.source`): not prepared.
         if t.fsdp:
             # Mixed precision only: `prepare` would wrap the sharded model in DDP (accelerate
             # knows FSDP only through its plugin, which runs on GPUs only: see memory.sharding).
@@ -1057,99 +1033,6 @@ def step_loss_weights(micro_batches: list[dict], accelerator) -> tuple[list[floa
         local = torch.tensor([total], device=accelerator.device, dtype=torch.float64)
         total = float(accelerator.reduce(local, reduction="sum").item())
     return [n / total if total else 0.0 for n in counts], total
-
-
-def prepare_datasets(
-    config: RunConfig, label_encoder: LabelEncoder, *, max_label_tokens: int
-) -> Datasets:
-    """Read, split, subset and screen the data; report what was skipped and why."""
-    d = config.data
-    # A streamed --data is opened by its training data source (`datasource.StreamData`), never
-    # read here; its evaluation sets are read whole like any other.
-    streamed = config.stream_source() is not None
-    examples = [] if streamed else load_examples(d.data, data_format=d.data_format)
-    eval_paths = config.eval_sets()
-    for path in eval_paths.values():
-        if not config.train.only_train and streaming.stream_source(path) is not None:
-            raise UserError(
-                f"--eval-data {path}: evaluation sets are read whole, not streamed; "
-                "give a manifest or folder layout (see `whisper-train check-data`)"
-            )
-    if config.train.only_train:
-        train_examples, eval_sets = examples, {}
-    elif eval_paths:
-        train_examples = examples
-        # --data-format names --data's layout; each evaluation set's is detected on its own
-        # (as on the streamed path: an evaluation set often comes from elsewhere). A set's stated
-        # language (NAME:LANG=PATH) is its rows' label prefix too.
-        eval_sets = {
-            name: with_language(load_examples(path), config.eval_set_language(name))
-            for name, path in eval_paths.items()
-        }
-    elif d.eval_split == 0:
-        train_examples, eval_sets = examples, {}
-    else:
-        train_examples, held_out = split_examples(examples, d.eval_split, config.train.seed)
-        eval_sets = {"eval": held_out}
-    if d.train_subset:
-        train_examples = train_examples[: d.train_subset]
-    if d.eval_subset:
-        eval_sets = {name: subset[: d.eval_subset] for name, subset in eval_sets.items()}
-
-    # The training set's audio headers are read before step 1 only under --strict (which must
-    # stop on the first bad file); otherwise `SpeechDataset` checks each clip as it reads it, so
-    # start-up costs no file access per row. Evaluation sets are read whole before step 1: each
-    # evaluation scores the same utterances.
-    train_screening = _screen_set(
-        train_examples, label_encoder, max_label_tokens, d.strict, read_headers=d.strict
-    )
-    kept_train = [train_examples[index] for index in train_screening.kept]
-    skipped = list(train_screening.skips)
-    if not d.strict and (unusable := unusable_until_one_passes(kept_train)):
-        kept_train, skipped = [], skipped + unusable
-    kept_eval = {}
-    for name, subset in eval_sets.items():
-        screening = _screen_set(
-            subset, label_encoder, max_label_tokens, d.strict, read_headers=True
-        )
-        kept_eval[name] = [subset[index] for index in screening.kept]
-        skipped += screening.skips
-    if skipped:
-        log.warning(summarize_skips(skipped))
-    if not kept_train and not streamed:
-        raise UserError(
-            f"--data {d.data}: no usable training utterances after screening; "
-            "run `whisper-train check-data` on it to see why"
-        )
-    # Screening counted decoder positions; the memory plan and the length sampler take whole
-    # labels (`LabelEncoder.count_tokens`), one token more.
-    # Packed now, so that no list of objects outlives start-up (see PackedExamples).
-    return Datasets(
-        PackedExamples(kept_train), kept_eval, [n + 1 for n in train_screening.label_tokens]
-    )
-
-
-def _screen_set(
-    examples: list[Example],
-    label_encoder: LabelEncoder,
-    max_label_tokens: int,
-    strict: bool,
-    *,
-    read_headers: bool,
-) -> Screening:
-    """One set's screening, shared through the screening cache by every rank and later runs;
-    labels counted in batches as check-data counts them (`LabelEncoder.decoder_tokens`)."""
-    screening = screen(
-        examples,
-        count_all=label_encoder.decoder_tokens_batch,
-        max_label_tokens=max_label_tokens,
-        read_headers=read_headers,
-        cache_folder=screening_cache_folder(),
-        cache_salt=label_encoder.fingerprint(),
-    )
-    if strict:
-        raise_first_skip(screening.skips)
-    return screening
 
 
 def guard_regression(evaluations: list[dict], guard: str | None, step: int) -> float | None:

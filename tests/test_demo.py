@@ -11,7 +11,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from whisper_train.cli import build_parser
-from whisper_train.demo import DemoResult, prepare_demo_data, print_comparison, run_demo, synth
+from whisper_train.data import synth
+from whisper_train.demo import DemoResult, prepare_demo_data, print_comparison, run_demo
 
 
 def _rows(folder: Path) -> list[dict]:

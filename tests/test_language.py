@@ -167,18 +167,18 @@ def test_each_evaluation_set_is_decoded_in_its_own_language_not_the_training_one
     """--language es trains Spanish prefixes; the split of --data is decoded in Spanish, a set
     stated English (general:en=) in English, a set with no language in each clip's detected
     one; the saved model detects (no language) unless --pin-language."""
-    from whisper_train.evaluation import evaluate as evaluate_module
+    from whisper_train.evaluation import generation as generation_module
     from whisper_train.training.train import train
 
     seen: dict[int, list] = {}
-    plain = evaluate_module.generate_decoded
+    plain = generation_module.generate_decoded
 
     def recording(model, inputs, tokenizer, **kwargs):
         decoded = plain(model, inputs, tokenizer, **kwargs)
         seen.setdefault(len(seen), []).append((kwargs["languages"], decoded))
         return decoded
 
-    monkeypatch.setattr(evaluate_module, "generate_decoded", recording)
+    monkeypatch.setattr(generation_module, "generate_decoded", recording)
     config = tiny_run_config(
         model=str(tiny_multilingual_dir),
         language="es",

@@ -137,7 +137,7 @@ class TransformersBackend:
         beam_size=1,
         decoding: DecodingOptions | None = None,
     ):
-        from whisper_train.evaluation.evaluate import set_language
+        from whisper_train.evaluation.generation import set_language
 
         self.model = model.eval()
         self.processor = processor

@@ -7,7 +7,8 @@ import argparse
 from pathlib import Path
 
 from whisper_train.config import named_sets
-from whisper_train.evaluation.evaluate import NORMALIZERS, EvalReport, detected_counts, report_paths
+from whisper_train.evaluation.evaluate import EvalReport, detected_counts, report_paths
+from whisper_train.evaluation.scoring import NORMALIZERS
 
 
 def add_parser(subparsers) -> None:

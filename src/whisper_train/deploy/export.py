@@ -466,14 +466,14 @@ def compare(
 ) -> ParityCheck:
     """Per clip: the token log-probabilities' differences, the spelling, and (informative) the
     word differences between the greedy transcripts."""
-    from whisper_train.evaluation.evaluate import _word_counts, get_normalizer, score
+    from whisper_train.evaluation.scoring import get_normalizer, score, word_counts
 
     normalize = get_normalizer(None, source.language)
     rows = []
     for (name, _, reference, _), text, theirs, ours, exp in zip(
         source.clips, source.texts, scores, source.scores, exported, strict=True
     ):
-        words, subs, dels, ins = _word_counts(normalize(text), normalize(exp))
+        words, subs, dels, ins = word_counts(normalize(text), normalize(exp))
         deviations = np.abs(np.asarray(ours.logprobs) - np.asarray(theirs.logprobs))
         rows.append(
             ClipComparison(

@@ -1,22 +1,8 @@
-"""Honest evaluation: generate transcripts, normalise them, count word and character errors.
+"""Evaluating a model on sets of examples: generation (`evaluation.generation`), scoring
+(`evaluation.scoring`), language identification, the JSON report, and `whisper-train evaluate`.
 
-WER here always comes from `model.generate` (greedy or beam search), never from the argmax of
-teacher-forced logits, which hides hallucination and looping. Figures are fractions (0.07 is
-7 %) everywhere in the library and the JSON report; the CLI prints percentages.
-
-Normalisers (`--normalizer`):
-  english  Whisper's EnglishTextNormalizer (spellings, numbers, contractions, punctuation);
-  basic    Whisper's BasicTextNormalizer (lower case, no punctuation), for other languages;
-  none     only whitespace is collapsed.
-The orthographic WER (raw text, case and punctuation count) is reported beside the normalised
-one, as distil-whisper does, because fine-tuning often changes style more than words.
-
-Empty references: an utterance whose reference is empty after normalisation has no words to
-get wrong, so every word of its hypothesis counts as an insertion (a model that "hears" speech
-in silence is penalised) and its own per-utterance WER is undefined (None). The corpus WER
-divides all errors by all reference words; if every reference is empty it is undefined and
-`score` raises UserError.
-"""
+WER here always comes from `model.generate`, never from teacher-forced logits; see
+`evaluation.scoring` for the normalisers and how empty references count."""
 
 from __future__ import annotations
 
@@ -27,295 +13,24 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import jiwer
 import torch
 
 from whisper_train.config import require_positive
 from whisper_train.data.collate import IGNORE_INDEX
-from whisper_train.decoding import Decoded, DecodingOptions, generate_decoded
+from whisper_train.decoding import Decoded, DecodingOptions
 from whisper_train.errors import AudioError, UserError
+from whisper_train.evaluation.generation import generate_texts
+from whisper_train.evaluation.scoring import (
+    Normalizer,
+    Scores,
+    get_normalizer,
+    normalizer_for,
+    score,
+)
 from whisper_train.memory import training_loss
 from whisper_train.runlog import progress_bars_wanted
 
 log = logging.getLogger(__name__)
-
-NORMALIZERS = ("english", "basic", "none")
-# Hallucination loops repeat a phrase; three words rarely repeat inside a real sentence.
-LOOP_NGRAM = 3
-
-Normalizer = Callable[[str], str]
-
-
-# -- normalisation --------------------------------------------------------------------------
-
-
-def _collapse_whitespace(text: str) -> str:
-    return " ".join(text.split())
-
-
-def normalizer_for(languages: Iterable[str | None]) -> str:
-    """The default normaliser of texts in `languages` (codes; None: English-only model):
-    `english` when they are all English, else `basic` (Whisper's English rules would mangle
-    other languages' spellings and numbers)."""
-    return "english" if all(code in (None, "en") for code in languages) else "basic"
-
-
-def get_normalizer(name: str | None = None, language: str | None = None) -> Normalizer:
-    """`english` | `basic` | `none` → text → normalised text (whitespace collapsed).
-
-    With no name: `english` for English (or an unknown language), `basic` otherwise.
-    """
-    if name is None:
-        name = "english" if language in (None, "en", "english") else "basic"
-    if name == "english":
-        from whisper_normalizer.english import EnglishTextNormalizer
-
-        english = EnglishTextNormalizer()
-        return lambda text: _collapse_whitespace(english(text))
-    if name == "basic":
-        from whisper_normalizer.basic import BasicTextNormalizer
-
-        basic = BasicTextNormalizer()
-        return lambda text: _collapse_whitespace(basic(text))
-    if name == "none":
-        return _collapse_whitespace
-    raise UserError(f"--normalizer {name}: expected one of {', '.join(NORMALIZERS)}")
-
-
-# -- scoring --------------------------------------------------------------------------------
-
-
-@dataclass
-class UtteranceScore:
-    """One utterance: raw and normalised texts and its word-error counts (normalised)."""
-
-    reference: str
-    hypothesis: str
-    normalized_reference: str
-    normalized_hypothesis: str
-    reference_words: int
-    substitutions: int
-    deletions: int
-    insertions: int
-    repeated_ngrams: int
-    wer: float | None  # None when the normalised reference is empty
-
-    @property
-    def errors(self) -> int:
-        return self.substitutions + self.deletions + self.insertions
-
-
-@dataclass
-class Scores:
-    """Corpus-level figures (fractions) and the per-utterance rows they were summed from."""
-
-    wer: float
-    cer: float
-    orthographic_wer: float
-    substitutions: int
-    deletions: int
-    insertions: int
-    reference_words: int
-    insertion_rate: float  # insertions / reference words: hallucinated words
-    repeated_ngram_rate: float  # repeated word 3-grams / all 3-grams in hypotheses: loops
-    empty_output_rate: float  # hypotheses that are empty after normalisation
-    n: int
-    rows: list[UtteranceScore] = field(default_factory=list)
-
-    def summary(self) -> dict:
-        """Every corpus figure, without the rows."""
-        return {k: v for k, v in asdict(self).items() if k != "rows"}
-
-
-def _word_counts(reference: str, hypothesis: str) -> tuple[int, int, int, int]:
-    """(reference words, substitutions, deletions, insertions) for one utterance."""
-    if not reference:
-        return 0, 0, 0, len(hypothesis.split())
-    if not hypothesis:
-        n = len(reference.split())
-        return n, 0, n, 0
-    out = jiwer.process_words(reference, hypothesis)
-    n = out.hits + out.substitutions + out.deletions
-    return n, out.substitutions, out.deletions, out.insertions
-
-
-def _char_counts(reference: str, hypothesis: str) -> tuple[int, int]:
-    """(reference characters, character edits) for one utterance."""
-    if not reference:
-        return 0, len(hypothesis)
-    if not hypothesis:
-        return len(reference), len(reference)
-    out = jiwer.process_characters(reference, hypothesis)
-    return (
-        out.hits + out.substitutions + out.deletions,
-        out.substitutions + out.deletions + out.insertions,
-    )
-
-
-def _repeated_ngrams(words: Sequence[str], n: int = LOOP_NGRAM) -> tuple[int, int]:
-    """(n-grams that already occurred earlier in the same text, all n-grams)."""
-    seen: set[tuple[str, ...]] = set()
-    repeated = 0
-    grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
-    for gram in grams:
-        repeated += gram in seen
-        seen.add(gram)
-    return repeated, len(grams)
-
-
-def score(
-    references: Sequence[str],
-    hypotheses: Sequence[str],
-    *,
-    normalizer: Normalizer | str = "english",
-) -> Scores:
-    """WER, CER and hallucination figures of `hypotheses` against `references` (same order)."""
-    if len(references) != len(hypotheses):
-        raise ValueError(f"{len(references)} references but {len(hypotheses)} hypotheses")
-    normalize = get_normalizer(normalizer) if isinstance(normalizer, str) else normalizer
-    rows: list[UtteranceScore] = []
-    ref_chars = char_edits = ortho_words = ortho_errors = 0
-    repeated = ngrams = empty_outputs = 0
-    for reference, hypothesis in zip(references, hypotheses, strict=True):
-        norm_ref, norm_hyp = normalize(reference), normalize(hypothesis)
-        n_words, subs, dels, ins = _word_counts(norm_ref, norm_hyp)
-        n_chars, edits = _char_counts(norm_ref, norm_hyp)
-        ref_chars, char_edits = ref_chars + n_chars, char_edits + edits
-        o_words, o_subs, o_dels, o_ins = _word_counts(
-            _collapse_whitespace(reference), _collapse_whitespace(hypothesis)
-        )
-        ortho_words, ortho_errors = ortho_words + o_words, ortho_errors + o_subs + o_dels + o_ins
-        row_repeated, row_ngrams = _repeated_ngrams(norm_hyp.split())
-        repeated, ngrams = repeated + row_repeated, ngrams + row_ngrams
-        empty_outputs += not norm_hyp
-        rows.append(
-            UtteranceScore(
-                reference=reference,
-                hypothesis=hypothesis,
-                normalized_reference=norm_ref,
-                normalized_hypothesis=norm_hyp,
-                reference_words=n_words,
-                substitutions=subs,
-                deletions=dels,
-                insertions=ins,
-                repeated_ngrams=row_repeated,
-                wer=(subs + dels + ins) / n_words if n_words else None,
-            )
-        )
-    words = sum(row.reference_words for row in rows)
-    if words == 0:
-        raise UserError(
-            f"all {len(rows)} references are empty after normalisation, so WER is undefined; "
-            "check the transcripts in your data or pass --normalizer none"
-        )
-    subs, dels, ins = (
-        sum(getattr(r, k) for r in rows) for k in ("substitutions", "deletions", "insertions")
-    )
-    return Scores(
-        wer=(subs + dels + ins) / words,
-        cer=char_edits / ref_chars if ref_chars else 0.0,
-        orthographic_wer=ortho_errors / ortho_words if ortho_words else 0.0,
-        substitutions=subs,
-        deletions=dels,
-        insertions=ins,
-        reference_words=words,
-        insertion_rate=ins / words,
-        repeated_ngram_rate=repeated / ngrams if ngrams else 0.0,
-        empty_output_rate=empty_outputs / len(rows),
-        n=len(rows),
-        rows=rows,
-    )
-
-
-# -- generation -----------------------------------------------------------------------------
-
-
-def _first_parameter(model) -> torch.Tensor:
-    return next(p for p in model.parameters() if p.is_floating_point())
-
-
-@torch.inference_mode()
-def _generate_batch(
-    model,
-    processor,
-    batch: dict,
-    *,
-    max_length: int,
-    num_beams: int,
-    decoding: DecodingOptions | None = None,
-) -> list[Decoded]:
-    weight = _first_parameter(model)
-    if "input_features" in batch:
-        inputs = {"input_features": batch["input_features"].to(weight.device, weight.dtype)}
-    elif "audio" in batch:
-        # A collator without a LogMel hands over waveforms: compute features where the model is.
-        from whisper_train.data.features import LogMel
-
-        features = LogMel(processor.feature_extractor, device=weight.device)(batch["audio"])
-        inputs = {"input_features": features.to(weight.dtype)}
-    else:
-        # A batch from the encoder cache: the encoder already ran, skip it.
-        from transformers.modeling_outputs import BaseModelOutput
-
-        hidden = batch["encoder_hidden_states"].to(weight.device, weight.dtype)
-        inputs = {"encoder_outputs": BaseModelOutput(last_hidden_state=hidden)}
-    return generate_decoded(
-        model,
-        inputs,
-        processor.tokenizer,
-        max_length=max_length,
-        num_beams=num_beams,
-        options=decoding,
-        languages=batch.get("languages"),
-    )
-
-
-def generate_texts(
-    model,
-    processor,
-    batches: Iterable[dict],
-    *,
-    max_length: int = 225,
-    num_beams: int = 1,
-    decoding: DecodingOptions | None = None,
-    details: list[Decoded] | None = None,
-) -> list[str]:
-    """Transcribe each batch with `model.generate` and return the texts, in batch order.
-
-    `batches` are dicts from `SpeechCollator`: `input_features` (batch, n_mels, 3000),
-    `encoder_hidden_states` (batch, 1500, d_model) from an encoder cache, or `audio` (a list of
-    16 kHz waveforms), and optionally `languages`: each row's language on a multilingual model
-    (a code, or None: detect it). Without `languages`, language and task come from
-    `model.generation_config` (no language there: each clip's is detected). Works for
-    peft-wrapped models. The model is put in eval mode
-    (dropout off) and its training mode is restored afterwards.
-
-    `decoding`: the temperature fallback (whisper_train.decoding); None is the default one
-    (greedy or beam search, then 0.2 ... 1.0 for outputs that loop or are unlikely),
-    `NO_FALLBACK` one plain generate call. `details`, when given, receives one `Decoded` per
-    text (temperature, mean log-prob, compression ratio, whether it needed the fallback).
-    """
-    was_training = model.training
-    model.eval()
-    texts: list[str] = []
-    try:
-        for batch in batches:
-            if not batch.get("size", 1):
-                continue  # every clip of this batch was skipped by the collator
-            decoded = _generate_batch(
-                model,
-                processor,
-                batch,
-                max_length=max_length,
-                num_beams=num_beams,
-                decoding=decoding,
-            )
-            texts.extend(item.text for item in decoded)
-            if details is not None:
-                details.extend(decoded)
-    finally:
-        model.train(was_training)
-    return texts
 
 
 # -- evaluating a list of examples ----------------------------------------------------------
@@ -440,21 +155,6 @@ def _feature_batches(
                 "languages": languages,
                 "size": len(clips),
             }
-
-
-def set_language(model, language: str | None, task: str | None = None) -> None:
-    """Point `generation_config` at `language`/`task` on multilingual models; None keeps the
-    checkpoint's own setting (or language detection when it has none).
-
-    English-only checkpoints take no language or task tokens (transformers refuses them).
-    """
-    config = model.generation_config
-    if not getattr(config, "is_multilingual", False):
-        return
-    if language is not None:
-        config.language = language
-    if task is not None:
-        config.task = task
 
 
 @torch.no_grad()

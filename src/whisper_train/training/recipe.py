@@ -45,8 +45,9 @@ from whisper_train.data.features import LogMel, SpeechDataset
 from whisper_train.data.labels import LabelEncoder, configure_generation
 from whisper_train.data.source import TrainingData, build_training_data, stand_in_batch
 from whisper_train.errors import UserError
-from whisper_train.evaluation.evaluate import get_normalizer, row_languages, run_evaluation
+from whisper_train.evaluation.evaluate import row_languages, run_evaluation
 from whisper_train.evaluation.report import write_curves_png
+from whisper_train.evaluation.scoring import get_normalizer
 from whisper_train.memory import loss_terms
 from whisper_train.memory.plan import encoder_cache_line
 from whisper_train.memory.wrappers import unwrapped

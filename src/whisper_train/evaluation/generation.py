@@ -1,0 +1,119 @@
+"""Transcripts from `model.generate` for batches of features, with the language and task set
+per set (`decoding` owns the fallbacks); what every evaluation scores."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+
+from whisper_train.decoding import Decoded, DecodingOptions, generate_decoded
+
+log = logging.getLogger(__name__)
+
+
+# -- generation -----------------------------------------------------------------------------
+
+
+def _first_parameter(model) -> torch.Tensor:
+    return next(p for p in model.parameters() if p.is_floating_point())
+
+
+@torch.inference_mode()
+def _generate_batch(
+    model,
+    processor,
+    batch: dict,
+    *,
+    max_length: int,
+    num_beams: int,
+    decoding: DecodingOptions | None = None,
+) -> list[Decoded]:
+    weight = _first_parameter(model)
+    if "input_features" in batch:
+        inputs = {"input_features": batch["input_features"].to(weight.device, weight.dtype)}
+    elif "audio" in batch:
+        # A collator without a LogMel hands over waveforms: compute features where the model is.
+        from whisper_train.data.features import LogMel
+
+        features = LogMel(processor.feature_extractor, device=weight.device)(batch["audio"])
+        inputs = {"input_features": features.to(weight.dtype)}
+    else:
+        # A batch from the encoder cache: the encoder already ran, skip it.
+        from transformers.modeling_outputs import BaseModelOutput
+
+        hidden = batch["encoder_hidden_states"].to(weight.device, weight.dtype)
+        inputs = {"encoder_outputs": BaseModelOutput(last_hidden_state=hidden)}
+    return generate_decoded(
+        model,
+        inputs,
+        processor.tokenizer,
+        max_length=max_length,
+        num_beams=num_beams,
+        options=decoding,
+        languages=batch.get("languages"),
+    )
+
+
+def generate_texts(
+    model,
+    processor,
+    batches: Iterable[dict],
+    *,
+    max_length: int = 225,
+    num_beams: int = 1,
+    decoding: DecodingOptions | None = None,
+    details: list[Decoded] | None = None,
+) -> list[str]:
+    """Transcribe each batch with `model.generate` and return the texts, in batch order.
+
+    `batches` are dicts from `SpeechCollator`: `input_features` (batch, n_mels, 3000),
+    `encoder_hidden_states` (batch, 1500, d_model) from an encoder cache, or `audio` (a list of
+    16 kHz waveforms), and optionally `languages`: each row's language on a multilingual model
+    (a code, or None: detect it). Without `languages`, language and task come from
+    `model.generation_config` (no language there: each clip's is detected). Works for
+    peft-wrapped models. The model is put in eval mode
+    (dropout off) and its training mode is restored afterwards.
+
+    `decoding`: the temperature fallback (whisper_train.decoding); None is the default one
+    (greedy or beam search, then 0.2 ... 1.0 for outputs that loop or are unlikely),
+    `NO_FALLBACK` one plain generate call. `details`, when given, receives one `Decoded` per
+    text (temperature, mean log-prob, compression ratio, whether it needed the fallback).
+    """
+    was_training = model.training
+    model.eval()
+    texts: list[str] = []
+    try:
+        for batch in batches:
+            if not batch.get("size", 1):
+                continue  # every clip of this batch was skipped by the collator
+            decoded = _generate_batch(
+                model,
+                processor,
+                batch,
+                max_length=max_length,
+                num_beams=num_beams,
+                decoding=decoding,
+            )
+            texts.extend(item.text for item in decoded)
+            if details is not None:
+                details.extend(decoded)
+    finally:
+        model.train(was_training)
+    return texts
+
+
+def set_language(model, language: str | None, task: str | None = None) -> None:
+    """Point `generation_config` at `language`/`task` on multilingual models; None keeps the
+    checkpoint's own setting (or language detection when it has none).
+
+    English-only checkpoints take no language or task tokens (transformers refuses them).
+    """
+    config = model.generation_config
+    if not getattr(config, "is_multilingual", False):
+        return
+    if language is not None:
+        config.language = language
+    if task is not None:
+        config.task = task

@@ -110,3 +110,19 @@ def test_compile_trains_one_step_like_eager(tmp_path, tiny_run_config, monkeypat
         atol=SAME_RUN_LOSS_ATOL,
     )
     assert (runs["compiled"].final_dir / "model.safetensors").is_file()
+
+
+def test_ddp_searches_for_unused_parameters_only_with_layerdrop_and_never_uses_a_static_graph():
+    """The DDP settings are decided from the model before the Accelerator is built: layerdrop
+    leaves parameters unused in a step (T4), so only then does DDP search for them; a static
+    graph would break gradient accumulation's no_sync (pytorch#143580)."""
+    from tiny_models import fresh_short_whisper
+
+    from whisper_train.training.recipe import ddp_settings
+
+    model = fresh_short_whisper()
+    plain = ddp_settings(model)
+    assert plain.find_unused_parameters is False and plain.static_graph is False
+    model.config.decoder_layerdrop = 0.1
+    with_layerdrop = ddp_settings(model)
+    assert with_layerdrop.find_unused_parameters is True and with_layerdrop.static_graph is False

@@ -114,8 +114,10 @@ class FineTuneRecipe:
 
     def setup(self) -> None:
         """Everything before step 1, in the order each part needs the previous ones."""
-        self._setup_accelerator()
         self._setup_model_and_labels()
+        # DDP's settings depend on the model (layerdrop), so the model is read first.
+        self.ddp_kwargs = ddp_settings(self.model)
+        self.precision, self.accelerator = self._setup_accelerator(self.ddp_kwargs)
         self.datasets = self._setup_data()
         self._setup_memory()
         self.data = self._setup_loaders()
@@ -123,28 +125,22 @@ class FineTuneRecipe:
         self._restore()
         self._open_run_log()
 
-    def _setup_accelerator(self) -> None:
+    def _setup_accelerator(
+        self, ddp_kwargs: DistributedDataParallelKwargs
+    ) -> tuple[memory.Precision, Accelerator]:
+        """The precision and the Accelerator of this process (the process group joined)."""
         t = self.config.train
-        self.precision = memory.resolve_precision(self.config.memory.precision, _default_device())
-        # Non-reentrant checkpointing and no layerdrop: every parameter is used in every step, so
-        # DDP needs no unused-parameter search (which also breaks reentrant checkpointing, T3).
-        # static_graph stays off: it would add nothing with non-reentrant checkpointing, and DDP
-        # cannot combine it with `no_sync`, which gradient accumulation uses (the reducer's
-        # "expect_autograd_hooks_" assertion at the first backward, pytorch#143580). The handler
-        # is completed once the model's layerdrop is known.
-        self.ddp_kwargs = DistributedDataParallelKwargs(
-            find_unused_parameters=False, static_graph=False
-        )
+        precision = memory.resolve_precision(self.config.memory.precision, _default_device())
         # accelerate keeps one AcceleratorState a process and refuses an Accelerator with another
         # mixed precision ("restart your runtime"): a second train() in a notebook starts from a
         # clean one. The process group (PartialState) is kept.
         AcceleratorState._reset_state(reset_partial_state=False)
-        self.accelerator = Accelerator(
-            mixed_precision=self.precision.mixed_precision,
+        accelerator = Accelerator(
+            mixed_precision=precision.mixed_precision,
             # Accumulation is the step loop's (`_train_step`: the token mean over the step's
             # micro-batches, gradients all-reduced on the last): accelerate's would divide by N.
             gradient_accumulation_steps=1,
-            kwargs_handlers=[self.ddp_kwargs],
+            kwargs_handlers=[ddp_kwargs],
             # The scheduler is stepped by hand once per optimizer step (not once per process,
             # accelerate's default), so N processes follow the single-process LR schedule.
             step_scheduler_with_optimizer=False,
@@ -152,17 +148,18 @@ class FineTuneRecipe:
             # accelerate does that only when told the run is on the CPU.
             cpu=inside_launcher() and not torch.cuda.is_available(),
         )
-        if self.accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
             raise UserError(
                 "accelerate's DeepSpeed and FSDP configurations are not supported: shard with "
                 "--fsdp (--nproc N, or accelerate launch with a data-parallel configuration)"
             )
-        if t.nproc > 1 and self.accelerator.num_processes != t.nproc:
+        if t.nproc > 1 and accelerator.num_processes != t.nproc:
             raise UserError(
-                f"--nproc {t.nproc}: the launcher started {self.accelerator.num_processes} "
+                f"--nproc {t.nproc}: the launcher started {accelerator.num_processes} "
                 "processes; drop --nproc when using accelerate launch or torchrun"
             )
         set_seed(t.seed)
+        return precision, accelerator
 
     def _setup_model_and_labels(self) -> None:
         c = self.config
@@ -188,9 +185,6 @@ class FineTuneRecipe:
 
             for key, value in spec_augment_overrides().items():
                 setattr(self.model.config, key, value)
-        # Layerdrop skips layers at random, leaving parameters unused in a step (T4).
-        layerdrop = bool(self.model.config.encoder_layerdrop or self.model.config.decoder_layerdrop)
-        self.ddp_kwargs.find_unused_parameters = layerdrop
         # A multilingual model's sets are normalised by the languages they are decoded in
         # (None: `evaluate.normalizer_for`), which need not be the training language.
         self.normalizer_name = None if self.multilingual else "english"
@@ -965,6 +959,17 @@ class FineTuneRecipe:
 
 # ---------------------------------------------------------------------------------------------
 # The recipe's pieces that need no recipe state
+
+
+def ddp_settings(model) -> DistributedDataParallelKwargs:
+    """DDP's settings for `model`. Non-reentrant checkpointing and no layerdrop: every parameter
+    is used in every step, so DDP needs no unused-parameter search (which also breaks reentrant
+    checkpointing, T3); layerdrop skips layers at random, leaving parameters unused (T4).
+    static_graph stays off: it would add nothing with non-reentrant checkpointing, and DDP cannot
+    combine it with `no_sync`, which gradient accumulation uses (the reducer's
+    "expect_autograd_hooks_" assertion at the first backward, pytorch#143580)."""
+    layerdrop = bool(model.config.encoder_layerdrop or model.config.decoder_layerdrop)
+    return DistributedDataParallelKwargs(find_unused_parameters=layerdrop, static_graph=False)
 
 
 def trained_line(first_step: int, last_step: int, seconds: float) -> str:

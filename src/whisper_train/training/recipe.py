@@ -67,7 +67,7 @@ from whisper_train.training import checkpoints
 from whisper_train.training.datasets import Datasets, prepare_datasets
 from whisper_train.training.encoder_cache import CachedClip, EncoderCache, EncoderCacheCollator
 from whisper_train.training.encoder_cache import cache_dir as encoder_cache_dir
-from whisper_train.training.launch import inside_launcher
+from whisper_train.training.launch import ddp_settings, inside_launcher
 from whisper_train.units import parse_bytes
 
 # Points of guard-set WER a chosen step may lose against the start, when --guard is given and
@@ -959,17 +959,6 @@ class FineTuneRecipe:
 
 # ---------------------------------------------------------------------------------------------
 # The recipe's pieces that need no recipe state
-
-
-def ddp_settings(model) -> DistributedDataParallelKwargs:
-    """DDP's settings for `model`. Non-reentrant checkpointing and no layerdrop: every parameter
-    is used in every step, so DDP needs no unused-parameter search (which also breaks reentrant
-    checkpointing, T3); layerdrop skips layers at random, leaving parameters unused (T4).
-    static_graph stays off: it would add nothing with non-reentrant checkpointing, and DDP cannot
-    combine it with `no_sync`, which gradient accumulation uses (the reducer's
-    "expect_autograd_hooks_" assertion at the first backward, pytorch#143580)."""
-    layerdrop = bool(model.config.encoder_layerdrop or model.config.decoder_layerdrop)
-    return DistributedDataParallelKwargs(find_unused_parameters=layerdrop, static_graph=False)
 
 
 def trained_line(first_step: int, last_step: int, seconds: float) -> str:

@@ -170,6 +170,7 @@ def startup_worker(manifest: str, model: str, output_dir: str, mode: str) -> dic
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
     from whisper_train.config import RunConfig
+    from whisper_train.training.launch import ddp_settings
     from whisper_train.training.recipe import FineTuneRecipe
 
     config = RunConfig()
@@ -188,10 +189,24 @@ def startup_worker(manifest: str, model: str, output_dir: str, mode: str) -> dic
     recipe = FineTuneRecipe(config)
     phases = {}
     start = time.perf_counter()
-    for phase in ("accelerator", "model_and_labels", "data", "memory", "loaders"):
+
+    def timed(phase, build, *args):
         began = time.perf_counter()
-        getattr(recipe, f"_setup_{phase}")()
+        built = build(*args)
         phases[phase] = time.perf_counter() - began
+        return built
+
+    # The recipe's setup phases up to the loaders, in `FineTuneRecipe.setup`'s order.
+    model, recipe.processor, recipe.label_encoder = timed(
+        "model_and_labels", recipe._setup_model_and_labels
+    )
+    recipe.precision, recipe.accelerator = timed(
+        "accelerator", recipe._setup_accelerator, ddp_settings(model)
+    )
+    recipe.datasets = timed("data", recipe._setup_data, model, recipe.label_encoder)
+    model, _, _ = timed("memory", recipe._setup_memory, model, ddp_settings(model))
+    recipe.encoder_cache, recipe.frozen_encoder = recipe._setup_encoder_cache(model)
+    recipe.data, _, _ = timed("loaders", recipe._setup_loaders, model)
     seconds = time.perf_counter() - start
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {

@@ -347,11 +347,12 @@ def test_export_folders_load_with_the_hub_unreachable(tmp_path, monkeypatch):
 def test_missing_client_is_one_line_naming_the_extra_and_no_check_still_exports(
     format, module, extra, tmp_path, monkeypatch
 ):
-    from whisper_train.deploy.export import export_model, save_hf
+    from whisper_train.deploy.export import export_model
     from whisper_train.errors import UserError
+    from whisper_train.models import save_model_folder
 
     model, processor = _shaped_like(**SHAPES["large-v3"])
-    save_hf(model, processor, tmp_path / "source")
+    save_model_folder(model, processor, tmp_path / "source")
     monkeypatch.setitem(sys.modules, module, None)  # `import pywhispercpp` raises ImportError
     with pytest.raises(UserError, match=rf"whisper-train\[{extra}\].*--no-check") as error:
         export_model(str(tmp_path / "source"), format=format, output=tmp_path / "checked")
@@ -372,11 +373,12 @@ def test_missing_openai_whisper_names_its_extra(monkeypatch):
 
 
 def test_a_float32_ggml_export_needs_no_check_because_whisper_cpp_aborts_on_it(tmp_path):
-    from whisper_train.deploy.export import export_model, save_hf
+    from whisper_train.deploy.export import export_model
     from whisper_train.errors import UserError
+    from whisper_train.models import save_model_folder
 
     model, processor = _shaped_like(**SHAPES["large-v3"])
-    save_hf(model, processor, tmp_path / "source")
+    save_model_folder(model, processor, tmp_path / "source")
     with pytest.raises(UserError, match="--no-check"):
         export_model(
             str(tmp_path / "source"), format="ggml", quantization="float32", output=tmp_path / "a"

@@ -10,11 +10,12 @@ import torch
 from conftest import metric_rows, write_tone_dataset
 from safetensors.torch import load_file
 
+import whisper_train.training.final as final_module
 import whisper_train.training.recipe as recipe_module
 from whisper_train.cli import build_parser
 from whisper_train.commands.flags import config_from_args
 from whisper_train.errors import UserError
-from whisper_train.training.recipe import choose_final_step
+from whisper_train.training.final import choose_final_step
 from whisper_train.training.train import train
 
 
@@ -207,7 +208,7 @@ def test_the_baseline_comparison_holds_one_model_at_a_time(
     from whisper_train.data.examples import Example
 
     live = []
-    real_load = recipe_module.load_model
+    real_load = final_module.load_model
 
     def load_model(spec, **kwargs):
         gc.collect()
@@ -216,12 +217,23 @@ def test_the_baseline_comparison_holds_one_model_at_a_time(
         live.append(weakref.ref(model))
         return model, processor
 
-    monkeypatch.setattr(recipe_module, "load_model", load_model)
+    monkeypatch.setattr(final_module, "load_model", load_model)
     clips = write_tone_dataset(tmp_path / "clips", n=2, layout="jsonl")
     rows = [json.loads(line) for line in clips.read_text().splitlines()]
     examples = [Example(str(clips.parent / row["audio"]), row["text"]) for row in rows]
-    config = tiny_run_config(generation_max_length=4)
+    config = tiny_run_config()
 
-    recipe_module.compare_with_baseline(config, tiny_whisper_dir, examples, tmp_path, "english")
+    final_module.compare_with_baseline(
+        config.model.model,
+        tiny_whisper_dir,
+        examples,
+        tmp_path,
+        language=config.eval_set_language("english"),
+        task="transcribe",
+        batch_size=config.train.batch_size,
+        max_length=4,
+        decoding=config.decoding_options(),
+        attn_implementation="sdpa",
+    )
 
     assert len(live) == 2 and (tmp_path / "report.md").is_file()

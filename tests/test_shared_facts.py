@@ -171,8 +171,9 @@ def _skipped_by_train(tmp_path: Path, data_path: Path, model: str, **options) ->
         }
     )
     recipe = FineTuneRecipe(config)
-    recipe._setup_model_and_labels()  # the sets need the model's labels, not the accelerator
-    kept = {example.origin for example in recipe._setup_data().train}
+    # The sets need the model's labels, not the accelerator.
+    model, _, label_encoder = recipe._setup_model_and_labels()
+    kept = {example.origin for example in recipe._setup_data(model, label_encoder).train}
     return {example.origin for example in layouts.load_examples(data_path)} - kept
 
 

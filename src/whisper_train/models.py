@@ -83,6 +83,38 @@ def load_model(
     return model, processor
 
 
+def save_model_folder(
+    model,
+    processor,
+    folder: Path,
+    *,
+    dtype: torch.dtype | None = None,
+    extra_files: dict[str, str] | None = None,
+) -> Path:
+    """The one writer of a transformers model folder (a run's final/, `export --format hf`, the
+    folder CTranslate2 converts): safetensors weights, config, generation config, tokenizer and
+    feature extractor, then `extra_files` (name -> text). Written beside `folder` and renamed
+    over it, so a crash never leaves half a model where a loader would find it. `dtype`
+    converts `model` in place."""
+    import shutil
+
+    staging = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(staging, safe_serialization=True)
+    processor.save_pretrained(staging)
+    # transformers 5 folds the feature extractor into processor_config.json; older versions,
+    # faster-whisper and other tools read preprocessor_config.json, so write both.
+    processor.feature_extractor.save_pretrained(staging)
+    for name, text in (extra_files or {}).items():
+        (staging / name).write_text(text, encoding="utf-8")
+    if folder.exists():
+        shutil.rmtree(folder)
+    staging.rename(folder)
+    return folder
+
+
 def _refuse_nonfinite_weights(model, spec: str) -> None:
     """A weight that is NaN or infinite makes every output NaN: training would only find out at
     its end, and evaluate or export would report or ship garbage. One fused norm per tensor

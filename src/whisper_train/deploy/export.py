@@ -40,6 +40,14 @@ import yaml
 from whisper_train.config import require_positive
 from whisper_train.deploy.runtimes import MissingRuntimeError
 from whisper_train.errors import UserError
+from whisper_train.models import (
+    HUB_ID,
+    is_multilingual,
+    load_model,
+    model_folder,
+    resolve_alias,
+    save_model_folder,
+)
 from whisper_train.runfolder import CONFIG_FILE, aside_path
 
 log = logging.getLogger(__name__)
@@ -130,7 +138,6 @@ def _base_model_spec(adapter_dir: Path) -> str:
         if config_file.is_file():
             run = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
             candidates.append((run.get("model") or {}).get("model"))
-    from whisper_train.models import HUB_ID, resolve_alias
 
     for spec in filter(None, candidates):
         if Path(resolve_alias(spec)).expanduser().exists() or HUB_ID.match(resolve_alias(spec)):
@@ -145,8 +152,6 @@ def merge_lora(adapter_dir: str | Path):
     """A LoRA adapter folder → (merged WhisperForConditionalGeneration in float32, processor)."""
     from peft import PeftModel
     from transformers import GenerationConfig, WhisperProcessor
-
-    from whisper_train.models import load_model
 
     adapter_dir = Path(adapter_dir)
     base, processor = load_model(_base_model_spec(adapter_dir))
@@ -170,7 +175,6 @@ def merge_lora(adapter_dir: str | Path):
 
 def load_for_export(model_spec: str):
     """(model in float32, processor, whether a LoRA adapter was merged) for any spec."""
-    from whisper_train.models import load_model, model_folder
 
     path = model_folder(model_spec)
     if (path / "adapter_config.json").is_file():
@@ -181,18 +185,6 @@ def load_for_export(model_spec: str):
 
 
 # -- saving ---------------------------------------------------------------------------------
-
-
-def save_hf(model, processor, output: Path, *, dtype: torch.dtype = torch.float32) -> Path:
-    """safetensors weights + config + generation config + tokenizer + preprocessor."""
-    output.mkdir(parents=True, exist_ok=True)
-    model = model.to(dtype)
-    model.save_pretrained(str(output))
-    processor.save_pretrained(str(output))
-    # transformers 5 folds the feature extractor into processor_config.json; older versions,
-    # faster-whisper and other tools read preprocessor_config.json, so write both.
-    processor.feature_extractor.save_pretrained(str(output))
-    return output
 
 
 # -- parity check ---------------------------------------------------------------------------
@@ -349,7 +341,6 @@ def check_language(model, processor, clips) -> str | None:
     language the check data states, or the one the model was fine-tuned for (its generation
     config), or English for the synthesised clips, or the source's detection on the first clip."""
     from whisper_train.deploy.runtimes import detect_language
-    from whisper_train.models import is_multilingual
 
     if not is_multilingual(model):
         return None
@@ -396,7 +387,6 @@ def score_source(model, processor, clips, language: str | None) -> SourceSide:
         transformers_greedy_tokens,
         transformers_scores,
     )
-    from whisper_train.models import is_multilingual
 
     audio = [clip[1] for clip in clips]
     texts, tokens = transformers_greedy_tokens(model, processor, audio, language)
@@ -590,8 +580,6 @@ def export_model(
             )
     output = Path(output)
     if overwrite:  # moving --output aside must not take the model to export with it
-        from whisper_train.models import resolve_alias
-
         source = Path(resolve_alias(model_spec)).expanduser().resolve()
         if source == output.resolve() or output.resolve() in source.parents:
             raise UserError(
@@ -621,7 +609,7 @@ def save_export(model, processor, output: Path, *, format: str, quantization: st
     """Write `model` into `output` as `format` in `quantization` (no check)."""
     if format == "hf":
         dtype = torch.float16 if quantization == "float16" else torch.float32
-        save_hf(model, processor, output, dtype=dtype)
+        save_model_folder(model, processor, output, dtype=dtype)
     elif format == "ggml":
         from whisper_train.formats.ggml import save_ggml
 
@@ -635,7 +623,7 @@ def save_export(model, processor, output: Path, *, format: str, quantization: st
         from whisper_train.formats.ct2 import save_ct2
 
         with tempfile.TemporaryDirectory(prefix="whisper-train-export-") as hf_dir:
-            save_hf(model, processor, Path(hf_dir))
+            save_model_folder(model, processor, Path(hf_dir))
             save_ct2(hf_dir, output, quantization=quantization, overwrite=True)
             # Keep the generation config (language/task) beside the CTranslate2 weights.
             shutil.copyfile(

@@ -471,7 +471,7 @@ def rotate_checkpoints(
 ) -> None:
     """Delete all but the newest `keep_last` checkpoints up to `saved_step` (the one just
     saved) and the one of `keep_step` (the best evaluated step, which final/ will hold:
-    `recipe.choose_final_step`). A checkpoint after `saved_step` is never the newest, and is
+    `final.choose_final_step`). A checkpoint after `saved_step` is never the newest, and is
     not deleted: only a run abandoned by a resume leaves one, and the resume moves those aside
     (`set_aside_later_checkpoints`)."""
     found = [p for p in list_checkpoints(output_dir) if checkpoint_step(p) <= saved_step]

@@ -2,7 +2,7 @@
 
 The processes are started by torch.distributed's launcher (torchrun), which accelerate uses
 underneath: one per GPU (NCCL), or CPU processes (gloo) where there is no GPU. Each one runs the
-same recipe on its share of every batch (see `recipe.step_loss_weights`).
+same recipe on its share of every batch (see `training.step.step_loss_weights`).
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ import logging
 import math
 import shlex
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,12 +34,12 @@ from accelerate.utils import (
 )
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import get_scheduler
+from transformers import WhisperProcessor, get_scheduler
 
 from whisper_train import doctor, memory, runfolder
 from whisper_train.config import RunConfig
-from whisper_train.data.collate import IGNORE_INDEX, SpeechCollator
-from whisper_train.data.examples import Example
+from whisper_train.data.augment import spec_augment_overrides
+from whisper_train.data.collate import SpeechCollator
 from whisper_train.data.features import LogMel, SpeechDataset
 from whisper_train.data.labels import LabelEncoder, configure_generation
 from whisper_train.data.source import TrainingData, build_training_data, stand_in_batch
@@ -67,7 +66,20 @@ from whisper_train.training import checkpoints
 from whisper_train.training.datasets import Datasets, prepare_datasets
 from whisper_train.training.encoder_cache import CachedClip, EncoderCache, EncoderCacheCollator
 from whisper_train.training.encoder_cache import cache_dir as encoder_cache_dir
+from whisper_train.training.final import (
+    FinalChoice,
+    choose_final_step,
+    compare_with_baseline,
+    guard_regression,
+    save_final,
+)
 from whisper_train.training.launch import ddp_settings, inside_launcher
+from whisper_train.training.step import (
+    OptimizerStep,
+    lower_learning_rate,
+    nonfinite_tensors,
+    step_loss_weights,
+)
 from whisper_train.units import parse_bytes
 
 # Points of guard-set WER a chosen step may lose against the start, when --guard is given and
@@ -77,53 +89,53 @@ DEFAULT_MAX_REGRESSION = 2.0
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class FinalChoice:
-    """Which evaluated step final/ holds, and why (written to result.json)."""
-
-    step: int | None
-    reason: str
-
-
-@dataclass
-class OptimizerStep:
-    """What one optimizer step did: its loss (mean over its micro-batches) and gradient norm,
-    and whether it was skipped for a NaN or infinite loss or gradient."""
-
-    loss: float
-    grad_norm: float
-    skipped: bool
-
-
 class FineTuneRecipe:
     """Full, LoRA or frozen-encoder fine-tuning of one Whisper model on accelerate."""
 
     def __init__(self, config: RunConfig):
         self.config = config
-        self.output_dir = Path(config.train.output_dir)
-        self.evaluating = not config.train.only_train
+        t = config.train
+        self.output_dir = Path(t.output_dir)
+        self.evaluating = not t.only_train
         # Chosen before any process moves a checkpoint (`_restore`): every process picks the same.
-        self.resume_point = (
-            checkpoints.find_resume(config.train.resume, self.output_dir)
-            if config.train.resume
-            else None
-        )
+        self.resume_point = checkpoints.find_resume(t.resume, self.output_dir) if t.resume else None
         self.resume_from = self.resume_point.folder if self.resume_point else None
+        # What the evaluations are judged by: fixed by the configuration alone.
+        self.primary_set = config.primary_eval_set
+        self.guard = t.guard
+        self.max_regression = t.max_regression
+        if self.guard is not None and self.max_regression is None:
+            self.max_regression = DEFAULT_MAX_REGRESSION
+        self.decoding = config.decoding_options()
+        # The loop's own state (the rest of it, `state`, is what a checkpoint keeps).
+        self.stopped_for_regression = False
+        self.losses_since_log: list[float] = []  # finite step losses since the last log line
+        self.train_seconds = 0.0
 
     # -- setup ---------------------------------------------------------------------------------
 
     def setup(self) -> None:
-        """Everything before step 1, in the order each part needs the previous ones."""
-        self._setup_model_and_labels()
+        """Everything before step 1. Each phase takes what it needs and returns what it builds,
+        so the order here is the order in which they depend on one another."""
+        model, self.processor, self.label_encoder = self._setup_model_and_labels()
+        self.multilingual = is_multilingual(model)
+        # A multilingual model's sets are normalised by the languages they are decoded in
+        # (None: `evaluate.normalizer_for`), which need not be the training language.
+        self.normalizer = None if self.multilingual else get_normalizer("english")
         # DDP's settings depend on the model (layerdrop), so the model is read first.
-        self.ddp_kwargs = ddp_settings(self.model)
-        self.precision, self.accelerator = self._setup_accelerator(self.ddp_kwargs)
-        self.datasets = self._setup_data()
-        self._setup_memory()
-        self.data = self._setup_loaders()
-        self._setup_optimisation()
-        self._restore()
-        self._open_run_log()
+        ddp = ddp_settings(model)
+        self.precision, self.accelerator = self._setup_accelerator(ddp)
+        self.datasets = self._setup_data(model, self.label_encoder)
+        model, self.offload, self.preserve = self._setup_memory(model, ddp)
+        self.encoder_cache, self.frozen_encoder = self._setup_encoder_cache(model)
+        self.data, eval_loaders, self.eval_languages = self._setup_loaders(model)
+        self.model, self.optimizer, self.scheduler, self.eval_loaders = self._setup_optimisation(
+            model, eval_loaders
+        )
+        self.state = self._restore()
+        self.evaluations: list[dict] = list(self.state.evaluations)
+        self.first_step = self.state.step  # 0, or the step a --resume starts from
+        self.metrics, self.table, self.progress, self.stop = self._open_run_log()
 
     def _setup_accelerator(
         self, ddp_kwargs: DistributedDataParallelKwargs
@@ -161,56 +173,55 @@ class FineTuneRecipe:
         set_seed(t.seed)
         return precision, accelerator
 
-    def _setup_model_and_labels(self) -> None:
+    def _setup_model_and_labels(self) -> tuple[torch.nn.Module, WhisperProcessor, LabelEncoder]:
+        """The model to train and its processor, with its generation settings (language, task)
+        and SpecAugment; the encoder of the labels it learns."""
         c = self.config
-        self.model, self.processor = load_model(
+        model, processor = load_model(
             c.model.model, attn_implementation=c.model.attn_implementation
         )
-        self.multilingual = is_multilingual(self.model)
-        self.label_encoder = LabelEncoder(
-            self.processor.tokenizer,
+        multilingual = is_multilingual(model)
+        label_encoder = LabelEncoder(
+            processor.tokenizer,
             language=c.data.language,
             task=c.data.task,
             timestamps=c.data.timestamps,
-            multilingual=self.multilingual,
+            multilingual=multilingual,
         )
         configure_generation(
-            self.model.generation_config,
+            model.generation_config,
             language=c.data.language,
             task=c.data.task,
-            multilingual=self.multilingual,
+            multilingual=multilingual,
         )
         if c.data.spec_augment:
-            from whisper_train.data.augment import spec_augment_overrides
-
             for key, value in spec_augment_overrides().items():
-                setattr(self.model.config, key, value)
-        # A multilingual model's sets are normalised by the languages they are decoded in
-        # (None: `evaluate.normalizer_for`), which need not be the training language.
-        self.normalizer_name = None if self.multilingual else "english"
+                setattr(model.config, key, value)
+        return model, processor, label_encoder
 
-    def _setup_data(self) -> Datasets:
+    def _setup_data(self, model, label_encoder: LabelEncoder) -> Datasets:
         """The evaluation sets, and the training set when it is read whole (a stream is opened
         by the training data source, `_setup_loaders`)."""
-        datasets = prepare_datasets(
-            self.config,
-            self.label_encoder,
-            max_label_tokens=self.model.config.max_target_positions,
+        return prepare_datasets(
+            self.config, label_encoder, max_label_tokens=model.config.max_target_positions
         )
-        return datasets
 
-    def _setup_memory(self) -> None:
+    def _setup_memory(
+        self, model, ddp: DistributedDataParallelKwargs
+    ) -> tuple[torch.nn.Module, bool, memory.BasePreservation | None]:
         """Freezing, LoRA and checkpointing in the one order that works (`memory`), then the
-        checks that refuse, before step 1, what would fail later."""
+        checks that refuse, before step 1, what would fail later. Returns the prepared model,
+        whether activations are offloaded, and the frozen copy --preserve-base compares with."""
         c, accelerator = self.config, self.accelerator
         checkpointing = memory.resolve_checkpointing(
             c.memory.gradient_checkpointing, accelerator.device
         )
-        lora = self._lora_settings()
-        self.offload = c.memory.offload_activations
+        lora = c.lora_settings()  # on the decoder only with the encoder cache
+        offload = c.memory.offload_activations
         if checkpointing == "auto":
-            self.model, plan = memory.prepare_model_within_budget(
-                self.model,
+            plan_lines = self._encoder_cache_plan_line(model)
+            model, plan = memory.prepare_model_within_budget(
+                model,
                 mode=c.model.mode,
                 lora=lora,
                 batch_size=c.train.batch_size,
@@ -218,28 +229,28 @@ class FineTuneRecipe:
                 # A stream's labels are unknown before step 1: the longest the workers let through.
                 label_tokens=max(
                     self.datasets.label_lengths(self.label_encoder),
-                    default=self.model.config.max_target_positions + 1,
+                    default=model.config.max_target_positions + 1,
                 ),
                 precision=self.precision.name,
                 optimizer=c.memory.optim,
             )
-            checkpointing, self.offload = plan.policy, self.offload or plan.offload
-            say(accelerator, plan.table + self._encoder_cache_plan_line())
+            checkpointing, offload = plan.policy, offload or plan.offload
+            say(accelerator, plan.table + plan_lines)
         else:
-            self.model = memory.prepare_model(
-                self.model, mode=c.model.mode, checkpointing=checkpointing, lora=lora
+            model = memory.prepare_model(
+                model, mode=c.model.mode, checkpointing=checkpointing, lora=lora
             )
         # The starting model, kept for --preserve-base before any update (or resume) changes it;
         # autocast wraps only the prepared model, so the frozen copy is told the dtype itself.
-        self.preserve = None
+        preserve = None
         if c.train.preserve_base:
             p = self.precision
-            self.preserve = memory.BasePreservation.from_model(
-                self.model,
+            preserve = memory.BasePreservation.from_model(
+                model,
                 c.train.preserve_base,
                 autocast_dtype=p.dtype if p.mixed_precision != "no" else None,
             )
-        if self.offload:
+        if offload:
             checkpointing += " + activation offload"
             if accelerator.device.type != "cuda":
                 say(
@@ -249,7 +260,7 @@ class FineTuneRecipe:
         say(
             accelerator,
             f"model: {c.model.model}, mode {c.model.mode}, checkpointing {checkpointing}, "
-            f"precision {self.precision.name}; {memory.trainable_parameter_summary(self.model)}",
+            f"precision {self.precision.name}; {memory.trainable_parameter_summary(model)}",
         )
         if lora is not None and lora.decoder_only:
             say(
@@ -260,11 +271,11 @@ class FineTuneRecipe:
             )
         # The doctor's cheap checks: refuse a configuration known to fail (T1-T9).
         doctor.static_checks(
-            self.model,
+            model,
             ddp={
                 "world_size": accelerator.num_processes,
-                "find_unused_parameters": self.ddp_kwargs.find_unused_parameters,
-                "static_graph": self.ddp_kwargs.static_graph,
+                "find_unused_parameters": ddp.find_unused_parameters,
+                "static_graph": ddp.static_graph,
                 "gradient_accumulation": c.train.gradient_accumulation,
             },
             compile=c.memory.compile,
@@ -273,9 +284,10 @@ class FineTuneRecipe:
         # hours of training.
         checkpoints.check_free_space(
             self.output_dir,
-            self._disk_needed_bytes(),
+            self._disk_needed_bytes(model),
             what=self._disk_needed_text(),
         )
+        return model, offload, preserve
 
     def _checkpoints_kept(self) -> int:
         """How many checkpoints rotation keeps: --save-total-limit, plus the best one when
@@ -298,9 +310,9 @@ class FineTuneRecipe:
             "one more being written or the final model,"
         )
 
-    def _disk_needed_bytes(self) -> int:
-        """Disk the checkpoints and final/ take at their peak, beyond the resumed run's
-        checkpoints already there (`checkpoints.peak_disk_bytes`)."""
+    def _disk_needed_bytes(self, model) -> int:
+        """Disk the checkpoints and final/ of `model` take at their peak, beyond the resumed
+        run's checkpoints already there (`checkpoints.peak_disk_bytes`)."""
         already = 0
         resumed_here = (
             self.resume_from is not None
@@ -314,23 +326,49 @@ class FineTuneRecipe:
                 if step is not None and checkpoints.checkpoint_step(p) <= step
             )
         return checkpoints.peak_disk_bytes(
-            self.model,
+            model,
             checkpoints_kept=self._checkpoints_kept(),
             already_saved=min(already, self._checkpoints_kept()),
-            final_bytes=4 * sum(p.numel() for p in self.model.parameters()),
+            final_bytes=4 * sum(p.numel() for p in model.parameters()),
         )
 
-    def _lora_settings(self) -> memory.LoraSettings | None:
-        return self.config.lora_settings()  # on the decoder only with the encoder cache
+    def _setup_encoder_cache(self, model) -> tuple[EncoderCache | None, torch.nn.Module | None]:
+        """With --cache-encoder (a frozen encoder maps a clip to the same output every epoch
+        and every evaluation): the encoder's outputs on disk (`encoder_cache`), shared with
+        other runs and evaluations, and the frozen encoder that fills it. Clips are encoded as
+        batches first need them, within the size limit and the free space (a checkpoint and
+        the final model keep their room). (None, None) without it."""
+        c, accelerator = self.config, self.accelerator
+        if not c.cache_encoder:
+            return None, None
+        whisper = memory.whisper_of(model)
+        encoder = whisper.model.encoder
+        cache = EncoderCache.open(
+            encoder_cache_dir(c.memory.encoder_cache_dir),
+            encoder,
+            self.processor.feature_extractor,
+            compute=self.precision.name,
+            model_name=c.model.model,
+            shape=(whisper.config.max_source_positions, whisper.config.d_model),
+            limit_bytes=parse_bytes(
+                c.memory.encoder_cache_max_size, flag="--encoder-cache-max-size"
+            ),
+            reserve_bytes=self._disk_needed_bytes(model),
+            processes=accelerator.num_processes,
+        )
+        n_clips = len(self.datasets.train) + sum(len(e) for e in self.datasets.eval.values())
+        cache.expected_clips = math.ceil(n_clips / accelerator.num_processes)
+        say(accelerator, cache.summary(n_clips))
+        return cache, encoder
 
-    def _setup_loaders(self) -> TrainingData:
-        """The evaluation loaders, and the training data source (`data.source`), returned."""
+    def _setup_loaders(
+        self, model
+    ) -> tuple[TrainingData, dict[str, DataLoader], dict[str, list | str | None]]:
+        """The training data source (`data.source`), the evaluation loaders and the language
+        each evaluation set is decoded in."""
         c, t = self.config, self.config.train
         log_mel = LogMel(self.processor.feature_extractor)
         pad_id = self.processor.tokenizer.pad_token_id
-        # A frozen encoder maps a clip to the same output every epoch and every evaluation:
-        # compute it once (for the evaluation sets too) and train and evaluate the decoder alone.
-        self.encoder_cache = self._encoder_cache() if c.cache_encoder else None
 
         def collator(examples):
             if self.encoder_cache is None:
@@ -339,59 +377,33 @@ class FineTuneRecipe:
 
         # A clip whose encoder output is cached is not decoded at all (`CachedClip`).
         cached = CachedClip(self.encoder_cache) if self.encoder_cache is not None else None
-        self.eval_loaders = {}
+        eval_loaders, eval_languages = {}, {}
         # Each set is decoded in its rows' languages, else its own (`eval_set_language`), else
         # each clip's detected one: never the training language by default (issue 24).
-        self.eval_languages = {}
         for name, examples in self.datasets.eval.items():
             eval_set = SpeechDataset(examples, self.label_encoder, seed=t.seed, cached=cached)
-            self.eval_loaders[name] = _loader(eval_set, collator(eval_set.examples), t)
-            self.eval_languages[name] = row_languages(examples, c.eval_set_language(name))
+            eval_loaders[name] = _loader(eval_set, collator(eval_set.examples), t)
+            eval_languages[name] = row_languages(examples, c.eval_set_language(name))
         data = build_training_data(
             c,
             self.datasets,
             self.label_encoder,
             collator,
             accelerator=self.accelerator,
-            max_label_tokens=self.model.config.max_target_positions,
+            max_label_tokens=model.config.max_target_positions,
             cached=cached,
         )
         sets = ", ".join(f"{len(ex)} in {name}" for name, ex in self.datasets.eval.items())
         say(self.accelerator, f"data: {data.describe()}; evaluation: {sets or 'none'}")
-        return data
+        return data, eval_loaders, eval_languages
 
-    def _encoder_cache(self) -> EncoderCache:
-        """The frozen encoder's outputs on disk (`encoder_cache`), shared with other runs and
-        evaluations: clips are encoded as batches first need them, within the size limit and
-        the free space (a checkpoint and the final model keep their room)."""
-        c, accelerator = self.config, self.accelerator
-        whisper = memory.whisper_of(self.model)
-        self.frozen_encoder = whisper.model.encoder
-        cache = EncoderCache.open(
-            encoder_cache_dir(c.memory.encoder_cache_dir),
-            self.frozen_encoder,
-            self.processor.feature_extractor,
-            compute=self.precision.name,
-            model_name=c.model.model,
-            shape=(whisper.config.max_source_positions, whisper.config.d_model),
-            limit_bytes=parse_bytes(
-                c.memory.encoder_cache_max_size, flag="--encoder-cache-max-size"
-            ),
-            reserve_bytes=self._disk_needed_bytes(),
-            processes=accelerator.num_processes,
-        )
-        n_clips = len(self.datasets.train) + sum(len(e) for e in self.datasets.eval.values())
-        cache.expected_clips = math.ceil(n_clips / accelerator.num_processes)
-        say(accelerator, cache.summary(n_clips))
-        return cache
-
-    def _encoder_cache_plan_line(self) -> str:
+    def _encoder_cache_plan_line(self, model) -> str:
         """The memory plan's line for the encoder cache (disk): its size at most and folder."""
         c = self.config
         if not c.cache_encoder:
             return ""
         return "\n" + encoder_cache_line(
-            memory.whisper_of(self.model).config,
+            memory.whisper_of(model).config,
             n_clips=len(self.datasets.train) + sum(len(e) for e in self.datasets.eval.values()),
             folder=str(encoder_cache_dir(c.memory.encoder_cache_dir)),
             limit_bytes=parse_bytes(c.memory.encoder_cache_max_size),
@@ -422,7 +434,10 @@ class FineTuneRecipe:
             autocast_dtype=dtype if dtype != torch.float32 else None,
         )
 
-    def _setup_optimisation(self) -> None:
+    def _setup_optimisation(self, model, eval_loaders: dict[str, DataLoader]):
+        """The model (sharded with --fsdp, wrapped for DDP and mixed precision, compiled with
+        --compile), its optimizer and learning-rate schedule, and the evaluation loaders,
+        prepared by accelerate."""
         c, t, accelerator = self.config, self.config.train, self.accelerator
         if t.fsdp:
             if self.precision.name == "fp16":  # --precision auto on a GPU without bf16
@@ -431,43 +446,43 @@ class FineTuneRecipe:
                     "sharded gradients; add --precision fp32"
                 )
             # Sharded before the optimizer is built: sharding replaces the parameters.
-            self.model = memory.shard_model(self.model, accelerator.device)
+            model = memory.shard_model(model, accelerator.device)
         optimizer = memory.build_optimizer(
-            self.model, name=c.memory.optim, lr=c.learning_rate, weight_decay=t.weight_decay
+            model, name=c.memory.optim, lr=c.learning_rate, weight_decay=t.weight_decay
         )
         # The training data is already this process's share (`data.source`): not prepared.
         if t.fsdp:
             # Mixed precision only: `prepare` would wrap the sharded model in DDP (accelerate
             # knows FSDP only through its plugin, which runs on GPUs only: see memory.sharding).
-            self.model = accelerator.prepare_model(self.model, evaluation_mode=True)
-            self.optimizer = accelerator.prepare_optimizer(optimizer)
+            model = accelerator.prepare_model(model, evaluation_mode=True)
+            optimizer = accelerator.prepare_optimizer(optimizer)
         else:
-            self.model, self.optimizer = accelerator.prepare(self.model, optimizer)
-        names = list(self.eval_loaders)
-        loaders = accelerator.prepare(*self.eval_loaders.values()) if names else []
+            model, optimizer = accelerator.prepare(model, optimizer)
+        names = list(eval_loaders)
+        loaders = accelerator.prepare(*eval_loaders.values()) if names else []
         loaders = [loaders] if len(names) == 1 else loaders  # prepare() unpacks a single one
-        self.eval_loaders = dict(zip(names, loaders, strict=True))
         if c.memory.compile:
             # After the DDP wrapper (as accelerate does): its hooks stay outside the compiled
             # graph. Accelerator(dynamo_backend=) is not used: that setting is process-wide and
             # kept from the first Accelerator, so a second run in one process would not compile.
-            self.model = torch.compile(self.model)
+            model = torch.compile(model)
         self.total_steps = t.max_steps or math.ceil((t.epochs or 3.0) * self.steps_per_epoch)
-        self.scheduler = accelerator.prepare(
+        scheduler = accelerator.prepare(
             get_scheduler(
                 t.lr_scheduler,
-                self.optimizer,
+                optimizer,
                 num_warmup_steps=t.warmup_steps,
                 num_training_steps=self.total_steps,
             )
         )
+        return model, optimizer, scheduler, dict(zip(names, loaders, strict=True))
 
-    def _restore(self) -> None:
-        """On --resume: weights, optimiser, scheduler, random state, position in the data."""
-        self.state = checkpoints.TrainerState(world_size=self.accelerator.num_processes)
+    def _restore(self) -> checkpoints.TrainerState:
+        """The trainer's state: a new one, or on --resume the checkpoint's, with the weights,
+        optimiser, scheduler, random state and position in the data restored from it."""
         if self.resume_from is None:
-            return
-        self.state = checkpoints.load_checkpoint(
+            return checkpoints.TrainerState(world_size=self.accelerator.num_processes)
+        state = checkpoints.load_checkpoint(
             self.resume_from,
             accelerator=self.accelerator,
             model=self.model,
@@ -476,21 +491,18 @@ class FineTuneRecipe:
         )
         # A resume after a bad-step stop is its remedy (another precision, a lower rate): the
         # new run gets --max-bad-steps chances of its own, not the stopped run's last one.
-        self.state.bad_steps_in_a_row = 0
-        where = self.data.restore(self.resume_from, self.state, checkpoints.read_stream_position)
+        state.bad_steps_in_a_row = 0
+        where = self.data.restore(self.resume_from, state, checkpoints.read_stream_position)
         for line in self.resume_point.skipped:
             say(self.accelerator, line)
-        say(
-            self.accelerator,
-            f"resuming from {self.resume_from} at step {self.state.step} ({where})",
-        )
+        say(self.accelerator, f"resuming from {self.resume_from} at step {state.step} ({where})")
         # Checkpoints after this step (the run this resume abandons, or damaged ones skipped)
         # would count as the newest: for --resume latest and for rotation, which would delete
         # what this run saves. Moved aside, not deleted: the user may want them. Every process
         # has chosen its checkpoint (in __init__) before the first moves any.
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
-            aside = checkpoints.set_aside_later_checkpoints(self.output_dir, self.state.step)
+            aside = checkpoints.set_aside_later_checkpoints(self.output_dir, state.step)
             if aside is not None:
                 moved = checkpoints.checkpoint_folders(aside)
                 rows = (
@@ -500,13 +512,14 @@ class FineTuneRecipe:
                 )
                 say(
                     self.accelerator,
-                    f"--resume at step {self.state.step}: moved the later checkpoints "
+                    f"--resume at step {state.step}: moved the later checkpoints "
                     f"({', '.join(p.name for p in moved)}){rows} to {aside}/, so that they no "
                     "longer count as the newest",
                 )
         self.accelerator.wait_for_everyone()
+        return state
 
-    def _open_run_log(self) -> None:
+    def _open_run_log(self) -> tuple[MetricsLog, ProgressTable, tqdm, StopRequest]:
         """OUTPUT/whisper-train.yaml and metrics.jsonl (cut back to the checkpoint on resume),
         the progress table, the progress bar (only on a terminal) and the stop request."""
         accelerator, main = self.accelerator, self.accelerator.is_main_process
@@ -520,25 +533,15 @@ class FineTuneRecipe:
                 checkpoints.truncate_metrics(metrics_file, self.state.step)
             else:
                 metrics_file.unlink(missing_ok=True)
-        self.metrics = MetricsLog(
+        metrics = MetricsLog(
             self.output_dir,
             enabled=main,
             purge_step=None if self.resume_from is None else self.state.step + 1,
         )
-        self.primary_set = self.config.primary_eval_set
-        self.table = ProgressTable(main, primary_set=self.primary_set)
-        self.evaluations: list[dict] = list(self.state.evaluations)
-        self.guard = self.config.train.guard
-        self.max_regression = self.config.train.max_regression
-        if self.guard is not None and self.max_regression is None:
-            self.max_regression = DEFAULT_MAX_REGRESSION
-        self.stopped_for_regression = False
-        self.normalizer = get_normalizer(self.normalizer_name) if self.normalizer_name else None
-        self.decoding = self.config.decoding_options()
         # A bar only on a terminal: in a log file its \r redraws pile up into one unreadable
         # line. Elsewhere every --logging-steps steps get one plain line instead.
         self.show_bar = main and progress_bars_wanted()
-        self.progress = tqdm(
+        progress = tqdm(
             total=self.total_steps,
             initial=self.state.step,
             desc="training",
@@ -547,10 +550,8 @@ class FineTuneRecipe:
             dynamic_ncols=True,
             leave=False,
         )
-        self.stop = StopRequest(accelerator, self.metrics)
-        self.losses_since_log: list[float] = []  # finite step losses since the last log line
-        self.train_seconds = 0.0
-        self.first_step = self.state.step  # 0, or the step a --resume starts from
+        table = ProgressTable(main, primary_set=self.primary_set)
+        return metrics, table, progress, StopRequest(accelerator, metrics)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -728,7 +729,7 @@ class FineTuneRecipe:
         """The command that continues with a lower learning rate from the newest checkpoint
         saved before `suspect_step` (whose update may have broken the weights), or that starts
         again when there is none. Every checkpoint holds finite weights (`_after_step`)."""
-        lower = lower_learning_rate(self.config)
+        lower = lower_learning_rate(self.config.learning_rate, self.config.model.mode)
         config_file = self.output_dir / runfolder.CONFIG_FILE
         earlier = [
             folder
@@ -869,7 +870,7 @@ class FineTuneRecipe:
                 "gradient",
             )
         say(accelerator, trained_line(self.first_step, state.step, self.train_seconds))
-        if getattr(self, "encoder_cache", None) is not None:
+        if self.encoder_cache is not None:
             say(accelerator, self._encoder_cache_counts())
         result = TrainResult(
             self.output_dir,
@@ -902,8 +903,9 @@ class FineTuneRecipe:
             result.final_dir = save_final(
                 final_model,
                 self.processor,
-                c,
                 self.output_dir / runfolder.FINAL_DIR,
+                pin_language=c.data.pin_language,
+                config_yaml=c.to_saved_yaml(),
             )
             write_result(result)
             write_curves_png(
@@ -914,7 +916,16 @@ class FineTuneRecipe:
             primary_examples = self.datasets.eval.get(self.primary_set)
             if c.train.compare_baseline and primary_examples:
                 compare_with_baseline(
-                    c, result.final_dir, primary_examples, self.output_dir, self.primary_set
+                    c.model.model,
+                    result.final_dir,
+                    primary_examples,
+                    self.output_dir,
+                    language=c.eval_set_language(self.primary_set),
+                    task=c.data.task,
+                    batch_size=c.train.batch_size,
+                    max_length=c.train.generation_max_length,
+                    decoding=self.decoding,
+                    attn_implementation=c.model.attn_implementation,
                 )
         self.metrics.close()
         return result
@@ -949,7 +960,7 @@ class FineTuneRecipe:
         c = self.config
         model, _ = load_model(c.model.model, attn_implementation=c.model.attn_implementation)
         model = memory.prepare_model(
-            model, mode=c.model.mode, checkpointing="off", lora=self._lora_settings()
+            model, mode=c.model.mode, checkpointing="off", lora=c.lora_settings()
         )
         model.load_state_dict(weights)
         whole, trained = memory.whisper_of(model), memory.whisper_of(unwrapped(self.model))
@@ -971,186 +982,6 @@ def trained_line(first_step: int, last_step: int, seconds: float) -> str:
     return (
         f"trained steps {first_step + 1}-{last_step} ({last_step - first_step} after resuming "
         f"at step {first_step}; {last_step} in all) in {seconds:.1f} s"
-    )
-
-
-def nonfinite_tensors(parameters: list[torch.Tensor], accelerator) -> list[bool]:
-    """Which of `parameters` hold a NaN or an infinity: the same answer on every process.
-
-    One fused kernel (the norm of each tensor, `_foreach_norm`: NaN or infinite when the tensor
-    holds one, or when it is so large that its norm leaves float32's range, which no trained
-    weight comes near), then one host sync. With several processes the flags are all-reduced
-    (under --fsdp each process holds a shard of each tensor), so every process takes the same
-    decision; every process must call this, with the same parameters in the same order.
-    Measured on this project's 2-core CPU (load 9-11, other jobs running, one thread): 2-3 ms
-    per check for the tests' tiny model (3.6M parameters; its step ~0.9 s at batch 4), 45-58 ms
-    for tiny.en trained in full (38M; its step 10-11 s at batch 4 x 30 s): under 0.6%. The
-    max-abs (ord inf) took 29 and 388 ms there; no GPU was measured.
-    """
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in parameters]  # DTensor shards
-    flags = torch.zeros(max(1, len(local)), device=accelerator.device)  # never an empty reduce
-    filled = [i for i, tensor in enumerate(local) if tensor.numel()]  # a shard may be empty
-    if filled:
-        norms = torch._foreach_norm([local[i].detach() for i in filled], 2)
-        flags[filled] = (~torch.isfinite(torch.stack(norms))).float().to(flags.device)
-    if accelerator.num_processes > 1:
-        flags = accelerator.reduce(flags, reduction="sum")
-    return (flags > 0).tolist()[: len(local)]
-
-
-def lower_learning_rate(config: RunConfig) -> float:
-    """A learning rate to suggest after updates blew up: this mode's default when the run's is
-    above it, else a tenth of the run's."""
-    import copy
-
-    defaults = copy.deepcopy(config)
-    defaults.train.learning_rate = None  # RunConfig.learning_rate: then the mode's default
-    current, default = config.learning_rate, defaults.learning_rate
-    return default if current > default else current / 10
-
-
-def step_loss_weights(micro_batches: list[dict], accelerator) -> tuple[list[float], float]:
-    """(weight of each micro-batch's token-mean loss, label tokens of the whole step).
-
-    A step's loss is the token mean over all its micro-batches on all processes: micro-batch
-    m's weight is its label tokens over the step's, summed over the processes with one
-    all-reduce (every process calls this once a step, whatever its data). Weighted so, the
-    micro-batches' gradients add up to the gradient one process computes on the whole global
-    batch at once, however the tokens are spread over micro-batches and processes; with
-    --preserve-base the KL term is a token mean too, so the same weights hold.
-    """
-    counts = [
-        float((batch["labels"] != IGNORE_INDEX).sum()) if batch["size"] else 0.0
-        for batch in micro_batches
-    ]
-    total = sum(counts)
-    if accelerator.num_processes > 1:
-        local = torch.tensor([total], device=accelerator.device, dtype=torch.float64)
-        total = float(accelerator.reduce(local, reduction="sum").item())
-    return [n / total if total else 0.0 for n in counts], total
-
-
-def guard_regression(evaluations: list[dict], guard: str | None, step: int) -> float | None:
-    """Points (percent) of WER the guard set lost at `step` against step 0; None without a
-    guard or its two evaluations."""
-    if guard is None:
-        return None
-    wer = {row["step"]: row["wer"] for row in evaluations if row.get("set") == guard}
-    if 0 not in wer or step not in wer or not math.isfinite(wer[step]):
-        return None
-    return 100 * (wer[step] - wer[0])
-
-
-def choose_final_step(
-    evaluations: list[dict], *, primary_set: str, guard: str | None, max_regression: float | None
-) -> FinalChoice:
-    """The evaluated step whose model final/ holds, as `load_best_model_at_end` users expect:
-    the lowest WER on `primary_set` among trained steps (not step 0) whose guard WER stayed
-    within `max_regression` points of the start; the later step on a tie. Without evaluations:
-    the last step. If no step stays within the guard's limit: the last one, and the reason says
-    so."""
-    scored = {
-        row["step"]: row["wer"]
-        for row in evaluations
-        if row.get("set", primary_set) == primary_set
-        and row["step"] > 0
-        and math.isfinite(row["wer"])
-    }
-    if not scored:
-        return FinalChoice(None, "the last step (no evaluation scored a trained step)")
-    allowed = {
-        step: wer
-        for step, wer in scored.items()
-        if (regression := guard_regression(evaluations, guard, step)) is None
-        or regression <= max_regression
-    }
-    if not allowed:
-        return FinalChoice(
-            max(scored),
-            f"the last evaluated step: every evaluation lost more than {max_regression:g} "
-            f"points of {guard} WER",
-        )
-    best = min(allowed, key=lambda step: (allowed[step], -step))
-    reason = f"the lowest {primary_set} WER ({100 * allowed[best]:.2f}%) of {len(scored)} evaluated"
-    reason += " steps" if len(scored) > 1 else " step"
-    if guard is not None:
-        reason += f", guard set {guard!r} within {max_regression:g} points of its start"
-    return FinalChoice(best, reason)
-
-
-def save_final(model, processor, config: RunConfig, final_dir: Path) -> Path:
-    """A self-describing model folder: full weights (LoRA merged), processor, config used."""
-    if hasattr(model, "merge_and_unload"):  # peft: merge the adapters into full 32-bit weights
-        model = model.merge_and_unload()
-    tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
-    _remove(tmp_dir)
-    model.config.use_cache = True  # inference default; training turned the cache off
-    if not config.data.pin_language:
-        # --language chose the training prefixes; the saved model detects each clip's language,
-        # as the base did (transformers' pipeline, `transcribe`, exports), unless pinned.
-        model.generation_config.language = None
-    model.save_pretrained(tmp_dir, safe_serialization=True)
-    processor.save_pretrained(tmp_dir)
-    (tmp_dir / runfolder.CONFIG_FILE).write_text(config.to_saved_yaml(), encoding="utf-8")
-    # Write to a temporary folder and rename: a crash mid-write never leaves a half model.
-    _remove(final_dir)
-    tmp_dir.rename(final_dir)
-    return final_dir
-
-
-def compare_with_baseline(
-    config: RunConfig, final_dir: Path, examples: list[Example], output_dir: Path, set_name: str
-) -> None:
-    """The starting model and the fine-tuned one on the same utterances (evaluation set
-    `set_name`, decoded in its language): report.md / report.png."""
-    import gc
-
-    from whisper_train.evaluation.evaluate import evaluate_examples, write_report_json
-    from whisper_train.evaluation.report import write_comparison
-
-    reports = []
-    normalizer = None  # the baseline's choice (`normalizer_for`), then the same for both
-    for spec in (config.model.model, str(final_dir)):
-        # One model at a time beside the training model: the first is freed before the second
-        # loads (on a GPU sized for the run, two more full models may not fit).
-        model = processor = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        model, processor = load_model(spec, attn_implementation=config.model.attn_implementation)
-        if torch.cuda.is_available():
-            model = model.to("cuda")
-        configure_generation(
-            model.generation_config,
-            language=None,
-            task=config.data.task,
-            multilingual=is_multilingual(model),
-        )
-        reports.append(
-            evaluate_examples(
-                model,
-                processor,
-                examples,
-                batch_size=config.train.batch_size,
-                normalizer=normalizer,
-                language=config.eval_set_language(set_name),
-                max_length=config.train.generation_max_length,
-                model_name=spec,
-                decoding=config.decoding_options(),
-            )
-        )
-        normalizer = reports[-1].normalizer
-    model = processor = None
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    before, after = reports
-    json_file, baseline_file, markdown, png = (output_dir / n for n in runfolder.REPORT_FILES)
-    write_report_json(after, json_file)
-    write_report_json(before, baseline_file)
-    write_comparison(before, after, markdown_path=markdown, png_path=png)
-    tqdm.write(
-        f"baseline WER {100 * before.wer:.2f}% -> fine-tuned {100 * after.wer:.2f}%; see {markdown}"
     )
 
 
@@ -1180,10 +1011,3 @@ def _as_float(value) -> float:
 
 def _default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _remove(path: Path) -> None:
-    import shutil
-
-    if path.exists():
-        shutil.rmtree(path)

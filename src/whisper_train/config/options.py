@@ -1,0 +1,322 @@
+"""The options of a training run: four groups, each a dataclass whose fields carry their help
+text (`DataConfig`, `ModelConfig`, `MemoryConfig`, `TrainConfig`), and the choices some of them
+take. The CLI turns every field into a flag (`--lora-r` for `lora_r`); `RunConfig` gathers
+them and validates them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+MODES = ("full", "lora", "freeze-encoder")
+# Each mode's learning rate when --learning-rate is not given (the HF blog's 1e-5 for full
+# fine-tuning; adapters and a decoder alone take larger steps).
+DEFAULT_LEARNING_RATES = {"full": 1e-5, "lora": 3e-4, "freeze-encoder": 3e-5}
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+SCHEDULERS = ("linear", "constant_with_warmup")
+OPTIMIZERS = ("adamw", "adamw-fused", "adamw8bit")
+TASKS = ("transcribe", "translate")
+
+
+def _help(text: str, **kwargs: Any) -> Any:
+    """A dataclass field whose metadata carries its CLI help."""
+    return field(metadata={"help": text}, **kwargs)
+
+
+@dataclass
+class DataConfig:
+    data: str | None = _help(
+        "Training data: an audiofolder (metadata.csv), a JSONL/CSV/TSV manifest, or another "
+        "layout that `check-data` recognises.",
+        default=None,
+    )
+    eval_data: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Held-out data in any accepted layout, as NAME=PATH (repeat the flag for "
+            "several sets, each scored at every evaluation; a bare PATH is named 'eval'). "
+            "NAME:LANG=PATH states the set's language (e.g. general:en=general-english/); a "
+            "row's `language` column wins, and a set with neither is decoded in the language "
+            "detected in each clip, never in --language. "
+            "Default: a seeded split of --data, named 'eval' (decoded in --language).",
+            "repeatable": True,
+        },
+    )
+    data_format: str | None = _help(
+        "Force --data's layout instead of detecting it (evaluation sets are detected).",
+        default=None,
+    )
+    streaming: bool = _help(
+        "Stream --data instead of reading it whole: a hub id is then streamed, not downloaded "
+        "(WebDataset .tar and Parquet shards always stream).",
+        default=False,
+    )
+    shuffle_buffer: int = _help(
+        "Rows held in a streamed --data's seeded shuffle buffer: larger shuffles better and holds "
+        "more encoded audio in memory.",
+        default=1000,
+    )
+    eval_split: float = _help(
+        "Fraction of --data held out for evaluation when --eval-data is not given.", default=0.1
+    )
+    train_subset: int | None = _help("Use only the first N training utterances.", default=None)
+    eval_subset: int | None = _help("Use only the first N evaluation utterances.", default=None)
+    language: str | None = _help(
+        "Language of the speech (e.g. en, de); a per-row `language` column wins. "
+        "English-only checkpoints (*.en) accept only English.",
+        default=None,
+    )
+    pin_language: bool = _help(
+        "Save --language as the fine-tuned model's language, so that transformers' pipeline, "
+        "`transcribe` and the exports decode every clip in it. Off by default: the saved model "
+        "detects each clip's language, as the base did.",
+        default=False,
+    )
+    task: str = _help("transcribe or translate (to English).", default="transcribe")
+    timestamps: bool = _help(
+        "Train with timestamp tokens where segment times are known.", default=False
+    )
+    strict: bool = _help(
+        "Stop on the first unusable clip instead of skipping and counting it.", default=False
+    )
+    spec_augment: bool = _help(
+        "SpecAugment (time and frequency masking); off by default, a choice not measured here.",
+        default=False,
+    )
+    audio_augment: bool = _help(
+        "Waveform augmentation (noise, speed, gain), seeded by --seed.", default=False
+    )
+    packing: str = _help(
+        "on: pack short training clips into windows of at most 30 s of audio and 448 label "
+        "tokens (the encoder always runs on 30 s: packed, it runs on speech, not padding); "
+        "off: one clip a window. Evaluation is never packed.",
+        default="off",
+    )
+    packing_timestamps: str = _help(
+        "on (with --packing on): label every packed window of 2+ clips in Whisper's timestamp "
+        "form, each clip a segment at its place in the window, with or without --timestamps; "
+        "off: packed windows follow --timestamps as single clips do (the default: "
+        "always-timestamped windows measured no better, BENCHMARKS.md).",
+        default="off",
+    )
+
+
+@dataclass
+class ModelConfig:
+    model: str = _help(
+        "A Hugging Face model folder or hub id, a CTranslate2/faster-whisper folder, a "
+        "whisper-train output folder, or the alias tiny.en.",
+        default="tiny.en",
+    )
+    mode: str = _help(
+        "full: train every weight; lora: low-rank adapters (peft); freeze-encoder: train the "
+        "decoder only.",
+        default="full",
+    )
+    lora_r: int = _help("LoRA rank.", default=32)
+    lora_alpha: int = _help("LoRA scaling numerator (scale = alpha / r).", default=64)
+    lora_dropout: float = _help("Dropout on the LoRA path.", default=0.05)
+    lora_targets: list[str] = _help(
+        "Comma-separated module names that get adapters, in the encoder and the decoder (in the "
+        "decoder only with --cache-encoder: the cached encoder stays as it is).",
+        default_factory=lambda: ["q_proj", "v_proj"],
+    )
+    attn_implementation: str = _help("sdpa or eager attention.", default="sdpa")
+
+
+@dataclass
+class MemoryConfig:
+    gradient_checkpointing: str | None = _help(
+        "off | on | full | encoder | every-N | auto (default: full on a GPU, off on a CPU). "
+        "Always non-reentrant.",
+        default=None,
+    )
+    max_memory: str | None = _help(
+        "Device memory budget for --gradient-checkpointing auto, e.g. 4GB.", default=None
+    )
+    offload_activations: bool = _help(
+        "Keep checkpoint boundaries in host memory (CUDA; needs checkpointing).", default=False
+    )
+    precision: str = _help(
+        "auto (bf16 where supported, fp16 + loss scaling on older GPUs, fp32 on CPU), fp32, "
+        "bf16 or fp16.",
+        default="auto",
+    )
+    optim: str = _help(
+        "adamw (torch's fused kernel where the weights allow it), adamw-fused (that kernel or "
+        "an error) or adamw8bit (bitsandbytes).",
+        default="adamw",
+    )
+    cache_encoder: bool | None = _help(
+        "Compute encoder outputs once and reuse them every epoch (default: on when the encoder "
+        "is frozen and audio is not augmented).",
+        default=None,
+    )
+    encoder_cache_dir: str | None = _help(
+        "Folder of the cached encoder outputs, shared by runs and evaluations (one subfolder per "
+        "encoder and precision; `whisper-train cache ls|clear`). Default: "
+        "$WHISPER_TRAIN_CACHE/encoder, else $XDG_CACHE_HOME/whisper-train/encoder, else "
+        "~/.cache/whisper-train/encoder.",
+        default=None,
+    )
+    encoder_cache_max_size: str = _help(
+        "Most disk the encoder cache folder may fill, all models together (e.g. 50GB; 0 writes "
+        "nothing). Clips past it, or past the disk's free space, are encoded again every epoch.",
+        # ~8,700 clips of tiny, ~4,300 of small, ~2,600 of large-v3 (1500 x d_model x 2 bytes).
+        default="10GB",
+    )
+    compile: bool = _help("torch.compile the model.", default=False)
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = _help(
+        "Where metrics, checkpoints and final/ go.", default="whisper-train-output"
+    )
+    epochs: float | None = _help("Passes over the training data (default 3).", default=None)
+    max_steps: int | None = _help("Optimizer steps; overrides --epochs.", default=None)
+    batch_size: int = _help("Utterances per micro-batch (per process).", default=8)
+    gradient_accumulation: int = _help("Micro-batches per optimizer step.", default=1)
+    learning_rate: float | None = _help(
+        "Peak learning rate: default 3e-4 for lora (1e-3 cost tiny.en 4 points of WER on real "
+        "speech it was not trained on), 1e-5 for full, 3e-5 for freeze-encoder (within 1.2 "
+        "points there); one measurement, BENCHMARKS.md 'Quality'.",
+        default=None,
+    )
+    lr_scheduler: str = _help("linear or constant_with_warmup.", default="linear")
+    warmup_steps: int = _help(
+        "Linear warm-up steps (default 0, a choice not measured here).", default=0
+    )
+    weight_decay: float = _help("AdamW weight decay.", default=0.0)
+    max_grad_norm: float = _help("Clip gradients to this global norm (0 disables).", default=1.0)
+    seed: int = _help("Seed for initialisation, data order, splits and augmentation.", default=42)
+    eval_steps: int | None = _help(
+        "Evaluate every N optimizer steps (default: only at the end).", default=None
+    )
+    only_train: bool = _help("Skip evaluation entirely.", default=False)
+    eval_at_start: bool = _help(
+        "Evaluate once before the first step too: the starting point in the table and curves.",
+        default=False,
+    )
+    metric_for_best: str | None = _help(
+        "The evaluation set whose WER picks the best evaluated step, which final/ holds "
+        "(default: the first --eval-data set that is not the --guard).",
+        default=None,
+    )
+    guard: str | None = _help(
+        "An --eval-data set (by NAME) of what the model must not forget: scored before step 1 "
+        "and at every evaluation; a step whose guard WER rose more than --max-regression points "
+        "over the start is never chosen for final/.",
+        default=None,
+    )
+    max_regression: float | None = _help(
+        "Points of guard WER a step may lose against the start (default 2.0 with --guard; a "
+        "default chosen, not measured).",
+        default=None,
+    )
+    stop_on_regression: bool = _help(
+        "Stop training (with a checkpoint) at the first evaluation past --max-regression.",
+        default=False,
+    )
+    preserve_base: float = _help(
+        "Weight of a KL term that keeps the model's next-token distribution at label positions "
+        "close to the starting model's (distil-whisper's teacher term): 0 is off. Costs a frozen "
+        "copy of the weights for full and freeze-encoder (none for LoRA) and one no-grad "
+        "forward a step. Off by default: measured once, weight 1 held tiny.en's WER on real "
+        "speech it never trained on at 6.4 (7.3 before) where LoRA at 1e-3 without it reached "
+        "11.5 (BENCHMARKS.md 'Quality').",
+        default=0.0,
+    )
+    compare_baseline: bool = _help(
+        "At the end, evaluate the starting model and the fine-tuned one on the evaluation data "
+        "and write OUTPUT/report.md and report.png (utterances that got better and worse).",
+        default=False,
+    )
+    logging_steps: int = _help(
+        "Report the training loss averaged over the last N optimizer steps, every N steps: in "
+        "the progress bar on a terminal, else (a log file, CI) as one plain line with step/total, "
+        "loss and learning rate. metrics.jsonl always gets every step.",
+        default=1,
+    )
+    generation_max_length: int = _help(
+        "Longest transcript generated during evaluation.", default=225
+    )
+    # Evaluation's decoding, as `evaluate` and `transcribe` decode (whisper_train.decoding).
+    temperatures: str = _help(
+        "Evaluation decodes greedily, then again at these temperatures (sampling) for each "
+        "utterance whose output loops (--compression-ratio-threshold) or is unlikely "
+        "(--logprob-threshold); a single 0 turns the fallback off. openai-whisper's defaults, "
+        "not tuned here.",
+        default="0,0.2,0.4,0.6,0.8,1.0",
+    )
+    compression_ratio_threshold: str = _help(
+        "Decode again when a transcript's zlib compression ratio is above this; none to disable.",
+        default="2.4",
+    )
+    logprob_threshold: str = _help(
+        "Decode again when a transcript's mean token log-probability is below this; none to "
+        "disable.",
+        default="-1.0",
+    )
+    num_workers: int = _help("Data-loading worker processes.", default=0)
+    group_by_length: bool = _help(
+        "Batch utterances of similar label length together (less padding), in a seeded order.",
+        default=False,
+    )
+    save_steps: int | None = _help(
+        "Write OUTPUT/checkpoint-<step>/ every N optimizer steps (default: only when the run is "
+        "interrupted or stopped).",
+        default=None,
+    )
+    save_total_limit: int = _help(
+        "Keep the newest N checkpoints, plus the one with the best WER.", default=2
+    )
+    resume: str | None = field(
+        default=None,
+        metadata={
+            "help": "Continue a run: 'latest' (the newest checkpoint in --output-dir; a bare "
+            "--resume means this) or a checkpoint folder.",
+            "const": "latest",  # the value of the bare flag
+        },
+    )
+    overwrite: bool = _help(
+        "Start afresh in an --output-dir that holds an earlier run: its whisper-train files "
+        "(final/, checkpoints, metrics, reports) are moved, not deleted, into a new folder "
+        "OUTPUT.old-<date>-<time> beside it; other files stay where they are. Off by default: "
+        "such a folder is refused.",
+        default=False,
+    )
+    max_bad_steps: int = _help(
+        "Stop (with a checkpoint) after N optimizer steps in a row whose loss or gradient is NaN "
+        "or infinite; each such step is skipped.",
+        default=10,
+    )
+    nproc: int = _help(
+        "Data-parallel processes on this machine (one per GPU, or CPU processes with gloo). "
+        "--batch-size is per process: global batch = nproc x batch x accumulation.",
+        default=1,
+    )
+    fsdp: bool = _help(
+        "Shard weights, gradients and optimiser state over the --nproc processes (FSDP2): each "
+        "holds 1/N of them, for a model whose training does not fit one GPU. Costs gathers "
+        "each step and the whole weights on every process while evaluating.",
+        default=False,
+    )
+
+
+GROUPS: dict[str, type] = {
+    "data": DataConfig,
+    "model": ModelConfig,
+    "memory": MemoryConfig,
+    "train": TrainConfig,
+}
+
+
+def field_owners() -> dict[str, str]:
+    """{field_name: group_name} for every option; names are unique across groups."""
+    owners: dict[str, str] = {}
+    for group_name, group_cls in GROUPS.items():
+        for f in fields(group_cls):
+            assert f.name not in owners, f"option {f.name} defined twice"
+            owners[f.name] = group_name
+    return owners

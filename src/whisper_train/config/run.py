@@ -1,0 +1,432 @@
+"""`RunConfig`: a training run's options (`options`), read from flags and YAML, validated in
+one place (`validate`), and the choices derived from them (learning rate, LoRA, packing, the
+encoder cache, decoding)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from whisper_train.config.options import (
+    DEFAULT_LEARNING_RATES,
+    GROUPS,
+    MODES,
+    OPTIMIZERS,
+    PRECISIONS,
+    SCHEDULERS,
+    TASKS,
+    DataConfig,
+    MemoryConfig,
+    ModelConfig,
+    TrainConfig,
+    field_owners,
+)
+from whisper_train.config.values import (
+    coerce,
+    named_paths,
+    named_sets,
+    on_off,
+    one_of,
+    read_yaml,
+    require_positive,
+)
+from whisper_train.errors import UserError
+from whisper_train.units import parse_bytes
+
+
+def is_checkpoint_policy(policy: str) -> bool:
+    """off | on | full | encoder | auto | every-N, N >= 1 (`on` is `full`; `auto` picks from
+    --max-memory)."""
+    # Imported here, not at the top: the every-N parser lives with checkpointing, which needs
+    # torch, and `import whisper_train.config` (so the CLI's --help) stays torch-free.
+    from whisper_train.memory.checkpointing import parse_every_n
+
+    return policy in ("off", "on", "full", "encoder", "auto") or parse_every_n(policy) is not None
+
+
+@dataclass
+class RunConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    # -- building -------------------------------------------------------------------------
+    @classmethod
+    def from_flat(cls, values: dict[str, Any]) -> RunConfig:
+        """Build from a flat {field_name: value} mapping (CLI flags); unknown keys are an error."""
+        config = cls()
+        config.update(values)
+        return config
+
+    def update(self, values: dict[str, Any], *, source: str = "flag") -> None:
+        """Set fields by flat name (`lora_r`) or nested group mapping (`{"model": {...}}`)."""
+        owners = field_owners()
+        for key, value in values.items():
+            key = key.replace("-", "_")
+            if key in GROUPS and isinstance(value, dict):
+                group = getattr(self, key)
+                for sub, sub_value in value.items():
+                    sub = sub.replace("-", "_")
+                    if sub not in {f.name for f in fields(group)}:
+                        raise UserError(
+                            f"{source}: unknown option '{key}.{sub}'; see `whisper-train train --help`"
+                        )
+                    setattr(group, sub, coerce(group, sub, sub_value, source))
+            elif key in owners:
+                group = getattr(self, owners[key])
+                setattr(group, key, coerce(group, key, value, source))
+            else:
+                raise UserError(
+                    f"{source}: unknown option '{key}'; see `whisper-train train --help`"
+                )
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> RunConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(
+                f"--config {path}: no such file; pass a YAML file such as configs/lora.yaml"
+            )
+        try:
+            values = read_yaml(path.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as exc:
+            raise UserError(
+                f"--config {path}: not valid YAML ({str(exc).splitlines()[0]})"
+            ) from None
+        if not isinstance(values, dict):
+            raise UserError(
+                f"--config {path}: expected a mapping of options, got {type(values).__name__}"
+            )
+        config = cls()
+        config.update(values, source=str(path))
+        return config
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in GROUPS}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def to_saved_yaml(self) -> str:
+        """The run's record (OUTPUT/whisper-train.yaml, each checkpoint's copy): `to_yaml` less
+        the one-shot actions --resume and --overwrite, which describe how this invocation
+        began, not the run. The resume command the tool prints (`--config` that file plus
+        `--resume`) then works whatever flags the first invocation had."""
+        values = self.to_dict()
+        values["train"].update(resume=None, overwrite=False)
+        return yaml.safe_dump(values, sort_keys=False)
+
+    # -- the one place that validates -----------------------------------------------------
+    def validate(self) -> RunConfig:
+        """Reject illegal values and combinations with a message that names the flags."""
+        d, m, mem, t = self.data, self.model, self.memory, self.train
+        one_of("--mode", m.mode, MODES)
+        one_of("--task", d.task, TASKS)
+        one_of("--precision", mem.precision, PRECISIONS)
+        one_of("--optim", mem.optim, OPTIMIZERS)
+        one_of("--lr-scheduler", t.lr_scheduler, SCHEDULERS)
+        one_of("--attn-implementation", m.attn_implementation, ("sdpa", "eager"))
+        if d.pin_language and d.language is None:
+            raise UserError("--pin-language saves --language in the model: add --language")
+        policy = mem.gradient_checkpointing
+        if policy is not None and not is_checkpoint_policy(policy):
+            raise UserError(
+                f"--gradient-checkpointing {policy}: expected off, on, full, encoder, every-N "
+                "(e.g. every-2) or auto"
+            )
+        if policy == "auto" and not mem.max_memory:
+            raise UserError(
+                "--gradient-checkpointing auto needs --max-memory (e.g. --max-memory 4GB)"
+            )
+        if mem.max_memory is not None:
+            parse_bytes(mem.max_memory, flag="--max-memory")
+        parse_bytes(mem.encoder_cache_max_size, flag="--encoder-cache-max-size")
+        if mem.offload_activations and policy in (None, "off"):
+            raise UserError(
+                "--offload-activations needs gradient checkpointing: add --gradient-checkpointing full"
+            )
+        if mem.cache_encoder and m.mode == "full":
+            raise UserError(
+                "--cache-encoder needs a frozen encoder: use --mode freeze-encoder, or drop --cache-encoder"
+            )
+        if t.only_train and (t.eval_at_start or t.compare_baseline or t.eval_steps):
+            raise UserError(
+                "--only-train skips evaluation: drop it, or drop --eval-steps/--eval-at-start/"
+                "--compare-baseline"
+            )
+        if mem.cache_encoder and (d.audio_augment or d.spec_augment):
+            raise UserError(
+                "--cache-encoder cannot be combined with --audio-augment/--spec-augment: augmented "
+                "audio changes the encoder output every epoch"
+            )
+        for flag, value in (
+            ("--batch-size", t.batch_size),
+            ("--gradient-accumulation", t.gradient_accumulation),
+            ("--lora-r", m.lora_r),
+            ("--lora-alpha", m.lora_alpha),  # 0 scales every adapter's update to nothing
+            ("--logging-steps", t.logging_steps),
+            ("--generation-max-length", t.generation_max_length),
+            ("--save-total-limit", t.save_total_limit),
+            ("--max-bad-steps", t.max_bad_steps),
+            ("--nproc", t.nproc),
+            ("--shuffle-buffer", d.shuffle_buffer),
+        ):
+            require_positive(flag, value)
+        d.packing = on_off("--packing", d.packing)
+        d.packing_timestamps = on_off("--packing-timestamps", d.packing_timestamps)
+        if d.packing_timestamps == "on" and d.packing != "on":
+            raise UserError(
+                "--packing-timestamps on labels packed windows: add --packing on, or drop "
+                "--packing-timestamps"
+            )
+        if d.packing == "on" and t.group_by_length:
+            raise UserError(
+                "--group-by-length with --packing on: packed windows are batched as they are "
+                "planned; drop one of them"
+            )
+        self._validate_stream()
+        if self.packing_on and self.cache_encoder:
+            raise UserError(
+                "--packing on with the frozen encoder's cache: the cache keeps each clip's "
+                "encoder output, and packed windows are drawn anew every epoch, so none would "
+                "be reused; drop --packing (cached epochs already skip the encoder) or add "
+                "--no-cache-encoder"
+            )
+        for flag, value in (  # these may also be left unset (None)
+            ("--max-steps", t.max_steps),
+            ("--eval-steps", t.eval_steps),
+            ("--save-steps", t.save_steps),
+            ("--train-subset", d.train_subset),
+            ("--eval-subset", d.eval_subset),
+        ):
+            if value is not None:
+                require_positive(flag, value)
+        self._validate_numbers()
+        if t.resume is not None and not t.resume.strip():
+            raise UserError("--resume: pass 'latest' or a checkpoint folder")
+        if t.resume is not None and t.overwrite:
+            raise UserError(
+                "--resume continues the run in --output-dir and --overwrite moves it aside: "
+                "drop one of them"
+            )
+        self._validate_fsdp()
+        if not m.lora_targets:
+            raise UserError("--lora-targets: name at least one module, e.g. q_proj,v_proj")
+        self._validate_eval_sets()
+        self.decoding_options()  # malformed --temperatures or thresholds: one line, now
+        return self
+
+    def _validate_numbers(self) -> None:
+        """Each number option within its range, NaN and infinity refused: one line naming the
+        flag and what it accepts, before anything loads (torch's AdamW raised a traceback on a
+        NaN learning rate; --weight-decay inf and --max-grad-norm nan trained without a word)."""
+        d, m, t = self.data, self.model, self.train
+        above_0, at_least_0, below_1 = (lambda v: v > 0), (lambda v: v >= 0), (lambda v: 0 <= v < 1)
+        for flag, value, in_range, accepted in (
+            ("--learning-rate", t.learning_rate, above_0, "a finite number above 0 (e.g. 1e-5)"),
+            ("--weight-decay", t.weight_decay, at_least_0, "a finite number of 0 or more"),
+            (
+                "--max-grad-norm",
+                t.max_grad_norm,
+                at_least_0,
+                "a finite norm of 0 or more (0: no clipping)",
+            ),
+            ("--epochs", t.epochs, above_0, "a finite number of passes above 0"),
+            ("--eval-split", d.eval_split, below_1, "a fraction in [0, 1)"),
+            # 1 would zero the adapter path in every training step: nothing would train.
+            ("--lora-dropout", m.lora_dropout, below_1, "a probability in [0, 1)"),
+            ("--preserve-base", t.preserve_base, at_least_0, "a finite weight of 0 (off) or more"),
+            (
+                "--max-regression",
+                t.max_regression,
+                at_least_0,
+                "a finite number of points, 0 or more",
+            ),
+        ):
+            if value is not None and not (math.isfinite(value) and in_range(value)):
+                raise UserError(f"{flag} {value:g}: expected {accepted}")
+        for flag, value in (("--warmup-steps", t.warmup_steps), ("--num-workers", t.num_workers)):
+            if value < 0:
+                raise UserError(f"{flag} {value}: expected 0 or more")
+        # numpy's seed (set with torch's and Python's) takes 32 bits, unsigned.
+        if not 0 <= t.seed < 2**32:
+            raise UserError(f"--seed {t.seed}: expected a whole number from 0 to {2**32 - 1}")
+
+    def _validate_fsdp(self) -> None:
+        """What --fsdp (sharded weights) cannot be combined with, each refused in one line."""
+        mem, t = self.memory, self.train
+        if not t.fsdp:
+            return
+        # Under accelerate launch / torchrun, --nproc stays 1 and the launcher sets WORLD_SIZE.
+        if t.nproc < 2 and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+            raise UserError("--fsdp shards the model over processes: add --nproc 2 (or more)")
+        refused = [
+            (
+                mem.precision == "fp16",
+                "--precision fp16 (its loss scaler does not unscale sharded gradients): "
+                "use --precision bf16 or fp32",
+            ),
+            (mem.compile, "--compile (not tested sharded): drop one of them"),
+            (
+                mem.optim == "adamw8bit",
+                "--optim adamw8bit (bitsandbytes does not step sharded weights): use adamw",
+            ),
+            (
+                mem.gradient_checkpointing == "auto",
+                "--gradient-checkpointing auto (its plan counts the whole model on one "
+                "process): choose a policy, e.g. full",
+            ),
+            (
+                self.cache_encoder,
+                "the frozen encoder's cache (each process would run the sharded encoder for "
+                "its own uncached clips alone): add --no-cache-encoder",
+            ),
+        ]
+        for refuse, why in refused:
+            if refuse:
+                raise UserError(f"--fsdp with {why}")
+
+    def _validate_stream(self) -> None:
+        """What a streamed --data (shards, or --streaming) cannot do: it has no length before
+        it is read, no rows to sort or split, and its clips have no fixed index to cache by."""
+        if self.stream_source() is None:
+            return
+        d, t = self.data, self.train
+        refused = [
+            ("--group-by-length", t.group_by_length, "drop it"),
+            ("--train-subset", d.train_subset, "use --max-steps"),
+            ("--cache-encoder", self.memory.cache_encoder, "drop it"),
+        ]
+        for flag, value, remedy in refused:
+            if value:
+                raise UserError(
+                    f"{flag} needs --data read whole, and {d.data} is streamed: {remedy}"
+                )
+        if not (t.only_train or self.eval_sets() or d.eval_split == 0):
+            raise UserError(
+                f"--data {d.data} is streamed and cannot be split for evaluation: pass "
+                "--eval-data NAME=PATH (a small set in any layout), or --only-train"
+            )
+
+    def stream_source(self):
+        """The `streaming.StreamSource` --data names when it is read as a stream, else None."""
+        # Imported here: streaming needs torch and soundfile; `import whisper_train.config` stays
+        # light for the CLI's --help.
+        from whisper_train.data.streaming import stream_source
+
+        d = self.data
+        return stream_source(d.data, data_format=d.data_format, streaming=d.streaming)
+
+    def decoding_options(self):
+        """The `decoding.DecodingOptions` of evaluation during training."""
+        # Imported here: decoding needs torch, and `import whisper_train.config` stays light.
+        from whisper_train.decoding import (
+            DecodingOptions,
+            parse_temperatures,
+            parse_threshold,
+        )
+
+        t = self.train
+        return DecodingOptions(
+            temperatures=parse_temperatures(t.temperatures),
+            compression_ratio_threshold=parse_threshold(
+                t.compression_ratio_threshold, "--compression-ratio-threshold"
+            ),
+            logprob_threshold=parse_threshold(t.logprob_threshold, "--logprob-threshold"),
+        )
+
+    def _validate_eval_sets(self) -> None:
+        t = self.train
+        names = list(self.eval_sets()) or ["eval"]  # a split of --data is named "eval"
+        for flag, name in (("--metric-for-best", t.metric_for_best), ("--guard", t.guard)):
+            if name is not None and name not in names:
+                raise UserError(
+                    f"{flag} {name}: no evaluation set of that name; the sets are "
+                    f"{', '.join(names)} (name them with --eval-data NAME=PATH)"
+                )
+        if t.guard is not None and t.only_train:
+            raise UserError("--guard needs evaluation: drop --only-train")
+        if t.guard is not None and len(names) < 2:
+            raise UserError(
+                f"--guard {t.guard}: it needs another set to pick the best step by; add "
+                "--eval-data NAME=PATH for the data you fine-tune for"
+            )
+        if t.guard is not None and t.metric_for_best == t.guard:
+            raise UserError("--metric-for-best and --guard name the same set: name another")
+        if (t.max_regression is not None or t.stop_on_regression) and t.guard is None:
+            raise UserError("--max-regression and --stop-on-regression need --guard NAME")
+
+    def eval_sets(self) -> dict[str, str]:
+        """{name: path} of --eval-data, in the order given (empty: split --data instead)."""
+        return named_paths(self.data.eval_data or [], "--eval-data")
+
+    def eval_set_language(self, name: str) -> str | None:
+        """The language evaluation set `name` is decoded in where its rows state none: its
+        NAME:LANG, else --language for the split of --data (the training speech), else None
+        (detected per clip)."""
+        sets = named_sets(self.data.eval_data or [], "--eval-data")
+        if name in sets:
+            return sets[name][1]
+        return self.data.language
+
+    @property
+    def primary_eval_set(self) -> str:
+        """The set whose WER picks the best step (and is the run's reported WER)."""
+        if self.train.metric_for_best:
+            return self.train.metric_for_best
+        names = [n for n in self.eval_sets() if n != self.train.guard]
+        return names[0] if names else "eval"
+
+    # -- resolved defaults ---------------------------------------------------------------
+    @property
+    def learning_rate(self) -> float:
+        if self.train.learning_rate is not None:
+            return self.train.learning_rate
+        return DEFAULT_LEARNING_RATES[self.model.mode]
+
+    def lora_settings(self):
+        """The adapters of --mode lora (`memory.LoraSettings`), None for the other modes. With
+        the encoder's outputs cached they go on the decoder only: the cache computes each clip's
+        encoder output once, without gradient, so adapters inside the encoder would never train
+        (trainable parameters that never get a gradient: under --nproc, DDP stopped at step 2)."""
+        # Imported here: checkpointing needs torch, and `import whisper_train.config` stays light.
+        from whisper_train.memory.checkpointing import LoraSettings
+
+        m = self.model
+        if m.mode != "lora":
+            return None
+        return LoraSettings(
+            r=m.lora_r,
+            alpha=m.lora_alpha,
+            dropout=m.lora_dropout,
+            targets=tuple(m.lora_targets),
+            decoder_only=self.cache_encoder,
+        )
+
+    @property
+    def packing_on(self) -> bool:
+        """Whether training clips are packed into 30 s windows (`packing`)."""
+        return self.data.packing == "on"
+
+    @property
+    def packing_timestamps_on(self) -> bool:
+        """Whether packed windows of 2+ clips always carry timestamps (`packing_timestamps`)."""
+        return self.packing_on and self.data.packing_timestamps == "on"
+
+    @property
+    def cache_encoder(self) -> bool:
+        if self.memory.cache_encoder is not None:
+            return self.memory.cache_encoder
+        # A stream's clips have no fixed index to cache by: its encoder runs every step.
+        return (
+            self.model.mode == "freeze-encoder"
+            and not (self.data.audio_augment or self.data.spec_augment)
+            and self.stream_source() is None
+        )

@@ -1,0 +1,142 @@
+"""Reading option values: YAML with YAML 1.2's booleans, flag and YAML text made the field's
+declared type (`coerce`), named evaluation sets (NAME[:LANG]=PATH), and the one-line errors that
+name a flag (`require_positive`, `one_of`, `on_off`)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+from typing import Any
+
+import yaml
+
+from whisper_train.errors import UserError
+
+
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's booleans: only true and false (True, TRUE, ...).
+
+    YAML 1.1, PyYAML's default, also reads yes/no/on/off as booleans, which turns `language: no`
+    (Norwegian) into False and `packing: on` into True; options whose values are such words
+    (on/off, language codes) then cannot be written plainly. A boolean option still takes
+    yes/no/on/off, as text (`coerce`). Everything else (numbers, null) reads as before.
+    Written files (`to_yaml`, PyYAML's dumper) quote every YAML 1.1 boolean word, so a 1.1
+    reader reads them the same."""
+
+
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver(
+    _BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+def read_yaml(text: str) -> Any:
+    """A configuration file's values, read with YAML 1.2's booleans (`_Yaml12Loader`)."""
+    return yaml.load(text, Loader=_Yaml12Loader)  # a SafeLoader: builds only plain values
+
+
+def named_sets(entries: list[str], flag: str) -> dict[str, tuple[str, str | None]]:
+    """["target:es=t/", "general=g/"] → {"target": ("t/", "es"), "general": ("g/", None)}, in
+    order: NAME=PATH, or NAME:LANG=PATH to state the set's language (a code or name Whisper
+    knows); a bare PATH is named "eval". The one reading of NAME[:LANG]=PATH for `train
+    --eval-data` and `evaluate --data`. The language sits on the name's side of `=`, so paths
+    (and hub ids such as `name:config:split`) are never split."""
+    sets: dict[str, tuple[str, str | None]] = {}
+    for entry in entries:
+        label, sep, path = entry.partition("=")
+        name, _, language = label.partition(":")
+        if not sep:  # a bare PATH
+            name, language, path = "eval", "", entry
+        elif not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name) or not path:
+            raise UserError(
+                f"{flag} {entry}: expected NAME=PATH (or NAME:LANG=PATH) with NAME of letters, "
+                "digits, '-', '_' or '.', or a bare PATH"
+            )
+        if name in sets:
+            raise UserError(f"{flag} {entry}: the name {name} is used twice")
+        if language:
+            from whisper_train.data.labels import language_code
+
+            try:
+                language = language_code(language)
+            except UserError as exc:
+                raise UserError(f"{flag} {entry}: {exc}") from None
+        sets[name] = (path, language or None)
+    return sets
+
+
+def named_paths(entries: list[str], flag: str) -> dict[str, str]:
+    """{name: path} of `named_sets`."""
+    return {name: path for name, (path, _) in named_sets(entries, flag).items()}
+
+
+def require_positive(flag: str, value: int, *, alternative: str | None = None) -> None:
+    """Reject a count below 1 with a one-line error that names the flag and the remedy.
+
+    `--batch-size 0: must be at least 1`; an `alternative` such as "use --no-check" adds
+    `(or use --no-check)`.
+    """
+    if value < 1:
+        remedy = f" (or {alternative})" if alternative else ""
+        raise UserError(f"{flag} {value}: must be at least 1{remedy}")
+
+
+def one_of(flag: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise UserError(f"{flag} {value}: expected one of {', '.join(allowed)}")
+
+
+def on_off(flag: str, value: Any) -> str:
+    """'on' / 'off' from a flag's text; true/yes/1 and false/no/0 too (the YAML file's
+    `true` reaches here as the text "true", `coerce`)."""
+    text = str(value).strip().lower()
+    if text in ("on", "true", "yes", "1"):
+        return "on"
+    if text in ("off", "false", "no", "0"):
+        return "off"
+    raise UserError(f"{flag} {value}: expected on or off")
+
+
+_TRUE_WORDS = ("true", "yes", "y", "on", "1")
+_FALSE_WORDS = ("false", "no", "n", "off", "0")
+
+
+def coerce(group: Any, name: str, value: Any, source: str) -> Any:
+    """YAML and flags give strings, numbers, lists; make them the field's declared type."""
+    if value is None:
+        return None
+    annotation = str({f.name: f.type for f in fields(group)}[name])
+    try:
+        if annotation.startswith("list"):
+            if isinstance(value, dict):  # YAML `eval_data: {name: path}`
+                return [f"{k}={v}" for k, v in value.items()]
+            if isinstance(value, str):
+                return [part.strip() for part in value.split(",") if part.strip()]
+            return [str(v) for v in value]
+        if annotation.startswith("bool"):
+            # YAML's true/false, or a yes/no word as text (YAML 1.2 keeps yes/no/on/off text).
+            if isinstance(value, bool):
+                return value
+            word = str(value).strip().lower()
+            if word in _TRUE_WORDS or word in _FALSE_WORDS:
+                return word in _TRUE_WORDS
+            flag = "--" + name.replace("_", "-")
+            raise UserError(f"{source}: {flag} {value}: expected true or false (or yes/no, on/off)")
+        if annotation.startswith("int"):
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return int(value)
+        if annotation.startswith("float"):
+            return float(value)
+        if isinstance(value, (list, tuple)):  # YAML `temperatures: [0, 0.2]`
+            return ",".join(str(v) for v in value)
+        if isinstance(value, bool):  # YAML's true/false where text is expected: as written
+            return str(value).lower()
+        return str(value)
+    except (TypeError, ValueError):
+        flag = "--" + name.replace("_", "-")
+        raise UserError(f"{source}: {flag} {value!r} is not a valid {annotation}") from None

@@ -1,0 +1,153 @@
+"""What a run leaves behind: which evaluated step final/ holds (`choose_final_step`, with the
+guard set's veto), final/ itself (`save_final`), and the before/after report of
+--compare-baseline (`compare_with_baseline`)."""
+
+from __future__ import annotations
+
+import gc
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from whisper_train import runfolder
+from whisper_train.data.examples import Example
+from whisper_train.data.labels import configure_generation
+from whisper_train.decoding import DecodingOptions
+from whisper_train.evaluation.evaluate import evaluate_examples, write_report_json
+from whisper_train.evaluation.report import write_comparison
+from whisper_train.models import is_multilingual, load_model, save_model_folder
+
+
+@dataclass
+class FinalChoice:
+    """Which evaluated step final/ holds, and why (written to result.json)."""
+
+    step: int | None
+    reason: str
+
+
+def guard_regression(evaluations: list[dict], guard: str | None, step: int) -> float | None:
+    """Points (percent) of WER the guard set lost at `step` against step 0; None without a
+    guard or its two evaluations."""
+    if guard is None:
+        return None
+    wer = {row["step"]: row["wer"] for row in evaluations if row.get("set") == guard}
+    if 0 not in wer or step not in wer or not math.isfinite(wer[step]):
+        return None
+    return 100 * (wer[step] - wer[0])
+
+
+def choose_final_step(
+    evaluations: list[dict], *, primary_set: str, guard: str | None, max_regression: float | None
+) -> FinalChoice:
+    """The evaluated step whose model final/ holds, as `load_best_model_at_end` users expect:
+    the lowest WER on `primary_set` among trained steps (not step 0) whose guard WER stayed
+    within `max_regression` points of the start; the later step on a tie. Without evaluations:
+    the last step. If no step stays within the guard's limit: the last one, and the reason says
+    so."""
+    scored = {
+        row["step"]: row["wer"]
+        for row in evaluations
+        if row.get("set", primary_set) == primary_set
+        and row["step"] > 0
+        and math.isfinite(row["wer"])
+    }
+    if not scored:
+        return FinalChoice(None, "the last step (no evaluation scored a trained step)")
+    allowed = {
+        step: wer
+        for step, wer in scored.items()
+        if (regression := guard_regression(evaluations, guard, step)) is None
+        or regression <= max_regression
+    }
+    if not allowed:
+        return FinalChoice(
+            max(scored),
+            f"the last evaluated step: every evaluation lost more than {max_regression:g} "
+            f"points of {guard} WER",
+        )
+    best = min(allowed, key=lambda step: (allowed[step], -step))
+    reason = f"the lowest {primary_set} WER ({100 * allowed[best]:.2f}%) of {len(scored)} evaluated"
+    reason += " steps" if len(scored) > 1 else " step"
+    if guard is not None:
+        reason += f", guard set {guard!r} within {max_regression:g} points of its start"
+    return FinalChoice(best, reason)
+
+
+def save_final(model, processor, final_dir: Path, *, pin_language: bool, config_yaml: str) -> Path:
+    """final/: a self-describing model folder (full weights with LoRA merged, processor, the
+    run's whisper-train.yaml), written by the one model-folder writer (atomically)."""
+    if hasattr(model, "merge_and_unload"):  # peft: merge the adapters into full 32-bit weights
+        model = model.merge_and_unload()
+    model.config.use_cache = True  # inference default; training turned the cache off
+    if not pin_language:
+        # --language chose the training prefixes; the saved model detects each clip's language,
+        # as the base did (transformers' pipeline, `transcribe`, exports), unless pinned.
+        model.generation_config.language = None
+    return save_model_folder(
+        model, processor, final_dir, extra_files={runfolder.CONFIG_FILE: config_yaml}
+    )
+
+
+def compare_with_baseline(
+    base_model: str,
+    final_dir: Path,
+    examples: list[Example],
+    output_dir: Path,
+    *,
+    language: str | None,
+    task: str,
+    batch_size: int,
+    max_length: int,
+    decoding: DecodingOptions,
+    attn_implementation: str,
+) -> None:
+    """The starting model and the fine-tuned one on the same utterances (an evaluation set,
+    decoded in `language`, else each clip's detected one): report.md / report.png."""
+    reports = []
+    normalizer = None  # the baseline's choice (`normalizer_for`), then the same for both
+    for spec in (base_model, str(final_dir)):
+        # One model at a time beside the training model: the first is freed before the second
+        # loads (on a GPU sized for the run, two more full models may not fit).
+        model = processor = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        model, processor = load_model(spec, attn_implementation=attn_implementation)
+        if torch.cuda.is_available():
+            model = model.to("cuda")
+        configure_generation(
+            model.generation_config,
+            language=None,
+            task=task,
+            multilingual=is_multilingual(model),
+        )
+        reports.append(
+            evaluate_examples(
+                model,
+                processor,
+                examples,
+                batch_size=batch_size,
+                normalizer=normalizer,
+                language=language,
+                max_length=max_length,
+                model_name=spec,
+                decoding=decoding,
+            )
+        )
+        normalizer = reports[-1].normalizer
+    model = processor = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    before, after = reports
+    json_file, baseline_file, markdown, png = (output_dir / n for n in runfolder.REPORT_FILES)
+    write_report_json(after, json_file)
+    write_report_json(before, baseline_file)
+    write_comparison(before, after, markdown_path=markdown, png_path=png)
+    tqdm.write(
+        f"baseline WER {100 * before.wer:.2f}% -> fine-tuned {100 * after.wer:.2f}%; see {markdown}"
+    )

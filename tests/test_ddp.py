@@ -18,8 +18,8 @@ from whisper_train.training.train import train
 def test_two_processes_equal_one_and_resume_exactly(tmp_path, tiny_whisper_dir):
     # 19 clips, 3 held out: 16 training clips, global batch 4 (1 x 4, or 2 processes x 1 x 2
     # micro-batches: the usual multi-GPU run, gradient accumulation under DDP's no_sync). The
-    # 3 evaluation clips split over 2 processes leave process 1 a copy of clip 0 to
-    # fill its batch: it must not be scored twice.
+    # 3 evaluation clips split over 2 processes (batch 1) give process 1 one clip and an empty
+    # batch: every clip must be scored once, and the processes must not wait for each other.
     data = write_tone_dataset(tmp_path / "data", n=19)
     common = {
         "data": str(data),
@@ -68,9 +68,9 @@ def test_two_processes_equal_one_and_resume_exactly(tmp_path, tiny_whisper_dir):
     # Equal up to float32 summation order (2 x 1 x 2 rows and an all-reduce vs 4 rows), which a clip
     # seen twice or skipped, or a wrong per-process loss weight, would exceed many times over.
     np.testing.assert_allclose(two_losses, single_losses, rtol=0, atol=SAME_RUN_LOSS_ATOL)
-    # Evaluation ran sharded (2 rows per process, one of them a filler copy) and gathered: the
-    # same 3 clips scored once each, so the same validation loss and `clips` (clip 0 counted
-    # twice would make it 4, and weigh clip 0's loss twice). (The first run's closing
+    # Evaluation ran sharded (clips 0 and 2 on process 0, clip 1 and an empty batch on process
+    # 1) and gathered: the same 3 clips scored once each, so the same validation loss and
+    # `clips` (a clip counted twice would make it 4, and weigh its loss twice). (The first run's closing
     # evaluation at step 3 stays in the file: it happened.) WER is not compared: a random
     # model's top two logits can lie closer than float noise, so its greedy words may differ
     # between the runs without anything being wrong.

@@ -9,7 +9,8 @@
 
 Equal micro-batches on every process is owned here: a multi-process step all-reduces the loss's
 token count and DDP all-reduces the gradients, so every process must run the same number of
-micro-batches per step and per epoch, whatever its share of the data. `shard_batches` gives each
+micro-batches per step and per epoch, whatever its share of the data (and evaluation splits its
+sets the same way, `evaluation_loader`). `shard_batches` gives each
 process every N-th global batch and pads the shorter shares with empty micro-batches, which the
 step loop runs with zero weight (`stand_in_batch`): nothing is read twice to even the shares out,
 and every clip is seen exactly once per epoch.
@@ -49,6 +50,25 @@ def shard_batches(batches: Sequence[list], rank: int, world: int) -> list[list]:
     process with batch N x B."""
     mine = list(batches[rank::world])
     return mine + [[] for _ in range(math.ceil(len(batches) / world) - len(mine))]
+
+
+def evaluation_loader(
+    dataset, collate: Callable, *, batch_size: int, rank: int, world: int, num_workers: int
+) -> DataLoader:
+    """Process `rank`'s share of an evaluation set, split as training's (`shard_batches`): the
+    set's batches in order, every N-th to each process, the shorter shares padded with empty
+    batches. Every process runs the same number of batches (so the same collectives), and
+    every clip is scored exactly once: no process is handed a copy to fill its last batch."""
+    n = len(dataset)
+    batches = [list(range(i, min(i + batch_size, n))) for i in range(0, n, batch_size)]
+    return DataLoader(
+        dataset,
+        batch_sampler=shard_batches(batches, rank, world),
+        collate_fn=collate,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        prefetch_factor=4 if num_workers > 0 else None,
+    )
 
 
 def group_steps(micro_batches: Iterable[dict], accumulation: int) -> Iterator[list[dict]]:

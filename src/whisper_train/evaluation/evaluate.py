@@ -180,48 +180,43 @@ def run_evaluation(
     `indices`), a code or None (detect it); None: the model's generation config decides.
     `normalizer` None: `normalizer_for` the languages the clips were decoded in.
 
-    Each clip is scored once (`clips` in the row): a loader split over N processes hands some
-    processes a copy of the set's first clips to even out the last batches, and those copies
-    are dropped before anything is counted, the loss included."""
+    `loader` holds this process's share of the set (`data.source.evaluation_loader`: each clip
+    on one process, every process the same number of batches, some empty); the shares are
+    brought together once, at the end, so every clip is scored once (`clips` in the row)."""
     from accelerate.utils import gather_object
 
     was_training = model.training
     model.eval()
     loss_and_tokens = torch.zeros(2, device=accelerator.device)  # summed token losses, tokens
     references, hypotheses, decoded, expected = [], [], [], []
+    # Without DDP's wrapper (its autocast kept): a DDP forward may hold collectives, and a
+    # process whose share ran out runs fewer forwards than the others.
     unwrapped = accelerator.unwrap_model(model)
-    scored: set[int] = set()  # dataset indices scored so far, on any process
     for batch in loader:
-        # Every process learns which clips every process holds, and keeps its own rows that
-        # no earlier batch or lower-ranked process holds: the same rule computed everywhere.
-        held = gather_object([batch["indices"].tolist() if batch["size"] else []])
-        batch = _rows(batch, _first_sightings(held, scored)[accelerator.process_index])
+        if not batch["size"]:  # a share padded to the others' length, or no readable clip
+            continue
         if languages is not None:
             batch = {**batch, "languages": [languages[i] for i in batch["indices"].tolist()]}
-        texts: list[str] = []
+        n_tokens = (batch["labels"] != IGNORE_INDEX).sum().float()
+        loss_and_tokens += torch.stack(
+            [training_loss(unwrapped, batch).detach().float() * n_tokens, n_tokens]
+        )
         details: list[Decoded] = []
-        if batch["size"]:
-            n_tokens = (batch["labels"] != IGNORE_INDEX).sum().float()
-            loss_and_tokens += torch.stack(
-                [training_loss(model, batch).detach().float() * n_tokens, n_tokens]
-            )
-            texts = generate_texts(
-                unwrapped,
-                processor,
-                [batch],
-                max_length=max_length,
-                decoding=decoding,
-                details=details,
-            )
-        # A batch with no usable clip (none decoded) still joins the gathers: every process
-        # runs the same collectives, or the others would wait for this one for ever.
-        references.extend(gather_object(batch.get("texts", [])))
-        hypotheses.extend(gather_object(texts))
-        decoded.extend(gather_object(details))
-        expected.extend(gather_object(batch.get("languages") or [None] * len(texts)))
+        texts = generate_texts(
+            unwrapped, processor, [batch], max_length=max_length, decoding=decoding, details=details
+        )
+        references.extend(batch["texts"])
+        hypotheses.extend(texts)
+        decoded.extend(details)
+        expected.extend(batch.get("languages") or [None] * len(texts))
     model.train(was_training)
     if accelerator.num_processes > 1:
+        # Every process, whatever its share (none included), joins these two collectives.
         loss_and_tokens = accelerator.reduce(loss_and_tokens, reduction="sum")
+        shares = gather_object([(references, hypotheses, decoded, expected)])
+        references, hypotheses, decoded, expected = (
+            [item for share in shares for item in share[column]] for column in range(4)
+        )
     loss_sum, n_tokens = loss_and_tokens.tolist()
     if not references:
         return {"step": step, "eval_loss": float("nan"), "wer": float("nan")}
@@ -242,40 +237,6 @@ def run_evaluation(
     if (identified := language_id(expected, decoded)) is not None:
         row["language_id_accuracy"] = round(identified.accuracy, 6)
     return row
-
-
-def _first_sightings(held: Sequence[Sequence[int]], scored: set[int]) -> list[list[bool]]:
-    """For each process's rows (`held[rank]`: dataset indices, in rank order), whether the row
-    is the first copy of its clip: not in `scored` nor earlier in this round. Updates `scored`."""
-    keep = []
-    for indices in held:
-        kept = []
-        for index in indices:
-            kept.append(index not in scored)
-            scored.add(index)
-        keep.append(kept)
-    return keep
-
-
-def _rows(batch: dict, keep: Sequence[bool]) -> dict:
-    """`batch` with only the rows `keep` marks; an empty batch (size 0) when none is kept."""
-    if all(keep):
-        return batch
-    rows = [i for i, kept in enumerate(keep) if kept]
-    if not rows:
-        return {"skipped": batch.get("skipped", []), "size": 0}
-    picked = torch.tensor(rows)
-    subset = {"skipped": batch.get("skipped", []), "size": len(rows)}
-    for key, value in batch.items():
-        if key in subset:
-            continue
-        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == len(keep):
-            subset[key] = value[picked]
-        elif isinstance(value, list) and len(value) == len(keep):
-            subset[key] = [value[i] for i in rows]
-        else:
-            subset[key] = value
-    return subset
 
 
 def evaluate_examples(

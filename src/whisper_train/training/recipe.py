@@ -42,7 +42,12 @@ from whisper_train.data.augment import spec_augment_overrides
 from whisper_train.data.collate import SpeechCollator
 from whisper_train.data.features import LogMel, SpeechDataset
 from whisper_train.data.labels import LabelEncoder, configure_generation
-from whisper_train.data.source import TrainingData, build_training_data, stand_in_batch
+from whisper_train.data.source import (
+    TrainingData,
+    build_training_data,
+    evaluation_loader,
+    stand_in_batch,
+)
 from whisper_train.errors import UserError
 from whisper_train.evaluation.evaluate import row_languages, run_evaluation
 from whisper_train.evaluation.report import write_curves_png
@@ -128,10 +133,8 @@ class FineTuneRecipe:
         self.datasets = self._setup_data(model, self.label_encoder)
         model, self.offload, self.preserve = self._setup_memory(model, ddp)
         self.encoder_cache, self.frozen_encoder = self._setup_encoder_cache(model)
-        self.data, eval_loaders, self.eval_languages = self._setup_loaders(model)
-        self.model, self.optimizer, self.scheduler, self.eval_loaders = self._setup_optimisation(
-            model, eval_loaders
-        )
+        self.data, self.eval_loaders, self.eval_languages = self._setup_loaders(model)
+        self.model, self.optimizer, self.scheduler = self._setup_optimisation(model)
         self.state = self._restore()
         self.evaluations: list[dict] = list(self.state.evaluations)
         self.first_step = self.state.step  # 0, or the step a --resume starts from
@@ -364,8 +367,8 @@ class FineTuneRecipe:
     def _setup_loaders(
         self, model
     ) -> tuple[TrainingData, dict[str, DataLoader], dict[str, list | str | None]]:
-        """The training data source (`data.source`), the evaluation loaders and the language
-        each evaluation set is decoded in."""
+        """The training data source and this process's share of each evaluation set (both
+        split over the processes by `data.source`), and the language each set is decoded in."""
         c, t = self.config, self.config.train
         log_mel = LogMel(self.processor.feature_extractor)
         pad_id = self.processor.tokenizer.pad_token_id
@@ -382,7 +385,14 @@ class FineTuneRecipe:
         # each clip's detected one: never the training language by default (issue 24).
         for name, examples in self.datasets.eval.items():
             eval_set = SpeechDataset(examples, self.label_encoder, seed=t.seed, cached=cached)
-            eval_loaders[name] = _loader(eval_set, collator(eval_set.examples), t)
+            eval_loaders[name] = evaluation_loader(
+                eval_set,
+                collator(eval_set.examples),
+                batch_size=t.batch_size,
+                rank=self.accelerator.process_index,
+                world=self.accelerator.num_processes,
+                num_workers=t.num_workers,
+            )
             eval_languages[name] = row_languages(examples, c.eval_set_language(name))
         data = build_training_data(
             c,
@@ -434,10 +444,10 @@ class FineTuneRecipe:
             autocast_dtype=dtype if dtype != torch.float32 else None,
         )
 
-    def _setup_optimisation(self, model, eval_loaders: dict[str, DataLoader]):
+    def _setup_optimisation(self, model):
         """The model (sharded with --fsdp, wrapped for DDP and mixed precision, compiled with
-        --compile), its optimizer and learning-rate schedule, and the evaluation loaders,
-        prepared by accelerate."""
+        --compile), its optimizer and learning-rate schedule, prepared by accelerate. The data
+        is not prepared: `data.source` gives each process its share."""
         c, t, accelerator = self.config, self.config.train, self.accelerator
         if t.fsdp:
             if self.precision.name == "fp16":  # --precision auto on a GPU without bf16
@@ -450,7 +460,6 @@ class FineTuneRecipe:
         optimizer = memory.build_optimizer(
             model, name=c.memory.optim, lr=c.learning_rate, weight_decay=t.weight_decay
         )
-        # The training data is already this process's share (`data.source`): not prepared.
         if t.fsdp:
             # Mixed precision only: `prepare` would wrap the sharded model in DDP (accelerate
             # knows FSDP only through its plugin, which runs on GPUs only: see memory.sharding).
@@ -458,9 +467,6 @@ class FineTuneRecipe:
             optimizer = accelerator.prepare_optimizer(optimizer)
         else:
             model, optimizer = accelerator.prepare(model, optimizer)
-        names = list(eval_loaders)
-        loaders = accelerator.prepare(*eval_loaders.values()) if names else []
-        loaders = [loaders] if len(names) == 1 else loaders  # prepare() unpacks a single one
         if c.memory.compile:
             # After the DDP wrapper (as accelerate does): its hooks stay outside the compiled
             # graph. Accelerator(dynamo_backend=) is not used: that setting is process-wide and
@@ -475,7 +481,7 @@ class FineTuneRecipe:
                 num_training_steps=self.total_steps,
             )
         )
-        return model, optimizer, scheduler, dict(zip(names, loaders, strict=True))
+        return model, optimizer, scheduler
 
     def _restore(self) -> checkpoints.TrainerState:
         """The trainer's state: a new one, or on --resume the checkpoint's, with the weights,
@@ -778,11 +784,13 @@ class FineTuneRecipe:
 
     def _evaluate_set(self, name: str, loader, step: int) -> dict:
         """One evaluation set's metrics row at `step`, written to metrics.jsonl."""
+        device = self.accelerator.device
+        batches = (send_to_device(batch, device) for batch in loader)
         if self.encoder_cache is not None:  # batches complete with their encoder outputs
-            loader = map(self._with_encoder_outputs, loader)
+            batches = map(self._with_encoder_outputs, batches)
         row = run_evaluation(
             self.model,
-            loader,
+            batches,
             self.processor,
             self.accelerator,
             self.normalizer,
@@ -982,22 +990,6 @@ def trained_line(first_step: int, last_step: int, seconds: float) -> str:
     return (
         f"trained steps {first_step + 1}-{last_step} ({last_step - first_step} after resuming "
         f"at step {first_step}; {last_step} in all) in {seconds:.1f} s"
-    )
-
-
-def _loader(
-    dataset, collator, t, *, shuffle: bool = False, generator: torch.Generator | None = None
-) -> DataLoader:
-    """A DataLoader with the run's batch size and workers (`t`: the train options)."""
-    return DataLoader(
-        dataset,
-        batch_size=t.batch_size,
-        shuffle=shuffle,
-        collate_fn=collator,
-        num_workers=t.num_workers,
-        generator=generator,
-        persistent_workers=t.num_workers > 0,
-        prefetch_factor=4 if t.num_workers > 0 else None,
     )
 
 

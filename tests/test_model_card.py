@@ -168,3 +168,16 @@ def test_the_card_reads_final_steps_rows_and_step_0_as_before(tmp_path):
     assert "50.00% → 20.00%" in card.text and "90.00% → 95.00%" in card.text
     assert "random 0.1 split of the training data" in card.text
     assert "- precision: bf16" in card.text and "- training data: 360 clips" in card.text
+
+
+def test_a_card_that_cannot_be_made_costs_the_run_nothing(tiny_run_config, monkeypatch, caplog):
+    import whisper_train.training.model_card as card_module
+
+    def broken(spec):
+        raise RuntimeError("unreadable base card")
+
+    monkeypatch.setattr(card_module, "base_license", broken)
+    result = train(tiny_run_config(only_train=True))
+    assert (result.final_dir / "model.safetensors").is_file()
+    assert not (result.final_dir / "README.md").exists()
+    assert "the model card was not written (RuntimeError: unreadable base card)" in caplog.text

@@ -10,11 +10,13 @@ Only numbers the run measured appear: a run that evaluated nothing gets no resul
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Iterable
 from pathlib import Path
 
+import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from whisper_train import runfolder
@@ -24,6 +26,8 @@ from whisper_train.errors import UserError
 from whisper_train.formats import packaged
 from whisper_train.models import could_be_hub_id, folder_is_multilingual, model_folder
 from whisper_train.runlog import TrainResult, read_result
+
+log = logging.getLogger(__name__)
 
 CARD_FILE = "README.md"
 TASK = "automatic-speech-recognition"
@@ -71,7 +75,7 @@ def base_license(spec: str) -> str | None:
         return None
     try:
         license = ModelCard.load(readme, ignore_metadata_errors=True).data.license
-    except (ValueError, OSError):
+    except (ValueError, OSError, yaml.YAMLError):
         return None
     return license if isinstance(license, str) else None
 
@@ -122,11 +126,26 @@ def run_card(
     train_examples: Iterable[Example] = (),
     *,
     note: str = "",
-) -> str:
+) -> str | None:
     """README.md of a run's final/: `config` is the run's (its options are what the card
     describes), `result` what it measured (None: not known, so no results), `precision` the
     one it resolved (None: the configured one), `train_examples` the rows it trained on (their
-    languages), `note` a closing paragraph."""
+    languages), `note` a closing paragraph. None, said in a warning, if the card cannot be
+    made: a card is no reason to lose the model a run trained."""
+    try:
+        return _run_card(config, result, precision, train_examples, note)
+    except Exception as exc:  # anything: final/ is written without its card
+        log.warning("the model card was not written (%s: %s)", type(exc).__name__, exc)
+        return None
+
+
+def _run_card(
+    config: RunConfig,
+    result: TrainResult | None,
+    precision: str | None,
+    train_examples: Iterable[Example],
+    note: str,
+) -> str:
     spec = config.model.model
     name = Path(config.train.output_dir).name or "whisper-train-model"
     rows = _final_rows(result)
@@ -320,10 +339,13 @@ def _training_section(
 # -- the card of an export -------------------------------------------------------------------
 
 
-def export_card(model_spec: str, *, output: Path, quantization: str, merged_lora: bool) -> str:
+def export_card(
+    model_spec: str, *, output: Path, quantization: str, merged_lora: bool
+) -> str | None:
     """README.md of an `export --format hf` folder: the source's whisper-train card, else one
     made from its run's files (whisper-train.yaml, result.json), else a card of the base model
-    with no results; each ends by saying what the export did."""
+    with no results; each ends by saying what the export did. None (a warning) if a run's
+    card cannot be made again."""
     folder = model_folder(model_spec)
     note = (
         f"This folder is `whisper-train export --format hf` of that model in {quantization}"
@@ -331,17 +353,21 @@ def export_card(model_spec: str, *, output: Path, quantization: str, merged_lora
         + ": the figures above were measured before the export."
     )
     source_card = folder / CARD_FILE
-    if source_card.is_file():
-        card = ModelCard.load(source_card, ignore_metadata_errors=True)
-        if "whisper-train" in (card.data.tags or []):
-            card.text = card.text.rstrip("\n") + f"\n\n{note}\n"
-            return str(card)
+    card = None
+    if source_card.is_file():  # (load() of a path that is no file asks the Hub)
+        try:
+            card = ModelCard.load(source_card, ignore_metadata_errors=True)
+        except (ValueError, OSError, yaml.YAMLError):  # not a card: one is made below
+            card = None
+    if card is not None and "whisper-train" in (card.data.tags or []):
+        card.text = card.text.rstrip("\n") + f"\n\n{note}\n"
+        return str(card)
     config_file = folder / runfolder.CONFIG_FILE
     if config_file.is_file():
         try:
             config = RunConfig()
             config.update(read_yaml(config_file.read_text(encoding="utf-8")) or {})
-        except (UserError, ValueError, AttributeError):
+        except (UserError, ValueError, AttributeError, yaml.YAMLError):
             config = None
         if config is not None:
             return run_card(config, _run_result(folder), note=note)

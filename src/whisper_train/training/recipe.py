@@ -67,7 +67,7 @@ from whisper_train.runlog import (
     step_line,
     write_result,
 )
-from whisper_train.training import checkpoints
+from whisper_train.training import checkpoints, model_card
 from whisper_train.training.datasets import Datasets, prepare_datasets
 from whisper_train.training.encoder_cache import CachedClip, EncoderCache, EncoderCacheCollator
 from whisper_train.training.encoder_cache import cache_dir as encoder_cache_dir
@@ -914,6 +914,7 @@ class FineTuneRecipe:
                 self.output_dir / runfolder.FINAL_DIR,
                 pin_language=c.data.pin_language,
                 config_yaml=c.to_saved_yaml(),
+                card=model_card.run_card(c, result, self.precision.name, self.datasets.train),
             )
             write_result(result)
             write_curves_png(

@@ -67,6 +67,7 @@ from whisper_train.runlog import (
     step_line,
     write_result,
 )
+from whisper_train.trackers import Trackers, accelerate_trackers
 from whisper_train.training import checkpoints, model_card
 from whisper_train.training.datasets import Datasets, prepare_datasets
 from whisper_train.training.encoder_cache import CachedClip, EncoderCache, EncoderCacheCollator
@@ -162,6 +163,7 @@ class FineTuneRecipe:
             # Without a GPU, processes started by a launcher talk through gloo on the CPU;
             # accelerate does that only when told the run is on the CPU.
             cpu=inside_launcher() and not torch.cuda.is_available(),
+            log_with=accelerate_trackers(t.report_to) or None,  # started by the run log
         )
         if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
             raise UserError(
@@ -543,6 +545,9 @@ class FineTuneRecipe:
             self.output_dir,
             enabled=main,
             purge_step=None if self.resume_from is None else self.state.step + 1,
+            trackers=Trackers(
+                accelerator, self.config.train.report_to, self.config.to_saved_yaml()
+            ),
         )
         # A bar only on a terminal: in a log file its \r redraws pile up into one unreadable
         # line. Elsewhere every --logging-steps steps get one plain line instead.

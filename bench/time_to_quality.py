@@ -34,7 +34,8 @@ reference is the rate with the lower final held-out WER (mean over seeds).
 Targets (bench/quality.py's sets): real = AN4 train (30 clips) / AN4 test / LJ Speech guard
 (../shared/realspeech, or $WHISPER_TRAIN_REALSPEECH); synth = the demo's espeak-ng sets, 128
 training sentences, 32 held-out (other voices and words), 32 guard. --smoke: 8 training clips,
-4 clips a scored set, a 2-step Trainer run: checks the script in a few minutes.
+4 clips a scored set, batches of 4, a 2-step Trainer run: checks the script in minutes. A point's model
+folder is deleted once scored (--keep-models keeps them).
 """
 
 from __future__ import annotations
@@ -45,18 +46,19 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_LR = {"full": 1e-5, "lora": 3e-4}  # whisper-train's defaults (config/options.py)
+# whisper-train's LoRA defaults (--lora-r, --lora-alpha, --lora-dropout, --lora-targets)
 LORA = {"r": 32, "lora_alpha": 64, "lora_dropout": 0.05, "target_modules": ["q_proj", "v_proj"]}
 
 
@@ -79,7 +81,7 @@ def clock() -> float:
     return time.perf_counter()
 
 
-# -- data and model (parent process) ------------------------------------------------------------
+# -- data and models ------------------------------------------------------------------------------
 
 
 def make_sets(target: str, folder: Path, smoke: bool) -> dict[str, Path]:
@@ -101,6 +103,12 @@ def make_sets(target: str, folder: Path, smoke: bool) -> dict[str, Path]:
         folder, train_utterances=8, eval_utterances=4, guard_utterances=4, seed=0
     )
     return {"train": dirs["train"], "target": dirs["held-out"], "guard": dirs["guard"]}
+
+
+def examples_of(path: Path | str, limit: int | None = None) -> list:
+    from whisper_train.data.layouts import load_examples
+
+    return load_examples(str(path))[:limit]
 
 
 def save_base_model(spec: str, folder: Path) -> Path:
@@ -125,12 +133,68 @@ def save_point(model, processor, folder: Path) -> None:
     save_model_folder(whole, processor, folder)
 
 
-# -- workers (one process a run) --------------------------------------------------------------------
+class Marks:
+    """Training seconds at the marked steps: wall time since `start`, less the time spent
+    saving the model there (into OUT/step-N; `out` None: only timed)."""
+
+    def __init__(self, steps: list[int], out: str | None, processor):
+        self.steps, self.out, self.processor = set(steps), out, processor
+        self.points: list[dict] = []
+
+    def start(self) -> None:
+        self.started, self.excluded = clock(), 0.0
+
+    def reached(self, step: int, model) -> None:
+        """`model`: a callable that returns the model to save (called only at a mark)."""
+        if step not in self.steps:
+            return
+        now = clock()
+        point = {"step": step, "seconds": now - self.started - self.excluded}
+        if self.out:
+            point["model"] = str(Path(self.out) / f"step-{step}")
+            save_point(model(), self.processor, Path(point["model"]))
+        self.points.append(point)
+        self.excluded += clock() - now
+
+
+# -- workers (one process a run) ----------------------------------------------------------------
+
+
+def blog_dataset(processor, examples) -> list[dict]:
+    """The blog's prepare_dataset, from a list (datasets.Audio needs torchcodec, absent here):
+    log-mel features and label ids per clip, read with whisper-train's audio reader."""
+    import numpy as np
+
+    from whisper_train.audio import load_audio
+
+    rows = []
+    for example in examples:
+        audio = load_audio(example.audio, start=example.start, end=example.end)
+        features = processor.feature_extractor(np.asarray(audio), sampling_rate=16_000)
+        labels = processor.tokenizer(example.text).input_ids
+        rows.append({"input_features": features.input_features[0], "labels": labels})
+    return rows
+
+
+def blog_collator(processor, start_token: int):
+    def collate(rows):  # the blog's data collator: pad features and labels separately
+        batch = processor.feature_extractor.pad(
+            [{"input_features": r["input_features"]} for r in rows], return_tensors="pt"
+        )
+        padded = processor.tokenizer.pad(
+            [{"input_ids": r["labels"]} for r in rows], return_tensors="pt"
+        )
+        labels = padded["input_ids"].masked_fill(padded.attention_mask.ne(1), -100)
+        if (labels[:, 0] == start_token).all():
+            labels = labels[:, 1:]  # the model prepends the start token itself
+        batch["labels"] = labels
+        return batch
+
+    return collate
 
 
 def trainer_worker(spec: dict) -> dict:
     """The blog recipe for spec["steps"] steps, saving at spec["marks"]."""
-    import numpy as np
     import torch
     from transformers import (
         Seq2SeqTrainer,
@@ -140,61 +204,26 @@ def trainer_worker(spec: dict) -> dict:
         WhisperProcessor,
     )
 
-    from whisper_train.audio import load_audio
-    from whisper_train.data.layouts import load_examples
-
     processor = WhisperProcessor.from_pretrained(spec["model_dir"])
     model = WhisperForConditionalGeneration.from_pretrained(spec["model_dir"])
     model.model.encoder.embed_positions.requires_grad_(False)  # fixed sinusoids, as whisper-train
     model.config.use_cache = False
+    start_token = model.config.decoder_start_token_id
     if spec["mode"] == "lora":
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(**LORA))
-    examples = load_examples(spec["train"])[: spec["train_clips"]]
     started = clock()
-    dataset = []  # the blog's prepare_dataset, from a list (no torchcodec for datasets.Audio)
-    for example in examples:
-        audio = load_audio(example.audio, start=example.start, end=example.end)
-        features = processor.feature_extractor(np.asarray(audio), sampling_rate=16_000)
-        labels = processor.tokenizer(example.text).input_ids
-        dataset.append({"input_features": features.input_features[0], "labels": labels})
+    dataset = blog_dataset(processor, examples_of(spec["train"], spec["train_clips"]))
     features_seconds = clock() - started
+    marks = Marks(spec["marks"], spec["out"], processor)
 
-    def collate(rows):  # the blog's data collator: pad features and labels separately
-        batch = processor.feature_extractor.pad(
-            [{"input_features": r["input_features"]} for r in rows], return_tensors="pt"
-        )
-        padded = processor.tokenizer.pad(
-            [{"input_ids": r["labels"]} for r in rows], return_tensors="pt"
-        )
-        labels = padded["input_ids"].masked_fill(padded.attention_mask.ne(1), -100)
-        if (labels[:, 0] == model.config.decoder_start_token_id).all():
-            labels = labels[:, 1:]  # the model prepends the start token itself
-        batch["labels"] = labels
-        return batch
-
-    points: list[dict] = []
-    marks = set(spec["marks"])
-
-    class SaveAtMarks(TrainerCallback):
+    class AtMarks(TrainerCallback):
         def on_train_begin(self, *_, **__):
-            self.start, self.excluded = clock(), 0.0
+            marks.start()
 
         def on_step_end(self, _args, state, _control, model=None, **__):
-            if state.global_step not in marks:
-                return
-            now = clock()
-            folder = Path(spec["out"]) / f"step-{state.global_step}"
-            save_point(model, processor, folder)
-            points.append(
-                {
-                    "step": state.global_step,
-                    "seconds": now - self.start - self.excluded,
-                    "model": str(folder),
-                }
-            )
-            self.excluded += clock() - now
+            marks.reached(state.global_step, lambda: model)
 
     on_cuda = torch.cuda.is_available()
     arguments = Seq2SeqTrainingArguments(
@@ -204,7 +233,7 @@ def trainer_worker(spec: dict) -> dict:
         max_steps=spec["steps"],
         lr_scheduler_type="linear",
         warmup_steps=0,
-        gradient_checkpointing=on_cuda,
+        gradient_checkpointing=on_cuda,  # whisper-train's default: full on a GPU, off on a CPU
         gradient_checkpointing_kwargs={"use_reentrant": False},
         bf16=on_cuda,
         eval_strategy="no",
@@ -218,67 +247,54 @@ def trainer_worker(spec: dict) -> dict:
         use_cpu=not on_cuda,
         disable_tqdm=True,
     )
-    trainer = Seq2SeqTrainer(
-        model=model,
-        args=arguments,
-        train_dataset=dataset,
-        data_collator=collate,
-        callbacks=[SaveAtMarks()],
-    )
+    collate = blog_collator(processor, start_token)
+    trainer = Seq2SeqTrainer(model=model, args=arguments, train_dataset=dataset,
+                             data_collator=collate, callbacks=[AtMarks()])  # fmt: skip
     trainer.train()
-    epoch = next(p["seconds"] for p in points if p["step"] == spec["epoch_step"])
-    return {"points": points, "epoch_seconds": epoch, "features_seconds": features_seconds}
+    epoch = next(p for p in marks.points if p["step"] == spec["epoch_step"])
+    return {
+        "points": marks.points,
+        "epoch_step": epoch["step"],
+        "epoch_seconds": epoch["seconds"],
+        "features_seconds": features_seconds,
+    }
 
 
 def whisper_train_worker(spec: dict) -> dict:
-    """`whisper-train train` in this process, with its loop's steps timed (FineTuneRecipe's
-    train and _after_step wrapped) and the model saved at spec["marks"] (spec["save"] False:
-    only timed, the calibration run)."""
+    """`whisper-train train` (its CLI) in this process, its loop timed by wrapping
+    FineTuneRecipe.train and ._after_step, the model saved at spec["marks"] (spec["save"]
+    False: only timed, the calibration run)."""
     from transformers import WhisperProcessor
 
     from whisper_train.cli import main as whisper_train_main
     from whisper_train.training.recipe import FineTuneRecipe
 
     processor = WhisperProcessor.from_pretrained(spec["model_dir"])
-    marks, points = set(spec["marks"]), []
+    marks = Marks(spec["marks"], spec["out"] if spec["save"] else None, processor)
     train, after_step = FineTuneRecipe.train, FineTuneRecipe._after_step
-    timer = {"start": 0.0, "excluded": 0.0}
 
     def timed_train(recipe):
-        timer["start"] = clock()
+        marks.start()  # the loop's own clock starts here too, after the setup
         return train(recipe)
 
     def timed_after_step(recipe, step):
-        after_step(recipe, step)  # its logging and checks are the loop's cost (--only-train)
-        if recipe.state.step not in marks:
-            return
-        now = clock()
-        point = {"step": recipe.state.step, "seconds": now - timer["start"] - timer["excluded"]}
-        if spec["save"]:
-            point["model"] = str(Path(spec["out"]) / f"step-{recipe.state.step}")
-            save_point(recipe._whole_model(), processor, Path(point["model"]))
-        points.append(point)
-        timer["excluded"] += clock() - now
+        after_step(recipe, step)  # its logging and checks are the loop's (--only-train: no eval)
+        marks.reached(recipe.state.step, recipe._whole_model)
 
     FineTuneRecipe.train, FineTuneRecipe._after_step = timed_train, timed_after_step
-    code = whisper_train_main(["train", *spec["argv"]])
-    if code:
+    if code := whisper_train_main(["train", *spec["argv"]]):
         raise SystemExit(f"whisper-train train exited {code}")
-    return {"points": points}
+    return {"points": marks.points}
 
 
 def launch(spec: dict, folder: Path) -> dict:
-    """Run a worker in its own process; its result."""
+    """Run a worker in its own process (its output in FOLDER/worker.log); its result."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "spec.json").write_text(json.dumps(spec, indent=1))
     log = folder / "worker.log"
     with log.open("w") as stream:
-        done = subprocess.run(
-            [sys.executable, __file__, "--worker", str(folder / "spec.json")],
-            stdout=stream,
-            stderr=subprocess.STDOUT,
-            check=False,
-        )
+        command = [sys.executable, __file__, "--worker", str(folder / "spec.json")]
+        done = subprocess.run(command, stdout=stream, stderr=subprocess.STDOUT, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{spec['system']} failed ({log}):\n{log.read_text()[-3000:]}")
     return json.loads((folder / "result.json").read_text())
@@ -288,126 +304,100 @@ def evenly(steps: int, points: int) -> list[int]:
     return sorted({max(1, round(steps * i / points)) for i in range(1, points + 1)})
 
 
-# -- the runs (parent process) ----------------------------------------------------------------------
-
-
-@dataclass
-class Variant:
-    name: str
-    flags: list[str]
-
-    @classmethod
-    def parse(cls, text: str) -> Variant:
-        name, _, flags = text.partition("=")
-        return cls(name.strip(), shlex.split(flags))
+# -- the runs (parent process) ------------------------------------------------------------------
 
 
 def run_trainer(args, sets, model_dir: Path) -> list[dict]:
-    n_train = len(_examples(sets["train"], args.train_clips))
-    epoch_steps = -(-n_train // args.batch_size)
+    """The Trainer for --budget-factor epochs, per learning rate and seed."""
+    epoch_steps = -(-len(examples_of(sets["train"], args.train_clips)) // args.batch_size)
     steps = max(1, round(args.budget_factor * epoch_steps))
-    marks = sorted({*evenly(steps, args.points), min(epoch_steps, steps)})
+    epoch_step = min(epoch_steps, steps)
     runs = []
     for lr in args.trainer_learning_rates or [args.learning_rate]:
         for seed in args.seeds:
             name = f"trainer-lr{lr:g}-seed{seed}"
             spec = {
-                "system": "trainer",
-                "model_dir": str(model_dir),
-                "mode": args.mode,
-                "train": str(sets["train"]),
-                "train_clips": args.train_clips,
-                "batch_size": args.batch_size,
-                "learning_rate": lr,
-                "seed": seed,
-                "steps": steps,
-                "marks": marks,
-                "epoch_step": min(epoch_steps, steps),
-                "out": str(args.work_dir / name),
-            }
+                "system": "trainer", "model_dir": str(model_dir), "mode": args.mode,
+                "train": str(sets["train"]), "train_clips": args.train_clips,
+                "batch_size": args.batch_size, "learning_rate": lr, "seed": seed, "steps": steps,
+                "marks": sorted({*evenly(steps, args.points), epoch_step}),
+                "epoch_step": epoch_step, "out": str(args.work_dir / name),
+            }  # fmt: skip
             result = launch(spec, args.work_dir / name)
             runs.append({"system": "trainer", "variant": "blog", "lr": lr, "seed": seed, **result})
-            print(f"  {name}: {_progress(result)}", flush=True)
+            print(f"  {name}: {progress(result)}", flush=True)
     return runs
 
 
 def whisper_train_spec(args, sets, model_dir, variant, seed, steps, marks, out) -> dict:
-    """A whisper-train worker's run: the variant's flags last (they win); saves only at `marks`
-    when `out` is not a calibration run's folder."""
+    """A whisper-train worker's run: the variant's flags last (they win); saves at `marks`
+    unless `out` is a calibration run's folder."""
     argv = [
         "--model", str(model_dir), "--data", str(sets["train"]), "--mode", args.mode,
         "--learning-rate", str(args.learning_rate), "--batch-size", str(args.batch_size),
         "--seed", str(seed), "--max-steps", str(steps), "--only-train",
         "--output-dir", str(out / "run"), "--overwrite",
         *(["--train-subset", str(args.train_clips)] if args.train_clips else []),
-        *variant.flags,
+        *variant[1],
     ]  # fmt: skip
     save = not out.name.endswith("-calibration")
-    return {"system": "whisper-train", "model_dir": str(model_dir), "argv": argv, "marks": marks,
-            "save": save, "out": str(out)}  # fmt: skip
+    return {"system": "whisper-train", "model_dir": str(model_dir), "argv": argv,
+            "marks": marks, "save": save, "out": str(out)}  # fmt: skip
 
 
-def run_whisper_train(args, sets, model_dir: Path, variant: Variant, budget: float) -> list[dict]:
+def run_whisper_train(args, sets, model_dir: Path, variant, budget: float) -> list[dict]:
     """Per seed: a calibration run (seconds a step), then the steps that fill `budget`."""
-    runs = []
+    (label, flags), runs = variant, []
     for seed in args.seeds:
-        name, steps = f"wt-{variant.name}-seed{seed}", args.calibration_steps
+        name, steps = f"wt-{label}-seed{seed}", args.calibration_steps
         out = args.work_dir / f"{name}-calibration"
-        spec = whisper_train_spec(
-            args, sets, model_dir, variant, seed, steps, [*range(1, steps + 1)], out
-        )
-        seconds = [p["seconds"] for p in launch(spec, out)["points"]]
-        # the first step carries one-off costs (allocation, the first batch): left out
+        marks = list(range(1, steps + 1))
+        seconds = [p["seconds"] for p in launch(whisper_train_spec(
+            args, sets, model_dir, variant, seed, steps, marks, out), out)["points"]]  # fmt: skip
+        # seconds a step after the first, whose one-off costs (allocation) the run pays once
         per_step = (seconds[-1] - seconds[0]) / max(1, len(seconds) - 1) or seconds[0]
-        steps = max(args.points, round(budget / per_step))
-        steps = min(steps, 4) if args.smoke else steps
-        out = args.work_dir / name
-        spec = whisper_train_spec(
-            args, sets, model_dir, variant, seed, steps, evenly(steps, args.points), out
+        steps = max(args.points, round((budget - seconds[0]) / per_step) + 1)
+        steps = min(steps, 3) if args.smoke else steps
+        out, marks = args.work_dir / name, evenly(steps, args.points)
+        result = launch(whisper_train_spec(
+            args, sets, model_dir, variant, seed, steps, marks, out), out)  # fmt: skip
+        if not args.keep_models:
+            shutil.rmtree(out / "run" / "final", ignore_errors=True)
+        lr = (
+            float(flags[flags.index("--learning-rate") + 1])
+            if "--learning-rate" in flags
+            else args.learning_rate
         )
-        result = launch(spec, out)
-        lr = float(_flag(variant.flags, "--learning-rate") or args.learning_rate)
-        runs.append({"system": "whisper-train", "variant": variant.name, "flags": variant.flags,
-                     "lr": lr, "seed": seed, "calibrated_s_per_step": per_step, **result})  # fmt: skip
-        print(f"  {name}: {per_step:.2f} s/step calibrated, {steps} steps; {_progress(result)}")
+        runs.append({"system": "whisper-train", "variant": label, "flags": flags, "lr": lr,
+                     "seed": seed, "calibrated_s_per_step": per_step, **result})  # fmt: skip
+        print(f"  {name}: {per_step:.2f} s/step calibrated; {progress(result)}", flush=True)
     return runs
 
 
-def _flag(flags: list[str], name: str) -> str | None:
-    return flags[flags.index(name) + 1] if name in flags[:-1] else None
-
-
-def _progress(result: dict) -> str:
+def progress(result: dict) -> str:
     return ", ".join(f"step {p['step']} at {p['seconds']:.1f} s" for p in result["points"])
 
 
-def _examples(path: Path, limit: int | None) -> list:
-    from whisper_train.data.layouts import load_examples
-
-    examples = load_examples(str(path))
-    return examples[:limit] if limit else examples
+# -- scoring (parent process, after every run) --------------------------------------------------
 
 
-# -- scoring (parent process, after every run) ---------------------------------------------------
-
-
-def score_all(runs: list[dict], sets, model_dir: Path, eval_clips: int | None) -> dict:
-    """Held-out and guard WER of every saved point (and of the starting model: returned)."""
+def score_all(runs: list[dict], sets, model_dir: Path, eval_clips: int | None, keep: bool):
+    """Held-out and guard WER of every saved point, and of the starting model (returned as
+    the point 0 of every curve); a point's model folder is deleted once scored unless `keep`."""
     import torch
+    from transformers.utils import logging as transformers_logging
 
     from whisper_train.decoding import DecodingOptions
     from whisper_train.evaluation.evaluate import evaluate_examples
     from whisper_train.models import load_model
 
-    scored = {
-        "held_out": _examples(sets["target"], eval_clips),
-        "guard": _examples(sets["guard"], eval_clips),
-    }
+    transformers_logging.disable_progress_bar()
+    scored = {name: examples_of(sets[key], eval_clips) for name, key in
+              (("held_out", "target"), ("guard", "guard"))}  # fmt: skip
 
     def score(folder: str) -> dict:
         model, processor = load_model(folder)
-        if torch.cuda.is_available():
-            model = model.to("cuda")
+        model = model.to("cuda") if torch.cuda.is_available() else model
         model.eval()
         return {
             f"{name}_wer": evaluate_examples(
@@ -416,139 +406,144 @@ def score_all(runs: list[dict], sets, model_dir: Path, eval_clips: int | None) -
             for name, examples in scored.items()
         }
 
-    base = {"step": 0, "seconds": 0.0, "model": str(model_dir), **score(str(model_dir))}
-    print(f"  starting model: {_wers(base)}", flush=True)
+    base = {"step": 0, "seconds": 0.0, **score(str(model_dir))}
+    print(f"  starting model: {wers(base)}", flush=True)
     for run in runs:
         for point in run["points"]:
             point.update(score(point["model"]))
-        print(f"  {run['system']} {run['variant']} seed {run['seed']}: "
-              + "; ".join(f"{p['seconds']:.0f} s {_wers(p)}" for p in run["points"]), flush=True)  # fmt: skip
+            if not keep:
+                shutil.rmtree(point.pop("model"))
+        summary = "; ".join(f"{p['seconds']:.0f} s {wers(p)}" for p in run["points"])
+        print(f"  {run['system']} {run['variant']} seed {run['seed']}: {summary}", flush=True)
     return base
 
 
-def _wers(point: dict) -> str:
+def wers(point: dict) -> str:
     return f"held-out {100 * point['held_out_wer']:.1f}, guard {100 * point['guard_wer']:.1f}"
 
 
-# -- the summary ----------------------------------------------------------------------------------
+# -- the summary --------------------------------------------------------------------------------
 
 
 def value_at(curve: list[tuple[float, float]], seconds: float) -> float | None:
     """Linear interpolation of (seconds, wer) at `seconds`; None past the curve's end."""
     for (t0, w0), (t1, w1) in zip(curve, curve[1:], strict=False):
         if t0 <= seconds <= t1:
-            return w0 + (w1 - w0) * (seconds - t0) / (t1 - t0) if t1 > t0 else w1
+            return w1 if t1 == t0 else w0 + (w1 - w0) * (seconds - t0) / (t1 - t0)
     return None
 
 
 def time_to(curve: list[tuple[float, float]], wer: float) -> float | None:
-    """The first time the interpolated curve reaches `wer` or lower; None if it never does."""
+    """The first time the interpolated curve is at `wer` or lower; None if it never is."""
+    if curve[0][1] <= wer:
+        return curve[0][0]
     for (t0, w0), (t1, w1) in zip(curve, curve[1:], strict=False):
-        if w1 <= wer:
-            return t1 if w0 <= wer or w0 == w1 else t0 + (t1 - t0) * (w0 - wer) / (w0 - w1)
+        if w1 <= wer:  # and w0 > wer: it crossed in between
+            return t0 + (t1 - t0) * (w0 - wer) / (w0 - w1)
     return None
 
 
-def groups(runs: list[dict]) -> dict[tuple, list[dict]]:
-    out: dict[tuple, list[dict]] = {}
-    for run in runs:
-        out.setdefault((run["system"], run["variant"], run["lr"]), []).append(run)
-    return out
-
-
 def summarise(runs: list[dict], base: dict) -> tuple[list[dict], dict]:
-    """Per (system, variant, lr): the mean over seeds of WER at the Trainer's one-epoch time
-    and of the seconds to the Trainer's one-epoch and final held-out WER."""
+    """Per (system, variant, lr): means over seeds of the WER at the Trainer's one-epoch time,
+    of the seconds to the Trainer's one-epoch and final held-out WER, and of the final point."""
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        groups.setdefault((run["system"], run["variant"], run["lr"]), []).append(run)
 
     def curve(run, key):
         return [(0.0, base[key])] + [(p["seconds"], p[key]) for p in run["points"]]
 
-    trainers = {k: v for k, v in groups(runs).items() if k[0] == "trainer"}
-    best = min(
-        trainers,
-        key=lambda k: statistics.mean(r["points"][-1]["held_out_wer"] for r in trainers[k]),
-    )
-    epoch_s = statistics.mean(r["epoch_seconds"] for r in trainers[best])
-    reference = {
-        "trainer_lr": best[2],
-        "epoch_seconds": epoch_s,
-        "epoch_wer": statistics.mean(value_at(curve(r, "held_out_wer"), epoch_s) or r["points"][-1]["held_out_wer"] for r in trainers[best]),
-        "final_wer": statistics.mean(r["points"][-1]["held_out_wer"] for r in trainers[best]),
-    }  # fmt: skip
-
-    def mean_or_none(values):
+    def mean(values):  # None when any seed's curve does not get there
+        values = list(values)
         return None if any(v is None for v in values) else statistics.mean(values)
 
+    trainers = {key: group for key, group in groups.items() if key[0] == "trainer"}
+    best = min(trainers.values(), key=lambda g: mean(r["points"][-1]["held_out_wer"] for r in g))
+    reference = {
+        "trainer_lr": best[0]["lr"],
+        "epoch_seconds": mean(r["epoch_seconds"] for r in best),
+        "epoch_wer": mean(
+            next(p["held_out_wer"] for p in r["points"] if p["step"] == r["epoch_step"])
+            for r in best
+        ),  # fmt: skip
+        "final_wer": mean(r["points"][-1]["held_out_wer"] for r in best),
+        "features_seconds": mean(r["features_seconds"] for r in best),
+    }
+    epoch_s, epoch_wer, final_wer = (
+        reference[k] for k in ("epoch_seconds", "epoch_wer", "final_wer")
+    )
     rows = []
-    for (system, variant, lr), members in groups(runs).items():
+    for (system, variant, lr), group in groups.items():
         rows.append({
-            "system": system, "variant": variant, "lr": lr, "seeds": len(members),
-            "held_out_at_epoch": mean_or_none([value_at(curve(r, "held_out_wer"), epoch_s) for r in members]),
-            "guard_at_epoch": mean_or_none([value_at(curve(r, "guard_wer"), epoch_s) for r in members]),
-            "s_to_epoch_wer": mean_or_none([time_to(curve(r, "held_out_wer"), reference["epoch_wer"]) for r in members]),
-            "s_to_final_wer": mean_or_none([time_to(curve(r, "held_out_wer"), reference["final_wer"]) for r in members]),
-            "final_held_out": statistics.mean(r["points"][-1]["held_out_wer"] for r in members),
-            "final_guard": statistics.mean(r["points"][-1]["guard_wer"] for r in members),
-            "final_seconds": statistics.mean(r["points"][-1]["seconds"] for r in members),
+            "system": system, "variant": variant, "lr": lr, "seeds": len(group),
+            "held_out_at_epoch": mean(value_at(curve(r, "held_out_wer"), epoch_s) for r in group),
+            "guard_at_epoch": mean(value_at(curve(r, "guard_wer"), epoch_s) for r in group),
+            "s_to_epoch_wer": mean(time_to(curve(r, "held_out_wer"), epoch_wer) for r in group),
+            "s_to_final_wer": mean(time_to(curve(r, "held_out_wer"), final_wer) for r in group),
+            "final_held_out": mean(r["points"][-1]["held_out_wer"] for r in group),
+            "final_guard": mean(r["points"][-1]["guard_wer"] for r in group),
+            "final_seconds": mean(r["points"][-1]["seconds"] for r in group),
         })  # fmt: skip
     return rows, reference
 
 
-def print_tables(runs: list[dict], base: dict, rows: list[dict], reference: dict) -> None:
-    def pct(value, missing="beyond"):
-        return missing if value is None else f"{100 * value:.1f}"
+def pct(value: float | None) -> str:
+    return "beyond its run" if value is None else f"{100 * value:.1f}"
 
+
+def print_tables(runs: list[dict], base: dict, rows: list[dict], reference: dict) -> None:
     print("\n| system | variant | lr | seed | step | train s | held-out WER | guard WER |")
     print("|---|---|---|---|---:|---:|---:|---:|")
     print(
         f"| starting model | | | | 0 | 0 | {pct(base['held_out_wer'])} | {pct(base['guard_wer'])} |"
     )
-    for run in runs:
-        for p in run["points"]:
-            print(f"| {run['system']} | {run['variant']} | {run['lr']:g} | {run['seed']} | {p['step']} "
-                  f"| {p['seconds']:.1f} | {pct(p['held_out_wer'])} | {pct(p['guard_wer'])} |")  # fmt: skip
+    for r in runs:
+        for p in r["points"]:
+            print(f"| {r['system']} | {r['variant']} | {r['lr']:g} | {r['seed']} | {p['step']} "
+                  f"| {p['seconds']:.1f} | {pct(p['held_out_wer'])} "
+                  f"| {pct(p['guard_wer'])} |")  # fmt: skip
     print(
-        f"\nTrainer reference (lr {reference['trainer_lr']:g}): one epoch = {reference['epoch_seconds']:.1f} s "
-        f"of training, held-out WER {pct(reference['epoch_wer'])} there, {pct(reference['final_wer'])} at "
-        "its end. Values at a time are interpolated linearly between saved points (point 0: the "
-        "starting model at 0 s); means over seeds."
+        f"\nThe Trainer (lr {reference['trainer_lr']:g}): one epoch in "
+        f"{reference['epoch_seconds']:.1f} training s (its features beforehand, not counted: "
+        f"{reference['features_seconds']:.1f} s), held-out WER {pct(reference['epoch_wer'])} "
+        f"there, {pct(reference['final_wer'])} at its end. Values between saved points are "
+        "interpolated linearly (point 0: the starting model at 0 s); means over seeds."
     )
     print(
-        "\n| system | variant | lr | held-out WER at Trainer's epoch time | guard WER there "
-        "| s to Trainer's 1-epoch WER | s to Trainer's final WER | final held-out | final guard | train s |"
+        "\n| system | variant | lr | held-out WER at the Trainer's epoch time | guard WER there "
+        "| s to the Trainer's 1-epoch WER | s to its final WER | final held-out | final guard "
+        "| train s |"
     )
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        reach = [
-            ("not reached" if s is None else f"{s:.0f}")
-            for s in (r["s_to_epoch_wer"], r["s_to_final_wer"])
-        ]
+        reach = ["not reached" if s is None else f"{s:.0f}"
+                 for s in (r["s_to_epoch_wer"], r["s_to_final_wer"])]  # fmt: skip
         print(f"| {r['system']} | {r['variant']} | {r['lr']:g} | {pct(r['held_out_at_epoch'])} "
-              f"| {pct(r['guard_at_epoch'])} | {reach[0]} | {reach[1]} | {pct(r['final_held_out'])} "
-              f"| {pct(r['final_guard'])} | {r['final_seconds']:.0f} |")  # fmt: skip
+              f"| {pct(r['guard_at_epoch'])} | {reach[0]} | {reach[1]} "
+              f"| {pct(r['final_held_out'])} | {pct(r['final_guard'])} "
+              f"| {r['final_seconds']:.0f} |")  # fmt: skip
 
 
 def write_png(runs: list[dict], base: dict, reference: dict, path: Path) -> None:
+    """Held-out WER (solid) and guard WER (dashed) against training seconds, a colour a
+    system; every seed drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(8, 5))
-    colours = {}
+    colours: dict[str, str] = {}
     for run in runs:
         label = f"{run['system']} {run['variant']} lr {run['lr']:g}"
+        first = label not in colours
         colour = colours.setdefault(label, f"C{len(colours)}")
         seconds = [0.0] + [p["seconds"] for p in run["points"]]
         for key, style in (("held_out_wer", "-"), ("guard_wer", "--")):
             wers = [100 * base[key]] + [100 * p[key] for p in run["points"]]
-            first = run["seed"] == runs[0]["seed"] and key == "held_out_wer"
-            axes.plot(
-                seconds, wers, style, marker="o", color=colour, label=label if first else None
-            )
-    axes.axvline(
-        reference["epoch_seconds"], color="grey", linewidth=0.8, label="Trainer: one epoch"
-    )
+            shown = label if first and key == "held_out_wer" else None
+            axes.plot(seconds, wers, style, marker="o", color=colour, label=shown)
+    axes.axvline(reference["epoch_seconds"], color="grey", lw=0.8, label="Trainer: one epoch")
     axes.set_xlabel("training seconds")
     axes.set_ylabel("WER % (held-out solid, guard dashed)")
     axes.legend(fontsize=8)
@@ -557,35 +552,34 @@ def write_png(runs: list[dict], base: dict, reference: dict, path: Path) -> None
     plt.close(figure)
 
 
-# -- main ----------------------------------------------------------------------------------------
+# -- main ---------------------------------------------------------------------------------------
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", choices=("synth", "real"), default="synth")
-    parser.add_argument("--model", default="tiny.en")
-    parser.add_argument("--mode", choices=tuple(DEFAULT_LR), default="full")
-    parser.add_argument("--learning-rate", type=float, help="every system's (default: the mode's)")
-    parser.add_argument(
-        "--trainer-learning-rates", type=float, nargs="+", help="the Trainer's sweep"
-    )
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--batch-size", type=int, default=8, help="clips a step (both systems)")
-    parser.add_argument(
-        "--variant", action="append", default=[], metavar="NAME=FLAGS",
-        help='a whisper-train variant beside its defaults, e.g. "packed=--packing on --batch-size 1"',
-    )  # fmt: skip
-    parser.add_argument("--budget-factor", type=float, default=1.5, help="the Trainer's epochs")
-    parser.add_argument("--points", type=int, default=5, help="saved points a run")
-    parser.add_argument("--calibration-steps", type=int, default=4)
-    parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "wt-ttq")
-    parser.add_argument("--smoke", action="store_true", help="tiny budgets: checks the script")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    add = parser.add_argument
+    add("--target", choices=("synth", "real"), default="synth")
+    add("--model", default="tiny.en")
+    add("--mode", choices=tuple(DEFAULT_LR), default="full")
+    add("--learning-rate", type=float, help="every system's (default: the mode's default)")
+    add("--trainer-learning-rates", type=float, nargs="+", help="the Trainer's sweep")
+    add("--seeds", type=int, nargs="+", default=[0, 1])
+    add("--batch-size", type=int, default=8, help="clips a step (a variant may change its own)")
+    add("--variant", action="append", default=[], metavar="NAME=FLAGS",
+        help="whisper-train with these flags too, e.g. \"packed=--packing on --batch-size 1\"")  # fmt: skip
+    add("--budget-factor", type=float, default=1.5, help="the Trainer's epochs: the budget")
+    add("--points", type=int, default=5, help="saved points a run")
+    add("--calibration-steps", type=int, default=4)
+    add("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "wt-time-to-quality")
+    add("--keep-models", action="store_true", help="keep every point's model folder")
+    add("--smoke", action="store_true", help="tiny budgets: checks the script")
+    add("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.learning_rate = args.learning_rate or DEFAULT_LR[args.mode]
     args.train_clips = args.eval_clips = None
     if args.smoke:
-        args.train_clips, args.eval_clips, args.budget_factor = 8, 4, 2.0
+        # 8 clips in batches of 4: 2 Trainer steps, 2 calibration steps, at most 3 after
+        args.train_clips, args.eval_clips, args.batch_size, args.budget_factor = 8, 4, 4, 1.0
         args.points, args.calibration_steps = min(args.points, 2), 2
     return args
 
@@ -594,46 +588,39 @@ def main() -> None:
     args = parse_args()
     if args.worker:
         spec = json.loads(Path(args.worker).read_text())
-        run = trainer_worker if spec["system"] == "trainer" else whisper_train_worker
-        result = run(spec)
+        worker = trainer_worker if spec["system"] == "trainer" else whisper_train_worker
+        result = worker(spec)
         (Path(args.worker).parent / "result.json").write_text(json.dumps(result, indent=1))
         return
     import torch
 
-    variants = [Variant("default", []), *map(Variant.parse, args.variant)]
+    variants = [("default", [])]
+    variants += [
+        (v.partition("=")[0].strip(), shlex.split(v.partition("=")[2])) for v in args.variant
+    ]
+    smoke = "-smoke" if args.smoke else ""
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    sets = make_sets(
-        args.target,
-        args.work_dir / f"data-{args.target}{'-smoke' if args.smoke else ''}",
-        args.smoke,
-    )
-    model_dir = save_base_model(args.model, args.work_dir / "model")
-    device = (
-        torch.cuda.get_device_name()
-        if torch.cuda.is_available()
-        else f"CPU ({os.cpu_count()} cores)"
-    )
+    sets = make_sets(args.target, args.work_dir / f"data-{args.target}{smoke}", args.smoke)
+    model_dir = save_base_model(args.model, args.work_dir / f"model-{Path(args.model).name}")
+    on_cuda = torch.cuda.is_available()
+    device = torch.cuda.get_device_name() if on_cuda else f"CPU, {os.cpu_count()} cores"
     print(f"command: {shlex.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])}")
-    print(f"machine: {platform.processor() or platform.machine()}, {device}; torch {torch.__version__}; "
-          f"model {args.model}, {args.mode}, lr {args.learning_rate:g}, batch {args.batch_size}", flush=True)  # fmt: skip
+    print(f"machine: {platform.processor() or platform.machine()} ({device}), torch "
+          f"{torch.__version__}; model {args.model}, {args.mode}, lr {args.learning_rate:g}, "
+          f"batch {args.batch_size}", flush=True)  # fmt: skip
     started = time.perf_counter()
     runs = run_trainer(args, sets, model_dir)
     budget = statistics.mean(r["points"][-1]["seconds"] for r in runs)
-    print(
-        f"  budget: {budget:.1f} training seconds (the Trainer's {args.budget_factor:g} epochs)",
-        flush=True,
-    )
+    print(f"  budget: {budget:.1f} training s (the Trainer's {args.budget_factor:g} epochs)")
     for variant in variants:
         runs += run_whisper_train(args, sets, model_dir, variant, budget)
-    base = score_all(runs, sets, model_dir, args.eval_clips)
+    base = score_all(runs, sets, model_dir, args.eval_clips, args.keep_models)
     rows, reference = summarise(runs, base)
     print_tables(runs, base, rows, reference)
-    stem = (
-        args.work_dir / f"time_to_quality-{args.target}-{args.mode}{'-smoke' if args.smoke else ''}"
-    )
-    stem.with_suffix(".json").write_text(json.dumps(
-        {"command": sys.argv, "device": device, "base": base, "reference": reference, "summary": rows,
-         "runs": runs}, indent=1))  # fmt: skip
+    stem = args.work_dir / f"time_to_quality-{args.target}-{args.mode}{smoke}"
+    everything = {"command": sys.argv, "device": device, "torch": torch.__version__,
+                  "base": base, "reference": reference, "summary": rows, "runs": runs}  # fmt: skip
+    stem.with_suffix(".json").write_text(json.dumps(everything, indent=1))
     write_png(runs, base, reference, stem.with_suffix(".png"))
     print(f"\nwrote {stem}.json and .png; {time.perf_counter() - started:.0f} s in all")
 

@@ -36,6 +36,12 @@ Targets (bench/quality.py's sets): real = AN4 train (30 clips) / AN4 test / LJ S
 training sentences, 32 held-out (other voices and words), 32 guard. --smoke: 8 training clips,
 4 clips a scored set, batches of 4, a 2-step Trainer run: checks the script in minutes. A point's model
 folder is deleted once scored (--keep-models keeps them).
+
+On a lent GPU machine (CUDA: bf16, checkpointing, wall time synchronised) the same command runs
+where the model and the sets are there: --model a model folder (tiny.en's weights are not in
+the GPU image, and 150 MB is past what a device call carries), the synth sets as
+WORK/data-synth/ made here (reused, not synthesised again), or for --target real
+$WHISPER_TRAIN_REALSPEECH with AN4 and LJ Speech (bench/gpu_carry.sh copies no LJ Speech).
 """
 
 from __future__ import annotations
@@ -287,6 +293,10 @@ def whisper_train_worker(spec: dict) -> dict:
     return {"points": marks.points}
 
 
+class WorkerFailed(Exception):
+    """A worker process exited with an error (a variant's flags this checkout lacks...)."""
+
+
 def launch(spec: dict, folder: Path) -> dict:
     """Run a worker in its own process (its output in FOLDER/worker.log); its result."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -296,7 +306,7 @@ def launch(spec: dict, folder: Path) -> dict:
         command = [sys.executable, __file__, "--worker", str(folder / "spec.json")]
         done = subprocess.run(command, stdout=stream, stderr=subprocess.STDOUT, check=False)
     if done.returncode != 0:
-        raise SystemExit(f"{spec['system']} failed ({log}):\n{log.read_text()[-3000:]}")
+        raise WorkerFailed(f"{folder.name} failed ({log}):\n{log.read_text()[-2000:]}")
     return json.loads((folder / "result.json").read_text())
 
 
@@ -609,11 +619,17 @@ def main() -> None:
           f"{torch.__version__}; model {args.model}, {args.mode}, lr {args.learning_rate:g}, "
           f"batch {args.batch_size}", flush=True)  # fmt: skip
     started = time.perf_counter()
-    runs = run_trainer(args, sets, model_dir)
+    try:
+        runs = run_trainer(args, sets, model_dir)
+    except WorkerFailed as failure:
+        raise SystemExit(str(failure)) from None
     budget = statistics.mean(r["points"][-1]["seconds"] for r in runs)
     print(f"  budget: {budget:.1f} training s (the Trainer's {args.budget_factor:g} epochs)")
     for variant in variants:
-        runs += run_whisper_train(args, sets, model_dir, variant, budget)
+        try:
+            runs += run_whisper_train(args, sets, model_dir, variant, budget)
+        except WorkerFailed as failure:  # the other variants' runs still count
+            print(f"  variant {variant[0]} left out: {failure}", flush=True)
     base = score_all(runs, sets, model_dir, args.eval_clips, args.keep_models)
     rows, reference = summarise(runs, base)
     print_tables(runs, base, rows, reference)

@@ -34,8 +34,8 @@ reference is the rate with the lower final held-out WER (mean over seeds).
 Targets (bench/quality.py's sets): real = AN4 train (30 clips) / AN4 test / LJ Speech guard
 (../shared/realspeech, or $WHISPER_TRAIN_REALSPEECH); synth = the demo's espeak-ng sets, 128
 training sentences, 32 held-out (other voices and words), 32 guard. --smoke: 8 training clips,
-4 clips a scored set, batches of 4, a 2-step Trainer run: checks the script in minutes. A point's model
-folder is deleted once scored (--keep-models keeps them).
+4 clips a scored set, batches of 4, a 2-step Trainer run: checks the script in minutes. A
+point's model folder is deleted once scored (--keep-models keeps them).
 
 On a lent GPU machine (CUDA: bf16, checkpointing, wall time synchronised) the same command runs
 where the model and the sets are there: --model a model folder (tiny.en's weights are not in
@@ -356,31 +356,29 @@ def whisper_train_spec(args, sets, model_dir, variant, seed, steps, marks, out) 
 
 
 def run_whisper_train(args, sets, model_dir: Path, variant, budget: float) -> list[dict]:
-    """Per seed: a calibration run (seconds a step), then the steps that fill `budget`."""
+    """A calibration run (seconds a step, first seed), then per seed the steps that fill
+    `budget` (the Trainer's training seconds)."""
     (label, flags), runs = variant, []
+    steps, out = args.calibration_steps, args.work_dir / f"wt-{label}-calibration"
+    marks = list(range(1, steps + 1))
+    spec = whisper_train_spec(args, sets, model_dir, variant, args.seeds[0], steps, marks, out)
+    seconds = [point["seconds"] for point in launch(spec, out)["points"]]
+    # seconds a step after the first, whose one-off costs (allocation) a run pays once
+    per_step = (seconds[-1] - seconds[0]) / max(1, len(seconds) - 1) or seconds[0]
+    steps = max(args.points, round((budget - seconds[0]) / per_step) + 1)
+    steps = min(steps, 3) if args.smoke else steps
+    lr = float(flags[flags.index("--learning-rate") + 1]) if "--learning-rate" in flags else None
     for seed in args.seeds:
-        name, steps = f"wt-{label}-seed{seed}", args.calibration_steps
-        out = args.work_dir / f"{name}-calibration"
-        marks = list(range(1, steps + 1))
-        seconds = [p["seconds"] for p in launch(whisper_train_spec(
-            args, sets, model_dir, variant, seed, steps, marks, out), out)["points"]]  # fmt: skip
-        # seconds a step after the first, whose one-off costs (allocation) the run pays once
-        per_step = (seconds[-1] - seconds[0]) / max(1, len(seconds) - 1) or seconds[0]
-        steps = max(args.points, round((budget - seconds[0]) / per_step) + 1)
-        steps = min(steps, 3) if args.smoke else steps
-        out, marks = args.work_dir / name, evenly(steps, args.points)
-        result = launch(whisper_train_spec(
-            args, sets, model_dir, variant, seed, steps, marks, out), out)  # fmt: skip
+        out = args.work_dir / f"wt-{label}-seed{seed}"
+        marks = evenly(steps, args.points)
+        spec = whisper_train_spec(args, sets, model_dir, variant, seed, steps, marks, out)
+        result = launch(spec, out)
         if not args.keep_models:
             shutil.rmtree(out / "run" / "final", ignore_errors=True)
-        lr = (
-            float(flags[flags.index("--learning-rate") + 1])
-            if "--learning-rate" in flags
-            else args.learning_rate
-        )
-        runs.append({"system": "whisper-train", "variant": label, "flags": flags, "lr": lr,
-                     "seed": seed, "calibrated_s_per_step": per_step, **result})  # fmt: skip
-        print(f"  {name}: {per_step:.2f} s/step calibrated; {progress(result)}", flush=True)
+        runs.append({"system": "whisper-train", "variant": label, "flags": flags,
+                     "lr": lr or args.learning_rate, "seed": seed,
+                     "calibrated_s_per_step": per_step, **result})  # fmt: skip
+        print(f"  {out.name}: {per_step:.2f} s/step calibrated; {progress(result)}", flush=True)
     return runs
 
 
@@ -566,7 +564,7 @@ def write_png(runs: list[dict], base: dict, reference: dict, path: Path) -> None
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     add = parser.add_argument
     add("--target", choices=("synth", "real"), default="synth")
     add("--model", default="tiny.en")
@@ -575,8 +573,9 @@ def parse_args() -> argparse.Namespace:
     add("--trainer-learning-rates", type=float, nargs="+", help="the Trainer's sweep")
     add("--seeds", type=int, nargs="+", default=[0, 1])
     add("--batch-size", type=int, default=8, help="clips a step (a variant may change its own)")
+    example = "'packed=--packing on --batch-size 1'"
     add("--variant", action="append", default=[], metavar="NAME=FLAGS",
-        help="whisper-train with these flags too, e.g. \"packed=--packing on --batch-size 1\"")  # fmt: skip
+        help=f"whisper-train with these flags too, e.g. {example}")  # fmt: skip
     add("--budget-factor", type=float, default=1.5, help="the Trainer's epochs: the budget")
     add("--points", type=int, default=5, help="saved points a run")
     add("--calibration-steps", type=int, default=4)

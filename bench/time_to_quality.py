@@ -12,17 +12,20 @@ Systems, each its own process, each starting from the same model folder (--model
                  schedule, no warm-up, batch --batch-size clips; bf16 and non-reentrant
                  checkpointing on CUDA, fp32 and none on a CPU (whisper-train's defaults there).
   whisper-train  `whisper-train train` (its CLI, in-process) with its shipped defaults plus
-                 --learning-rate, --batch-size, --seed, --max-steps and each --variant's own
-                 flags (after the others: they win). `default=` (no flags) always runs.
+                 --learning-rate, --batch-size, --seed, --max-steps, --only-train (nothing
+                 scored while timed) and each --variant's own flags (after the others: they
+                 win). The default (no flags) always runs.
 
 The Trainer runs first, for --budget-factor epochs; its training seconds are the budget. Each
 whisper-train variant is timed for a few steps (a calibration run), then trained for the steps
 that fill the budget (its linear schedule ends there, as the Trainer's does). Both save the
 model (LoRA merged) at --points evenly spaced steps (the Trainer also at its one-epoch step);
 training seconds are wall seconds of the training loop (CUDA synchronised) up to each save,
-less the saves. Every saved model is scored afterwards, outside the timed region, with
-whisper-train's `evaluate_examples` (generate-based WER, temperature fallback, English
-normaliser) on the held-out and the guard set; the starting model is every curve's point 0.
+less the saves (whisper-train's --save-steps checkpoints hold the trained tensors and the
+optimizer, not a model folder: the bench saves both systems' models itself). Every saved
+model is scored afterwards, outside the timed region, with whisper-train's `evaluate_examples`
+(generate-based WER, temperature fallback, English normaliser) on the held-out and the guard
+set; the starting model is every curve's point 0.
 
 Prints a table of every point, then per system: the WER at the Trainer's one-epoch time and
 the seconds to reach the Trainer's WER at one epoch and at its end (linear interpolation
@@ -414,6 +417,7 @@ def score_all(runs: list[dict], sets, model_dir: Path, eval_clips: int | None, k
             for name, examples in scored.items()
         }
 
+    started = time.perf_counter()
     base = {"step": 0, "seconds": 0.0, **score(str(model_dir))}
     print(f"  starting model: {wers(base)}", flush=True)
     for run in runs:
@@ -423,6 +427,8 @@ def score_all(runs: list[dict], sets, model_dir: Path, eval_clips: int | None, k
                 shutil.rmtree(point.pop("model"))
         summary = "; ".join(f"{p['seconds']:.0f} s {wers(p)}" for p in run["points"])
         print(f"  {run['system']} {run['variant']} seed {run['seed']}: {summary}", flush=True)
+    models = 1 + sum(len(run["points"]) for run in runs)
+    print(f"  scored {models} models in {time.perf_counter() - started:.0f} s", flush=True)
     return base
 
 

@@ -486,12 +486,16 @@ def summarise(runs: list[dict], base: dict) -> tuple[list[dict], dict]:
     epoch_s, epoch_wer, final_wer = (
         reference[k] for k in ("epoch_seconds", "epoch_wer", "final_wer")
     )
+
+    def at(run):  # a Trainer run: its own one-epoch point (the mean may lie past a seed's end)
+        return run.get("epoch_seconds", epoch_s)
+
     rows = []
     for (system, variant, lr), group in groups.items():
         rows.append({
             "system": system, "variant": variant, "lr": lr, "seeds": len(group),
-            "held_out_at_epoch": mean(value_at(curve(r, "held_out_wer"), epoch_s) for r in group),
-            "guard_at_epoch": mean(value_at(curve(r, "guard_wer"), epoch_s) for r in group),
+            "held_out_at_epoch": mean(value_at(curve(r, "held_out_wer"), at(r)) for r in group),
+            "guard_at_epoch": mean(value_at(curve(r, "guard_wer"), at(r)) for r in group),
             "s_to_epoch_wer": mean(time_to(curve(r, "held_out_wer"), epoch_wer) for r in group),
             "s_to_final_wer": mean(time_to(curve(r, "held_out_wer"), final_wer) for r in group),
             "final_held_out": mean(r["points"][-1]["held_out_wer"] for r in group),
@@ -521,7 +525,8 @@ def print_tables(runs: list[dict], base: dict, rows: list[dict], reference: dict
         f"{reference['epoch_seconds']:.1f} training s (its features beforehand, not counted: "
         f"{reference['features_seconds']:.1f} s), held-out WER {pct(reference['epoch_wer'])} "
         f"there, {pct(reference['final_wer'])} at its end. Values between saved points are "
-        "interpolated linearly (point 0: the starting model at 0 s); means over seeds."
+        "interpolated linearly (point 0: the starting model at 0 s); means over seeds (a "
+        "Trainer seed's 'at the epoch time' is its own one-epoch point)."
     )
     print(
         "\n| system | variant | lr | held-out WER at the Trainer's epoch time | guard WER there "

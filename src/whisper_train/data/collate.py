@@ -19,6 +19,7 @@ import torch
 
 from whisper_train.data.examples import Skip
 from whisper_train.data.features import LogMel
+from whisper_train.data.labels import decoder_positions
 
 IGNORE_INDEX = -100  # ignored by torch's cross-entropy
 
@@ -58,7 +59,7 @@ class SpeechCollator:
 
     def pad_labels(self, sequences: Sequence[list[int]], n_prefix: Sequence[int]) -> dict:
         """Token sequences → right-padded `decoder_input_ids` and masked `labels`."""
-        width = max(len(tokens) for tokens in sequences) - 1
+        width = max(decoder_positions(len(tokens)) for tokens in sequences)
         decoder_input_ids = torch.full((len(sequences), width), self.pad_token_id, dtype=torch.long)
         labels = torch.full((len(sequences), width), IGNORE_INDEX, dtype=torch.long)
         for row, (tokens, prefix) in enumerate(zip(sequences, n_prefix, strict=True)):

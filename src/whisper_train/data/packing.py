@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from whisper_train.audio import CHUNK_LENGTH, SAMPLE_RATE
+from whisper_train.data.labels import label_positions
 
 # Silence between two clips of a window. 0.3 s: longer than the pause inside a sentence
 # (~0.1-0.2 s), so a clip boundary still sounds like one, and short enough to cost little of
@@ -45,7 +46,7 @@ class ClipSize:
     """What packing needs to know of one clip."""
 
     seconds: float  # audio length (after the worst-case slowing of augmentation)
-    text_tokens: int  # tokens of its transcript alone (no prefix, no <|endoftext|>)
+    text_tokens: int  # its label's body (`labels.body_length`): no prefix, no <|endoftext|>
     language: str | None = None
     whole: bool = False  # a subtitle-cut window: never shares a window
 
@@ -63,23 +64,22 @@ def plan_windows(
 ) -> list[tuple[int, ...]]:
     """The windows of one epoch: tuples of clip indices (in their order in the window).
 
-    A window's decoder positions are `prefix_tokens` + its clips' `text_tokens` (+
-    `timestamp_tokens` per clip: 2 with timestamps) + <|endoftext|> - 1 (the label's first token
-    is read, never predicted), at most `max_tokens`; its audio, the clips plus a gap between
-    each two, at most `max_seconds`. A clip too long for either alone still gets a window of
-    its own (screening has already dropped clips over 30 s and labels over the limit).
+    A window's label, `prefix_tokens` and a body of its clips' `text_tokens` (+
+    `timestamp_tokens` per clip: 2 with timestamps), occupies at most `max_tokens` decoder
+    positions (`labels.label_positions`); its audio, the clips plus a gap between each two, at
+    most `max_seconds`. A clip too long for either alone still gets a window of its own
+    (screening has already dropped clips over 30 s and labels over the limit).
     Every clip is in exactly one window; windows are returned in a seeded random order.
     """
     rng = random.Random(f"{seed}:{epoch}:packing")
     order = list(range(len(clips)))
     rng.shuffle(order)
     windows: list[list[int]] = []
-    # per language: open windows as [clip indices, seconds, decoder positions]
+    # per language: open windows as [clip indices, seconds, tokens of their label's body]
     open_windows: dict[str | None, list[list]] = {}
-    base_positions = prefix_tokens  # prefix + <|endoftext|> - 1
     for index in order:
         clip = clips[index]
-        positions = clip.text_tokens + timestamp_tokens
+        body = clip.text_tokens + timestamp_tokens
         if clip.whole:
             windows.append([index])
             continue
@@ -88,14 +88,14 @@ def plan_windows(
             members, seconds, used = window
             if (
                 seconds + gap_seconds + clip.seconds <= max_seconds
-                and used + positions <= max_tokens
+                and label_positions(prefix_tokens, used + body) <= max_tokens
             ):
                 members.append(index)
                 window[1] = seconds + gap_seconds + clip.seconds
-                window[2] = used + positions
+                window[2] = used + body
                 break
         else:
-            candidates.append([[index], clip.seconds, base_positions + positions])
+            candidates.append([[index], clip.seconds, body])
             if len(candidates) > OPEN_WINDOWS:  # the fullest is closed: least room left
                 fullest = max(range(len(candidates)), key=lambda i: candidates[i][1])
                 windows.append(candidates.pop(fullest)[0])

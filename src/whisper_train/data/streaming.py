@@ -54,6 +54,7 @@ from whisper_train.audio import (
     read_header,
 )
 from whisper_train.data.examples import Example, Skip, decode_skip
+from whisper_train.data.labels import body_length, decoder_positions, label_positions
 from whisper_train.data.layouts import (
     AUDIO_COLUMNS,
     DATASETS_EXTRA,
@@ -431,10 +432,10 @@ class SpeechStream(torch.utils.data.IterableDataset):
                 skipped.append(item)
                 last = (worker, index)
                 continue
-            clip_body = len(item["tokens"]) - item["n_prefix"] - 1 + per_clip
+            clip_body = body_length(len(item["tokens"]), item["n_prefix"]) + per_clip
             if len(window) and (
                 not window.fits(item["audio"])
-                or n_prefix + body + clip_body > self.max_label_tokens
+                or label_positions(n_prefix, body + clip_body) > self.max_label_tokens
                 or item.get("language") != language
             ):
                 yield self._window_item(window, skipped, worker, index - 1, first_row, language)
@@ -495,11 +496,12 @@ class SpeechStream(torch.utils.data.IterableDataset):
             tokens, n_prefix = self.label_encoder.encode(example, rng=rng)
         except UserError as exc:  # a language the model cannot write, for one row
             return Skip(where.origin, "unusable language", str(exc))
-        if len(tokens) - 1 > self.max_label_tokens:
+        positions = decoder_positions(len(tokens))
+        if positions > self.max_label_tokens:
             return Skip(
                 where.origin,
                 f"label longer than {self.max_label_tokens} tokens",
-                f"{len(tokens) - 1} tokens",
+                f"{positions} tokens",
             )
         if self.augmenter is not None:
             audio = self.augmenter(audio, rng)

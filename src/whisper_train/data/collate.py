@@ -21,6 +21,7 @@ import torch
 from whisper_train.audio import CHUNK_LENGTH, ENCODER_POSITIONS
 from whisper_train.data.examples import Skip
 from whisper_train.data.features import LogMel
+from whisper_train.data.labels import decoder_positions
 
 IGNORE_INDEX = -100  # ignored by torch's cross-entropy
 ENCODER_POSITIONS_PER_SECOND = ENCODER_POSITIONS / CHUNK_LENGTH  # 50: one per 2 mel frames
@@ -91,7 +92,7 @@ class SpeechCollator:
 
     def pad_labels(self, sequences: Sequence[list[int]], n_prefix: Sequence[int]) -> dict:
         """Token sequences → right-padded `decoder_input_ids` and masked `labels`."""
-        width = max(len(tokens) for tokens in sequences) - 1
+        width = max(decoder_positions(len(tokens)) for tokens in sequences)
         decoder_input_ids = torch.full((len(sequences), width), self.pad_token_id, dtype=torch.long)
         labels = torch.full((len(sequences), width), IGNORE_INDEX, dtype=torch.long)
         for row, (tokens, prefix) in enumerate(zip(sequences, n_prefix, strict=True)):

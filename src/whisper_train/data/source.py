@@ -37,7 +37,7 @@ from whisper_train.data import streaming
 from whisper_train.data.collate import IGNORE_INDEX
 from whisper_train.data.examples import Example, Skip
 from whisper_train.data.features import SpeechDataset
-from whisper_train.data.labels import MAX_DECODER_TOKENS
+from whisper_train.data.labels import MAX_DECODER_TOKENS, body_length
 from whisper_train.data.screening import read_audio_seconds, summarize_skips
 from whisper_train.errors import AudioError, UserError
 from whisper_train.runlog import say
@@ -472,7 +472,7 @@ def clip_sizes(
             prefix_lengths[example.language] = len(
                 label_encoder.prefix_ids(example.language, timestamps=False)
             )
-        text_tokens = n_tokens - prefix_lengths[example.language] - 1
+        text_tokens = body_length(n_tokens, prefix_lengths[example.language])
         sizes.append(
             packing_module.ClipSize(
                 seconds=seconds * stretch,

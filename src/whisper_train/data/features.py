@@ -147,6 +147,7 @@ class SpeechDataset(Dataset):
         gap_seconds: float = 0.3,
         cached=None,
         packing_timestamps: bool = False,
+        per_clip: bool = False,
     ):
         # Packed: the forked loader workers read it without each copying it (PackedExamples).
         self.examples = (
@@ -159,6 +160,8 @@ class SpeechDataset(Dataset):
         self.gap_seconds = gap_seconds
         # --packing-timestamps on: a packed window of 2+ clips is always labelled with times
         self.packing_timestamps = packing_timestamps
+        # --packing per-clip: a window's clips keep their own labels (`memory.clip_attention`)
+        self.per_clip = per_clip
         # example → whether the frozen encoder's output for it is on disk (`encoder_cache`):
         # such a clip needs neither its header read nor its audio decoded.
         self.cached = cached
@@ -218,10 +221,11 @@ class SpeechDataset(Dataset):
     def _window(self, indices: tuple[int, ...], epoch: int) -> dict:
         """A packed window: the usable clips of `indices` (each augmented on its own) joined by
         silence, labelled with their transcripts in order; `skipped` lists the others."""
-        if len(indices) == 1:  # a window of one clip is that clip, label and all
+        if len(indices) == 1 and not self.per_clip:  # that clip, label and all
             item = self[(epoch, indices[0])]
             return item if isinstance(item, Skip) else {**item, "skipped": []}
         window, skipped, rng = PackedWindow(self.gap_seconds), [], None
+        clips = []  # per clip: its own label, as unpacked (--packing per-clip)
         for index in indices:
             clip = self._clip(index, epoch)
             if isinstance(clip, Skip):
@@ -235,8 +239,26 @@ class SpeechDataset(Dataset):
                 continue
             window.add(audio, self.examples[index].text)
             rng = rng or clip_rng
+            if self.per_clip:
+                tokens, n_prefix = self.label_encoder.encode(self.examples[index], rng=clip_rng)
+                clips.append(
+                    {
+                        "tokens": tokens,
+                        "n_prefix": n_prefix,
+                        "text": self.examples[index].text,
+                        "index": index,
+                        "seconds": window.spans[-1],
+                    }
+                )
         if not len(window):
             return {"skipped": skipped}
+        if self.per_clip:
+            return {
+                "audio": window.audio(),
+                "clips": clips,
+                "index": indices[0],
+                "skipped": skipped,
+            }
         item = window.item(
             self.label_encoder,
             language=self.examples[indices[0]].language,

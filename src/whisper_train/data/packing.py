@@ -157,6 +157,10 @@ class PackedWindow:
         self.spans.append((start / SAMPLE_RATE, (start + len(audio)) / SAMPLE_RATE))
         self.samples = start + len(audio)
 
+    def audio(self) -> np.ndarray:
+        """The window's samples: its clips and the gaps between them."""
+        return np.concatenate(self.pieces)
+
     def item(self, label_encoder, *, language: str | None, rng, packing_timestamps: bool) -> dict:
         """{"audio", "tokens", "n_prefix", "text"} of a window of at least one clip; its label's
         form (timestamped or not) is drawn from `rng` (`window_timestamps`)."""
@@ -167,7 +171,7 @@ class PackedWindow:
             label_encoder, self.texts, self.spans, language=language, timestamps=timestamps
         )
         return {
-            "audio": np.concatenate(self.pieces),
+            "audio": self.audio(),
             "tokens": tokens,
             "n_prefix": n_prefix,
             "text": " ".join(text.strip() for text in self.texts),

@@ -537,6 +537,7 @@ def build_training_data(
         gap_seconds=packing_module.DEFAULT_GAP_SECONDS,
         cached=cached,
         packing_timestamps=config.packing_timestamps_on,
+        per_clip=config.packing_per_clip,
     )
     sizes, prefix, per_clip = None, 0, 0
     if config.packing_on:

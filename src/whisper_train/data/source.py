@@ -278,9 +278,11 @@ class WholeData:
         if self.clip_sizes is not None:
             windows = self.windows(0)
             fill = packing_module.fill_ratio(self.clip_sizes, windows)
+            decoded = "each clip decoded on its own, " if self.dataset.per_clip else ""
             text += (
                 f", packed into {len(windows)} windows of <= 30 s (speech "
-                f"{100 * fill:.0f}% of the encoder's input; --packing off trains them one by one)"
+                f"{100 * fill:.0f}% of the encoder's input; {decoded}--packing off trains them "
+                "one by one)"
             )
         if not self.strict:
             text += (

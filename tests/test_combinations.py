@@ -348,6 +348,7 @@ def matrix_data(tmp_path_factory, tiny_whisper_dir):
         ("stream", "off"): root / "shards",
         ("whole", "on"): write_long_clips(root / "long", 8, 10.0),
         ("whole", "per-clip"): root / "long",  # the same windows, each clip decoded alone
+        ("stream", "per-clip"): root / "long-shards",  # refused at start
         ("stream", "on"): write_long_clips(root / "long-shards", 4, 16.0, shards=4),
         "model": tiny_whisper_dir,
         "twins": {},  # twin key -> its losses, shared by the rows

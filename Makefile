@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
+	# The test extra holds every optional package the tests run for real: the datasets, bnb,
+	# whispercpp extras, and the trackers (mlflow-skinny, wandb) of tests/test_trackers.py.
 	$(PY) -m pip install -q -e ".[test]"
 	# openai-whisper without its declared triton (a large CUDA wheel a CPU does not use):
 	# pip cannot drop one dependency of an extra, so the test extra carries its other

@@ -3,8 +3,8 @@ invariants, or is refused at start in one line that names the flags.
 
 The factors (`FACTORS`) are the training options that interact: mode, processes, gradient
 accumulation, checkpointing, packing, streamed shards, --fsdp, the encoder cache, precision,
-LoRA's targets, --resume, data-loading workers, and settings given as flags or in a YAML
---config. A seeded greedy generator (`covering_array`) picks rows until every pair of values
+LoRA's targets, --resume, data-loading workers, the trackers of --report-to, and settings
+given as flags or in a YAML --config. A seeded greedy generator (`covering_array`) picks rows until every pair of values
 that some valid row can hold is in a row (the 3-wise array is the slow test). Pairs no row may
 hold (`REFUSED`) are each tested to be refused.
 
@@ -13,11 +13,12 @@ targets, trained in this process without anything else (1 process, no accumulati
 checkpointing, no cache, no --fsdp, no workers, flags, uninterrupted) at the same global batch.
 The row's losses must be the twin's: N processes = 1 process, batch b x accumulation a = batch
 a*b, recomputed = stored activations, cached = computed encoder outputs, sharded = whole,
-resumed = uninterrupted, workers = none, YAML = flags. Each step holds every training clip (a
+resumed = uninterrupted, workers = none, trackers = TensorBoard alone, YAML = flags. Each step holds every training clip (a
 step is the whole data), so equal losses need neither the same order nor the same split of
 clips over processes, only every clip once a step. A row also checks that every parameter its
 mode trains gets a nonzero gradient (observed at the optimizer step,
-`install_gradient_observer`) and that final/ changed exactly the weights those parameters are.
+`install_gradient_observer`) and that final/ changed exactly the weights those parameters are;
+with MLflow and W&B, that each holds metrics.jsonl's numbers (read back from their files).
 Twins are shared by the rows that have the same one.
 """
 
@@ -38,6 +39,7 @@ import torch
 from conftest import SAME_RUN_LOSS_ATOL, metric_rows, train_in_subprocess, write_tone_dataset
 from safetensors.torch import load_file
 from test_streaming import write_shards
+from test_trackers import assert_trackers_hold_the_metrics, tracker_env
 
 from whisper_train.cli import main
 
@@ -54,6 +56,8 @@ FACTORS: dict[str, tuple] = {
     "targets": ("q,v", "all-linear"),  # LoRA's --lora-targets: the default, or every linear
     "resume": (False, True),  # 1 step and a checkpoint, then --resume for the second
     "workers": (0, 2),  # --num-workers
+    # --report-to: the default, or every tracker (MLflow to a file store, W&B offline)
+    "trackers": ("tensorboard", "tensorboard,mlflow,wandb"),
     "options": ("flags", "yaml"),  # the row's settings as flags, or in a --config file
 }
 NAMES = list(FACTORS)
@@ -181,6 +185,7 @@ def row_id(row: dict) -> str:
     parts += ["fsdp"] * row["fsdp"] + ["cache"] * row["cache"] + [row["precision"]]
     parts += ["all-linear"] * (row["targets"] == "all-linear") + ["resume"] * row["resume"]
     parts += [f"w{row['workers']}"] * bool(row["workers"]) + ["yaml"] * (row["options"] == "yaml")
+    parts += ["trackers"] * (row["trackers"] != "tensorboard")
     parts += ["decoder-adapters"] * row.get("decoder_adapters", False)
     return "-".join(parts)
 
@@ -367,6 +372,7 @@ def row_settings(row: dict) -> dict[str, object]:
         "precision": row["precision"],
         "cache_encoder": row["cache"],
         "num_workers": row["workers"],
+        "report_to": row["trackers"].split(","),
     }
     if row["nproc"] > 1:
         settings["nproc"] = row["nproc"]
@@ -426,6 +432,8 @@ def run_row(row: dict, data: dict, workdir: Path, monkeypatch) -> Path:
     its output folder."""
     out, grads = workdir / "out", workdir / "grads"
     grads.mkdir(parents=True)
+    if row["trackers"] != "tensorboard":  # inherited by the processes of --nproc too
+        tracker_env(monkeypatch, workdir)
     flags = row_flags(row, data, workdir)
     invocations = [["--max-steps=1", "--save-steps=1"], ["--max-steps=2", "--resume=latest"]]
     if not row["resume"]:
@@ -470,6 +478,7 @@ def twin_of(row: dict) -> dict:
         "cache": False,
         "resume": False,
         "workers": 0,
+        "trackers": "tensorboard",
         "options": "flags",
     }
 
@@ -527,6 +536,8 @@ def check_row(row: dict, data: dict, tmp_path: Path, monkeypatch) -> None:
         ("unchanged", sorted(must_change - changed)),
         ("changed", sorted(changed - must_change)),
     )
+    if row["trackers"] != "tensorboard":  # a resumed row's trackers hold two runs each
+        assert_trackers_hold_the_metrics(out, f"file:{tmp_path / 'mlruns'}")
 
 
 @pytest.mark.parametrize(("pair", "named"), list(REFUSED.items()), ids=str)
@@ -587,7 +598,7 @@ def three_wise() -> list[dict]:
     return covering_array(3)
 
 
-THREE_WISE_ROWS = 43
+THREE_WISE_ROWS = 44
 
 
 @pytest.mark.slow

@@ -146,7 +146,7 @@ def test_no_function_is_longer_than_a_readable_page():
 # packages a module may import its own package's modules. Within the shared first and the
 # tools' layer, modules are independent concepts that may use one another.
 LAYERS = (
-    ("errors", "units", "audio", "runfolder", "runlog"),
+    ("errors", "units", "audio", "runfolder", "trackers", "runlog"),
     ("data",),
     ("decoding",),
     ("memory",),
@@ -203,7 +203,7 @@ def test_every_import_points_down_the_layers():
 # named with the length they may not grow past: split them, then lower or drop their entry.
 MAX_MODULE_LINES = 600
 OVERSIZED_MODULES = {
-    "training/recipe.py": 1013,  # setup phases, the step loop, evaluation
+    "training/recipe.py": 1011,  # setup phases, the step loop, evaluation
     "training/checkpoints.py": 800,
     "data/layouts.py": 735,
     "data/streaming.py": 675,

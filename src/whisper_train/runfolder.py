@@ -27,6 +27,7 @@ LAUNCH_FILE = "launch.yaml"  # the configuration handed to the --nproc worker pr
 FINAL_DIR = "final"  # the trained model
 CURVES_FILE = "curves.png"
 TENSORBOARD_DIR = "tensorboard"
+WANDB_DIR = "wandb"  # --report-to wandb's run files (W&B makes it in OUTPUT unless WANDB_DIR)
 # Earlier versions kept encoder outputs here; they now live in the shared cache (user_cache_dir).
 ENCODER_CACHE_DIR = "encoder-cache"
 EVALUATION_DIR = "evaluation"  # `whisper-train evaluate` reports about this run
@@ -48,6 +49,7 @@ RUN_ENTRIES = frozenset(
         FINAL_DIR + ".tmp",  # a final model whose write was interrupted
         CURVES_FILE,
         TENSORBOARD_DIR,
+        WANDB_DIR,
         ENCODER_CACHE_DIR,
         EVALUATION_DIR,
         *REPORT_FILES,

@@ -1,7 +1,7 @@
 """What a training run shows while it runs and leaves behind when it ends.
 
-- `MetricsLog`: OUTPUT/metrics.jsonl (one JSON line per optimizer step and per evaluation) and
-  TensorBoard events;
+- `MetricsLog`: OUTPUT/metrics.jsonl (one JSON line per optimizer step and per evaluation),
+  TensorBoard events and the other trackers of --report-to (`trackers`);
 - `ProgressTable` and `step_line`: the `Step | Training Loss | Validation Loss | WER` table and
   the plain progress lines a log file gets instead of a bar;
 - `StopRequest`: SIGINT / SIGTERM become "finish this step, save, exit";
@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from whisper_train import runfolder
 from whisper_train.errors import UserError
+from whisper_train.trackers import Trackers, scalars
 
 
 def progress_bars_wanted() -> bool:
@@ -91,7 +92,8 @@ def read_result(output_dir: Path) -> TrainResult:
 
 
 class MetricsLog:
-    """OUTPUT/metrics.jsonl (one JSON line per optimizer step and per evaluation) + TensorBoard.
+    """OUTPUT/metrics.jsonl (one JSON line per optimizer step and per evaluation) + TensorBoard
+    + the other trackers of --report-to (`trackers.Trackers`, given the rows metrics.jsonl gets).
 
     A write that fails (a full disk, a quota) does not stop the run here: the first failure is
     kept (`failure`) and the rows from then on wait (`unwritten`); the loop sees it at the end
@@ -99,11 +101,20 @@ class MetricsLog:
     before is lost: a row is appended whole or not at all.
     """
 
-    def __init__(self, output_dir: Path, *, enabled: bool, purge_step: int | None = None):
+    def __init__(
+        self,
+        output_dir: Path,
+        *,
+        enabled: bool,
+        purge_step: int | None = None,
+        trackers: Trackers | None = None,
+    ):
         """`purge_step`: on --resume, the first step after the checkpoint; TensorBoard then
         hides the events the interrupted run logged from that step on, as metrics.jsonl is cut
-        back (without it, both runs' steps after the checkpoint show, one over the other)."""
+        back (without it, both runs' steps after the checkpoint show, one over the other).
+        `trackers`: --report-to's (started here; None: TensorBoard alone)."""
         self.enabled = enabled
+        self.trackers = trackers
         self.path = output_dir / runfolder.METRICS_FILE
         self.fd: int | None = None
         self.writer = None
@@ -113,7 +124,11 @@ class MetricsLog:
         self.unwritten: list[dict] = []
         if not enabled:
             return
+        if trackers is not None:
+            trackers.start(output_dir)  # one line if one cannot start, before anything opens
         self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        if trackers is not None and not trackers.tensorboard:
+            return
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -137,14 +152,14 @@ class MetricsLog:
             self.failure = exc
             self.unwritten.append(row)
             return
+        if self.trackers is not None:
+            self.trackers.log(row)
         if self.writer is None:
             return
         try:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    # eval/<set>/wer for each evaluation set, train/loss for the steps
-                    scope = f"eval/{row['set']}" if "set" in row else "train"
-                    self.writer.add_scalar(f"{scope}/{key}", value, row["step"])
+            # eval/<set>/wer for each evaluation set, train/loss for the steps
+            for key, value in scalars(row).items():
+                self.writer.add_scalar(key, value, row["step"])
             # Its thread writes the events: a failure there shows at this flush, this step.
             self.writer.flush()
         except OSError as exc:  # the row is in metrics.jsonl; TensorBoard's thread is gone
@@ -174,6 +189,8 @@ class MetricsLog:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+        if self.trackers is not None:
+            self.trackers.finish()
         if self.writer:
             with contextlib.suppress(OSError):  # a full disk: said already, or said at the stop
                 self.writer.close()

@@ -18,6 +18,8 @@ OPTIMIZERS = ("adamw", "adamw-fused", "adamw8bit")
 TASKS = ("transcribe", "translate")
 # --packing per-clip: packed windows whose clips are decoded one by one.
 PER_CLIP = "per-clip"
+# --report-to: where the metrics rows go besides metrics.jsonl (whisper_train.trackers).
+TRACKERS = ("tensorboard", "mlflow", "wandb", "none")
 
 
 def _help(text: str, **kwargs: Any) -> Any:
@@ -242,6 +244,14 @@ class TrainConfig:
         "the progress bar on a terminal, else (a log file, CI) as one plain line with step/total, "
         "loss and learning rate. metrics.jsonl always gets every step.",
         default=1,
+    )
+    report_to: list[str] = _help(
+        "Comma-separated experiment trackers that get every metrics.jsonl row (per-set WER, "
+        "losses, learning rate, gradient norm) and the resolved configuration: tensorboard "
+        "(OUTPUT/tensorboard/), mlflow (MLFLOW_TRACKING_URI; pip install "
+        "'whisper-train[mlflow]'), wandb (W&B's login, or WANDB_MODE=offline; pip install "
+        "'whisper-train[wandb]'), or none. metrics.jsonl is always written.",
+        default_factory=lambda: ["tensorboard"],
     )
     generation_max_length: int = _help(
         "Longest transcript generated during evaluation.", default=225

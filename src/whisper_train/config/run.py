@@ -22,6 +22,7 @@ from whisper_train.config.options import (
     PRECISIONS,
     SCHEDULERS,
     TASKS,
+    TRACKERS,
     DataConfig,
     MemoryConfig,
     ModelConfig,
@@ -134,6 +135,10 @@ class RunConfig:
         one_of("--optim", mem.optim, OPTIMIZERS)
         one_of("--lr-scheduler", t.lr_scheduler, SCHEDULERS)
         one_of("--attn-implementation", m.attn_implementation, ("sdpa", "eager"))
+        for tracker in t.report_to or []:
+            one_of("--report-to", tracker, TRACKERS)
+        if "none" in (t.report_to or []) and len(set(t.report_to)) > 1:
+            raise UserError("--report-to none turns every tracker off: name no other with it")
         if d.pin_language and d.language is None:
             raise UserError("--pin-language saves --language in the model: add --language")
         policy = mem.gradient_checkpointing

@@ -49,6 +49,7 @@ from whisper_train.models import (
     save_model_folder,
 )
 from whisper_train.runfolder import CONFIG_FILE, aside_path
+from whisper_train.training.model_card import CARD_FILE, export_card
 
 log = logging.getLogger(__name__)
 
@@ -595,7 +596,10 @@ def export_model(
         # Score the clips before saving: saving in float16 converts `model` in place.
         clips = check_clips(check_data, n_check_clips)
         source = score_source(model, processor, clips, check_language(model, processor, clips))
-    save_export(model, processor, output, format=format, quantization=quantization)
+    card = None  # an hf folder's README.md: the source run's model card, or the base's
+    if format == "hf":
+        card = export_card(model_spec, output=output, quantization=quantization, merged_lora=merged)
+    save_export(model, processor, output, format=format, quantization=quantization, card=card)
     log.info("saved %s export to %s", format, output)
     parity = None
     if check:
@@ -605,11 +609,15 @@ def export_model(
     return ExportResult(output, format, quantization, merged, parity, moved_aside)
 
 
-def save_export(model, processor, output: Path, *, format: str, quantization: str) -> None:
-    """Write `model` into `output` as `format` in `quantization` (no check)."""
+def save_export(
+    model, processor, output: Path, *, format: str, quantization: str, card: str | None = None
+) -> None:
+    """Write `model` into `output` as `format` in `quantization` (no check); `card`: an hf
+    folder's model card (README.md)."""
     if format == "hf":
         dtype = torch.float16 if quantization == "float16" else torch.float32
-        save_model_folder(model, processor, output, dtype=dtype)
+        readme = {CARD_FILE: card} if card is not None else None
+        save_model_folder(model, processor, output, dtype=dtype, extra_files=readme)
     elif format == "ggml":
         from whisper_train.formats.ggml import save_ggml
 

@@ -19,6 +19,7 @@ from whisper_train.decoding import DecodingOptions
 from whisper_train.evaluation.evaluate import evaluate_examples, write_report_json
 from whisper_train.evaluation.report import write_comparison
 from whisper_train.models import is_multilingual, load_model, save_model_folder
+from whisper_train.training.model_card import CARD_FILE
 
 
 @dataclass
@@ -77,9 +78,18 @@ def choose_final_step(
     return FinalChoice(best, reason)
 
 
-def save_final(model, processor, final_dir: Path, *, pin_language: bool, config_yaml: str) -> Path:
+def save_final(
+    model,
+    processor,
+    final_dir: Path,
+    *,
+    pin_language: bool,
+    config_yaml: str,
+    card: str | None = None,
+) -> Path:
     """final/: a self-describing model folder (full weights with LoRA merged, processor, the
-    run's whisper-train.yaml), written by the one model-folder writer (atomically)."""
+    run's whisper-train.yaml, its model card README.md), written by the one model-folder
+    writer (atomically)."""
     if hasattr(model, "merge_and_unload"):  # peft: merge the adapters into full 32-bit weights
         model = model.merge_and_unload()
     model.config.use_cache = True  # inference default; training turned the cache off
@@ -87,9 +97,10 @@ def save_final(model, processor, final_dir: Path, *, pin_language: bool, config_
         # --language chose the training prefixes; the saved model detects each clip's language,
         # as the base did (transformers' pipeline, `transcribe`, exports), unless pinned.
         model.generation_config.language = None
-    return save_model_folder(
-        model, processor, final_dir, extra_files={runfolder.CONFIG_FILE: config_yaml}
-    )
+    extra_files = {runfolder.CONFIG_FILE: config_yaml}
+    if card is not None:
+        extra_files[CARD_FILE] = card
+    return save_model_folder(model, processor, final_dir, extra_files=extra_files)
 
 
 def compare_with_baseline(

@@ -67,7 +67,8 @@ from whisper_train.runlog import (
     step_line,
     write_result,
 )
-from whisper_train.training import checkpoints
+from whisper_train.trackers import Trackers, accelerate_trackers
+from whisper_train.training import checkpoints, model_card
 from whisper_train.training.datasets import Datasets, prepare_datasets
 from whisper_train.training.encoder_cache import CachedClip, EncoderCache, EncoderCacheCollator
 from whisper_train.training.encoder_cache import cache_dir as encoder_cache_dir
@@ -162,6 +163,7 @@ class FineTuneRecipe:
             # Without a GPU, processes started by a launcher talk through gloo on the CPU;
             # accelerate does that only when told the run is on the CPU.
             cpu=inside_launcher() and not torch.cuda.is_available(),
+            log_with=accelerate_trackers(t.report_to) or None,  # started by the run log
         )
         if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
             raise UserError(
@@ -543,6 +545,9 @@ class FineTuneRecipe:
             self.output_dir,
             enabled=main,
             purge_step=None if self.resume_from is None else self.state.step + 1,
+            trackers=Trackers(
+                accelerator, self.config.train.report_to, self.config.to_saved_yaml()
+            ),
         )
         # A bar only on a terminal: in a log file its \r redraws pile up into one unreadable
         # line. Elsewhere every --logging-steps steps get one plain line instead.
@@ -914,6 +919,7 @@ class FineTuneRecipe:
                 self.output_dir / runfolder.FINAL_DIR,
                 pin_language=c.data.pin_language,
                 config_yaml=c.to_saved_yaml(),
+                card=model_card.run_card(c, result, self.precision.name, self.datasets.train),
             )
             write_result(result)
             write_curves_png(

@@ -17,6 +17,7 @@ from whisper_train.config import RunConfig
 from whisper_train.errors import UserError
 from whisper_train.models import resolve_alias
 from whisper_train.runlog import TrainResult
+from whisper_train.trackers import check_installed
 from whisper_train.training import checkpoints
 from whisper_train.training.launch import claimed_by_parent, inside_launcher, launch_data_parallel
 from whisper_train.training.recipe import FineTuneRecipe
@@ -27,6 +28,7 @@ __all__ = ["TrainResult", "train"]
 def train(config: RunConfig) -> TrainResult:
     """Fine-tune per `config`; with `--nproc N` (outside a launcher) re-launch as N processes."""
     config.validate()
+    check_installed(config.train.report_to)  # a missing tracker package: before anything loads
     if not config.data.data:
         raise UserError("--data is required: a folder with metadata.csv, or a JSONL/CSV manifest")
     output_dir = Path(config.train.output_dir)

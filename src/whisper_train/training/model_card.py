@@ -1,0 +1,406 @@
+"""The model card: README.md in the Hugging Face Hub's format, in a run's final/ (`run_card`)
+and in an `export --format hf` folder (`export_card`).
+
+The front matter (written by huggingface_hub's `ModelCard`) names the base model when it is a
+Hub model, the training language(s) when known, the base's license when its own card states
+one, `pipeline_tag`, tags and a `model-index` with each evaluation set's WER (in percent) at the
+step final/ holds. The body gives each set's figures before (step 0, when the run evaluated it)
+and after, the mode and main hyper-parameters, the clip counts, and what the figures rest on.
+Only numbers the run measured appear: a run that evaluated nothing gets no results."""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import yaml
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from whisper_train import runfolder
+from whisper_train.config import RunConfig, read_yaml
+from whisper_train.data.examples import Example
+from whisper_train.errors import UserError
+from whisper_train.formats import packaged
+from whisper_train.models import could_be_hub_id, folder_is_multilingual, model_folder
+from whisper_train.runlog import TrainResult, read_result
+
+log = logging.getLogger(__name__)
+
+CARD_FILE = "README.md"
+TASK = "automatic-speech-recognition"
+# A snapshot in the Hub's cache: .../models--owner--name/snapshots/<revision>
+HUB_CACHE_SNAPSHOT = re.compile(r"models--([^/]+?)--([^/]+)/snapshots/[^/]+$")
+
+
+# -- the base model --------------------------------------------------------------------------
+
+
+def base_model_id(spec: str) -> str | None:
+    """The Hub id `--model` names: an alias's, a hub id's own, a Hub cache snapshot's; None
+    for any other local folder (a filesystem path is no `base_model`)."""
+    aliases = {"tiny.en": "openai/whisper-tiny.en", packaged.BASE_ALIAS: packaged.BASE_HUB_ID}
+    if spec in aliases:
+        return aliases[spec]
+    path = Path(spec).expanduser()
+    if not path.exists():
+        return spec if could_be_hub_id(spec) else None
+    snapshot = HUB_CACHE_SNAPSHOT.search(path.resolve().as_posix())
+    return f"{snapshot[1]}/{snapshot[2]}" if snapshot else None
+
+
+def _describe_base(spec: str) -> str:
+    """The base model in a sentence's words, never its local path."""
+    hub_id = base_model_id(spec)
+    if hub_id is not None:
+        return f"[{hub_id}](https://huggingface.co/{hub_id})"
+    name = Path(spec).expanduser().resolve().name
+    return f"a local model folder named `{name}` (not a Hub model: the card names no base_model)"
+
+
+def base_license(spec: str) -> str | None:
+    """The license the base model's own card (README.md in its folder, or in the Hub cache)
+    states; None when there is none to read (never guessed)."""
+    folder = model_folder(spec)
+    readme = folder / CARD_FILE if folder.is_dir() else None
+    hub_id = base_model_id(spec)
+    if (readme is None or not readme.is_file()) and hub_id is not None:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(hub_id, CARD_FILE)
+        readme = Path(cached) if isinstance(cached, str) else None
+    if readme is None or not readme.is_file():
+        return None
+    try:
+        license = ModelCard.load(readme, ignore_metadata_errors=True).data.license
+    except (ValueError, OSError, yaml.YAMLError):
+        return None
+    return license if isinstance(license, str) else None
+
+
+def base_is_multilingual(spec: str) -> bool | None:
+    """Whether the base model has language tokens, from its small files (its folder's, or the
+    Hub cache's config.json); None when they are not there."""
+    from huggingface_hub import try_to_load_from_cache
+
+    folder, hub_id = model_folder(spec), base_model_id(spec)
+    if not folder.exists() and hub_id is not None:
+        cached = try_to_load_from_cache(hub_id, "config.json")
+        folder = Path(cached).parent if isinstance(cached, str) else folder
+    try:
+        return folder_is_multilingual(folder) if folder.exists() else None
+    except (UserError, OSError):  # unreadable: the card then names no language it cannot tell
+        return None
+
+
+def language_code(language: str) -> str:
+    """`german`, `<|de|>` or `de` → `de` (the Hub's ISO 639-1 codes)."""
+    from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
+
+    language = language.strip("<|>").lower()
+    return TO_LANGUAGE_CODE.get(language, language)
+
+
+def training_languages(
+    config: RunConfig, multilingual: bool | None, train_examples: Iterable[Example] = ()
+) -> list[str]:
+    """--language, else the languages the training rows state, else English for an
+    English-only model; empty when not known."""
+    if config.data.language:
+        return [language_code(config.data.language)]
+    stated = sorted({language_code(e.language) for e in train_examples if e.language})
+    if stated:
+        return stated
+    return ["en"] if multilingual is False else []
+
+
+# -- the card of a run -----------------------------------------------------------------------
+
+
+def run_card(
+    config: RunConfig,
+    result: TrainResult | None,
+    precision: str | None = None,
+    train_examples: Iterable[Example] = (),
+    *,
+    note: str = "",
+) -> str | None:
+    """README.md of a run's final/: `config` is the run's (its options are what the card
+    describes), `result` what it measured (None: not known, so no results), `precision` the
+    one it resolved (None: the configured one), `train_examples` the rows it trained on (their
+    languages), `note` a closing paragraph. None, said in a warning, if the card cannot be
+    made: a card is no reason to lose the model a run trained."""
+    try:
+        return _run_card(config, result, precision, train_examples, note)
+    except Exception as exc:  # anything: final/ is written without its card
+        log.warning("the model card was not written (%s: %s)", type(exc).__name__, exc)
+        return None
+
+
+def _run_card(
+    config: RunConfig,
+    result: TrainResult | None,
+    precision: str | None,
+    train_examples: Iterable[Example],
+    note: str,
+) -> str:
+    spec = config.model.model
+    name = Path(config.train.output_dir).name or "whisper-train-model"
+    rows = _final_rows(result)
+    languages = training_languages(config, base_is_multilingual(spec), train_examples)
+    data = ModelCardData(
+        base_model=base_model_id(spec),
+        language=languages or None,
+        license=base_license(spec),
+        library_name="transformers",
+        pipeline_tag=TASK,
+        tags=["whisper", "whisper-train", config.model.mode],
+        model_name=name if rows else None,
+        eval_results=[_eval_result(config, set_name, row) for set_name, row in rows.items()]
+        or None,
+    )
+    body = [
+        f"# {name}",
+        f"A fine-tune of {_describe_base(spec)} with whisper-train (mode `{config.model.mode}`).",
+        *_results_section(config, result, rows),
+        *_training_section(config, result, precision, languages),
+    ]
+    if note:
+        body.append(note)
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(body) + "\n"))
+
+
+def _final_rows(result: TrainResult | None) -> dict[str, dict]:
+    """{set: its evaluation row} at the step final/ holds, finite WERs only."""
+    if result is None:
+        return {}
+    return {
+        row.get("set", result.primary_set): row
+        for row in result.evaluations
+        if row["step"] == result.final_step and math.isfinite(row.get("wer", math.nan))
+    }
+
+
+def _eval_result(config: RunConfig, set_name: str, row: dict) -> EvalResult:
+    path = config.eval_sets().get(set_name, "")
+    hub_dataset = path if could_be_hub_id(path) and not Path(path).exists() else None
+    return EvalResult(
+        task_type=TASK,
+        dataset_type=hub_dataset or set_name,
+        dataset_name=set_name,
+        metric_type="wer",
+        metric_value=round(100 * row["wer"], 2),
+        metric_name=f"WER (%) at step {row['step']}",
+    )
+
+
+def _percent(value: float | None) -> str:
+    return "–" if value is None or not math.isfinite(value) else f"{100 * value:.2f}%"
+
+
+def _before_after(before: dict | None, after: dict, key: str) -> str:
+    then = _percent(before.get(key)) if before else "–"
+    return f"{then} → {_percent(after.get(key))}"
+
+
+def _role(config: RunConfig, result: TrainResult, set_name: str) -> str:
+    if set_name == config.train.guard:
+        return "guard"
+    return "picks final/" if set_name == result.primary_set else "evaluation"
+
+
+def _results_section(
+    config: RunConfig, result: TrainResult | None, rows: dict[str, dict]
+) -> list[str]:
+    if result is None:
+        return ["## Results", "No result.json was found for this model: this card has no results."]
+    if not result.evaluations:
+        return [
+            "## Results",
+            "This run evaluated nothing (`--only-train`): the card states no WER, and nothing "
+            "in it measures how well this model transcribes.",
+        ]
+    if not rows:
+        return [
+            "## Results",
+            f"No evaluation scored step {result.final_step}, the step final/ holds: the card "
+            "states no WER for it.",
+        ]
+    start = {
+        row.get("set", result.primary_set): row for row in result.evaluations if not row["step"]
+    }
+    language_id = any("language_id_accuracy" in row for row in [*rows.values(), *start.values()])
+    header = ["set", "role", "clips", "WER", "loops", "insertions"]
+    header += ["language ID accuracy"] if language_id else []
+    table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for set_name, row in rows.items():
+        before = start.get(set_name)
+        cells = [f"`{set_name}`", _role(config, result, set_name), str(row.get("clips", "–"))]
+        cells += [
+            _before_after(before, row, key)
+            for key in ("wer", "repeated_ngram_rate", "insertion_rate")
+            + (("language_id_accuracy",) if language_id else ())
+        ]
+        table.append("| " + " | ".join(cells) + " |")
+    step = result.final_step
+    before = (
+        "Each figure reads step 0 (the starting model) → "
+        if start
+        else "The starting model was not evaluated (no `--eval-at-start` or `--guard`), so "
+        "there is no before: – → "
+    )
+    return [
+        "## Results",
+        f"final/ holds step {step} of {result.steps}: {result.final_reason}.",
+        "\n".join(table),
+        f"{before}step {step} (this model). WER: word error rate after text normalisation; "
+        "loops: repeated word 3-grams among all 3-grams of the transcripts; insertions: "
+        "inserted words per reference word (words the model made up).",
+        *_what_figures_rest_on(config, result, rows),
+    ]
+
+
+def _what_figures_rest_on(
+    config: RunConfig, result: TrainResult, rows: dict[str, dict]
+) -> list[str]:
+    lines = [
+        f"- `{name}`: {row.get('clips', 'an unknown number of')} clips"
+        for name, row in rows.items()
+    ]
+    named = config.eval_sets()
+    if "eval" in rows and "eval" not in named:
+        lines.append(
+            f"- `eval` is a seeded random {config.data.eval_split:g} split of the training "
+            "data: the same speakers, recording conditions and often words as training, so "
+            "its WER says little about speech this model has not heard."
+        )
+    if any(name in named for name in rows):
+        lines.append(
+            "- whisper-train cannot tell who speaks in a set: a WER on data drawn like the "
+            "training data proves little unless the set's speakers (and words) were held out "
+            "from training."
+        )
+    if config.train.guard in rows:
+        lines.append(
+            f"- `{config.train.guard}` is the guard set: what the model must keep knowing; "
+            "final/ holds no step whose guard WER rose more than --max-regression points over "
+            "step 0."
+        )
+    return ["### What these figures rest on", "\n".join(lines)]
+
+
+# -- how it was trained ----------------------------------------------------------------------
+
+
+def _training_section(
+    config: RunConfig, result: TrainResult | None, precision: str | None, languages: list[str]
+) -> list[str]:
+    d, m, mem, t = config.data, config.model, config.memory, config.train
+    mode = f"`{m.mode}`"
+    if m.mode == "lora":
+        mode += (
+            f" (r {m.lora_r}, alpha {m.lora_alpha}, dropout {m.lora_dropout:g}, on "
+            f"{', '.join(m.lora_targets)}; merged into full weights here)"
+        )
+    if t.max_steps:
+        length = f"--max-steps {t.max_steps}"
+    else:
+        length = f"--epochs {t.epochs if t.epochs is not None else 3:g}"
+    if precision is None:
+        precision = mem.precision + (
+            " (which one it resolved to is not recorded)" if mem.precision == "auto" else ""
+        )
+    lines = [
+        f"- mode: {mode}",
+        f"- learning rate: {config.learning_rate:g} ({t.lr_scheduler} schedule, "
+        f"{t.warmup_steps} warm-up steps), weight decay {t.weight_decay:g}, optimizer {mem.optim}",
+        f"- batch size: {t.batch_size} clips per process, gradient accumulation "
+        f"{t.gradient_accumulation}, {t.nproc} process(es): "
+        f"{t.batch_size * t.gradient_accumulation * t.nproc} clips per optimizer step",
+        f"- length: {length}"
+        + (f"; {result.steps} optimizer steps done" if result is not None else ""),
+        f"- precision: {precision}",
+        f"- task: {d.task}; training language: {', '.join(languages) or 'not stated'}"
+        + (" (--pin-language: saved in the model)" if d.pin_language else ""),
+        f"- seed: {t.seed}",
+    ]
+    if result is not None:
+        clips = f"- training data: {result.train_examples} clips"
+        if result.skipped_clips:
+            clips += f" ({result.skipped_clips} clip reads skipped during training)"
+        lines.append(clips)
+        if result.skipped_steps:
+            lines.append(f"- {result.skipped_steps} optimizer steps skipped (NaN or infinite)")
+    return ["## Training", "\n".join(lines)]
+
+
+# -- the card of an export -------------------------------------------------------------------
+
+
+def export_card(
+    model_spec: str, *, output: Path, quantization: str, merged_lora: bool
+) -> str | None:
+    """README.md of an `export --format hf` folder: the source's whisper-train card, else one
+    made from its run's files (whisper-train.yaml, result.json), else a card of the base model
+    with no results; each ends by saying what the export did. None (a warning) if a run's
+    card cannot be made again."""
+    folder = model_folder(model_spec)
+    note = (
+        f"This folder is `whisper-train export --format hf` of that model in {quantization}"
+        + (", its LoRA adapter merged" if merged_lora else "")
+        + ": the figures above were measured before the export."
+    )
+    source_card = folder / CARD_FILE
+    card = None
+    if source_card.is_file():  # (load() of a path that is no file asks the Hub)
+        try:
+            card = ModelCard.load(source_card, ignore_metadata_errors=True)
+        except (ValueError, OSError, yaml.YAMLError):  # not a card: one is made below
+            card = None
+    if card is not None and "whisper-train" in (card.data.tags or []):
+        card.text = card.text.rstrip("\n") + f"\n\n{note}\n"
+        return str(card)
+    config_file = folder / runfolder.CONFIG_FILE
+    if config_file.is_file():
+        try:
+            config = RunConfig()
+            config.update(read_yaml(config_file.read_text(encoding="utf-8")) or {})
+        except (UserError, ValueError, AttributeError, yaml.YAMLError):
+            config = None
+        if config is not None:
+            return run_card(config, _run_result(folder), note=note)
+    return _plain_export_card(model_spec, folder, output, quantization, merged_lora)
+
+
+def _run_result(final_dir: Path) -> TrainResult | None:
+    """The result.json of the run whose final/ is `final_dir`, if it is there."""
+    if final_dir.name != runfolder.FINAL_DIR:
+        return None
+    try:
+        return read_result(final_dir.parent)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def _plain_export_card(
+    model_spec: str, folder: Path, output: Path, quantization: str, merged_lora: bool
+) -> str:
+    data = ModelCardData(
+        base_model=base_model_id(model_spec),
+        language=["en"] if base_is_multilingual(model_spec) is False else None,
+        license=base_license(model_spec),
+        library_name="transformers",
+        pipeline_tag=TASK,
+        tags=["whisper", "whisper-train"],
+    )
+    body = [
+        f"# {output.resolve().name}",
+        f"`whisper-train export --format hf` of {_describe_base(model_spec)} in {quantization}"
+        + (", its LoRA adapter merged" if merged_lora else "")
+        + ".",
+        "No whisper-train run's record came with it, so this card states no results: nothing "
+        "in it measures how well this model transcribes.",
+    ]
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(body) + "\n"))

@@ -28,6 +28,9 @@ Grids:
          --packing-timestamps on (every window of 2+ clips labelled with its clips' times);
          --equal-wall-epochs N adds packed runs, with and without timestamps, of N epochs (N:
          an unpacked epoch's measured training time over a packed epoch's: equal compute);
+  per-clip  each mode (--only) at its default learning rate for --epochs: unpacked (batch 8
+         clips), --packing on and --packing per-clip (batch 1 window, about 8 clips of the
+         demo's): equal clips seen; --equal-wall-epochs N adds per-clip for N epochs;
   lr     each mode at its default learning rate, a third and a tenth of it, and
          --preserve-base 1 at the default;
   all    lr, plus warm-up (10 steps) and SpecAugment at each mode's default.
@@ -85,6 +88,19 @@ def grid(name: str, modes: list[str], epochs: int = 1, equal_wall_epochs: int = 
                 Run("lora", lr, ["--epochs", str(equal_wall_epochs), *timestamped]),
                 Run("lora", lr, ["--epochs", str(equal_wall_epochs), *packed]),
             ]
+        return runs
+    if name == "per-clip":  # each mode at its default rate: unpacked, joined, per-clip
+        runs = []
+        for mode in modes:
+            lr, epochs_flag = CURRENT_LR[mode], ["--epochs", str(epochs)]
+            runs += [
+                Run(mode, lr, epochs_flag),
+                Run(mode, lr, [*epochs_flag, "--packing", "on", "--batch-size", "1"]),
+                Run(mode, lr, [*epochs_flag, "--packing", "per-clip", "--batch-size", "1"]),
+            ]
+            if equal_wall_epochs:
+                per_clip = ["--packing", "per-clip", "--batch-size", "1"]
+                runs.append(Run(mode, lr, ["--epochs", str(equal_wall_epochs), *per_clip]))
         return runs
     if name == "packing":
         lr = CURRENT_LR["lora"]
@@ -230,7 +246,9 @@ def main() -> None:
     parser.add_argument("--target", choices=("real", "synth"), default="real")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument(
-        "--grid", choices=("defaults", "lr", "all", "packing", "packing-timestamps"), default="lr"
+        "--grid",
+        choices=("defaults", "lr", "all", "packing", "packing-timestamps", "per-clip"),
+        default="lr",
     )
     parser.add_argument("--epochs", type=int, default=1, help="--grid packing: epochs a run")
     parser.add_argument(
@@ -288,10 +306,10 @@ def main() -> None:
         f"Python {platform.python_version()}; model {args.model}, {args.steps} steps of batch 8"
     )
     header = (
-        f"| {'run':<40} | target WER | guard WER | target loops | guard loops | s | steps "
-        "| training s | CPU s |"
+        f"| {'run':<40} | target WER | guard WER | target loops | guard loops "
+        "| target insertions | s | steps | training s | CPU s |"
     )
-    lines = [header, "|" + "---|" * 9]
+    lines = [header, "|" + "---|" * 10]
     print(header, flush=True)
     base = {} if args.skip_baseline else None  # {}: no --eval-at-start row
     for index, run in enumerate(runs):
@@ -321,7 +339,7 @@ def _line(label: str, rows: dict[str, dict], seconds: float | None) -> str:
     return (
         f"| {label:<40} | {pct('target', 'wer'):>10} | {pct('guard', 'wer'):>9} | "
         f"{pct('target', 'repeated_ngram_rate'):>12} | {pct('guard', 'repeated_ngram_rate'):>11} "
-        f"| {spent} |"
+        f"| {pct('target', 'insertion_rate'):>17} | {spent} |"
     )
 
 

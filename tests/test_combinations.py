@@ -48,7 +48,7 @@ FACTORS: dict[str, tuple] = {
     "nproc": (1, 2),
     "accumulation": (1, 2),
     "checkpointing": ("off", "full", "every-2"),
-    "packing": ("off", "on"),
+    "packing": ("off", "on", "per-clip"),
     "data": ("whole", "stream"),  # an audiofolder read whole, or WebDataset .tar shards
     "fsdp": (False, True),
     "cache": (False, True),  # --cache-encoder, else --no-cache-encoder (freeze-encoder's default)
@@ -68,6 +68,8 @@ REFUSED: dict[tuple[tuple[str, object], tuple[str, object]], tuple[str, ...]] = 
     (("cache", True), ("mode", "full")): ("--cache-encoder", "--mode freeze-encoder"),
     (("cache", True), ("data", "stream")): ("--cache-encoder", "streamed"),
     (("cache", True), ("packing", "on")): ("--packing on", "--no-cache-encoder"),
+    (("cache", True), ("packing", "per-clip")): ("--packing per-clip", "--no-cache-encoder"),
+    (("data", "stream"), ("packing", "per-clip")): ("--packing per-clip", "streamed"),
     (("cache", True), ("fsdp", True)): ("--fsdp", "--no-cache-encoder"),
 }
 # Pairs that mean nothing (no flag to refuse): --lora-targets only matters with --mode lora.
@@ -178,7 +180,8 @@ def _greedy_row(row: dict, strength: int, uncovered: set, rng: random.Random) ->
 
 def row_id(row: dict) -> str:
     parts = [row["mode"], f"np{row['nproc']}", f"acc{row['accumulation']}", row["checkpointing"]]
-    parts += ["pack"] * (row["packing"] == "on") + ["stream"] * (row["data"] == "stream")
+    parts += {"off": [], "on": ["pack"], "per-clip": ["perclip"]}[row["packing"]]
+    parts += ["stream"] * (row["data"] == "stream")
     parts += ["fsdp"] * row["fsdp"] + ["cache"] * row["cache"] + [row["precision"]]
     parts += ["all-linear"] * (row["targets"] == "all-linear") + ["resume"] * row["resume"]
     parts += [f"w{row['workers']}"] * bool(row["workers"]) + ["yaml"] * (row["options"] == "yaml")
@@ -349,6 +352,8 @@ def matrix_data(tmp_path_factory, tiny_whisper_dir):
         ("whole", "off"): write_tone_dataset(root / "whole", n=GLOBAL_BATCH),
         ("stream", "off"): root / "shards",
         ("whole", "on"): write_long_clips(root / "long", 8, 10.0),
+        ("whole", "per-clip"): root / "long",  # the same windows, each clip decoded alone
+        ("stream", "per-clip"): root / "long-shards",  # refused at start
         ("stream", "on"): write_long_clips(root / "long-shards", 4, 16.0, shards=4),
         "model": tiny_whisper_dir,
         "twins": {},  # twin key -> its losses, shared by the rows
@@ -593,7 +598,7 @@ def three_wise() -> list[dict]:
     return covering_array(3)
 
 
-THREE_WISE_ROWS = 36
+THREE_WISE_ROWS = 44
 
 
 @pytest.mark.slow

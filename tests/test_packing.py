@@ -5,7 +5,9 @@ Seeded tiny models on tone clips (conftest); nothing is downloaded.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import random
 import types
 
@@ -245,11 +247,12 @@ def _many_tones(tmp_path, n=48):
     return write_tone_dataset(tmp_path / "many", n=n)
 
 
+@pytest.mark.parametrize("packing", ["on", "per-clip"])
 def test_packed_run_resumes_mid_epoch_with_the_uninterrupted_losses(
-    tmp_path, tiny_run_config, monkeypatch
+    packing, tmp_path, tiny_run_config, monkeypatch
 ):
     data = _many_tones(tmp_path)
-    common = {"data": str(data), "packing": "on", "batch_size": 1, "eval_split": 0.0}
+    common = {"data": str(data), "packing": packing, "batch_size": 1, "eval_split": 0.0}
     reference = train(tiny_run_config(output_dir=str(tmp_path / "ref"), max_steps=5, **common))
     reference_losses, _ = losses_and_evaluations(reference.output_dir)
     config = tiny_run_config(max_steps=5, save_steps=1, save_total_limit=1, **common)
@@ -283,13 +286,40 @@ def test_packed_training_trains_on_windows_and_evaluates_single_clips(tmp_path, 
     assert all(len(text.split()) == 3 for text in evaluated)
 
 
+def test_per_clip_packing_decodes_each_clip_of_a_window_on_its_own(tmp_path, tiny_run_config):
+    data = _many_tones(tmp_path, n=40)
+    config = tiny_run_config(data=str(data), packing="per-clip", batch_size=2, eval_split=0.0)
+    recipe = FineTuneRecipe(config.validate())
+    recipe.setup()
+    state = types.SimpleNamespace(epoch=0, batches_in_epoch=0)
+    batch = next(recipe.data.steps(state))[0]
+    windows, positions = batch["clip_windows"], batch["clip_positions"]
+    # Two windows through the encoder, several clips each through the decoder, each with its
+    # own 3-word label (its own prefix and <|endoftext|>), not the window's joined one.
+    assert batch["input_features"].shape[0] == batch["size"] == 2
+    assert len(batch["texts"]) == len(windows) == batch["labels"].shape[0] > 2
+    assert all(len(text.split()) == 3 for text in batch["texts"])
+    eot = recipe.label_encoder.eot_id
+    assert [(row == eot).sum().item() for row in batch["labels"]] == [1] * len(windows)
+    # Each clip's encoder positions: 1.2 s of audio (60 positions, +1 where it straddles one),
+    # in order in its window, none shared with the clip before it (0.3 s gaps: 15 positions).
+    lengths = (positions[:, 1] - positions[:, 0]).tolist()
+    assert all(60 <= n <= 61 for n in lengths)
+    for window in (0, 1):
+        spans = positions[windows == window].tolist()
+        assert all(later[0] >= earlier[1] + 14 for earlier, later in itertools.pairwise(spans))
+    config.update({"output_dir": str(tmp_path / "trained"), "max_steps": 2})
+    losses, _ = losses_and_evaluations(train(config.validate()).output_dir)
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+
+
 def test_packing_is_refused_with_the_encoder_cache_and_reads_yaml_booleans(tiny_run_config):
     with pytest.raises(UserError, match="--packing on with the frozen encoder's cache"):
         tiny_run_config(packing="on", mode="freeze-encoder").validate()
     tiny_run_config(packing="on", mode="freeze-encoder", cache_encoder=False).validate()
     config = tiny_run_config(packing=True)  # YAML reads `packing: on` as true
     assert config.validate().data.packing == "on"
-    with pytest.raises(UserError, match="--packing maybe: expected on or off"):
+    with pytest.raises(UserError, match="--packing maybe: expected on, per-clip or off"):
         tiny_run_config(packing="maybe").validate()
 
 

@@ -16,6 +16,8 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 SCHEDULERS = ("linear", "constant_with_warmup")
 OPTIMIZERS = ("adamw", "adamw-fused", "adamw8bit")
 TASKS = ("transcribe", "translate")
+# --packing per-clip: packed windows whose clips are decoded one by one.
+PER_CLIP = "per-clip"
 # --report-to: where the metrics rows go besides metrics.jsonl (whisper_train.trackers).
 TRACKERS = ("tensorboard", "mlflow", "wandb", "none")
 
@@ -90,8 +92,11 @@ class DataConfig:
     )
     packing: str = _help(
         "on: pack short training clips into windows of at most 30 s of audio and 448 label "
-        "tokens (the encoder always runs on 30 s: packed, it runs on speech, not padding); "
-        "off: one clip a window. Evaluation is never packed.",
+        "tokens (the encoder always runs on 30 s: packed, it runs on speech, not padding), "
+        "each window labelled with its clips' transcripts joined; per-clip: the same windows, "
+        "each clip decoded on its own (its own label, cross-attending to its own part of the "
+        "window), as unpacked training decodes it; off: one clip a window. Evaluation is "
+        "never packed.",
         default="off",
     )
     packing_timestamps: str = _help(

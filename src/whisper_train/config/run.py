@@ -18,6 +18,7 @@ from whisper_train.config.options import (
     GROUPS,
     MODES,
     OPTIMIZERS,
+    PER_CLIP,
     PRECISIONS,
     SCHEDULERS,
     TASKS,
@@ -184,22 +185,23 @@ class RunConfig:
             ("--shuffle-buffer", d.shuffle_buffer),
         ):
             require_positive(flag, value)
-        d.packing = on_off("--packing", d.packing)
+        d.packing = on_off("--packing", d.packing, PER_CLIP)
         d.packing_timestamps = on_off("--packing-timestamps", d.packing_timestamps)
         if d.packing_timestamps == "on" and d.packing != "on":
             raise UserError(
-                "--packing-timestamps on labels packed windows: add --packing on, or drop "
+                "--packing-timestamps on labels joined packed windows: add --packing on, or drop "
                 "--packing-timestamps"
             )
-        if d.packing == "on" and t.group_by_length:
+        if self.packing_on and t.group_by_length:
             raise UserError(
-                "--group-by-length with --packing on: packed windows are batched as they are "
-                "planned; drop one of them"
+                f"--group-by-length with --packing {d.packing}: packed windows are batched as "
+                "they are planned; drop one of them"
             )
+        self._validate_per_clip()
         self._validate_stream()
         if self.packing_on and self.cache_encoder:
             raise UserError(
-                "--packing on with the frozen encoder's cache: the cache keeps each clip's "
+                f"--packing {d.packing} with the frozen encoder's cache: the cache keeps each clip's "
                 "encoder output, and packed windows are drawn anew every epoch, so none would "
                 "be reused; drop --packing (cached epochs already skip the encoder) or add "
                 "--no-cache-encoder"
@@ -297,6 +299,22 @@ class RunConfig:
         for refuse, why in refused:
             if refuse:
                 raise UserError(f"--fsdp with {why}")
+
+    def _validate_per_clip(self) -> None:
+        """--packing per-clip meets what it has been proven with (tests/test_clip_attention.py,
+        the combination matrix); the rest is refused here, not at step 1."""
+        if self.data.packing != PER_CLIP:
+            return
+        for unsupported, why in (
+            (self.stream_source() is not None, "streamed data (packs windows of its own)"),
+            (self.train.preserve_base, "--preserve-base (its frozen copy decodes whole windows)"),
+            (self.memory.compile, "--compile (the clips' routing runs hooks on tensors)"),
+        ):
+            if unsupported:
+                raise UserError(
+                    f"--packing per-clip is not supported with {why}: use --packing on, or "
+                    "drop the other option"
+                )
 
     def _validate_stream(self) -> None:
         """What a streamed --data (shards, or --streaming) cannot do: it has no length before
@@ -417,8 +435,13 @@ class RunConfig:
 
     @property
     def packing_on(self) -> bool:
-        """Whether training clips are packed into 30 s windows (`packing`)."""
-        return self.data.packing == "on"
+        """Whether training clips are packed into 30 s windows (`packing` on or per-clip)."""
+        return self.data.packing in ("on", PER_CLIP)
+
+    @property
+    def packing_per_clip(self) -> bool:
+        """Whether a packed window's clips are decoded one by one (`memory.clip_attention`)."""
+        return self.data.packing == PER_CLIP
 
     @property
     def packing_timestamps_on(self) -> bool:

@@ -90,15 +90,18 @@ def one_of(flag: str, value: str, allowed: tuple[str, ...]) -> None:
         raise UserError(f"{flag} {value}: expected one of {', '.join(allowed)}")
 
 
-def on_off(flag: str, value: Any) -> str:
+def on_off(flag: str, value: Any, *others: str) -> str:
     """'on' / 'off' from a flag's text; true/yes/1 and false/no/0 too (the YAML file's
-    `true` reaches here as the text "true", `coerce`)."""
+    `true` reaches here as the text "true", `coerce`). `others`: further words the flag
+    takes, named in the error."""
     text = str(value).strip().lower()
     if text in ("on", "true", "yes", "1"):
         return "on"
     if text in ("off", "false", "no", "0"):
         return "off"
-    raise UserError(f"{flag} {value}: expected on or off")
+    if text in others:
+        return text
+    raise UserError(f"{flag} {value}: expected {', '.join(('on', *others))} or off")
 
 
 _TRUE_WORDS = ("true", "yes", "y", "on", "1")

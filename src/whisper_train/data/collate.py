@@ -13,14 +13,26 @@ loss; padding is masked too. Labels are padded to the longest in the batch, not 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
+from whisper_train.audio import CHUNK_LENGTH, ENCODER_POSITIONS
 from whisper_train.data.examples import Skip
 from whisper_train.data.features import LogMel
+from whisper_train.data.labels import decoder_positions
 
 IGNORE_INDEX = -100  # ignored by torch's cross-entropy
+ENCODER_POSITIONS_PER_SECOND = ENCODER_POSITIONS / CHUNK_LENGTH  # 50: one per 2 mel frames
+
+
+def encoder_positions(start: float, end: float) -> tuple[int, int]:
+    """The encoder positions [first, last + 1) that hold audio from `start` to `end` seconds of
+    a window: every position a sample of the clip reaches, none beyond the window's."""
+    first = math.floor(start * ENCODER_POSITIONS_PER_SECOND)
+    last = math.ceil(end * ENCODER_POSITIONS_PER_SECOND)
+    return first, max(first + 1, min(last, ENCODER_POSITIONS))
 
 
 class SpeechCollator:
@@ -41,10 +53,12 @@ class SpeechCollator:
         good = [item for item in items if not isinstance(item, Skip)]
         # A packed window lists the clips it lost; one that lost them all holds nothing else.
         skipped += [skip for item in good for skip in item.get("skipped", ())]
-        good = [item for item in good if "tokens" in item]
+        good = [item for item in good if "tokens" in item or "clips" in item]
         batch: dict = {"skipped": skipped, "size": len(good)}
         if not good:
             return batch
+        if "clips" in good[0]:  # packed windows whose clips are decoded one by one
+            return self._per_clip(batch, good)
         batch.update(
             self.pad_labels([item["tokens"] for item in good], [item["n_prefix"] for item in good])
         )
@@ -56,9 +70,29 @@ class SpeechCollator:
             batch["audio"] = [item["audio"] for item in good]
         return batch
 
+    def _per_clip(self, batch: dict, windows: list[dict]) -> dict:
+        """Packed windows decoded clip by clip (`memory.clip_attention`): the windows' features,
+        and each clip's own label with the window it is in and its encoder positions there."""
+        clips = [clip for window in windows for clip in window["clips"]]
+        batch.update(self.pad_labels([c["tokens"] for c in clips], [c["n_prefix"] for c in clips]))
+        batch["texts"] = [clip["text"] for clip in clips]
+        batch["indices"] = torch.tensor([clip["index"] for clip in clips])
+        batch["clip_windows"] = torch.tensor(
+            [row for row, window in enumerate(windows) for _ in window["clips"]]
+        )
+        batch["clip_positions"] = torch.tensor(
+            [encoder_positions(*clip["seconds"]) for clip in clips], dtype=torch.long
+        )
+        audio = [window["audio"] for window in windows]
+        if self.log_mel is not None:
+            batch["input_features"] = self.log_mel(audio)
+        else:
+            batch["audio"] = audio
+        return batch
+
     def pad_labels(self, sequences: Sequence[list[int]], n_prefix: Sequence[int]) -> dict:
         """Token sequences → right-padded `decoder_input_ids` and masked `labels`."""
-        width = max(len(tokens) for tokens in sequences) - 1
+        width = max(decoder_positions(len(tokens)) for tokens in sequences)
         decoder_input_ids = torch.full((len(sequences), width), self.pad_token_id, dtype=torch.long)
         labels = torch.full((len(sequences), width), IGNORE_INDEX, dtype=torch.long)
         for row, (tokens, prefix) in enumerate(zip(sequences, n_prefix, strict=True)):

@@ -17,6 +17,7 @@ from torch.utils.data import Dataset
 
 from whisper_train.audio import load_audio
 from whisper_train.data.examples import Example, PackedExamples, Skip, decode_skip
+from whisper_train.data.packing import PackedWindow
 from whisper_train.data.screening import clip_problem
 from whisper_train.errors import AudioError
 
@@ -130,7 +131,7 @@ class SpeechDataset(Dataset):
 
     An index is a clip's position, or `(epoch, item)` where item is a clip's position or a tuple
     of them: a packed window (`packing`), its clips joined by `gap_seconds` of silence and its
-    label their transcripts in order (timestamped as `packing.window_timestamps` says). The epoch
+    label their transcripts in order (`packing.PackedWindow`). The epoch
     travels with the index because the training data source's batch sampler runs in the main
     process: loader workers (persistent or not) then
     draw augmentation and timestamp forms from (seed, epoch, clip), never from a stale copy.
@@ -146,6 +147,7 @@ class SpeechDataset(Dataset):
         gap_seconds: float = 0.3,
         cached=None,
         packing_timestamps: bool = False,
+        per_clip: bool = False,
     ):
         # Packed: the forked loader workers read it without each copying it (PackedExamples).
         self.examples = (
@@ -158,6 +160,8 @@ class SpeechDataset(Dataset):
         self.gap_seconds = gap_seconds
         # --packing-timestamps on: a packed window of 2+ clips is always labelled with times
         self.packing_timestamps = packing_timestamps
+        # --packing per-clip: a window's clips keep their own labels (`memory.clip_attention`)
+        self.per_clip = per_clip
         # example → whether the frozen encoder's output for it is on disk (`encoder_cache`):
         # such a clip needs neither its header read nor its audio decoded.
         self.cached = cached
@@ -217,51 +221,48 @@ class SpeechDataset(Dataset):
     def _window(self, indices: tuple[int, ...], epoch: int) -> dict:
         """A packed window: the usable clips of `indices` (each augmented on its own) joined by
         silence, labelled with their transcripts in order; `skipped` lists the others."""
-        from whisper_train.audio import CHUNK_LENGTH, SAMPLE_RATE
-        from whisper_train.data.packing import window_label, window_timestamps
-
-        if len(indices) == 1:  # a window of one clip is that clip, label and all
+        if len(indices) == 1 and not self.per_clip:  # that clip, label and all
             item = self[(epoch, indices[0])]
             return item if isinstance(item, Skip) else {**item, "skipped": []}
-        max_samples = int(CHUNK_LENGTH * SAMPLE_RATE)
-        gap = np.zeros(int(round(self.gap_seconds * SAMPLE_RATE)), dtype=np.float32)
-        pieces, texts, spans, skipped = [], [], [], []
-        at = 0  # samples so far
-        rng = None
+        window, skipped, rng = PackedWindow(self.gap_seconds), [], None
+        clips = []  # per clip: its own label, as unpacked (--packing per-clip)
         for index in indices:
             clip = self._clip(index, epoch)
             if isinstance(clip, Skip):
                 skipped.append(clip)
                 continue
             audio, clip_rng = clip
-            start = at + (len(gap) if pieces else 0)
-            if start + len(audio) > max_samples:  # planned lengths are headers': a guard
+            if not window.fits(audio):  # planned lengths are headers': a guard
                 skipped.append(
                     Skip(self.examples[index].origin, "no room left in its packed window")
                 )
                 continue
-            if pieces:
-                pieces.append(gap)
-            pieces.append(audio)
-            texts.append(self.examples[index].text)
-            spans.append((start / SAMPLE_RATE, (start + len(audio)) / SAMPLE_RATE))
-            at = start + len(audio)
+            window.add(audio, self.examples[index].text)
             rng = rng or clip_rng
-        if not pieces:
+            if self.per_clip:
+                tokens, n_prefix = self.label_encoder.encode(self.examples[index], rng=clip_rng)
+                clips.append(
+                    {
+                        "tokens": tokens,
+                        "n_prefix": n_prefix,
+                        "text": self.examples[index].text,
+                        "index": index,
+                        "seconds": window.spans[-1],
+                    }
+                )
+        if not len(window):
             return {"skipped": skipped}
-        language = self.examples[indices[0]].language
-        encoder = self.label_encoder
-        timestamps = window_timestamps(
-            encoder, len(texts), rng, packing_timestamps=self.packing_timestamps
+        if self.per_clip:
+            return {
+                "audio": window.audio(),
+                "clips": clips,
+                "index": indices[0],
+                "skipped": skipped,
+            }
+        item = window.item(
+            self.label_encoder,
+            language=self.examples[indices[0]].language,
+            rng=rng,
+            packing_timestamps=self.packing_timestamps,
         )
-        tokens, n_prefix = window_label(
-            encoder, texts, spans, language=language, timestamps=timestamps
-        )
-        return {
-            "audio": np.concatenate(pieces),
-            "tokens": tokens,
-            "n_prefix": n_prefix,
-            "text": " ".join(text.strip() for text in texts),
-            "index": indices[0],
-            "skipped": skipped,
-        }
+        return {**item, "index": indices[0], "skipped": skipped}

@@ -35,11 +35,40 @@ TASKS = ("transcribe", "translate")
 TIME_PRECISION = 0.02
 N_TIME_TOKENS = round(CHUNK_LENGTH / TIME_PRECISION) + 1  # 1501
 # Whisper's decoder has 448 positions (`max_target_positions` of every OpenAI checkpoint; where
-# a model is loaded, its config is the authority). A label from `encode`, <|startoftranscript|>
-# ... <|endoftext|>, of n tokens occupies n - 1 of them: the decoder reads every token but the
-# last and predicts every token but the first (`collate`). `LabelEncoder.decoder_tokens` counts
-# exactly that, and it is what must not exceed this limit.
+# a model is loaded, its config is the authority). What must not exceed it is a label's
+# `decoder_positions` (below).
 MAX_DECODER_TOKENS = 448
+
+
+# -- a label's size --------------------------------------------------------------------------
+# A label from `LabelEncoder.encode` is  prefix + body + <|endoftext|>: the prefix (n_prefix
+# tokens, <|startoftranscript|> first) and the body (the transcript's tokens, time tokens
+# included when timestamped). Its size is counted in decoder positions: the decoder reads every
+# token but the last and predicts every token but the first (`collate`), so a label occupies
+# one position fewer than it has tokens, <|endoftext|> taking the place <|startoftranscript|>
+# leaves: positions = n_prefix + body. That is the labels tensor's length and what every limit
+# bounds (MAX_DECODER_TOKENS, screening, check-data, a stream's label check, a packed window's
+# budget). The whole label's length in tokens (`LabelEncoder.count_tokens`) is what the
+# length-grouped sampler and the memory plan are given. Code converts between the three only
+# with these functions, so the derivation above holds in one place.
+def decoder_positions(n_tokens: int) -> int:
+    """Decoder positions a label of `n_tokens` tokens occupies."""
+    return n_tokens - 1
+
+
+def label_length(positions: int) -> int:
+    """Tokens of a label that occupies `positions` decoder positions."""
+    return positions + 1
+
+
+def body_length(n_tokens: int, n_prefix: int) -> int:
+    """Tokens between the prefix and the <|endoftext|> of a label of `n_tokens` tokens."""
+    return n_tokens - n_prefix - 1
+
+
+def label_positions(n_prefix: int, body: int) -> int:
+    """Decoder positions of a label with a prefix of `n_prefix` tokens and a body of `body`."""
+    return decoder_positions(n_prefix + body + 1)
 
 
 class _HasText(Protocol):
@@ -248,7 +277,7 @@ class LabelEncoder:
 
     def decoder_tokens_batch(self, examples: Sequence[_HasText]) -> list[int]:
         """`decoder_tokens` of every example (see `count_tokens_batch`)."""
-        return [n - 1 for n in self.count_tokens_batch(examples)]
+        return [decoder_positions(n) for n in self.count_tokens_batch(examples)]
 
     def _text_lengths(self, texts: list[str]) -> list[int]:
         """len(text_ids(text)) of every text, in one tokenizer call."""
@@ -263,10 +292,10 @@ class LabelEncoder:
         return [len(ids) for ids in encoded["input_ids"]]
 
     def decoder_tokens(self, example: _HasText) -> int:
-        """Decoder positions the longest label `encode` may produce for `example` occupies:
-        `count_tokens` less one (see MAX_DECODER_TOKENS). This, against the model's
-        `max_target_positions`, is what both `train`'s screening and `check-data` measure."""
-        return self.count_tokens(example) - 1
+        """`decoder_positions` of the longest label `encode` may produce for `example`. This,
+        against the model's `max_target_positions`, is what both `train`'s screening and
+        `check-data` measure."""
+        return decoder_positions(self.count_tokens(example))
 
     def _encode(self, example: _HasText, *, timestamps: bool) -> tuple[list[int], int]:
         prefix = self.prefix_ids(example.language, timestamps=timestamps)

@@ -27,7 +27,10 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from whisper_train.audio import CHUNK_LENGTH
+import numpy as np
+
+from whisper_train.audio import CHUNK_LENGTH, SAMPLE_RATE
+from whisper_train.data.labels import label_positions
 
 # Silence between two clips of a window. 0.3 s: longer than the pause inside a sentence
 # (~0.1-0.2 s), so a clip boundary still sounds like one, and short enough to cost little of
@@ -43,7 +46,7 @@ class ClipSize:
     """What packing needs to know of one clip."""
 
     seconds: float  # audio length (after the worst-case slowing of augmentation)
-    text_tokens: int  # tokens of its transcript alone (no prefix, no <|endoftext|>)
+    text_tokens: int  # its label's body (`labels.body_length`): no prefix, no <|endoftext|>
     language: str | None = None
     whole: bool = False  # a subtitle-cut window: never shares a window
 
@@ -61,23 +64,22 @@ def plan_windows(
 ) -> list[tuple[int, ...]]:
     """The windows of one epoch: tuples of clip indices (in their order in the window).
 
-    A window's decoder positions are `prefix_tokens` + its clips' `text_tokens` (+
-    `timestamp_tokens` per clip: 2 with timestamps) + <|endoftext|> - 1 (the label's first token
-    is read, never predicted), at most `max_tokens`; its audio, the clips plus a gap between
-    each two, at most `max_seconds`. A clip too long for either alone still gets a window of
-    its own (screening has already dropped clips over 30 s and labels over the limit).
+    A window's label, `prefix_tokens` and a body of its clips' `text_tokens` (+
+    `timestamp_tokens` per clip: 2 with timestamps), occupies at most `max_tokens` decoder
+    positions (`labels.label_positions`); its audio, the clips plus a gap between each two, at
+    most `max_seconds`. A clip too long for either alone still gets a window of its own
+    (screening has already dropped clips over 30 s and labels over the limit).
     Every clip is in exactly one window; windows are returned in a seeded random order.
     """
     rng = random.Random(f"{seed}:{epoch}:packing")
     order = list(range(len(clips)))
     rng.shuffle(order)
     windows: list[list[int]] = []
-    # per language: open windows as [clip indices, seconds, decoder positions]
+    # per language: open windows as [clip indices, seconds, tokens of their label's body]
     open_windows: dict[str | None, list[list]] = {}
-    base_positions = prefix_tokens  # prefix + <|endoftext|> - 1
     for index in order:
         clip = clips[index]
-        positions = clip.text_tokens + timestamp_tokens
+        body = clip.text_tokens + timestamp_tokens
         if clip.whole:
             windows.append([index])
             continue
@@ -86,14 +88,14 @@ def plan_windows(
             members, seconds, used = window
             if (
                 seconds + gap_seconds + clip.seconds <= max_seconds
-                and used + positions <= max_tokens
+                and label_positions(prefix_tokens, used + body) <= max_tokens
             ):
                 members.append(index)
                 window[1] = seconds + gap_seconds + clip.seconds
-                window[2] = used + positions
+                window[2] = used + body
                 break
         else:
-            candidates.append([[index], clip.seconds, base_positions + positions])
+            candidates.append([[index], clip.seconds, body])
             if len(candidates) > OPEN_WINDOWS:  # the fullest is closed: least room left
                 fullest = max(range(len(candidates)), key=lambda i: candidates[i][1])
                 windows.append(candidates.pop(fullest)[0])
@@ -118,6 +120,62 @@ def fill_ratio(
     """Share of the encoder's input that is speech: clip seconds over windows x 30 s."""
     speech = sum(min(clip.seconds, max_seconds) for clip in clips)  # an unreadable one: inf
     return speech / (len(windows) * max_seconds) if windows else 0.0
+
+
+class PackedWindow:
+    """One packed window as it is built: clips laid out in the order added, `gap_seconds` of
+    silence between two, then labelled by `item`. Data read whole (`SpeechDataset`) and a
+    stream (`SpeechStream`) both build their windows with it, so a window's audio and label do
+    not depend on how its clips were read."""
+
+    def __init__(self, gap_seconds: float = DEFAULT_GAP_SECONDS):
+        self.gap = np.zeros(int(round(gap_seconds * SAMPLE_RATE)), dtype=np.float32)
+        self.max_samples = int(CHUNK_LENGTH * SAMPLE_RATE)
+        self.pieces: list[np.ndarray] = []  # clips and the gaps between them
+        self.texts: list[str] = []
+        self.spans: list[tuple[float, float]] = []  # each clip's (start, end) in seconds
+        self.samples = 0
+
+    def __len__(self) -> int:
+        """Clips in the window."""
+        return len(self.texts)
+
+    def _next_start(self) -> int:
+        return self.samples + (len(self.gap) if self.pieces else 0)
+
+    def fits(self, audio: np.ndarray) -> bool:
+        """Whether `audio`, added next, would end within the 30 s window."""
+        return self._next_start() + len(audio) <= self.max_samples
+
+    def add(self, audio: np.ndarray, text: str) -> None:
+        """Append a clip (whether it `fits` is the caller's to decide)."""
+        start = self._next_start()
+        if self.pieces:
+            self.pieces.append(self.gap)
+        self.pieces.append(audio)
+        self.texts.append(text)
+        self.spans.append((start / SAMPLE_RATE, (start + len(audio)) / SAMPLE_RATE))
+        self.samples = start + len(audio)
+
+    def audio(self) -> np.ndarray:
+        """The window's samples: its clips and the gaps between them."""
+        return np.concatenate(self.pieces)
+
+    def item(self, label_encoder, *, language: str | None, rng, packing_timestamps: bool) -> dict:
+        """{"audio", "tokens", "n_prefix", "text"} of a window of at least one clip; its label's
+        form (timestamped or not) is drawn from `rng` (`window_timestamps`)."""
+        timestamps = window_timestamps(
+            label_encoder, len(self.texts), rng, packing_timestamps=packing_timestamps
+        )
+        tokens, n_prefix = window_label(
+            label_encoder, self.texts, self.spans, language=language, timestamps=timestamps
+        )
+        return {
+            "audio": self.audio(),
+            "tokens": tokens,
+            "n_prefix": n_prefix,
+            "text": " ".join(text.strip() for text in self.texts),
+        }
 
 
 def window_label(

@@ -37,7 +37,7 @@ from whisper_train.data import streaming
 from whisper_train.data.collate import IGNORE_INDEX
 from whisper_train.data.examples import Example, Skip
 from whisper_train.data.features import SpeechDataset
-from whisper_train.data.labels import MAX_DECODER_TOKENS
+from whisper_train.data.labels import MAX_DECODER_TOKENS, body_length
 from whisper_train.data.screening import read_audio_seconds, summarize_skips
 from whisper_train.errors import AudioError, UserError
 from whisper_train.runlog import say
@@ -278,9 +278,11 @@ class WholeData:
         if self.clip_sizes is not None:
             windows = self.windows(0)
             fill = packing_module.fill_ratio(self.clip_sizes, windows)
+            decoded = "each clip decoded on its own, " if self.dataset.per_clip else ""
             text += (
                 f", packed into {len(windows)} windows of <= 30 s (speech "
-                f"{100 * fill:.0f}% of the encoder's input; --packing off trains them one by one)"
+                f"{100 * fill:.0f}% of the encoder's input; {decoded}--packing off trains them "
+                "one by one)"
             )
         if not self.strict:
             text += (
@@ -472,7 +474,7 @@ def clip_sizes(
             prefix_lengths[example.language] = len(
                 label_encoder.prefix_ids(example.language, timestamps=False)
             )
-        text_tokens = n_tokens - prefix_lengths[example.language] - 1
+        text_tokens = body_length(n_tokens, prefix_lengths[example.language])
         sizes.append(
             packing_module.ClipSize(
                 seconds=seconds * stretch,
@@ -537,6 +539,7 @@ def build_training_data(
         gap_seconds=packing_module.DEFAULT_GAP_SECONDS,
         cached=cached,
         packing_timestamps=config.packing_timestamps_on,
+        per_clip=config.packing_per_clip,
     )
     sizes, prefix, per_clip = None, 0, 0
     if config.packing_on:

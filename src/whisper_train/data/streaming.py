@@ -54,6 +54,7 @@ from whisper_train.audio import (
     read_header,
 )
 from whisper_train.data.examples import Example, Skip, decode_skip
+from whisper_train.data.labels import body_length, decoder_positions, label_positions
 from whisper_train.data.layouts import (
     AUDIO_COLUMNS,
     DATASETS_EXTRA,
@@ -61,6 +62,7 @@ from whisper_train.data.layouts import (
     LAYOUTS,
     TEXT_COLUMNS,
 )
+from whisper_train.data.packing import PackedWindow
 from whisper_train.errors import AudioError, UserError
 
 STREAM_FORMATS = ("webdataset", "parquet")
@@ -417,50 +419,10 @@ class SpeechStream(torch.utils.data.IterableDataset):
         next window). A window is handed out with the last row it covers, skips included, so
         the rows a checkpoint counts as consumed are exactly those of the windows trained on:
         a resumed worker starts its next window at that row, as the uninterrupted one did."""
-        from whisper_train.data.packing import window_label, window_timestamps
-
-        gap = int(round(self.gap_seconds * SAMPLE_RATE))
-        max_samples = int(CHUNK_LENGTH * SAMPLE_RATE)
         # 2 time tokens a clip wherever a window's label may be timestamped
         per_clip = 2 if self.label_encoder.timestamps or self.packing_timestamps else 0
-        pending: list[tuple[int, dict]] = []  # (row, item) of the open window
-        skipped: list[Skip] = []
-        state = {"samples": 0, "positions": 0, "language": None}
-
-        def close(worker: int, last_row: int):
-            clips = [item for _, item in pending]
-            texts, spans, pieces, at = [], [], [], 0
-            for item in clips:
-                start = at + (gap if pieces else 0)
-                if pieces:
-                    pieces.append(np.zeros(gap, dtype=np.float32))
-                pieces.append(item["audio"])
-                texts.append(item["text"])
-                spans.append((start / SAMPLE_RATE, (start + len(item["audio"])) / SAMPLE_RATE))
-                at = start + len(item["audio"])
-            window: dict = {"skipped": list(skipped)}
-            if clips:
-                first_row = pending[0][0]
-                rng = random.Random(f"{self.seed}:{self.epoch}:{worker}:{first_row}:window")
-                encoder = self.label_encoder
-                timestamps = window_timestamps(
-                    encoder, len(texts), rng, packing_timestamps=self.packing_timestamps
-                )
-                tokens, n_prefix = window_label(
-                    encoder, texts, spans, language=state["language"], timestamps=timestamps
-                )
-                window.update(
-                    audio=np.concatenate(pieces),
-                    tokens=tokens,
-                    n_prefix=n_prefix,
-                    text=" ".join(texts),
-                    index=first_row,
-                )
-            pending.clear()
-            skipped.clear()
-            state.update(samples=0, positions=0, language=None)
-            return worker, last_row, window
-
+        window, skipped = PackedWindow(self.gap_seconds), []
+        first_row, n_prefix, body, language = 0, 0, 0, None  # of the open window's label
         last = None  # (worker, row) of the last row read
         for worker, index, item in rows:
             if item is REPLAYED:
@@ -470,22 +432,47 @@ class SpeechStream(torch.utils.data.IterableDataset):
                 skipped.append(item)
                 last = (worker, index)
                 continue
-            text_tokens = len(item["tokens"]) - item["n_prefix"] - 1 + per_clip
-            language = item.get("language")
-            samples = state["samples"] + (gap if pending else 0) + len(item["audio"])
-            positions = (state["positions"] or item["n_prefix"]) + text_tokens
-            if pending and (
-                samples > max_samples
-                or positions > self.max_label_tokens
-                or language != state["language"]
+            clip_body = body_length(len(item["tokens"]), item["n_prefix"]) + per_clip
+            if len(window) and (
+                not window.fits(item["audio"])
+                or label_positions(n_prefix, body + clip_body) > self.max_label_tokens
+                or item.get("language") != language
             ):
-                yield close(worker, index - 1)
-                samples, positions = len(item["audio"]), item["n_prefix"] + text_tokens
-            pending.append((index, item))
-            state.update(samples=samples, positions=positions, language=language)
+                yield self._window_item(window, skipped, worker, index - 1, first_row, language)
+                window, skipped = PackedWindow(self.gap_seconds), []
+            if not len(window):
+                first_row, n_prefix, body = index, item["n_prefix"], 0
+                language = item.get("language")
+            window.add(item["audio"], item["text"])
+            body += clip_body
             last = (worker, index)
-        if last is not None and (pending or skipped):
-            yield close(*last)
+        if last is not None and (len(window) or skipped):
+            yield self._window_item(window, skipped, *last, first_row, language)
+
+    def _window_item(
+        self,
+        window: PackedWindow,
+        skipped: list[Skip],
+        worker: int,
+        last_row: int,
+        first_row: int,
+        language: str | None,
+    ) -> tuple[int, int, dict]:
+        """(worker, last row, window item) of a closed window; one that holds no clip carries
+        only the skips."""
+        item: dict = {"skipped": skipped}
+        if len(window):
+            rng = random.Random(f"{self.seed}:{self.epoch}:{worker}:{first_row}:window")
+            item.update(
+                window.item(
+                    self.label_encoder,
+                    language=language,
+                    rng=rng,
+                    packing_timestamps=self.packing_timestamps,
+                ),
+                index=first_row,
+            )
+        return worker, last_row, item
 
     def _item(self, row: dict, worker: int, index: int) -> dict | Skip:
         where = read_row(row, self.columns, f"stream row {worker}:{index}")
@@ -509,11 +496,12 @@ class SpeechStream(torch.utils.data.IterableDataset):
             tokens, n_prefix = self.label_encoder.encode(example, rng=rng)
         except UserError as exc:  # a language the model cannot write, for one row
             return Skip(where.origin, "unusable language", str(exc))
-        if len(tokens) - 1 > self.max_label_tokens:
+        positions = decoder_positions(len(tokens))
+        if positions > self.max_label_tokens:
             return Skip(
                 where.origin,
                 f"label longer than {self.max_label_tokens} tokens",
-                f"{len(tokens) - 1} tokens",
+                f"{positions} tokens",
             )
         if self.augmenter is not None:
             audio = self.augmenter(audio, rng)

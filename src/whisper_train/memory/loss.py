@@ -26,6 +26,7 @@ from torch import nn
 from whisper_train.data.collate import IGNORE_INDEX
 from whisper_train.errors import UserError
 from whisper_train.memory.checkpointing import checkpointing_on, recomputed_decoder_layers
+from whisper_train.memory.clip_attention import clips_routed
 from whisper_train.memory.cross_attention import folded_cross_attention
 from whisper_train.memory.sharding import gathered_weight
 from whisper_train.memory.wrappers import is_peft_model, unwrapped, whisper_of
@@ -175,7 +176,8 @@ def loss_terms(
         # Adapters on the output head (peft wraps it): only the model knows its logits.
         if preserving:
             return _full_vocabulary_terms(model, inputs, batch["labels"], preserve)
-        loss = model(**inputs, labels=batch["labels"]).loss
+        with clips_routed(whisper, batch):
+            loss = model(**inputs, labels=batch["labels"]).loss
         return LossTerms(loss, loss, None)
     base_states = base_weight = None
     if preserving:  # first, so its activations are gone before the trained forward saves any
@@ -187,7 +189,8 @@ def loss_terms(
         enabled="encoder_outputs" in inputs,
         recomputed=recomputed_decoder_layers(whisper) if torch.is_grad_enabled() else (),
     )
-    with _projection_deferred(whisper), folded:
+    # A packed per-clip micro-batch: each clip's decoder pass on its own encoder positions.
+    with _projection_deferred(whisper), folded, clips_routed(whisper, batch):
         decoder_states = model(**inputs).logits  # (batch, T, d_model): hidden states here
     labels = batch["labels"].to(decoder_states.device)
     keep = labels != IGNORE_INDEX

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from whisper_train.config import RunConfig
 from whisper_train.data import streaming
 from whisper_train.data.examples import Example, PackedExamples
-from whisper_train.data.labels import LabelEncoder, with_language
+from whisper_train.data.labels import LabelEncoder, label_length, with_language
 from whisper_train.data.layouts import load_examples
 from whisper_train.data.screening import (
     Screening,
@@ -107,10 +107,12 @@ def prepare_datasets(
             "run `whisper-train check-data` on it to see why"
         )
     # Screening counted decoder positions; the memory plan and the length sampler take whole
-    # labels (`LabelEncoder.count_tokens`), one token more.
+    # labels (`LabelEncoder.count_tokens`).
     # Packed now, so that no list of objects outlives start-up (see PackedExamples).
     return Datasets(
-        PackedExamples(kept_train), kept_eval, [n + 1 for n in train_screening.label_tokens]
+        PackedExamples(kept_train),
+        kept_eval,
+        [label_length(positions) for positions in train_screening.label_tokens],
     )
 
 

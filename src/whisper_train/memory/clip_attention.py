@@ -1,0 +1,138 @@
+"""Packed windows with one decoder pass per clip (`--packing per-clip`).
+
+The encoder runs once on a 30 s window holding several clips; each clip then has its own decoder
+pass, which learns that clip's own label (its own prefix, its own <|endoftext|>) and
+cross-attends only to that clip's encoder positions: what unpacked training teaches, at the
+encoder cost of packing. A packed micro-batch holds W windows and C >= W clips:
+
+    input_features     (W, n_mels, frames)   the windows
+    decoder_input_ids  (C, T), labels (C, T) each clip's own label
+    clip_windows       (C,)                  the window each clip is in
+    clip_positions     (C, 2)                its encoder positions [start, end) in that window
+
+The model's own forward runs (through DDP, FSDP and peft, so gradients synchronise as for any
+batch), given the windows' features and the clips' decoder inputs; two hooks, installed once
+per model (`route_clips`), join the two batch sizes:
+
+- on the encoder: its output for the W windows, (W, S, d), becomes each clip's own positions,
+  (C, L, d), L the longest clip's (the shorter ones padded);
+- on each decoder layer's cross-attention: a key mask that hides that padding.
+
+The encoder hook acts once, on the next encoder forward after `ClipRouter.arm`: the one inside
+the model call `loss_terms` makes. The mask hook acts only where the keys are that very gathered
+tensor (by identity): a decoder layer recomputed under checkpointing, in backward after the
+forward has returned, is given the same tensor and so gets the same mask; any other forward
+(generation, evaluation, a micro-batch of single clips) meets other tensors and runs as if no
+hook were there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# The attribute of a Whisper model that holds its router once `route_clips` installed it.
+_ROUTER = "_whisper_train_clip_router"
+
+
+@dataclass
+class ClipRoute:
+    """Where each clip of a packed micro-batch is: its window and encoder positions."""
+
+    windows: torch.Tensor  # (C,) long
+    starts: torch.Tensor  # (C,) long, encoder positions
+    ends: torch.Tensor  # (C,) long, exclusive
+
+
+class ClipRouter:
+    """The two hooks' shared state: the route armed for the next encoder forward, and the
+    gathered keys and mask of the last one it made."""
+
+    def __init__(self, whisper: nn.Module):
+        self.pending: ClipRoute | None = None
+        self.keys: weakref.ref | None = None  # the gathered encoder outputs, (C, L, d)
+        self.mask: torch.Tensor | None = None  # (C, 1, 1, L): True where a key is the clip's
+        self.eager = getattr(whisper.config, "_attn_implementation", "sdpa") == "eager"
+
+    def arm(self, route: ClipRoute | None) -> None:
+        """The next encoder forward gathers `route`'s clips (None: it runs as it is)."""
+        self.pending = route
+
+    def encoder_hook(self, module, args, kwargs, output):
+        route, self.pending = self.pending, None
+        if route is None:
+            return output
+        keys, mask = gather_clip_positions(output[0], route)
+        self.keys, self.mask = weakref.ref(keys), mask
+        output["last_hidden_state"] = keys
+        return output
+
+    def cross_attention_hook(self, module, args, kwargs):
+        keys = kwargs.get("key_value_states")
+        if keys is None or self.keys is None or keys is not self.keys():
+            return None
+        mask = self.mask
+        if self.eager:  # eager attention adds its mask to the scores
+            blocked = torch.finfo(torch.float32).min
+            mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, blocked)
+        return args, {**kwargs, "attention_mask": mask}
+
+
+def gather_clip_positions(
+    encoded: torch.Tensor, route: ClipRoute
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(C, L, d) encoder outputs of each clip (its window's positions [start, end), padded
+    with copies of its last one up to L, the longest clip's length) and the (C, 1, 1, L) mask
+    that is True on each clip's own positions."""
+    device = encoded.device
+    starts, ends = route.starts.to(device), route.ends.to(device)
+    lengths = ends - starts
+    width = int(lengths.max())
+    offsets = torch.arange(width, device=device)
+    valid = offsets[None, :] < lengths[:, None]  # (C, L)
+    positions = starts[:, None] + torch.minimum(offsets[None, :], lengths[:, None] - 1)
+    keys = encoded[route.windows.to(device)[:, None], positions]  # (C, L, d)
+    return keys, valid[:, None, None, :]
+
+
+def route_clips(whisper: nn.Module) -> ClipRouter:
+    """The model's router, its hooks installed on first use (they stay: idle until armed)."""
+    router = getattr(whisper, _ROUTER, None)
+    if router is None:
+        router = ClipRouter(whisper)
+        whisper.model.encoder.register_forward_hook(router.encoder_hook, with_kwargs=True)
+        for layer in whisper.model.decoder.layers:
+            layer.encoder_attn.register_forward_pre_hook(
+                router.cross_attention_hook, with_kwargs=True
+            )
+        object.__setattr__(whisper, _ROUTER, router)  # not a submodule, not in the state dict
+    return router
+
+
+def clip_route(batch: dict) -> ClipRoute | None:
+    """The route of a packed per-clip micro-batch; None for any other batch."""
+    if "clip_windows" not in batch:
+        return None
+    positions = batch["clip_positions"]
+    return ClipRoute(batch["clip_windows"], positions[:, 0], positions[:, 1])
+
+
+@contextlib.contextmanager
+def clips_routed(whisper: nn.Module, batch: dict) -> Iterator[None]:
+    """Inside, the model's next forward routes `batch`'s clips (when it is a packed per-clip
+    micro-batch; else nothing changes). The mask stays for the recomputations of backward."""
+    route = clip_route(batch)
+    if route is None:
+        yield
+        return
+    router = route_clips(whisper)
+    router.arm(route)
+    try:
+        yield
+    finally:
+        router.arm(None)  # a forward that failed before its encoder ran leaves nothing armed

@@ -1,0 +1,124 @@
+"""Packed windows with one decoder pass per clip (`memory.clip_attention`): the routed loss is
+the loss of each clip decoded alone on its own encoder positions, gradients included, with and
+without checkpointing, on both attention kernels; and the hooks leave every other forward alone.
+
+The reference runs the encoder on the windows, then the decoder once per clip on exactly that
+clip's positions (no padding, no mask), and takes the token mean over all clips: what
+`--packing per-clip` promises each step learns. Compared in float64, where a wrong position, a
+mask that leaks onto padding or a recomputation without its mask is many orders of magnitude
+above the rounding of two summation orders.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny_models import EOT, LORA, SOT, fresh_short_whisper, nonzero_lora_b, trainable_gradients
+
+from whisper_train.data.collate import IGNORE_INDEX
+from whisper_train.memory import loss_terms, prepare_model
+from whisper_train.memory.clip_attention import gather_clip_positions, route_clips
+from whisper_train.memory.wrappers import whisper_of
+
+# Two 1-second windows (50 encoder positions each): window 0 holds clips 0 and 1, window 1
+# holds clip 2; clip lengths differ so that two of them are padded in the gathered keys.
+SPANS = [(0, 0, 18), (0, 22, 47), (1, 5, 31)]  # (window, start, end) in encoder positions
+LABELS = [[1000, 2000, 3000, EOT], [400, 500, EOT], [7, 8, 9, 10, 11, EOT]]
+
+
+def packed_batch() -> dict:
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(2, 80, 100, generator=generator, dtype=torch.float64)
+    width = max(len(label) for label in LABELS)
+    labels = torch.full((len(LABELS), width), IGNORE_INDEX)
+    for row, label in enumerate(LABELS):
+        labels[row, : len(label)] = torch.tensor(label)
+    decoder_input_ids = torch.cat([torch.full((len(LABELS), 1), SOT), labels[:, :-1]], dim=1)
+    decoder_input_ids[decoder_input_ids == IGNORE_INDEX] = EOT
+    return {
+        "input_features": features,
+        "decoder_input_ids": decoder_input_ids,
+        "labels": labels,
+        "clip_windows": torch.tensor([w for w, _, _ in SPANS]),
+        "clip_positions": torch.tensor([[s, e] for _, s, e in SPANS]),
+    }
+
+
+def build(mode: str, checkpointing: str, attn: str) -> torch.nn.Module:
+    model = fresh_short_whisper(attn).double()
+    torch.manual_seed(1)
+    model = prepare_model(model, mode=mode, checkpointing=checkpointing, lora=LORA)
+    return nonzero_lora_b(model).train()
+
+
+def reference_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """Each clip decoded alone on its own positions; the token mean over all of them."""
+    whisper = whisper_of(model)
+    encoded = whisper.model.encoder(batch["input_features"]).last_hidden_state
+    total, tokens = 0.0, 0
+    for row, (window, start, end) in enumerate(SPANS):
+        keep = batch["labels"][row] != IGNORE_INDEX
+        states = whisper.model.decoder(
+            input_ids=batch["decoder_input_ids"][row : row + 1, : int(keep.sum())],
+            encoder_hidden_states=encoded[window : window + 1, start:end],
+        ).last_hidden_state[0]
+        logits = whisper.proj_out(states)
+        total = total + torch.nn.functional.cross_entropy(
+            logits, batch["labels"][row][keep], reduction="sum"
+        )
+        tokens += int(keep.sum())
+    return total / tokens
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("checkpointing", ["off", "full"])
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_a_routed_step_is_each_clip_decoded_alone(mode, checkpointing, attn):
+    batch = packed_batch()
+    reference = build(mode, "off", attn)
+    expected = reference_loss(reference, batch)
+    expected.backward()
+    routed = build(mode, checkpointing, attn)
+    loss = loss_terms(routed, batch).loss
+    loss.backward()
+    # float64: two summation orders of the same ~1e1 loss agree to ~1e-14.
+    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-10)
+    got, want = trainable_gradients(routed), trainable_gradients(reference)
+    assert got.keys() == want.keys() and all(g is not None for g in got.values())
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, want[name], rtol=1e-8, atol=1e-10, msg=name)
+
+
+def test_padding_is_hidden_and_the_hooks_leave_other_forwards_alone():
+    model = build("full", "full", "sdpa")
+    batch = packed_batch()
+    loss_terms(model, batch).loss.backward()  # installs and uses the hooks
+    whisper = whisper_of(model)
+    plain = {key: batch[key][:2] for key in ("decoder_input_ids", "labels")}
+    plain["input_features"] = batch["input_features"]
+    untouched = copy.deepcopy(fresh_short_whisper("sdpa")).double().train()
+    untouched.load_state_dict(whisper.state_dict())
+    # A batch of whole windows and their own labels, after a routed one: the hooks are idle.
+    torch.testing.assert_close(
+        loss_terms(model, plain).loss, loss_terms(untouched, plain).loss, rtol=0, atol=0
+    )
+    with torch.no_grad():
+        generated = whisper.generate(batch["input_features"][:1], max_new_tokens=3)
+        fresh = untouched.generate(batch["input_features"][:1], max_new_tokens=3)
+    assert torch.equal(generated, fresh)
+    assert route_clips(whisper) is route_clips(whisper)  # installed once
+
+
+def test_gathered_positions_and_mask():
+    encoded = torch.arange(2 * 6, dtype=torch.float32).view(2, 6, 1)
+    route = type("Route", (), {})()
+    route.windows, route.starts, route.ends = (
+        torch.tensor([0, 1]),
+        torch.tensor([1, 0]),
+        torch.tensor([4, 2]),
+    )
+    keys, mask = gather_clip_positions(encoded, route)
+    assert keys[..., 0].tolist() == [[1, 2, 3], [6, 7, 7]]  # the short clip padded by its last
+    assert mask[:, 0, 0].tolist() == [[True, True, True], [True, True, False]]

@@ -335,7 +335,9 @@ def test_packing_timestamps_is_a_flag_and_a_yaml_key_and_needs_packing(tiny_run_
     assert config.packing_timestamps_on
     assert not config_from_args(parser.parse_args(["--packing", "on"])).packing_timestamps_on
     assert tiny_run_config(packing=True, packing_timestamps=True).validate().packing_timestamps_on
-    with pytest.raises(UserError, match="--packing-timestamps on labels packed windows: add"):
+    with pytest.raises(
+        UserError, match="--packing-timestamps on labels joined packed windows: add"
+    ):
         tiny_run_config(packing_timestamps="on").validate()
 
 

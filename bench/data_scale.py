@@ -170,6 +170,8 @@ def startup_worker(manifest: str, model: str, output_dir: str, mode: str) -> dic
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
     from whisper_train.config import RunConfig
+    from whisper_train.training import retention
+    from whisper_train.training import setup_phases as phases_module
     from whisper_train.training.launch import ddp_settings
     from whisper_train.training.recipe import FineTuneRecipe
 
@@ -190,23 +192,58 @@ def startup_worker(manifest: str, model: str, output_dir: str, mode: str) -> dic
     phases = {}
     start = time.perf_counter()
 
-    def timed(phase, build, *args):
+    def timed(phase, build, *args, **kwargs):
         began = time.perf_counter()
-        built = build(*args)
+        built = build(*args, **kwargs)
         phases[phase] = time.perf_counter() - began
         return built
 
     # The recipe's setup phases up to the loaders, in `FineTuneRecipe.setup`'s order.
     model, recipe.processor, recipe.label_encoder = timed(
-        "model_and_labels", recipe._setup_model_and_labels
+        "model_and_labels", phases_module.setup_model_and_labels, config
     )
     recipe.precision, recipe.accelerator = timed(
-        "accelerator", recipe._setup_accelerator, ddp_settings(model)
+        "accelerator", phases_module.setup_accelerator, config, ddp_settings(model)
     )
-    recipe.datasets = timed("data", recipe._setup_data, model, recipe.label_encoder)
-    model, _, _ = timed("memory", recipe._setup_memory, model, ddp_settings(model))
-    recipe.encoder_cache, recipe.frozen_encoder = recipe._setup_encoder_cache(model)
-    recipe.data, _, _ = timed("loaders", recipe._setup_loaders, model)
+    recipe.datasets = timed("data", phases_module.setup_data, config, model, recipe.label_encoder)
+    model, _, _ = timed(
+        "memory",
+        phases_module.setup_memory,
+        config,
+        model,
+        ddp_settings(model),
+        accelerator=recipe.accelerator,
+        precision=recipe.precision,
+        datasets=recipe.datasets,
+        label_encoder=recipe.label_encoder,
+    )
+    disk_needed = retention.check_room_for_run(
+        model,
+        config.train,
+        evaluating=recipe.evaluating,
+        output_dir=recipe.output_dir,
+        resume_from=recipe.resume_from,
+    )
+    recipe.encoder_cache, recipe.frozen_encoder = phases_module.setup_encoder_cache(
+        config,
+        model,
+        processor=recipe.processor,
+        precision=recipe.precision,
+        datasets=recipe.datasets,
+        accelerator=recipe.accelerator,
+        reserve_bytes=disk_needed,
+    )
+    recipe.data, _, _ = timed(
+        "loaders",
+        phases_module.setup_loaders,
+        config,
+        model,
+        processor=recipe.processor,
+        label_encoder=recipe.label_encoder,
+        datasets=recipe.datasets,
+        encoder_cache=recipe.encoder_cache,
+        accelerator=recipe.accelerator,
+    )
     seconds = time.perf_counter() - start
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {

@@ -276,6 +276,7 @@ def whisper_train_worker(spec: dict) -> dict:
     from transformers import WhisperProcessor
 
     from whisper_train.cli import main as whisper_train_main
+    from whisper_train.training.finish import whole_model
     from whisper_train.training.recipe import FineTuneRecipe
 
     processor = WhisperProcessor.from_pretrained(spec["model_dir"])
@@ -288,7 +289,9 @@ def whisper_train_worker(spec: dict) -> dict:
 
     def timed_after_step(recipe, step):
         after_step(recipe, step)  # its logging and checks are the loop's (--only-train: no eval)
-        marks.reached(recipe.state.step, recipe._whole_model)
+        marks.reached(
+            recipe.state.step, lambda: whole_model(recipe.model, recipe.config, recipe.accelerator)
+        )
 
     FineTuneRecipe.train, FineTuneRecipe._after_step = timed_train, timed_after_step
     if code := whisper_train_main(["train", *spec["argv"]]):

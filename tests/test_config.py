@@ -238,11 +238,11 @@ def test_a_non_finite_learning_rate_stops_the_real_process_in_one_line(
 def test_resume_reads_the_saved_config_as_the_config_file_is_read(tmp_path):
     """A checkpoint's whisper-train.yaml written by hand (or by another YAML tool) with a plain
     `packing: on`: the resume check reads `on`, as --config would, not YAML 1.1's True."""
-    from whisper_train.training import checkpoints
+    from whisper_train.training import resume
 
-    (tmp_path / checkpoints.CONFIG_FILE).write_text("data: {packing: on, language: no}\n")
+    (tmp_path / resume.CONFIG_FILE).write_text("data: {packing: on, language: no}\n")
     config = RunConfig.from_flat({"packing": "on", "language": "no"}).validate()
-    checkpoints.check_resume_options(tmp_path, config)  # the same options: no refusal
+    resume.check_resume_options(tmp_path, config)  # the same options: no refusal
     config.data.packing = "off"
     with pytest.raises(UserError, match="--packing off differs from the checkpoint's on"):
-        checkpoints.check_resume_options(tmp_path, config)
+        resume.check_resume_options(tmp_path, config)

@@ -20,7 +20,9 @@ from safetensors.torch import load_file
 
 import whisper_train.data.features as features_module
 import whisper_train.training.checkpoints as checkpoints_module
+import whisper_train.training.finish as finish_module
 import whisper_train.training.recipe as recipe_module
+import whisper_train.training.retention as retention_module
 from whisper_train.cli import main
 from whisper_train.errors import AudioError, UserError
 from whisper_train.training.train import train
@@ -416,10 +418,10 @@ def test_the_free_space_check_counts_what_rotation_keeps_at_its_peak(
     out = tmp_path / "out"
     asked, peak = [], [0]
     real_check, real_rotate = (
-        checkpoints_module.check_free_space,
-        checkpoints_module.rotate_checkpoints,
+        retention_module.check_free_space,
+        retention_module.rotate_checkpoints,
     )
-    real_final = recipe_module.save_final
+    real_final = finish_module.save_final
 
     def check(output_dir, needed, *, what):
         asked.append((needed, what))
@@ -443,9 +445,9 @@ def test_the_free_space_check_counts_what_rotation_keeps_at_its_peak(
         measure()
         return folder
 
-    monkeypatch.setattr(checkpoints_module, "check_free_space", check)
-    monkeypatch.setattr(checkpoints_module, "rotate_checkpoints", rotate)
-    monkeypatch.setattr(recipe_module, "save_final", save_final)
+    monkeypatch.setattr(retention_module, "check_free_space", check)
+    monkeypatch.setattr(retention_module, "rotate_checkpoints", rotate)
+    monkeypatch.setattr(finish_module, "save_final", save_final)
     train(tiny_run_config(max_steps=4, save_steps=1, save_total_limit=2))
 
     [(needed, what)] = asked
@@ -481,6 +483,7 @@ import safetensors.torch
 import torch
 
 import whisper_train.training.checkpoints as checkpoints
+import whisper_train.training.retention as retention
 
 
 def install(kill_at, mode, log, setattr=setattr):
@@ -543,7 +546,7 @@ def install(kill_at, mode, log, setattr=setattr):
         return call
 
     setattr(checkpoints, "save_checkpoint", counted(checkpoints.save_checkpoint))
-    setattr(checkpoints, "rotate_checkpoints", counted(checkpoints.rotate_checkpoints))
+    setattr(retention, "rotate_checkpoints", counted(retention.rotate_checkpoints))
 """
 
 
@@ -852,12 +855,12 @@ def test_the_main_process_final_work_outlasts_the_collective_timeout(
         "        return real_init(*args, **kwargs)\n"
         "    dist.init_process_group = init\n"
         "    if os.environ['RANK'] == '0':\n"
-        "        import whisper_train.training.recipe as recipe\n"
-        "        real_save_final = recipe.save_final\n"
+        "        import whisper_train.training.finish as finish\n"
+        "        real_save_final = finish.save_final\n"
         "        def slow_save_final(*args, **kwargs):\n"
         "            time.sleep(25)\n"
         "            return real_save_final(*args, **kwargs)\n"
-        "        recipe.save_final = slow_save_final\n"
+        "        finish.save_final = slow_save_final\n"
     )
     out = tmp_path / "out"
     argv = train_argv(tone_dataset, tiny_whisper_dir, out, "--max-steps=2", "--nproc=2")

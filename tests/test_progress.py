@@ -7,7 +7,7 @@ import re
 import pytest
 from conftest import metric_rows, train_argv
 
-import whisper_train.training.recipe as recipe_module
+import whisper_train.training.setup_phases as setup_phases
 from whisper_train.cli import main
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+)  loss (\S+)  lr (\S+)$")
@@ -70,7 +70,7 @@ def test_a_log_file_gets_plain_lines_every_logging_steps(
 def test_a_terminal_gets_the_bar_instead_of_step_lines(
     tmp_path, tone_dataset, tiny_whisper_dir, capsys, monkeypatch
 ):
-    monkeypatch.setattr(recipe_module, "progress_bars_wanted", lambda: True)
+    monkeypatch.setattr(setup_phases, "progress_bars_wanted", lambda: True)
     out = tmp_path / "out"
     assert _train(tone_dataset, tiny_whisper_dir, out) == 0
     captured = capsys.readouterr()

@@ -8,7 +8,7 @@ from conftest import crash_on_loss_call, metric_rows
 from safetensors.torch import load_file
 
 from whisper_train.errors import UserError
-from whisper_train.training import checkpoints
+from whisper_train.training import checkpoints, resume, retention
 from whisper_train.training.train import train
 
 
@@ -66,13 +66,13 @@ def test_rotation_keeps_the_newest_and_the_best_step(tmp_path):
         folder.mkdir()
         checkpoints.TrainerState(step=step).write(folder)
     (tmp_path / "checkpoint-6.tmp").mkdir()  # an interrupted write is never a checkpoint
-    checkpoints.rotate_checkpoints(tmp_path, keep_last=2, keep_step=2, saved_step=5)
+    retention.rotate_checkpoints(tmp_path, keep_last=2, keep_step=2, saved_step=5)
     assert [p.name for p in checkpoints.list_checkpoints(tmp_path)] == [
         "checkpoint-2",
         "checkpoint-4",
         "checkpoint-5",
     ]
-    checkpoints.rotate_checkpoints(tmp_path, keep_last=1, keep_step=None, saved_step=5)
+    retention.rotate_checkpoints(tmp_path, keep_last=1, keep_step=None, saved_step=5)
     assert [p.name for p in checkpoints.list_checkpoints(tmp_path)] == ["checkpoint-5"]
 
 
@@ -81,7 +81,7 @@ def test_rotation_never_deletes_the_checkpoint_just_saved_for_a_later_one(tmp_pa
         folder = tmp_path / f"checkpoint-{step}"
         folder.mkdir()
         checkpoints.TrainerState(step=step).write(folder)
-    checkpoints.rotate_checkpoints(tmp_path, keep_last=1, keep_step=None, saved_step=6)
+    retention.rotate_checkpoints(tmp_path, keep_last=1, keep_step=None, saved_step=6)
     assert [p.name for p in checkpoints.list_checkpoints(tmp_path)] == [
         "checkpoint-6",
         "checkpoint-8",
@@ -98,7 +98,7 @@ def test_checkpoint_state_loads_with_weights_only(tmp_path, tiny_run_config):
 
 
 def test_the_closing_line_after_a_resume_times_only_the_steps_it_ran():
-    from whisper_train.training.recipe import trained_line
+    from whisper_train.training.finish import trained_line
 
     assert trained_line(0, 30, 595.5) == "trained 30 steps in 595.5 s"
     assert trained_line(20, 30, 190.0) == (
@@ -126,7 +126,7 @@ def test_the_printed_resume_command_works_after_an_overwrite_run(tmp_path, tiny_
 
 
 def _files_of_a_checkpoint(folder, config_yaml: str) -> None:
-    """The files a checkpoint holds (`checkpoints.find_damage` looks for them), with empty
+    """The files a checkpoint holds (`resume.find_damage` looks for them), with empty
     contents, and the configuration `config_yaml`: enough for what is checked before loading."""
     from safetensors.torch import save_file
 
@@ -176,7 +176,7 @@ def test_resume_refuses_other_data_but_not_the_same_folder_spelled_otherwise(
 
     respelled = tiny_run_config(data=str(tone_dataset / ".." / tone_dataset.name))
     (checkpoint / "whisper-train.yaml").write_text(respelled.to_saved_yaml())
-    checkpoints.check_resume_options(checkpoint, tiny_run_config())  # no error
+    resume.check_resume_options(checkpoint, tiny_run_config())  # no error
 
 
 def test_a_new_learning_rate_applies_from_the_resume_point(tmp_path, tiny_run_config):
@@ -196,7 +196,7 @@ def test_a_half_written_last_metrics_line_is_dropped_on_resume(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n{"step": 3, "lo')
 
-    checkpoints.truncate_metrics(metrics, step=2)  # what --resume does before it continues
+    resume.truncate_metrics(metrics, step=2)  # what --resume does before it continues
 
     assert metrics.read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n'
 

@@ -30,6 +30,7 @@ from whisper_train.evaluation.evaluate import report_paths
 from whisper_train.formats import ct2
 from whisper_train.memory import plan
 from whisper_train.models import is_multilingual, load_model, model_folder
+from whisper_train.training import setup_phases
 from whisper_train.training.recipe import FineTuneRecipe
 
 PACKAGE = Path(whisper_train.__file__).parent
@@ -172,8 +173,11 @@ def _skipped_by_train(tmp_path: Path, data_path: Path, model: str, **options) ->
     )
     recipe = FineTuneRecipe(config)
     # The sets need the model's labels, not the accelerator.
-    model, _, label_encoder = recipe._setup_model_and_labels()
-    kept = {example.origin for example in recipe._setup_data(model, label_encoder).train}
+    model, _, label_encoder = setup_phases.setup_model_and_labels(recipe.config)
+    kept = {
+        example.origin
+        for example in setup_phases.setup_data(recipe.config, model, label_encoder).train
+    }
     return {example.origin for example in layouts.load_examples(data_path)} - kept
 
 

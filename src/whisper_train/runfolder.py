@@ -34,7 +34,7 @@ EVALUATION_DIR = "evaluation"  # `whisper-train evaluate` reports about this run
 REPORT_FILES = ("report.json", "report.baseline.json", "report.md", "report.png")
 CHECKPOINT_PREFIX = "checkpoint-"  # OUTPUT/checkpoint-<step>/ (`checkpoints`)
 # OUTPUT/abandoned-after-step-<step>[-n]/: the later checkpoints of a run that a resume from
-# <step> abandoned (`checkpoints.set_aside_later_checkpoints`)
+# <step> abandoned (`resume.set_aside_later_checkpoints`)
 ABANDONED_PREFIX = "abandoned-after-step-"
 # Held by the run training in the folder (`RunLock`). Not a run entry: it marks no earlier run
 # and stays in place when --overwrite moves one aside (the new run holds it then).

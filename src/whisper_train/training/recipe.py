@@ -6,12 +6,15 @@
                       #   `_after_step`: log, bad-step guard, stop if asked, evaluate, save
     result = recipe.finish()   # last evaluation, OUTPUT/final/, result.json, curves, report
 
-Where things are decided: which utterances train and evaluate in `training.datasets`; their
-order, packing and each process's share in `data.source` (read whole or streamed: the recipe
-does not know which); memory (freezing, LoRA, checkpointing, precision, optimiser) in
-`whisper_train.memory`; what a checkpoint holds in `checkpoints`; what the run prints and logs in
-`runlog`; the loss in `memory.training_loss`. At the end `OUTPUT/final/` holds a model folder
-that `transformers.pipeline("automatic-speech-recognition", model=...)` loads.
+The setup phases are the functions of `setup_phases`, the end's helpers those of `finish`;
+what a step's checks refuse and advise is `step`'s. Where things are decided: which utterances
+train and evaluate in `training.datasets`; their order, packing and each process's share in
+`data.source` (read whole or streamed: the recipe does not know which); memory (freezing, LoRA,
+checkpointing, precision, optimiser) in `whisper_train.memory`; what a checkpoint holds in
+`checkpoints`, resuming from one in `resume`, which ones stay in `retention`; what the run
+prints and logs in `runlog`; the loss in `memory.training_loss`. At the end `OUTPUT/final/`
+holds a model folder that `transformers.pipeline("automatic-speech-recognition", model=...)`
+loads.
 """
 
 from __future__ import annotations
@@ -19,74 +22,50 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import shlex
 import time
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
-from accelerate.state import AcceleratorState
-from accelerate.utils import (
-    DistributedDataParallelKwargs,
-    DistributedType,
-    send_to_device,
-    set_seed,
-)
-from torch.utils.data import DataLoader
+from accelerate.utils import send_to_device
 from tqdm.auto import tqdm
-from transformers import WhisperProcessor, get_scheduler
 
-from whisper_train import doctor, memory, runfolder
+from whisper_train import memory, runfolder
 from whisper_train.config import RunConfig
-from whisper_train.data.augment import spec_augment_overrides
-from whisper_train.data.collate import SpeechCollator
-from whisper_train.data.features import LogMel, SpeechDataset
-from whisper_train.data.labels import LabelEncoder, configure_generation
-from whisper_train.data.source import (
-    TrainingData,
-    build_training_data,
-    evaluation_loader,
-    stand_in_batch,
-)
-from whisper_train.errors import UserError
-from whisper_train.evaluation.evaluate import row_languages, run_evaluation
-from whisper_train.evaluation.report import write_curves_png
+from whisper_train.data.source import stand_in_batch
+from whisper_train.evaluation.evaluate import run_evaluation
 from whisper_train.evaluation.scoring import get_normalizer
 from whisper_train.memory import loss_terms
-from whisper_train.memory.plan import encoder_cache_line
 from whisper_train.memory.wrappers import unwrapped
-from whisper_train.models import is_multilingual, load_model
-from whisper_train.runlog import (
-    MetricsLog,
-    ProgressTable,
-    StopRequest,
-    TrainResult,
-    progress_bars_wanted,
-    resume_command,
-    say,
-    step_line,
-    write_result,
+from whisper_train.models import is_multilingual
+from whisper_train.runlog import TrainResult, say, step_line
+from whisper_train.training import checkpoints, resume, retention
+from whisper_train.training.final import FinalChoice, choose_final_step, guard_regression
+from whisper_train.training.finish import (
+    encoder_cache_counts,
+    refuse_nonfinite_final,
+    say_what_was_skipped,
+    trained_line,
+    whole_model,
+    write_run_outputs,
 )
-from whisper_train.trackers import Trackers, accelerate_trackers
-from whisper_train.training import checkpoints, model_card
-from whisper_train.training.datasets import Datasets, prepare_datasets
-from whisper_train.training.encoder_cache import CachedClip, EncoderCache, EncoderCacheCollator
-from whisper_train.training.encoder_cache import cache_dir as encoder_cache_dir
-from whisper_train.training.final import (
-    FinalChoice,
-    choose_final_step,
-    compare_with_baseline,
-    guard_regression,
-    save_final,
+from whisper_train.training.launch import ddp_settings
+from whisper_train.training.setup_phases import (
+    open_run_log,
+    restore,
+    setup_accelerator,
+    setup_data,
+    setup_encoder_cache,
+    setup_loaders,
+    setup_memory,
+    setup_model_and_labels,
+    setup_optimisation,
 )
-from whisper_train.training.launch import ddp_settings, inside_launcher
 from whisper_train.training.step import (
     OptimizerStep,
-    lower_learning_rate,
-    nonfinite_tensors,
+    refuse_nonfinite_update,
     step_loss_weights,
+    too_many_bad_steps,
 )
-from whisper_train.units import parse_bytes
 
 # Points of guard-set WER a chosen step may lose against the start, when --guard is given and
 # --max-regression is not: a default picked by judgement, not measured.
@@ -103,8 +82,9 @@ class FineTuneRecipe:
         t = config.train
         self.output_dir = Path(t.output_dir)
         self.evaluating = not t.only_train
-        # Chosen before any process moves a checkpoint (`_restore`): every process picks the same.
-        self.resume_point = checkpoints.find_resume(t.resume, self.output_dir) if t.resume else None
+        # Chosen before any process moves a checkpoint (`setup_phases.restore`): every process
+        # picks the same.
+        self.resume_point = resume.find_resume(t.resume, self.output_dir) if t.resume else None
         self.resume_from = self.resume_point.folder if self.resume_point else None
         # What the evaluations are judged by: fixed by the configuration alone.
         self.primary_set = config.primary_eval_set
@@ -121,317 +101,84 @@ class FineTuneRecipe:
     # -- setup ---------------------------------------------------------------------------------
 
     def setup(self) -> None:
-        """Everything before step 1. Each phase takes what it needs and returns what it builds,
-        so the order here is the order in which they depend on one another."""
-        model, self.processor, self.label_encoder = self._setup_model_and_labels()
+        """Everything before step 1, in `setup_phases`. Each phase takes what it needs and
+        returns what it builds, so the order here is the order in which they depend on one
+        another."""
+        c = self.config
+        model, self.processor, self.label_encoder = setup_model_and_labels(c)
         self.multilingual = is_multilingual(model)
         # A multilingual model's sets are normalised by the languages they are decoded in
         # (None: `evaluate.normalizer_for`), which need not be the training language.
         self.normalizer = None if self.multilingual else get_normalizer("english")
         # DDP's settings depend on the model (layerdrop), so the model is read first.
         ddp = ddp_settings(model)
-        self.precision, self.accelerator = self._setup_accelerator(ddp)
-        self.datasets = self._setup_data(model, self.label_encoder)
-        model, self.offload, self.preserve = self._setup_memory(model, ddp)
-        self.encoder_cache, self.frozen_encoder = self._setup_encoder_cache(model)
-        self.data, self.eval_loaders, self.eval_languages = self._setup_loaders(model)
-        self.model, self.optimizer, self.scheduler = self._setup_optimisation(model)
-        self.state = self._restore()
+        self.precision, self.accelerator = setup_accelerator(c, ddp)
+        accelerator = self.accelerator
+        self.datasets = setup_data(c, model, self.label_encoder)
+        model, self.offload, self.preserve = setup_memory(
+            c,
+            model,
+            ddp,
+            accelerator=accelerator,
+            precision=self.precision,
+            datasets=self.datasets,
+            label_encoder=self.label_encoder,
+        )
+        # The checkpoints rotation keeps and the final model must fit: said now, not after
+        # hours of training; the encoder cache leaves them that room.
+        disk_needed = retention.check_room_for_run(
+            model,
+            c.train,
+            evaluating=self.evaluating,
+            output_dir=self.output_dir,
+            resume_from=self.resume_from,
+        )
+        self.encoder_cache, self.frozen_encoder = setup_encoder_cache(
+            c,
+            model,
+            processor=self.processor,
+            precision=self.precision,
+            datasets=self.datasets,
+            accelerator=accelerator,
+            reserve_bytes=disk_needed,
+        )
+        self.data, self.eval_loaders, self.eval_languages = setup_loaders(
+            c,
+            model,
+            processor=self.processor,
+            label_encoder=self.label_encoder,
+            datasets=self.datasets,
+            encoder_cache=self.encoder_cache,
+            accelerator=accelerator,
+        )
+        t = c.train
+        self.total_steps = t.max_steps or math.ceil((t.epochs or 3.0) * self.steps_per_epoch)
+        self.model, self.optimizer, self.scheduler = setup_optimisation(
+            c,
+            model,
+            precision=self.precision,
+            accelerator=accelerator,
+            total_steps=self.total_steps,
+        )
+        self.state = restore(
+            self.resume_point,
+            output_dir=self.output_dir,
+            accelerator=accelerator,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            data=self.data,
+        )
         self.evaluations: list[dict] = list(self.state.evaluations)
         self.first_step = self.state.step  # 0, or the step a --resume starts from
-        self.metrics, self.table, self.progress, self.stop = self._open_run_log()
-
-    def _setup_accelerator(
-        self, ddp_kwargs: DistributedDataParallelKwargs
-    ) -> tuple[memory.Precision, Accelerator]:
-        """The precision and the Accelerator of this process (the process group joined)."""
-        t = self.config.train
-        precision = memory.resolve_precision(self.config.memory.precision, _default_device())
-        # accelerate keeps one AcceleratorState a process and refuses an Accelerator with another
-        # mixed precision ("restart your runtime"): a second train() in a notebook starts from a
-        # clean one. The process group (PartialState) is kept.
-        AcceleratorState._reset_state(reset_partial_state=False)
-        accelerator = Accelerator(
-            mixed_precision=precision.mixed_precision,
-            # Accumulation is the step loop's (`_train_step`: the token mean over the step's
-            # micro-batches, gradients all-reduced on the last): accelerate's would divide by N.
-            gradient_accumulation_steps=1,
-            kwargs_handlers=[ddp_kwargs],
-            # The scheduler is stepped by hand once per optimizer step (not once per process,
-            # accelerate's default), so N processes follow the single-process LR schedule.
-            step_scheduler_with_optimizer=False,
-            # Without a GPU, processes started by a launcher talk through gloo on the CPU;
-            # accelerate does that only when told the run is on the CPU.
-            cpu=inside_launcher() and not torch.cuda.is_available(),
-            log_with=accelerate_trackers(t.report_to) or None,  # started by the run log
-        )
-        if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
-            raise UserError(
-                "accelerate's DeepSpeed and FSDP configurations are not supported: shard with "
-                "--fsdp (--nproc N, or accelerate launch with a data-parallel configuration)"
-            )
-        if t.nproc > 1 and accelerator.num_processes != t.nproc:
-            raise UserError(
-                f"--nproc {t.nproc}: the launcher started {accelerator.num_processes} "
-                "processes; drop --nproc when using accelerate launch or torchrun"
-            )
-        set_seed(t.seed)
-        return precision, accelerator
-
-    def _setup_model_and_labels(self) -> tuple[torch.nn.Module, WhisperProcessor, LabelEncoder]:
-        """The model to train and its processor, with its generation settings (language, task)
-        and SpecAugment; the encoder of the labels it learns."""
-        c = self.config
-        model, processor = load_model(
-            c.model.model, attn_implementation=c.model.attn_implementation
-        )
-        multilingual = is_multilingual(model)
-        label_encoder = LabelEncoder(
-            processor.tokenizer,
-            language=c.data.language,
-            task=c.data.task,
-            timestamps=c.data.timestamps,
-            multilingual=multilingual,
-        )
-        configure_generation(
-            model.generation_config,
-            language=c.data.language,
-            task=c.data.task,
-            multilingual=multilingual,
-        )
-        if c.data.spec_augment:
-            for key, value in spec_augment_overrides().items():
-                setattr(model.config, key, value)
-        return model, processor, label_encoder
-
-    def _setup_data(self, model, label_encoder: LabelEncoder) -> Datasets:
-        """The evaluation sets, and the training set when it is read whole (a stream is opened
-        by the training data source, `_setup_loaders`)."""
-        return prepare_datasets(
-            self.config, label_encoder, max_label_tokens=model.config.max_target_positions
-        )
-
-    def _setup_memory(
-        self, model, ddp: DistributedDataParallelKwargs
-    ) -> tuple[torch.nn.Module, bool, memory.BasePreservation | None]:
-        """Freezing, LoRA and checkpointing in the one order that works (`memory`), then the
-        checks that refuse, before step 1, what would fail later. Returns the prepared model,
-        whether activations are offloaded, and the frozen copy --preserve-base compares with."""
-        c, accelerator = self.config, self.accelerator
-        checkpointing = memory.resolve_checkpointing(
-            c.memory.gradient_checkpointing, accelerator.device
-        )
-        lora = c.lora_settings()  # on the decoder only with the encoder cache
-        offload = c.memory.offload_activations
-        if checkpointing == "auto":
-            plan_lines = self._encoder_cache_plan_line(model)
-            model, plan = memory.prepare_model_within_budget(
-                model,
-                mode=c.model.mode,
-                lora=lora,
-                batch_size=c.train.batch_size,
-                max_memory_bytes=parse_bytes(c.memory.max_memory, flag="--max-memory"),
-                # A stream's labels are unknown before step 1: the longest the workers let through.
-                label_tokens=max(
-                    self.datasets.label_lengths(self.label_encoder),
-                    default=model.config.max_target_positions + 1,
-                ),
-                precision=self.precision.name,
-                optimizer=c.memory.optim,
-            )
-            checkpointing, offload = plan.policy, offload or plan.offload
-            say(accelerator, plan.table + plan_lines)
-        else:
-            model = memory.prepare_model(
-                model, mode=c.model.mode, checkpointing=checkpointing, lora=lora
-            )
-        # The starting model, kept for --preserve-base before any update (or resume) changes it;
-        # autocast wraps only the prepared model, so the frozen copy is told the dtype itself.
-        preserve = None
-        if c.train.preserve_base:
-            p = self.precision
-            preserve = memory.BasePreservation.from_model(
-                model,
-                c.train.preserve_base,
-                autocast_dtype=p.dtype if p.mixed_precision != "no" else None,
-            )
-        if offload:
-            checkpointing += " + activation offload"
-            if accelerator.device.type != "cuda":
-                say(
-                    accelerator,
-                    "note: on a CPU, activations already live in host memory; offload does nothing",
-                )
-        say(
-            accelerator,
-            f"model: {c.model.model}, mode {c.model.mode}, checkpointing {checkpointing}, "
-            f"precision {self.precision.name}; {memory.trainable_parameter_summary(model)}",
-        )
-        if lora is not None and lora.decoder_only:
-            say(
-                accelerator,
-                f"LoRA adapters on the decoder only ({','.join(lora.targets)}): the encoder's "
-                "outputs are cached (--cache-encoder), so it stays as it is; --no-cache-encoder "
-                "adapts the encoder too",
-            )
-        # The doctor's cheap checks: refuse a configuration known to fail (T1-T9).
-        doctor.static_checks(
-            model,
-            ddp={
-                "world_size": accelerator.num_processes,
-                "find_unused_parameters": ddp.find_unused_parameters,
-                "static_graph": ddp.static_graph,
-                "gradient_accumulation": c.train.gradient_accumulation,
-            },
-            compile=c.memory.compile,
-        )
-        # The checkpoints rotation keeps and the final model must fit: say so now, not after
-        # hours of training.
-        checkpoints.check_free_space(
-            self.output_dir,
-            self._disk_needed_bytes(model),
-            what=self._disk_needed_text(),
-        )
-        return model, offload, preserve
-
-    def _checkpoints_kept(self) -> int:
-        """How many checkpoints rotation keeps: --save-total-limit, plus the best one when
-        evaluations during the run can make an older step the best; none when nothing but a
-        stop saves one (the run ends there, before final/ is written)."""
-        t = self.config.train
-        evaluating_during = bool(self.evaluating and t.eval_steps)
-        if not (t.save_steps or evaluating_during):
-            return 0
-        return t.save_total_limit + (1 if evaluating_during else 0)
-
-    def _disk_needed_text(self) -> str:
-        """What `_disk_needed_bytes` counts, for the line that refuses too little space."""
-        kept, limit = self._checkpoints_kept(), self.config.train.save_total_limit
-        if kept == 0:
-            return "the final model (or a checkpoint, when the run is stopped)"
-        best = " + the best" if kept > limit else ""
-        return (
-            f"the {kept} checkpoints rotation keeps (--save-total-limit {limit}{best}), with "
-            "one more being written or the final model,"
-        )
-
-    def _disk_needed_bytes(self, model) -> int:
-        """Disk the checkpoints and final/ of `model` take at their peak, beyond the resumed
-        run's checkpoints already there (`checkpoints.peak_disk_bytes`)."""
-        already = 0
-        resumed_here = (
-            self.resume_from is not None
-            and self.resume_from.parent.resolve() == self.output_dir.resolve()
-        )
-        if resumed_here:
-            step = checkpoints.checkpoint_step(self.resume_from)
-            already = sum(
-                1
-                for p in checkpoints.list_checkpoints(self.output_dir)
-                if step is not None and checkpoints.checkpoint_step(p) <= step
-            )
-        return checkpoints.peak_disk_bytes(
-            model,
-            checkpoints_kept=self._checkpoints_kept(),
-            already_saved=min(already, self._checkpoints_kept()),
-            final_bytes=4 * sum(p.numel() for p in model.parameters()),
-        )
-
-    def _setup_encoder_cache(self, model) -> tuple[EncoderCache | None, torch.nn.Module | None]:
-        """With --cache-encoder (a frozen encoder maps a clip to the same output every epoch
-        and every evaluation): the encoder's outputs on disk (`encoder_cache`), shared with
-        other runs and evaluations, and the frozen encoder that fills it. Clips are encoded as
-        batches first need them, within the size limit and the free space (a checkpoint and
-        the final model keep their room). (None, None) without it."""
-        c, accelerator = self.config, self.accelerator
-        if not c.cache_encoder:
-            return None, None
-        whisper = memory.whisper_of(model)
-        encoder = whisper.model.encoder
-        cache = EncoderCache.open(
-            encoder_cache_dir(c.memory.encoder_cache_dir),
-            encoder,
-            self.processor.feature_extractor,
-            compute=self.precision.name,
-            model_name=c.model.model,
-            shape=(whisper.config.max_source_positions, whisper.config.d_model),
-            limit_bytes=parse_bytes(
-                c.memory.encoder_cache_max_size, flag="--encoder-cache-max-size"
-            ),
-            reserve_bytes=self._disk_needed_bytes(model),
-            processes=accelerator.num_processes,
-        )
-        n_clips = len(self.datasets.train) + sum(len(e) for e in self.datasets.eval.values())
-        cache.expected_clips = math.ceil(n_clips / accelerator.num_processes)
-        say(accelerator, cache.summary(n_clips))
-        return cache, encoder
-
-    def _setup_loaders(
-        self, model
-    ) -> tuple[TrainingData, dict[str, DataLoader], dict[str, list | str | None]]:
-        """The training data source and this process's share of each evaluation set (both
-        split over the processes by `data.source`), and the language each set is decoded in."""
-        c, t = self.config, self.config.train
-        log_mel = LogMel(self.processor.feature_extractor)
-        pad_id = self.processor.tokenizer.pad_token_id
-
-        def collator(examples):
-            if self.encoder_cache is None:
-                return SpeechCollator(pad_id, log_mel=log_mel)
-            return EncoderCacheCollator(pad_id, log_mel, self.encoder_cache, examples)
-
-        # A clip whose encoder output is cached is not decoded at all (`CachedClip`).
-        cached = CachedClip(self.encoder_cache) if self.encoder_cache is not None else None
-        eval_loaders, eval_languages = {}, {}
-        # Each set is decoded in its rows' languages, else its own (`eval_set_language`), else
-        # each clip's detected one: never the training language by default (issue 24).
-        for name, examples in self.datasets.eval.items():
-            eval_set = SpeechDataset(examples, self.label_encoder, seed=t.seed, cached=cached)
-            eval_loaders[name] = evaluation_loader(
-                eval_set,
-                collator(eval_set.examples),
-                batch_size=t.batch_size,
-                rank=self.accelerator.process_index,
-                world=self.accelerator.num_processes,
-                num_workers=t.num_workers,
-            )
-            eval_languages[name] = row_languages(examples, c.eval_set_language(name))
-        data = build_training_data(
+        self.metrics, self.table, self.progress, self.stop, self.show_bar = open_run_log(
             c,
-            self.datasets,
-            self.label_encoder,
-            collator,
-            accelerator=self.accelerator,
-            max_label_tokens=model.config.max_target_positions,
-            cached=cached,
-        )
-        sets = ", ".join(f"{len(ex)} in {name}" for name, ex in self.datasets.eval.items())
-        say(self.accelerator, f"data: {data.describe()}; evaluation: {sets or 'none'}")
-        return data, eval_loaders, eval_languages
-
-    def _encoder_cache_plan_line(self, model) -> str:
-        """The memory plan's line for the encoder cache (disk): its size at most and folder."""
-        c = self.config
-        if not c.cache_encoder:
-            return ""
-        return "\n" + encoder_cache_line(
-            memory.whisper_of(model).config,
-            n_clips=len(self.datasets.train) + sum(len(e) for e in self.datasets.eval.values()),
-            folder=str(encoder_cache_dir(c.memory.encoder_cache_dir)),
-            limit_bytes=parse_bytes(c.memory.encoder_cache_max_size),
-        )
-
-    def _encoder_cache_counts(self) -> str:
-        """What the encoder cache did in this run, summed over the processes (each encodes
-        and stores only the clips of its own batches). Every process must call this."""
-        cache, accelerator = self.encoder_cache, self.accelerator
-        counts = torch.tensor([cache.found, cache.encoded, cache.stored], device=accelerator.device)
-        if accelerator.num_processes > 1:
-            counts = accelerator.reduce(counts, reduction="sum")
-        found, encoded, stored = counts.tolist()
-        return (
-            f"encoder cache: {encoded} clips encoded ({stored} stored), {found} read back, "
-            f"over {accelerator.num_processes} process(es)"
+            output_dir=self.output_dir,
+            resumed=self.resume_from is not None,
+            step=self.state.step,
+            total_steps=self.total_steps,
+            primary_set=self.primary_set,
+            accelerator=accelerator,
         )
 
     def _with_encoder_outputs(self, batch: dict) -> dict:
@@ -445,124 +192,6 @@ class FineTuneRecipe:
             self.frozen_encoder,
             autocast_dtype=dtype if dtype != torch.float32 else None,
         )
-
-    def _setup_optimisation(self, model):
-        """The model (sharded with --fsdp, wrapped for DDP and mixed precision, compiled with
-        --compile), its optimizer and learning-rate schedule, prepared by accelerate. The data
-        is not prepared: `data.source` gives each process its share."""
-        c, t, accelerator = self.config, self.config.train, self.accelerator
-        if t.fsdp:
-            if self.precision.name == "fp16":  # --precision auto on a GPU without bf16
-                raise UserError(
-                    "--fsdp with fp16 (this GPU has no bf16): its loss scaler does not unscale "
-                    "sharded gradients; add --precision fp32"
-                )
-            # Sharded before the optimizer is built: sharding replaces the parameters.
-            model = memory.shard_model(model, accelerator.device)
-        optimizer = memory.build_optimizer(
-            model, name=c.memory.optim, lr=c.learning_rate, weight_decay=t.weight_decay
-        )
-        if t.fsdp:
-            # Mixed precision only: `prepare` would wrap the sharded model in DDP (accelerate
-            # knows FSDP only through its plugin, which runs on GPUs only: see memory.sharding).
-            model = accelerator.prepare_model(model, evaluation_mode=True)
-            optimizer = accelerator.prepare_optimizer(optimizer)
-        else:
-            model, optimizer = accelerator.prepare(model, optimizer)
-        if c.memory.compile:
-            # After the DDP wrapper (as accelerate does): its hooks stay outside the compiled
-            # graph. Accelerator(dynamo_backend=) is not used: that setting is process-wide and
-            # kept from the first Accelerator, so a second run in one process would not compile.
-            model = torch.compile(model)
-        self.total_steps = t.max_steps or math.ceil((t.epochs or 3.0) * self.steps_per_epoch)
-        scheduler = accelerator.prepare(
-            get_scheduler(
-                t.lr_scheduler,
-                optimizer,
-                num_warmup_steps=t.warmup_steps,
-                num_training_steps=self.total_steps,
-            )
-        )
-        return model, optimizer, scheduler
-
-    def _restore(self) -> checkpoints.TrainerState:
-        """The trainer's state: a new one, or on --resume the checkpoint's, with the weights,
-        optimiser, scheduler, random state and position in the data restored from it."""
-        if self.resume_from is None:
-            return checkpoints.TrainerState(world_size=self.accelerator.num_processes)
-        state = checkpoints.load_checkpoint(
-            self.resume_from,
-            accelerator=self.accelerator,
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-        )
-        # A resume after a bad-step stop is its remedy (another precision, a lower rate): the
-        # new run gets --max-bad-steps chances of its own, not the stopped run's last one.
-        state.bad_steps_in_a_row = 0
-        where = self.data.restore(self.resume_from, state, checkpoints.read_stream_position)
-        for line in self.resume_point.skipped:
-            say(self.accelerator, line)
-        say(self.accelerator, f"resuming from {self.resume_from} at step {state.step} ({where})")
-        # Checkpoints after this step (the run this resume abandons, or damaged ones skipped)
-        # would count as the newest: for --resume latest and for rotation, which would delete
-        # what this run saves. Moved aside, not deleted: the user may want them. Every process
-        # has chosen its checkpoint (in __init__) before the first moves any.
-        self.accelerator.wait_for_everyone()
-        if self.accelerator.is_main_process:
-            aside = checkpoints.set_aside_later_checkpoints(self.output_dir, state.step)
-            if aside is not None:
-                moved = checkpoints.checkpoint_folders(aside)
-                rows = (
-                    " and their metrics.jsonl rows"
-                    if (aside / runfolder.METRICS_FILE).is_file()
-                    else ""
-                )
-                say(
-                    self.accelerator,
-                    f"--resume at step {state.step}: moved the later checkpoints "
-                    f"({', '.join(p.name for p in moved)}){rows} to {aside}/, so that they no "
-                    "longer count as the newest",
-                )
-        self.accelerator.wait_for_everyone()
-        return state
-
-    def _open_run_log(self) -> tuple[MetricsLog, ProgressTable, tqdm, StopRequest]:
-        """OUTPUT/whisper-train.yaml and metrics.jsonl (cut back to the checkpoint on resume),
-        the progress table, the progress bar (only on a terminal) and the stop request."""
-        accelerator, main = self.accelerator, self.accelerator.is_main_process
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        if main:
-            (self.output_dir / runfolder.CONFIG_FILE).write_text(
-                self.config.to_saved_yaml(), encoding="utf-8"
-            )
-            metrics_file = self.output_dir / runfolder.METRICS_FILE
-            if self.resume_from is not None:
-                checkpoints.truncate_metrics(metrics_file, self.state.step)
-            else:
-                metrics_file.unlink(missing_ok=True)
-        metrics = MetricsLog(
-            self.output_dir,
-            enabled=main,
-            purge_step=None if self.resume_from is None else self.state.step + 1,
-            trackers=Trackers(
-                accelerator, self.config.train.report_to, self.config.to_saved_yaml()
-            ),
-        )
-        # A bar only on a terminal: in a log file its \r redraws pile up into one unreadable
-        # line. Elsewhere every --logging-steps steps get one plain line instead.
-        self.show_bar = main and progress_bars_wanted()
-        progress = tqdm(
-            total=self.total_steps,
-            initial=self.state.step,
-            desc="training",
-            unit="step",
-            disable=not self.show_bar,
-            dynamic_ncols=True,
-            leave=False,
-        )
-        table = ProgressTable(main, primary_set=self.primary_set)
-        return metrics, table, progress, StopRequest(accelerator, metrics)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -651,41 +280,24 @@ class FineTuneRecipe:
     def _after_step(self, step: OptimizerStep) -> None:
         """After an optimizer step, in order: log it, stop after too many bad steps, stop if
         asked (SIGINT/SIGTERM), evaluate, save a checkpoint."""
-        t, state = self.config.train, self.state
+        c, t, state = self.config, self.config.train, self.state
         self._log_step(step)
-        # An applied update can make weights NaN or infinite with a finite loss and gradient (a
-        # learning rate far too high); no later step can undo it, and every later loss is NaN.
-        # Stop at once: no checkpoint holds such weights, and the advice names one that is
-        # finite. One fused kernel and, with several processes, one small all-reduce: see
-        # `nonfinite_tensors` for its measured cost.
+        # An update can make weights NaN or infinite with a finite loss and gradient: stop at
+        # once (`refuse_nonfinite_update`; see `nonfinite_tensors` for its measured cost).
         if not step.skipped:
-            trainable = [p for p in self.model.parameters() if p.requires_grad]
-            if blown := sum(nonfinite_tensors(trainable, self.accelerator)):
-                raise UserError(
-                    f"stopped at step {state.step}: its update made {blown} of {len(trainable)} "
-                    "trained tensors NaN or infinite (its loss and gradient were finite: "
-                    f"--learning-rate {self.config.learning_rate:g} is far too high); nothing "
-                    f"was saved from it. {self._lower_learning_rate_advice(state.step)}"
-                )
+            refuse_nonfinite_update(self.model, self.accelerator, state.step, c, self.output_dir)
         if state.bad_steps_in_a_row >= t.max_bad_steps:
-            # The weights are finite (checked after every update above): the weights of the
-            # last good step, G. They gave only NaN or infinite steps since, so resuming from
-            # them needs another precision (fp16 overflows where bf16 does not); with a lower
-            # learning rate, resume from before G's update, which may be what broke them.
+            # The weights are finite (checked after every update above): the last good step's.
             # Not rotated: the older checkpoints the advice may name must stay (one over
             # --save-total-limit at most, and the run ends here).
             folder = self.save_checkpoint("too many bad steps", rotate=False)
-            last_good = state.step - state.bad_steps_in_a_row
-            fp16 = ""
-            if self.precision.name == "fp16":  # only ever on CUDA (`resolve_precision`)
-                command = resume_command(self.output_dir / runfolder.CONFIG_FILE, folder)
-                wider = "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-                fp16 = f"With fp16 this is usually overflow: {command} --precision {wider}. Else "
-            raise UserError(
-                f"stopped at step {state.step}: {state.bad_steps_in_a_row} optimizer steps in a "
-                "row had a NaN or infinite loss or gradient and were skipped; "
-                f"{folder} holds the weights from before them (finite, but they gave only "
-                f"those steps). {fp16}{self._lower_learning_rate_advice(last_good)}"
+            raise too_many_bad_steps(
+                state.step,
+                state.bad_steps_in_a_row,
+                folder,
+                precision=self.precision.name,
+                config=c,
+                output_dir=self.output_dir,
             )
         # A stop request first: an evaluation due now would outlast the grace period a
         # scheduler or torchrun gives after SIGTERM (torchrun kills workers after 30 s).
@@ -735,29 +347,6 @@ class FineTuneRecipe:
             self.progress.set_postfix(loss=f"{mean_loss:.4f}")
         elif self.accelerator.is_main_process:
             tqdm.write(step_line(state.step, self.total_steps, mean_loss, row["lr"]))
-
-    def _lower_learning_rate_advice(self, suspect_step: int) -> str:
-        """The command that continues with a lower learning rate from the newest checkpoint
-        saved before `suspect_step` (whose update may have broken the weights), or that starts
-        again when there is none. Every checkpoint holds finite weights (`_after_step`)."""
-        lower = lower_learning_rate(self.config.learning_rate, self.config.model.mode)
-        config_file = self.output_dir / runfolder.CONFIG_FILE
-        earlier = [
-            folder
-            for folder in checkpoints.list_checkpoints(self.output_dir)
-            if checkpoints.TrainerState.read(folder).step < suspect_step
-        ]
-        if earlier:
-            command = resume_command(config_file, earlier[-1])
-            return (
-                f"Continue from {earlier[-1].name} (finite weights, saved before step "
-                f"{suspect_step}) with a lower learning rate: {command} --learning-rate {lower:g}"
-            )
-        command = f"whisper-train train --config {shlex.quote(str(config_file))}"
-        return (
-            f"No checkpoint from before step {suspect_step} is kept: train again with a lower "
-            f"learning rate: {command} --learning-rate {lower:g} --overwrite"
-        )
 
     @property
     def steps_per_epoch(self) -> int:
@@ -845,7 +434,7 @@ class FineTuneRecipe:
             stream_position=self.data.saved_position(),
         )
         if rotate and self.accelerator.is_main_process:
-            checkpoints.rotate_checkpoints(
+            retention.rotate_checkpoints(
                 self.output_dir,
                 keep_last=self.config.train.save_total_limit,
                 keep_step=self._final_choice().step,
@@ -859,7 +448,7 @@ class FineTuneRecipe:
 
     def finish(self) -> TrainResult:
         """The last checkpoint and evaluation, then OUTPUT/final/, result.json, curves.png and,
-        with --compare-baseline, the before/after report."""
+        with --compare-baseline, the before/after report (`finish`'s helpers)."""
         c, state, accelerator = self.config, self.state, self.accelerator
         if self.evaluating and not any(row["step"] == state.step for row in self.evaluations):
             self.evaluate(state.step)
@@ -870,21 +459,10 @@ class FineTuneRecipe:
         if choice.step not in (None, state.step) and not best_folder.is_dir():
             choice = FinalChoice(state.step, f"the last step ({best_folder} is missing)")
         self.data.report_skips(f"step {state.step}")
-        if state.skipped_clips:
-            say(
-                accelerator,
-                f"skipped {state.skipped_clips} clips during training (a clip is counted each "
-                "time it is read)",
-            )
-        if state.skipped_steps:
-            say(
-                accelerator,
-                f"skipped {state.skipped_steps} optimizer steps with a NaN or infinite loss or "
-                "gradient",
-            )
+        say_what_was_skipped(accelerator, state)
         say(accelerator, trained_line(self.first_step, state.step, self.train_seconds))
         if self.encoder_cache is not None:
-            say(accelerator, self._encoder_cache_counts())
+            say(accelerator, encoder_cache_counts(self.encoder_cache, accelerator))
         result = TrainResult(
             self.output_dir,
             None,
@@ -900,10 +478,10 @@ class FineTuneRecipe:
         )
         accelerator.wait_for_everyone()
         if choice.step not in (None, state.step):  # an earlier step was better
-            checkpoints.load_weights(best_folder, accelerator=accelerator, model=self.model)
-        self._refuse_nonfinite_final(result.final_step)
+            resume.load_weights(best_folder, accelerator=accelerator, model=self.model)
+        refuse_nonfinite_final(self.model, accelerator, result.final_step, c, self.output_dir)
         say(accelerator, f"final/: step {result.final_step}: {choice.reason}")
-        final_model = self._whole_model()
+        final_model = whole_model(self.model, c, accelerator)
         # The last collective is done: every process leaves the group together now (a process
         # that tore its group down while the main one still worked left the main one's gloo
         # teardown waiting for ever: ~ProcessGroupGloo in a thread join, once in four runs of
@@ -913,90 +491,19 @@ class FineTuneRecipe:
         accelerator.wait_for_everyone()
         accelerator.end_training()
         if accelerator.is_main_process:
-            result.final_dir = save_final(
+            write_run_outputs(
                 final_model,
-                self.processor,
-                self.output_dir / runfolder.FINAL_DIR,
-                pin_language=c.data.pin_language,
-                config_yaml=c.to_saved_yaml(),
-                card=model_card.run_card(c, result, self.precision.name, self.datasets.train),
+                result,
+                config=c,
+                processor=self.processor,
+                precision=self.precision.name,
+                datasets=self.datasets,
+                primary_set=self.primary_set,
+                decoding=self.decoding,
+                accelerator=accelerator,
             )
-            write_result(result)
-            write_curves_png(
-                self.output_dir / runfolder.METRICS_FILE,
-                self.output_dir / runfolder.CURVES_FILE,
-            )
-            say(accelerator, f"fine-tuned model: {result.final_dir}")
-            primary_examples = self.datasets.eval.get(self.primary_set)
-            if c.train.compare_baseline and primary_examples:
-                compare_with_baseline(
-                    c.model.model,
-                    result.final_dir,
-                    primary_examples,
-                    self.output_dir,
-                    language=c.eval_set_language(self.primary_set),
-                    task=c.data.task,
-                    batch_size=c.train.batch_size,
-                    max_length=c.train.generation_max_length,
-                    decoding=self.decoding,
-                    attn_implementation=c.model.attn_implementation,
-                )
         self.metrics.close()
         return result
-
-    def _refuse_nonfinite_final(self, final_step: int) -> None:
-        """final/ is what `--model OUTPUT`, pipelines and exports take as the result: a model
-        with a NaN or infinite weight is not written there, nor called fine-tuned (every
-        forward through it is NaN). Its checkpoints stay; nothing in final/ is replaced. Every
-        process calls this (`nonfinite_tensors` is collective)."""
-        # Only trained tensors can be NaN here: `load_model` refuses a model that holds one.
-        parameters = list(self.model.parameters())
-        blown = sum(nonfinite_tensors(parameters, self.accelerator))
-        if not blown:
-            return
-        raise UserError(
-            f"the model of step {final_step} has {blown} of {len(parameters)} tensors NaN or "
-            f"infinite; {runfolder.FINAL_DIR}/ was not written. "
-            f"{self._lower_learning_rate_advice(final_step)}"
-        )
-
-    def _whole_model(self):
-        """The trained model, unwrapped, for final/: on the main process (None on the others
-        under --fsdp, where every process must call this: the weights are gathered)."""
-        accelerator = self.accelerator
-        if not memory.is_sharded(self.model):
-            return accelerator.unwrap_model(self.model, keep_torch_compile=False)
-        weights = memory.full_state_dict(self.model)  # whole, on the main process's CPU
-        if not accelerator.is_main_process:
-            return None
-        # A fresh model as setup made it (LoRA included), unsharded, with the trained weights
-        # and the trained model's configuration (generation settings, SpecAugment's).
-        c = self.config
-        model, _ = load_model(c.model.model, attn_implementation=c.model.attn_implementation)
-        model = memory.prepare_model(
-            model, mode=c.model.mode, checkpointing="off", lora=c.lora_settings()
-        )
-        model.load_state_dict(weights)
-        whole, trained = memory.whisper_of(model), memory.whisper_of(unwrapped(self.model))
-        whole.config, whole.generation_config = trained.config, trained.generation_config
-        return model
-
-
-# ---------------------------------------------------------------------------------------------
-# The recipe's pieces that need no recipe state
-
-
-def trained_line(first_step: int, last_step: int, seconds: float) -> str:
-    """What the run trained and how long that took: after a resume, only the steps this
-    process ran are timed, and the line says so."""
-    if first_step == 0:
-        return f"trained {last_step} steps in {seconds:.1f} s"
-    if last_step == first_step:
-        return f"trained no further step: resumed at step {last_step}, the last"
-    return (
-        f"trained steps {first_step + 1}-{last_step} ({last_step - first_step} after resuming "
-        f"at step {first_step}; {last_step} in all) in {seconds:.1f} s"
-    )
 
 
 def _as_float(value) -> float:
@@ -1005,7 +512,3 @@ def _as_float(value) -> float:
     if hasattr(value, "full_tensor"):
         value = value.full_tensor()
     return float(value)
-
-
-def _default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

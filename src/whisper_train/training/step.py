@@ -1,16 +1,23 @@
 """One optimizer step's arithmetic and checks, apart from the recipe's state: how each
 micro-batch's loss is weighted (`step_loss_weights`), what a step did (`OptimizerStep`), whether
-an update left weights NaN or infinite (`nonfinite_tensors`), and the learning rate to suggest
-when it did (`lower_learning_rate`)."""
+an update left weights NaN or infinite (`nonfinite_tensors`), and when steps go bad, the errors
+that stop the run (`refuse_nonfinite_update`, `too_many_bad_steps`) with the learning rate and
+the checkpoint to continue from that they suggest (`lower_learning_rate_advice`)."""
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from whisper_train.config import DEFAULT_LEARNING_RATES
+from whisper_train import runfolder
+from whisper_train.config import DEFAULT_LEARNING_RATES, RunConfig
 from whisper_train.data.collate import IGNORE_INDEX
+from whisper_train.errors import UserError
+from whisper_train.runlog import resume_command
+from whisper_train.training import checkpoints
 
 
 @dataclass
@@ -73,3 +80,80 @@ def lower_learning_rate(rate: float, mode: str) -> float:
     above it, else a tenth of `rate`."""
     default = DEFAULT_LEARNING_RATES[mode]
     return default if rate > default else rate / 10
+
+
+# -- when updates go bad: the refusals and their advice ------------------------------------
+
+
+def refuse_nonfinite_update(
+    model: torch.nn.Module, accelerator, step: int, config: RunConfig, output_dir: Path
+) -> None:
+    """Stop at `step` when its applied update made a trained weight NaN or infinite.
+
+    An update can do that with a finite loss and gradient (a learning rate far too high); no
+    later step can undo it, and every later loss is NaN. Stopping at once means no checkpoint
+    holds such weights, and the advice names one that is finite. One fused kernel and, with
+    several processes, one small all-reduce (`nonfinite_tensors`, which every process calls).
+    """
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if blown := sum(nonfinite_tensors(trainable, accelerator)):
+        raise UserError(
+            f"stopped at step {step}: its update made {blown} of {len(trainable)} "
+            "trained tensors NaN or infinite (its loss and gradient were finite: "
+            f"--learning-rate {config.learning_rate:g} is far too high); nothing "
+            f"was saved from it. {lower_learning_rate_advice(config, output_dir, step)}"
+        )
+
+
+def too_many_bad_steps(
+    step: int,
+    bad_steps_in_a_row: int,
+    folder: Path,
+    *,
+    precision: str,
+    config: RunConfig,
+    output_dir: Path,
+) -> UserError:
+    """The error that stops a run after `bad_steps_in_a_row` skipped steps, `folder` the
+    checkpoint just saved with the weights of the last good step, G.
+
+    They are finite (checked after every update) but gave only NaN or infinite steps since,
+    so resuming from them needs another precision (fp16 overflows where bf16 does not); with a
+    lower learning rate, resume from before G's update, which may be what broke them."""
+    last_good = step - bad_steps_in_a_row
+    fp16 = ""
+    if precision == "fp16":  # only ever on CUDA (`resolve_precision`)
+        command = resume_command(output_dir / runfolder.CONFIG_FILE, folder)
+        wider = "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+        fp16 = f"With fp16 this is usually overflow: {command} --precision {wider}. Else "
+    return UserError(
+        f"stopped at step {step}: {bad_steps_in_a_row} optimizer steps in a "
+        "row had a NaN or infinite loss or gradient and were skipped; "
+        f"{folder} holds the weights from before them (finite, but they gave only "
+        f"those steps). {fp16}{lower_learning_rate_advice(config, output_dir, last_good)}"
+    )
+
+
+def lower_learning_rate_advice(config: RunConfig, output_dir: Path, suspect_step: int) -> str:
+    """The command that continues with a lower learning rate from the newest checkpoint
+    saved before `suspect_step` (whose update may have broken the weights), or that starts
+    again when there is none. Every checkpoint holds finite weights (`refuse_nonfinite_update`
+    runs after every update)."""
+    lower = lower_learning_rate(config.learning_rate, config.model.mode)
+    config_file = output_dir / runfolder.CONFIG_FILE
+    earlier = [
+        folder
+        for folder in checkpoints.list_checkpoints(output_dir)
+        if checkpoints.TrainerState.read(folder).step < suspect_step
+    ]
+    if earlier:
+        command = resume_command(config_file, earlier[-1])
+        return (
+            f"Continue from {earlier[-1].name} (finite weights, saved before step "
+            f"{suspect_step}) with a lower learning rate: {command} --learning-rate {lower:g}"
+        )
+    command = f"whisper-train train --config {shlex.quote(str(config_file))}"
+    return (
+        f"No checkpoint from before step {suspect_step} is kept: train again with a lower "
+        f"learning rate: {command} --learning-rate {lower:g} --overwrite"
+    )

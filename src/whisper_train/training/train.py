@@ -18,7 +18,7 @@ from whisper_train.errors import UserError
 from whisper_train.models import resolve_alias
 from whisper_train.runlog import TrainResult
 from whisper_train.trackers import check_installed
-from whisper_train.training import checkpoints
+from whisper_train.training import checkpoints, resume
 from whisper_train.training.launch import claimed_by_parent, inside_launcher, launch_data_parallel
 from whisper_train.training.recipe import FineTuneRecipe
 
@@ -46,8 +46,8 @@ def _train_in(config: RunConfig, lock: runfolder.RunLock | None) -> TrainResult:
     if not claimed_by_parent(output_dir):
         claim_output_dir(config)  # refuse an earlier run's folder, or move it aside
         if config.train.resume:  # options an exact resume depends on must not change
-            resume_from = checkpoints.resolve_resume(config.train.resume, output_dir)
-            checkpoints.check_resume_options(resume_from, config)
+            resume_from = resume.resolve_resume(config.train.resume, output_dir)
+            resume.check_resume_options(resume_from, config)
     if config.train.nproc > 1 and not inside_launcher():
         return launch_data_parallel(config, lock)
     recipe = FineTuneRecipe(config)
@@ -103,7 +103,7 @@ def claim_output_dir(config: RunConfig) -> None:
     if not entries:
         return  # a new, empty, or someone else's folder: their files are left alone
     if t.resume:
-        resume_from = checkpoints.resolve_resume(t.resume, output_dir)
+        resume_from = resume.resolve_resume(t.resume, output_dir)
         if resume_from.parent.resolve() != output_dir.resolve():
             raise UserError(
                 f"--resume {t.resume}: that checkpoint is not in --output-dir {output_dir}, which "

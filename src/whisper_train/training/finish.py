@@ -1,0 +1,149 @@
+"""The end of a run, after its last step (`FineTuneRecipe.finish` calls these in order): the
+lines that sum the run up, the trained model made whole for final/ and refused there when a
+weight is NaN, then final/, result.json, curves.png and the --compare-baseline report. Which
+step final/ holds and how that folder is written are `final`'s."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from whisper_train import memory, runfolder
+from whisper_train.config import RunConfig
+from whisper_train.decoding import DecodingOptions
+from whisper_train.errors import UserError
+from whisper_train.evaluation.report import write_curves_png
+from whisper_train.memory.wrappers import unwrapped
+from whisper_train.models import load_model
+from whisper_train.runlog import TrainResult, say, write_result
+from whisper_train.training import model_card
+from whisper_train.training.checkpoints import TrainerState
+from whisper_train.training.datasets import Datasets
+from whisper_train.training.encoder_cache import EncoderCache
+from whisper_train.training.final import compare_with_baseline, save_final
+from whisper_train.training.step import lower_learning_rate_advice, nonfinite_tensors
+
+
+def trained_line(first_step: int, last_step: int, seconds: float) -> str:
+    """What the run trained and how long that took: after a resume, only the steps this
+    process ran are timed, and the line says so."""
+    if first_step == 0:
+        return f"trained {last_step} steps in {seconds:.1f} s"
+    if last_step == first_step:
+        return f"trained no further step: resumed at step {last_step}, the last"
+    return (
+        f"trained steps {first_step + 1}-{last_step} ({last_step - first_step} after resuming "
+        f"at step {first_step}; {last_step} in all) in {seconds:.1f} s"
+    )
+
+
+def say_what_was_skipped(accelerator, state: TrainerState) -> None:
+    """The clips that could not be read and the optimizer steps skipped, when there were any."""
+    if state.skipped_clips:
+        say(
+            accelerator,
+            f"skipped {state.skipped_clips} clips during training (a clip is counted each "
+            "time it is read)",
+        )
+    if state.skipped_steps:
+        say(
+            accelerator,
+            f"skipped {state.skipped_steps} optimizer steps with a NaN or infinite loss or "
+            "gradient",
+        )
+
+
+def encoder_cache_counts(cache: EncoderCache, accelerator) -> str:
+    """What the encoder cache did in this run, summed over the processes (each encodes
+    and stores only the clips of its own batches). Every process must call this."""
+    counts = torch.tensor([cache.found, cache.encoded, cache.stored], device=accelerator.device)
+    if accelerator.num_processes > 1:
+        counts = accelerator.reduce(counts, reduction="sum")
+    found, encoded, stored = counts.tolist()
+    return (
+        f"encoder cache: {encoded} clips encoded ({stored} stored), {found} read back, "
+        f"over {accelerator.num_processes} process(es)"
+    )
+
+
+def refuse_nonfinite_final(
+    model: torch.nn.Module, accelerator, final_step: int, config: RunConfig, output_dir: Path
+) -> None:
+    """final/ is what `--model OUTPUT`, pipelines and exports take as the result: a model
+    with a NaN or infinite weight is not written there, nor called fine-tuned (every
+    forward through it is NaN). Its checkpoints stay; nothing in final/ is replaced. Every
+    process calls this (`nonfinite_tensors` is collective)."""
+    # Only trained tensors can be NaN here: `load_model` refuses a model that holds one.
+    parameters = list(model.parameters())
+    blown = sum(nonfinite_tensors(parameters, accelerator))
+    if not blown:
+        return
+    raise UserError(
+        f"the model of step {final_step} has {blown} of {len(parameters)} tensors NaN or "
+        f"infinite; {runfolder.FINAL_DIR}/ was not written. "
+        f"{lower_learning_rate_advice(config, output_dir, final_step)}"
+    )
+
+
+def whole_model(model: torch.nn.Module, config: RunConfig, accelerator):
+    """The trained `model`, unwrapped, for final/: on the main process (None on the others
+    under --fsdp, where every process must call this: the weights are gathered)."""
+    if not memory.is_sharded(model):
+        return accelerator.unwrap_model(model, keep_torch_compile=False)
+    weights = memory.full_state_dict(model)  # whole, on the main process's CPU
+    if not accelerator.is_main_process:
+        return None
+    # A fresh model as setup made it (LoRA included), unsharded, with the trained weights
+    # and the trained model's configuration (generation settings, SpecAugment's).
+    c = config
+    fresh, _ = load_model(c.model.model, attn_implementation=c.model.attn_implementation)
+    fresh = memory.prepare_model(
+        fresh, mode=c.model.mode, checkpointing="off", lora=c.lora_settings()
+    )
+    fresh.load_state_dict(weights)
+    whole, trained = memory.whisper_of(fresh), memory.whisper_of(unwrapped(model))
+    whole.config, whole.generation_config = trained.config, trained.generation_config
+    return fresh
+
+
+def write_run_outputs(
+    final_model,
+    result: TrainResult,
+    *,
+    config: RunConfig,
+    processor,
+    precision: str,
+    datasets: Datasets,
+    primary_set: str,
+    decoding: DecodingOptions,
+    accelerator,
+) -> None:
+    """OUTPUT/final/ (with its model card), result.json, curves.png and, with
+    --compare-baseline, the before/after report: the main process's alone."""
+    c, output_dir = config, result.output_dir
+    result.final_dir = save_final(
+        final_model,
+        processor,
+        output_dir / runfolder.FINAL_DIR,
+        pin_language=c.data.pin_language,
+        config_yaml=c.to_saved_yaml(),
+        card=model_card.run_card(c, result, precision, datasets.train),
+    )
+    write_result(result)
+    write_curves_png(output_dir / runfolder.METRICS_FILE, output_dir / runfolder.CURVES_FILE)
+    say(accelerator, f"fine-tuned model: {result.final_dir}")
+    primary_examples = datasets.eval.get(primary_set)
+    if c.train.compare_baseline and primary_examples:
+        compare_with_baseline(
+            c.model.model,
+            result.final_dir,
+            primary_examples,
+            output_dir,
+            language=c.eval_set_language(primary_set),
+            task=c.data.task,
+            batch_size=c.train.batch_size,
+            max_length=c.train.generation_max_length,
+            decoding=decoding,
+            attn_implementation=c.model.attn_implementation,
+        )

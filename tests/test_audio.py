@@ -270,7 +270,7 @@ def _recording(tmp_path, name: str):
 def test_encoded_bytes_decode_as_their_file_does(tmp_path, name):
     # A streamed shard or a dataset's embedded audio holds the file's bytes: the same decoders
     # run on them, so the samples are the file's exactly (same code, same input).
-    from whisper_train.data.layouts import _cached_audio
+    from whisper_train.data.hf_datasets import _cached_audio
     from whisper_train.data.streaming import audio_header, decode_audio
 
     path = _recording(tmp_path, name)
@@ -288,7 +288,7 @@ def test_encoded_bytes_decode_as_their_file_does(tmp_path, name):
 
 
 def test_bytes_neither_decoder_reads_are_named_by_their_origin(tmp_path):
-    from whisper_train.data.layouts import _cached_audio
+    from whisper_train.data.hf_datasets import _cached_audio
     from whisper_train.data.streaming import audio_header, decode_audio
 
     junk = b"not audio at all" * 100

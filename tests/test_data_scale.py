@@ -15,8 +15,8 @@ import pytest
 import soundfile
 from tiny_models import english_tokenizer
 
-from whisper_train import checkdata
 from whisper_train.checkdata import PREFIX_BYTES, check_data
+from whisper_train.checkdata import audio as checkdata_audio
 from whisper_train.config import RunConfig
 from whisper_train.data import screening
 from whisper_train.data.examples import Example, PackedExamples
@@ -211,9 +211,9 @@ def test_check_data_hashes_whole_files_only_when_size_and_prefix_collide(tmp_pat
     manifest = _manifest(tmp_path, [(f"{name}.wav", f"text {name}") for name in names])
 
     hashed = []
-    original = checkdata._file_hash
+    original = checkdata_audio._file_hash
     monkeypatch.setattr(
-        checkdata,
+        checkdata_audio,
         "_file_hash",
         lambda path, limit=None: hashed.append((Path(path).name, limit)) or original(path, limit),
     )

@@ -25,7 +25,7 @@ from whisper_train.audio import (
 )
 from whisper_train.data.examples import Example, Skip, decode_skip
 from whisper_train.data.labels import MAX_DECODER_TOKENS
-from whisper_train.data.layouts import OVERLAP_TOLERANCE
+from whisper_train.data.subtitles import OVERLAP_TOLERANCE
 from whisper_train.errors import AudioError, UserError
 
 # Audio headers are read by one thread: on local disks threads made it slower (20,000 files on

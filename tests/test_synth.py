@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from whisper_train.audio import SAMPLE_RATE, load_audio
-from whisper_train.data import synth
+from whisper_train.data import espeak
 from whisper_train.data.layouts import load_examples
 from whisper_train.data.synth import (
     FUNCTION_WORDS,
@@ -58,12 +58,12 @@ def test_bad_requests_are_user_errors():
 
 
 def test_without_any_espeak_the_error_says_how_to_install_it(monkeypatch):
-    monkeypatch.setattr(synth.shutil, "which", lambda _name: None)
+    monkeypatch.setattr(espeak.shutil, "which", lambda _name: None)
     with pytest.raises(UserError, match="apt-get install espeak-ng"):
         synthesize("hello", engine="program")
     # A fresh library wrapper whose import of espeakng-loader fails, as without the extra.
     monkeypatch.setitem(sys.modules, "espeakng_loader", None)
-    monkeypatch.setattr(synth, "_LIBRARY", synth._EspeakLibrary())
+    monkeypatch.setattr(espeak, "_LIBRARY", espeak._EspeakLibrary())
     with pytest.raises(UserError, match=r"whisper-train\[synth\]"):
         synthesize("hello")
 

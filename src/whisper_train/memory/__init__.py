@@ -10,13 +10,17 @@
                    order (`folded_cross_attention`, used by the loss)
     precision      the autocast dtype and loss scaling (`resolve_precision`)
     optim          AdamW, fused or 8-bit, weight decay on matrices only (`build_optimizer`)
-    plan           the peak-memory estimate, its probe, and `--gradient-checkpointing auto`
+    estimate       the peak-memory estimate of a training step, counted from the model's shapes
+                   (`estimate_memory`), and its FLOPs (`model_flops_per_sample`)
+    probe          saved activations measured on the real model, calibrating the estimate
+    plan           `--gradient-checkpointing auto`: the cheapest policy whose estimate fits
+                   (`plan_checkpointing`, `prepare_model_within_budget`) and its table
 
-The submodules import downwards only: wrappers <- checkpointing, sharding <- loss <- plan;
-cross_attention <- loss; precision and optim stand alone. The names below are re-exported so
-`from whisper_train.memory import X` works for the public API. `LOSS_CHUNK_TOKENS` is
-deliberately not: `training_loss` reads it from `whisper_train.memory.loss`, so that is the
-module to patch.
+The submodules import downwards only: wrappers <- checkpointing, sharding <- loss <- estimate
+<- probe <- plan; cross_attention <- loss; precision and optim stand alone. The names below are
+re-exported so `from whisper_train.memory import X` works for the public API.
+`LOSS_CHUNK_TOKENS` is deliberately not: `training_loss` reads it from
+`whisper_train.memory.loss`, so that is the module to patch.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ The order inside `prepare_model` matters and is fixed here:
      (a frozen encoder has no backward pass, so recomputing it only costs time).
 
 Which layers a policy recomputes is decided once, in `checkpointed_layers`: `prepare_model`, the
-planner's estimate (`memory.plan`) and its temporary `checkpointing_policy` all ask it.
+planner's estimate (`memory.estimate`) and its probe's temporary `checkpointing_policy` all ask
+it.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ default); `adamw-fused` asks for the fused kernel and refuses to run without it.
 
 The choice is a memory decision: AdamW keeps two float32 moments per trainable parameter
 (8 bytes), bitsandbytes' AdamW8bit two uint8 moments (2 bytes); the planner
-(`memory.plan.estimate_memory`) counts the same bytes.
+(`memory.estimate.estimate_memory`) counts the same bytes.
 """
 
 from __future__ import annotations

@@ -1,42 +1,15 @@
-"""What fits: an estimate of peak training memory, and the cheapest checkpointing that fits it.
+"""What fits: the cheapest checkpointing whose estimated peak training memory fits a budget.
 
 Out-of-memory is the first complaint of people fine-tuning Whisper (transformers #20348 and
-many more), and nothing tells them in advance what would fit. This module answers before the
-first step, in four terms:
-
-    weights      every parameter, float32 (the precision policy keeps master weights fp32)
-    gradients    one float32 gradient per trainable parameter
-    optimiser    AdamW: two float32 moments per trainable parameter (2x the trainable
-                 weights); bitsandbytes AdamW8bit: two uint8 moments (~0.5x)
-    activations  tensors autograd saves for backward, counted layer by layer below, plus a
-                 working set (the gradient of the logits, one checkpointed layer recomputed,
-                 the inputs of the one micro-batch on the device: the step loop moves each
-                 micro-batch there as it runs it, so accumulation adds nothing)
-
-Activations are counted the way autograd keeps them (one unique storage each, parameters
-excluded), for Whisper's layers as transformers implements them with sdpa attention:
-
-    encoder layer (n = 1500 positions, d = width, f = ffn width, h = heads), in elements:
-        residual input + residual after attention        2nd
-        LayerNorm mean and rstd (two norms)              4n
-        q, k, v, attention output, log-sum-exp           4nd + hn
-        inputs of linears whose weights train            nd (q/k/v share one), nd (out_proj),
-                                                         nd (fc1), nf (fc2)
-        fc1 output (the GELU's input)                    nf
-    decoder layer (T label tokens): the same with T, plus cross-attention, whose keys and
-    values span the encoder's 1500 positions (2 x 1500 x d per layer, whatever T is).
-    A LoRA adapter saves its dropout's output, the dropout mask and A's output
-    instead of the frozen linear's input.
-
-A checkpointed layer (non-reentrant) keeps only its inputs; `every-N` checkpoints layers 0, N,
-2N, ... of each stack; `encoder` only the encoder's. `probe_saved_bytes` measures the same
-quantity on the real model (saved-tensor hooks, unique storages), and `plan_checkpointing`
-uses one small probe batch to calibrate the count before choosing a policy. Which layers a
-policy checkpoints comes from `checkpointing.checkpointed_layers`, the function `prepare_model`
-sets the flags with, so the count describes the model training will run.
+many more), and nothing tells them in advance what would fit. `plan_checkpointing` answers
+before the first step: one small probe batch calibrates the count of saved activations
+(probe.py), each policy's peak is estimated (estimate.py), and the cheapest of off → every-N →
+encoder → full → full + offload that fits is chosen, with a table of them all
+(`format_plan_table`).
 
 `prepare_model_within_budget` is `--gradient-checkpointing auto`: it prepares the model, plans,
-and narrows the model to the plan's policy.
+and narrows the model to the plan's policy. The estimate's and the probe's names import from
+here too, as they did before those modules held them.
 """
 
 from __future__ import annotations
@@ -46,38 +19,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from whisper_train.audio import ENCODER_POSITIONS, N_FRAMES
+from whisper_train.audio import ENCODER_POSITIONS
 from whisper_train.data.labels import MAX_DECODER_TOKENS
 from whisper_train.errors import UserError
-from whisper_train.memory.checkpointing import (
-    LoraSettings,
-    checkpointed_layers,
-    checkpointing_policy,
-    prepare_model,
+from whisper_train.memory.checkpointing import LoraSettings, prepare_model
+from whisper_train.memory.estimate import (
+    MemoryEstimate,
+    count_saved_bytes,
+    estimate_memory,
+    model_flops_per_sample,
 )
-from whisper_train.memory.loss import LOSS_CHUNK_TOKENS, training_loss
+from whisper_train.memory.probe import calibrate, probe_saved_bytes
 from whisper_train.memory.wrappers import whisper_of
 from whisper_train.units import format_bytes
-
-_HALF_PRECISIONS = ("bf16", "fp16")
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Peak device memory of one training step, in bytes, by term."""
-
-    weights: int
-    gradients: int
-    optimizer: int
-    activations: int  # saved for backward, summed over the batch
-    # transient at the peak: logits gradient, one recomputed layer, autocast copies, the running
-    # micro-batch's inputs
-    working: int
-    offloaded: int = 0  # activations kept in host memory instead (not part of `total`)
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.working
 
 
 @dataclass(frozen=True)
@@ -89,334 +43,6 @@ class Plan:
     estimate_bytes: int
     table: str
     estimates: dict[str, MemoryEstimate] = field(default_factory=dict)
-
-
-# -- counting saved activations ---------------------------------------------------------------
-
-
-def estimate_memory(
-    model: nn.Module,
-    *,
-    policy: str = "off",
-    batch_size: int = 1,
-    label_tokens: int = MAX_DECODER_TOKENS,
-    precision: str = "fp32",
-    optimizer: str = "adamw",
-    offload: bool = False,
-    activation_scale: float = 1.0,
-) -> MemoryEstimate:
-    """Peak training memory of `model` as prepared (frozen parts, LoRA) under `policy`.
-
-    `model` is a `WhisperForConditionalGeneration` or a peft model around one, already through
-    `memory.prepare_model` for its mode (the checkpointing flags on it are ignored: `policy`
-    decides). It may live on the meta device: only shapes and `requires_grad` are read.
-    `label_tokens` is the longest decoder input in a batch (labels are padded per batch).
-    `activation_scale` is the probe's correction (measured / counted), 1.0 without a probe.
-    """
-    half = precision in _HALF_PRECISIONS
-    params = list(model.parameters())
-    trainable = sum(p.numel() for p in params if p.requires_grad)
-    weights = sum(p.numel() * p.element_size() for p in params)
-    gradients = 4 * trainable
-    optimizer_bytes = {"adamw": 8, "adamw-fused": 8, "adamw8bit": 2}.get(optimizer)
-    if optimizer_bytes is None:
-        raise UserError(f"--optim {optimizer}: expected one of adamw, adamw-fused, adamw8bit")
-    per_sample = count_saved_bytes(model, policy=policy, label_tokens=label_tokens, half=half)
-    kept = per_sample["device"] * batch_size * activation_scale
-    offloaded = 0
-    if offload:  # checkpoint inputs go to host memory; the rest stays on the device
-        offloaded = int(per_sample["checkpoint_inputs"] * batch_size * activation_scale)
-        kept -= offloaded
-    # Autocast keeps a half-precision copy of each trained weight it casts for the whole
-    # forward (its cast cache holds leaves that require grad). A frozen weight (LoRA's base) is
-    # cast at each use and the copy freed, unless backward keeps it, which it does in a layer
-    # that is not recomputed: not counted under full checkpointing, counted in full otherwise
-    # (a partial policy's recomputed layers free theirs: an overestimate, the safe side).
-    # Measured on an H200: large-v3 LoRA r=64 under full checkpointing peaks at 7.03 GiB, which
-    # counting every frozen copy overestimated by 40% (BENCHMARKS.md).
-    autocast_copies = 0
-    if half:
-        cast = [p for p in params if p.ndim >= 2 and (p.requires_grad or policy != "full")]
-        autocast_copies = 2 * sum(p.numel() for p in cast)
-    working = (per_sample["working"] * batch_size) + autocast_copies
-    return MemoryEstimate(
-        weights=weights,
-        gradients=gradients,
-        optimizer=optimizer_bytes * trainable,
-        activations=int(kept),
-        working=int(working),
-        offloaded=offloaded,
-    )
-
-
-def count_saved_bytes(
-    model: nn.Module, *, policy: str, label_tokens: int, half: bool = False
-) -> dict[str, int]:
-    """Bytes saved for backward for ONE sample, counted from the model's shapes.
-
-    Returns {"device": all saved bytes, "checkpoint_inputs": the part that checkpointed layers
-    keep (their inputs), "working": transient bytes at the peak}.
-    """
-    whisper = whisper_of(model)
-    config = whisper.config
-    d, vocab = config.d_model, config.vocab_size
-    n_enc = config.max_source_positions  # encoder positions (1500 for real models)
-    n_frames = 2 * n_enc  # log-mel frames (3000)
-    n_dec = label_tokens
-    # Element sizes: the residual stream, LayerNorm statistics and the log-softmax stay float32
-    # under autocast; what feeds a linear layer, attention and GELU is the half-precision copy.
-    full_bytes, compute_bytes = 4, (2 if half else 4)
-    checkpointed = checkpointed_layers(whisper, policy)
-
-    encoder = whisper.model.encoder
-    stem_trains = any(
-        p.requires_grad for m in (encoder.conv1, encoder.conv2) for p in m.parameters()
-    )
-    saved = 0
-    checkpoint_inputs = 0
-    largest_layer = 0
-    # peft's "input require grads" hook (registered when checkpointing is on before LoRA wraps
-    # the model) makes conv1's output require grad, so the stem's GELUs save their inputs.
-    stem_grad = stem_trains or bool(encoder.conv1._forward_hooks)
-    grad_path = stem_grad
-    if stem_trains:  # the input features, for the conv1 weight's gradient
-        saved += compute_bytes * config.num_mel_bins * n_frames
-    if stem_grad:  # conv1 output, GELU output, conv2 output
-        saved += compute_bytes * (2 * d * n_frames + d * n_enc)
-    for index, layer in enumerate(encoder.layers):
-        grad_path = grad_path or _trains(layer)
-        if not grad_path:
-            continue  # frozen and nothing below trains: no backward pass through this layer
-        inside = _layer_bytes(layer, n_enc, None, full_bytes, compute_bytes)
-        largest_layer = max(largest_layer, inside)
-        if ("encoder", index) in checkpointed:
-            saved += full_bytes * n_enc * d
-            checkpoint_inputs += full_bytes * n_enc * d
-        else:
-            saved += inside
-    encoder_output = full_bytes * n_enc * d
-    if grad_path:  # the final LayerNorm: its input (the last residual) and statistics
-        saved += full_bytes * (n_enc * d + 2 * n_enc)
-    # The encoder output is kept whenever the decoder's cross-attention trains or is checkpointed.
-    decoder = whisper.model.decoder
-    keeps_encoder_output = False
-    for index, layer in enumerate(decoder.layers):
-        inside = _layer_bytes(layer, n_dec, n_enc, full_bytes, compute_bytes)
-        largest_layer = max(largest_layer, inside)
-        if ("decoder", index) in checkpointed:
-            saved += full_bytes * n_dec * d
-            checkpoint_inputs += full_bytes * n_dec * d
-            keeps_encoder_output = True
-        else:
-            saved += inside
-            keeps_encoder_output = keeps_encoder_output or _saves_cross_input(layer)
-    if keeps_encoder_output:
-        saved += encoder_output
-    # The loss (memory.training_loss): the final LayerNorm's input and statistics, and the
-    # label positions picked out of its output.
-    saved += full_bytes * (n_dec * d + 2 * n_dec)
-    logits = 4 * min(n_dec, LOSS_CHUNK_TOKENS) * vocab  # one chunk's
-    if checkpointed:  # chunks keep their inputs; their logits are recomputed in backward
-        saved += full_bytes * n_dec * d
-        working = logits + largest_layer  # plus one checkpointed layer recomputed
-    else:  # the output head's input if it trains, and every chunk's log-softmax
-        if any(p.requires_grad for p in whisper.proj_out.parameters()):
-            saved += compute_bytes * n_dec * d
-        saved += 4 * n_dec * vocab
-        working = logits
-    # The running micro-batch's inputs (the only one on the device: see the module's doc):
-    # int64 decoder input ids and labels, and the float32 log-mel features, unless the stem
-    # trains in float32 and so saved that very tensor (counted above).
-    working += 2 * 8 * n_dec
-    if not (stem_trains and not half):
-        working += 4 * config.num_mel_bins * n_frames
-    return {"device": saved, "checkpoint_inputs": checkpoint_inputs, "working": working}
-
-
-def _layer_bytes(layer: nn.Module, n: int, n_cross: int | None, full: int, compute: int) -> int:
-    """Bytes one encoder (n_cross None) or decoder layer saves for backward, per sample."""
-    attention = layer.self_attn
-    d = _linear(attention.q_proj).in_features
-    ffn = _linear(layer.fc1).out_features
-    heads = attention.num_heads
-    residuals = 2 if n_cross is None else 3
-    total = full * (residuals * n * d + 2 * residuals * n)  # LayerNorm inputs and mean/rstd
-    implementation = getattr(getattr(attention, "config", None), "_attn_implementation", "sdpa")
-    eager = implementation == "eager"
-    total += _attention_bytes(attention, n, None, heads, d, compute, eager)
-    if n_cross is not None:
-        total += _attention_bytes(layer.encoder_attn, n, n_cross, heads, d, compute, eager)
-    total += compute * n * ffn  # fc1 output, the GELU's input
-    total += _linear_input_bytes(layer.fc1, n * d, compute)
-    total += _linear_input_bytes(layer.fc2, n * ffn, compute)
-    return total
-
-
-def _attention_bytes(
-    attention: nn.Module, n_q: int, n_cross: int | None, heads: int, d: int, size: int, eager: bool
-) -> int:
-    """sdpa saves q, k, v, its output and log-sum-exp; plus the inputs of linears that train.
-
-    Eager attention keeps the softmax output instead: quadratic in positions (1500^2 x heads
-    per encoder layer), which is why whisper-train defaults to sdpa.
-
-    Self-attention (n_cross None): q, k and v read one tensor. Cross-attention: k and v read the
-    encoder output (n_cross positions), which is counted once for the whole decoder.
-    """
-    n_kv = n_q if n_cross is None else n_cross
-    if eager:  # q, k, v and the softmax output (heads x n_q x n_kv), not sdpa's output and LSE
-        total = size * (n_q * d + 2 * n_kv * d + heads * n_q * n_kv)
-    else:
-        total = size * (2 * n_q * d + 2 * n_kv * d) + 4 * heads * n_q
-    if n_cross is None:
-        total += _shared_input_bytes(
-            (attention.q_proj, attention.k_proj, attention.v_proj), n_q * d, size
-        )
-    else:
-        total += _linear_input_bytes(attention.q_proj, n_q * d, size)
-        total += _adapter_bytes(attention.k_proj, n_kv * d, size)
-        total += _adapter_bytes(attention.v_proj, n_kv * d, size)
-    total += _linear_input_bytes(attention.out_proj, n_q * d, size)
-    return total
-
-
-def _saves_cross_input(layer: nn.Module) -> bool:
-    """Does the layer's cross-attention keep the encoder output (its k/v projections' input)?"""
-    attention = layer.encoder_attn
-    return any(_input_needed(proj) for proj in (attention.k_proj, attention.v_proj))
-
-
-def _shared_input_bytes(linears: tuple[nn.Module, ...], elements: int, size: int) -> int:
-    """Several linears reading one tensor: it is stored once, adapters' copies each."""
-    shared = any(_input_needed(linear) for linear in linears)
-    return size * elements * shared + sum(_adapter_bytes(one, elements, size) for one in linears)
-
-
-def _linear_input_bytes(linear: nn.Module, elements: int, size: int) -> int:
-    return size * elements * _input_needed(linear) + _adapter_bytes(linear, elements, size)
-
-
-def _input_needed(linear: nn.Module) -> bool:
-    """The linear's own input is saved when its weight trains, or by a LoRA without dropout."""
-    base = _linear(linear)
-    if base.weight.requires_grad:
-        return True
-    return _lora_parts(linear) is not None and not _lora_parts(linear)[1]
-
-
-def _adapter_bytes(linear: nn.Module, elements: int, size: int) -> int:
-    """A LoRA adapter with dropout saves the dropout output, its mask and A's output."""
-    parts = _lora_parts(linear)
-    if parts is None:
-        return 0
-    rank, has_dropout = parts
-    rows = elements // _linear(linear).in_features
-    extra = size * rows * rank
-    if has_dropout:
-        # Dropout output, and its mask: float on a CPU (1 byte on CUDA; counted as float).
-        extra += 2 * size * elements
-    return extra
-
-
-def _lora_parts(linear: nn.Module) -> tuple[int, bool] | None:
-    """(rank, has dropout) of an active peft LoRA adapter on this linear, else None."""
-    lora_a = getattr(linear, "lora_A", None)
-    if not lora_a:
-        return None
-    name = next(iter(lora_a.keys()))
-    dropout = linear.lora_dropout[name]
-    return lora_a[name].out_features, not isinstance(dropout, nn.Identity)
-
-
-def _linear(module: nn.Module) -> nn.Linear:
-    return getattr(module, "base_layer", module)
-
-
-def _trains(module: nn.Module) -> bool:
-    return any(p.requires_grad for p in module.parameters())
-
-
-# -- measuring saved activations --------------------------------------------------------------
-
-
-def probe_saved_bytes(
-    model: nn.Module,
-    input_features: torch.Tensor,
-    decoder_input_ids: torch.Tensor,
-    *,
-    autocast_dtype: torch.dtype | None = None,
-) -> int:
-    """Measure the bytes kept for backward by one training forward pass of `model`.
-
-    Counts each storage once (views share one), leaves parameters out, and for checkpointed
-    layers counts the inputs their recompute keeps alive (inside a non-reentrant checkpoint
-    autograd saves nothing, so the saved-tensor hooks alone would miss them).
-    input_features: (batch, n_mels, 3000); decoder_input_ids: (batch, T).
-    """
-    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept: dict[int, int] = {}
-
-    def remember(tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()
-        if pointer and pointer not in parameter_storages:
-            kept.setdefault(pointer, storage.nbytes())
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        remember(tensor)
-        return tensor
-
-    def before_layer(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if getattr(module, "gradient_checkpointing", False) and module.training:
-            for value in (*args, *kwargs.values()):
-                if isinstance(value, torch.Tensor):
-                    remember(value)
-
-    whisper = whisper_of(model)
-    layers = [*whisper.model.encoder.layers, *whisper.model.decoder.layers]
-    handles = [layer.register_forward_pre_hook(before_layer, with_kwargs=True) for layer in layers]
-    batch = {
-        "input_features": input_features,
-        "decoder_input_ids": decoder_input_ids,
-        "labels": decoder_input_ids.clone(),
-    }
-    was_training = model.training
-    model.train()
-    try:
-        with (
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
-            torch.autocast(
-                input_features.device.type,
-                dtype=autocast_dtype or torch.float32,
-                enabled=autocast_dtype is not None,
-            ),
-        ):
-            loss = training_loss(model, batch)  # the loss training computes
-        del loss  # the graph (and everything it saved) is freed without a backward pass
-    finally:
-        for handle in handles:
-            handle.remove()
-        model.train(was_training)
-    return sum(kept.values())
-
-
-def calibrate(model: nn.Module, *, label_tokens: int = 32, policy: str = "off") -> float:
-    """measured / counted saved bytes for one random sample under `policy` (default off).
-
-    One forward pass at batch 1 (full 3000-frame input), no backward, on the model's device.
-    1.0 for the layers this module counts; a model with other layers moves it. "off" sees
-    every layer's internals; "full" needs far less memory but only sees the layers' inputs.
-    """
-    whisper = whisper_of(model)
-    device = next(model.parameters()).device
-    features = torch.randn(
-        1, whisper.config.num_mel_bins, 2 * whisper.config.max_source_positions, device=device
-    )
-    tokens = torch.full((1, label_tokens), whisper.config.decoder_start_token_id, device=device)
-    with checkpointing_policy(model, policy):
-        measured = probe_saved_bytes(model, features, tokens)
-    counted = count_saved_bytes(model, policy=policy, label_tokens=label_tokens)["device"]
-    return measured / counted
 
 
 # -- choosing a policy ------------------------------------------------------------------------
@@ -574,19 +200,6 @@ def encoder_cache_line(
         f"{format_bytes(clip_bytes)} = {format_bytes(n_clips * clip_bytes)} at most, in {folder} "
         f"(limit {format_bytes(limit_bytes)})"
     )
-
-
-def model_flops_per_sample(config, label_tokens: int) -> float:
-    """Forward FLOPs of one sample (2 per multiply-add), derived in docs/compute.md.
-
-    Training counts 3x this (forward + backward); recompute under checkpointing is not counted.
-    """
-    s, t, d = ENCODER_POSITIONS, label_tokens, config.d_model
-    encoder = config.encoder_layers * (24 * s * d**2 + 4 * s**2 * d)
-    convolutions = 2 * N_FRAMES * 3 * config.num_mel_bins * d + 2 * s * 3 * d**2
-    decoder = config.decoder_layers * (28 * t * d**2 + 4 * s * d**2 + 4 * t**2 * d + 4 * t * s * d)
-    head = 2 * t * d * config.vocab_size
-    return float(encoder + convolutions + decoder + head)
 
 
 __all__ = [

@@ -1,0 +1,387 @@
+"""The export check: does the export transcribe as its source does, in the export's runtime?
+
+Like with like: the source (transformers) transcribes the check clips greedily (`score_source`:
+`--check-data`'s first clips, or synthesised English, `check_clips`), and the export's own
+runtime (faster-whisper's CTranslate2, whisper.cpp, openai-whisper, transformers) scores exactly
+those tokens, teacher forced, from its own log-mel of the same audio (runtimes.py). The check
+(`check_export`, a `ParityCheck` of one `ClipComparison` per clip) fails when the mean
+|Δ log p| per token exceeds what the runtime's arithmetic explains (`logprob_tolerance`), when
+its vocabulary spells a transcript differently, or when the runtime cannot run it
+(`parity_failure` words the `ExportParityError`). Each runtime's own greedy transcripts are
+compared too, for the report only: two runtimes' greedy decoders tip near-tied words apart
+even on bit-identical weights (issue 33: base as ct2 float16, bitwise equal to Systran's
+conversion, differed in 7 words of 126).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from whisper_train.deploy.runtimes import MissingRuntimeError
+from whisper_train.errors import UserError
+from whisper_train.models import is_multilingual
+
+log = logging.getLogger(__name__)
+
+# The largest mean |log p_source - log p_export| per token of the source's transcripts, in nats,
+# by the arithmetic the export's runtime scores in (logprob_tolerance says where they come from).
+LOGPROB_TOLERANCE = {"float32": 0.005, "float16": 0.05, "int8": 0.1}
+CHECK_CLIPS = 12
+# Spoken by espeak-ng when no --check-data is given: everyday sentences, about 110 words, so
+# that one near-tied word is under 1% of the check.
+CHECK_SENTENCES = (
+    "open the door and turn on the light in the kitchen",
+    "my brother plays football every saturday afternoon",
+    "there are twelve eggs in the box on the table",
+    "turn left at the church and walk for five minutes",
+    "i would like a cup of tea with milk and sugar",
+    "the train to london leaves at half past seven in the morning",
+    "please put the books back on the shelf when you are done",
+    "we planted tomatoes and beans in the garden last spring",
+    "the meeting has been moved to thursday at three o'clock",
+    "she bought a new coat because the winter was very cold",
+    "can you tell me where the nearest bus stop is",
+    "the children were playing in the park until it started to rain",
+)
+
+
+class ExportParityError(UserError):
+    """The exported model transcribes clearly worse than the model it came from."""
+
+
+@dataclass
+class ClipComparison:
+    """One check clip: the source's transcript scored by both sides, and each side's own
+    greedy transcript (informative)."""
+
+    name: str  # the audio file's name, or "synthesised #N"
+    reference: str
+    source: str  # the source's greedy transcript: the tokens both sides score
+    exported: str  # the export's own greedy transcript in its runtime (informative)
+    spelled: str  # the source's tokens turned into text by the export's runtime
+    deviations: np.ndarray  # |log p_source - log p_export| of each token, in nats
+    words: int  # in the source's transcript, normalised
+    errors: int  # word edits turning the source's transcript into the export's (informative)
+
+    @property
+    def spelled_alike(self) -> bool:
+        return self.spelled == self.source
+
+
+@dataclass
+class ParityCheck:
+    """The export against its source, like with like: the export's runtime scores the tokens of
+    the source's transcripts (teacher forcing) and spells them with its own vocabulary."""
+
+    runtime: str
+    language: str | None  # forced in both decoders (None: an English-only model)
+    clips: list[ClipComparison]
+    tolerance: float  # the largest mean |Δ log p| per token the precision explains, in nats
+    quantization: str
+    arithmetic: str  # what the runtime computed in (scoring_arithmetic)
+    source_wer: float  # against the references: context, not the test
+    export_wer: float
+    runtime_error: str | None = None  # the runtime could not load or run the export
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(clip.deviations) for clip in self.clips)
+
+    @property
+    def deviation(self) -> float:
+        """Mean |Δ log p| per token over every clip's tokens (nan: no tokens to score)."""
+        if not self.tokens:
+            return math.nan
+        return float(np.concatenate([clip.deviations for clip in self.clips]).mean())
+
+    @property
+    def misspelled(self) -> list[ClipComparison]:
+        return [clip for clip in self.clips if not clip.spelled_alike]
+
+    @property
+    def passed(self) -> bool:
+        return (
+            self.runtime_error is None
+            and self.tokens > 0
+            and self.deviation <= self.tolerance
+            and not self.misspelled
+        )
+
+    @property
+    def words(self) -> int:
+        return sum(clip.words for clip in self.clips)
+
+    @property
+    def word_errors(self) -> int:
+        return sum(clip.errors for clip in self.clips)
+
+    @property
+    def differing(self) -> list[ClipComparison]:
+        return [clip for clip in self.clips if clip.errors]
+
+    def summary(self) -> str:
+        if self.runtime_error is not None:
+            return f"{self.runtime} could not run the export: {self.runtime_error}"
+        worst = max(self.clips, key=lambda clip: clip.deviations.max(initial=0.0))
+        return (
+            f"the source's transcripts of {len(self.clips)} clips ({self.tokens} tokens) scored "
+            f"through {self.runtime}: mean |Δ log p| {self.deviation:.4f} nats per token "
+            f"(allowed {self.tolerance} for {self.quantization} in {self.arithmetic} arithmetic; "
+            f"largest "
+            f"{worst.deviations.max(initial=0.0):.3f} in {worst.name}), "
+            f"{len(self.clips) - len(self.misspelled)}/{len(self.clips)} spelled alike by its "
+            f"vocabulary; greedy transcripts (informative): {self.word_errors} of {self.words} "
+            f"words differ, WER against the references {100 * self.export_wer:.1f}% exported vs "
+            f"{100 * self.source_wer:.1f}% source"
+        )
+
+
+def scoring_arithmetic(format: str, quantization: str) -> str:
+    """The precision the export's runtime computes in when the check scores it: what bounds the
+    difference from the source. float16 weights alone change nothing measurable (CTranslate2
+    converts them to float32 on a CPU; openai-whisper's model holds float32); float16
+    arithmetic does (whisper.cpp always, CTranslate2 on a GPU)."""
+    if quantization.startswith("int8"):
+        return "int8"
+    if format == "ggml":
+        return "float16"
+    if format == "ct2" and quantization == "float16":
+        import ctranslate2
+
+        return "float16" if ctranslate2.get_cuda_device_count() > 0 else "float32"
+    return "float32"
+
+
+def logprob_tolerance(arithmetic: str) -> float:
+    """The largest mean |Δ log p| per token of the source's transcripts an intact export shows,
+    by `scoring_arithmetic`.
+
+    Measured (BENCHMARKS.md, "The export check, like with like") over the 12 synthesised clips
+    on tiny.en and base: float32 arithmetic (float32 or float16 weights in CTranslate2 or
+    openai-whisper on a CPU) 0.0000 nats; whisper.cpp's float16 arithmetic 0.0074 (tiny.en)
+    and 0.0172 (base); int8 0.029 (tiny.en) and 0.021 (base). Each bound is about 3x the
+    largest of these. A q/k pair swapped in tiny.en's first decoder layer, the subtlest
+    breakage measured, moved float16 weights 0.044 (caught in float32 arithmetic) and int8
+    0.062 (within int8's own noise: not caught).
+    """
+    return LOGPROB_TOLERANCE.get(arithmetic, LOGPROB_TOLERANCE["int8"])
+
+
+def check_clips(
+    check_data: str | None, n_clips: int = CHECK_CLIPS
+) -> list[tuple[str, np.ndarray, str, str | None]]:
+    """(name, audio, reference, language) of the first `n_clips` of `check_data`, or of
+    synthesised English speech."""
+    from whisper_train.audio import load_audio
+
+    if check_data is not None:
+        from whisper_train.data.layouts import load_examples
+
+        examples = load_examples(check_data)[:n_clips]
+        return [
+            (
+                Path(e.audio).name,
+                load_audio(e.audio, start=e.start, end=e.end),
+                e.text,
+                e.language,
+            )
+            for e in examples
+        ]
+    from whisper_train.data.synth import synthesize
+
+    return [
+        (f"synthesised #{i + 1}", synthesize(text), text, "en")
+        for i, text in enumerate(CHECK_SENTENCES[:n_clips])
+    ]
+
+
+def check_language(model, processor, clips) -> str | None:
+    """The one language both sides are forced to: None for English-only models; else the
+    language the check data states, or the one the model was fine-tuned for (its generation
+    config), or English for the synthesised clips, or the source's detection on the first clip."""
+    from whisper_train.deploy.runtimes import detect_language
+
+    if not is_multilingual(model):
+        return None
+    synthesised = clips[0][0].startswith("synthesised")
+    stated = [language for _, _, _, language in clips if language]
+    if stated and not synthesised:
+        if len(set(stated)) > 1:
+            log.info("the check data states several languages; forcing %s (the first)", stated[0])
+        return language_code(stated[0])
+    pinned = getattr(model.generation_config, "language", None)
+    if pinned:
+        return language_code(pinned)
+    if synthesised:
+        return "en"
+    return detect_language(model, processor, clips[0][1])
+
+
+def language_code(language: str) -> str:
+    """`<|de|>`, `german` or `de` -> `de`."""
+    from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
+
+    language = language.strip("<|>").lower()
+    return TO_LANGUAGE_CODE.get(language, language)
+
+
+@dataclass
+class SourceSide:
+    """What the source made of the check clips: its greedy transcripts, their tokens, and its
+    own teacher-forced scores of them."""
+
+    clips: list
+    language: str | None
+    prompt: list[int]
+    texts: list[str]
+    tokens: list[list[int]]
+    scores: list  # runtimes.TokenScores per clip
+
+
+def score_source(model, processor, clips, language: str | None) -> SourceSide:
+    """The source's greedy transcripts of `clips` and its scores of their tokens (before the
+    export is written: saving in float16 converts `model` in place)."""
+    from whisper_train.deploy.runtimes import (
+        prompt_ids,
+        transformers_greedy_tokens,
+        transformers_scores,
+    )
+
+    audio = [clip[1] for clip in clips]
+    texts, tokens = transformers_greedy_tokens(model, processor, audio, language)
+    prompt = prompt_ids(processor.tokenizer, is_multilingual(model), language)
+    scores = transformers_scores(model, processor, audio, prompt, tokens)
+    return SourceSide(clips, language, prompt, texts, tokens, scores)
+
+
+def check_export(
+    source: SourceSide, format: str, output: Path, quantization: str, *, greedy: bool = True
+) -> ParityCheck:
+    """The export at `output` against `source`, in the export's own runtime.
+
+    The verdict rests on teacher forcing: the runtime scores the source's transcript tokens from
+    its own log-mel of the same audio, and the mean |Δ log p| per token must stay within what
+    the precision explains; its vocabulary must spell every transcript as the source's does.
+    The runtime's own greedy transcripts are compared too (unless not `greedy`), for the report
+    only: a near-tied word tipped by another runtime's arithmetic is not a defect of the file
+    (issue 33).
+    """
+    from whisper_train.deploy.runtimes import RUNTIME_NAMES, runtime_greedy, runtime_scores
+
+    audio = [clip[1] for clip in source.clips]
+    runtime = RUNTIME_NAMES[format]
+    arithmetic = scoring_arithmetic(format, quantization)
+    try:
+        scores = runtime_scores(format, output, audio, source.prompt, source.tokens)
+        exported = (
+            runtime_greedy(format, output, audio, source.language) if greedy else source.texts
+        )
+    except UserError as exc:
+        if isinstance(exc, MissingRuntimeError):
+            raise
+        error = str(exc)
+    except Exception as exc:  # the runtime's own refusal of a damaged file, in its words
+        error = f"{type(exc).__name__}: {exc}"
+    else:
+        return compare(
+            source,
+            scores,
+            exported,
+            runtime=runtime,
+            quantization=quantization,
+            arithmetic=arithmetic,
+        )
+    return ParityCheck(
+        runtime=runtime,
+        language=source.language,
+        clips=[],
+        tolerance=logprob_tolerance(arithmetic),
+        quantization=quantization,
+        arithmetic=arithmetic,
+        source_wer=math.nan,
+        export_wer=math.nan,
+        runtime_error=error.splitlines()[0][:300] if error else "no message",
+    )
+
+
+def compare(
+    source: SourceSide,
+    scores,
+    exported: list[str],
+    *,
+    runtime: str,
+    quantization: str,
+    arithmetic: str,
+) -> ParityCheck:
+    """Per clip: the token log-probabilities' differences, the spelling, and (informative) the
+    word differences between the greedy transcripts."""
+    from whisper_train.evaluation.scoring import get_normalizer, score, word_counts
+
+    normalize = get_normalizer(None, source.language)
+    rows = []
+    for (name, _, reference, _), text, theirs, ours, exp in zip(
+        source.clips, source.texts, scores, source.scores, exported, strict=True
+    ):
+        words, subs, dels, ins = word_counts(normalize(text), normalize(exp))
+        deviations = np.abs(np.asarray(ours.logprobs) - np.asarray(theirs.logprobs))
+        rows.append(
+            ClipComparison(
+                name, reference, text, exp, theirs.text, deviations, words, subs + dels + ins
+            )
+        )
+    references = [reference for _, _, reference, _ in source.clips]
+    return ParityCheck(
+        runtime=runtime,
+        language=source.language,
+        clips=rows,
+        tolerance=logprob_tolerance(arithmetic),
+        quantization=quantization,
+        arithmetic=arithmetic,
+        source_wer=score(references, source.texts, normalizer=normalize).wer,
+        export_wer=score(references, exported, normalizer=normalize).wer,
+    )
+
+
+def parity_failure(check: ParityCheck, format: str) -> ExportParityError:
+    """The failure message: what differs (scores, spelling, the runtime's refusal), each clip
+    concerned, advice that fits the finding."""
+    lines = [f"export check failed: {check.summary()}"]
+    for clip in check.misspelled:
+        lines += [
+            f"  {clip.name}: the export's vocabulary spells the source's tokens differently",
+            f"    source: {clip.source!r}",
+            f"    export: {clip.spelled!r}",
+        ]
+    if check.runtime_error is None and check.deviation > check.tolerance:
+        worst = sorted(
+            check.clips,
+            key=lambda clip: -float(clip.deviations.mean()) if len(clip.deviations) else 0.0,
+        )
+        for clip in worst[:3]:
+            lines.append(
+                f"  {clip.name}: mean |Δ log p| {clip.deviations.mean():.3f} over "
+                f"{len(clip.deviations)} tokens of {clip.source!r} (export's own transcript: "
+                f"{clip.exported!r})"
+            )
+    if check.runtime_error is None and not check.tokens:
+        advice = (
+            "the source transcribed none of the check clips, so there was nothing to score: "
+            "pass --check-data with speech the model transcribes"
+        )
+    elif check.quantization.startswith("int8") and not check.misspelled and not check.runtime_error:
+        advice = (
+            "int8 moved the scores more than int8 rounding does elsewhere: try --quantization "
+            "float16 (or float32), and please report it"
+        )
+    else:
+        advice = (
+            "the precision does not explain this, so the conversion itself is suspect: please "
+            "report it with the lines above"
+        )
+    lines.append(f"  the export was written to its folder anyway; {advice}")
+    return ExportParityError("\n".join(lines))

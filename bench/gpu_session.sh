@@ -5,7 +5,7 @@
 # the others their time; each writes its log to $OUT (at most 8 files come back). Phases run in
 # the order of importance: the CUDA tests, peak memory against the planner, the seed
 # reports on transformers 4.56.2 and 5.x, then throughput against the Seq2SeqTrainer. PHASES
-# picks some (default: tests memory seed throughput; also: workers, profile, loop).
+# picks some (default: tests memory seed throughput; also: workers, compile, profile, loop).
 set -u
 PHASES=${PHASES:-tests memory seed throughput}
 want() { [[ " $PHASES " == *" $1 "* ]]; }
@@ -59,8 +59,15 @@ want workers && phase workers 130 python3 bench/throughput.py --d-model 768 --la
   --batch-size 16 --rounds 1 --packing-sets an4 --repeat 40 --num-workers 4
 want workers && grep -v -i "warn" "$OUT/workers.log" | tail -12
 
-# The model's own step time (no data path), eager and compiled, batch 16 and 64, and a profile.
-want profile && phase profile 260 python3 bench/gpu_profile.py --batches 16,64 --compile --profile
+# Unpacked whisper-train and the Trainer, eager and compiled (and whisper-train with 4 data
+# workers), on AN4 listed 40 times: loop and steady (after 10 steps) clips/s.
+want compile && phase compile 330 python3 bench/throughput.py --d-model 768 --layers 12 \
+  --batch-size 16 --rounds 1 --compile-sets an4 --repeat 40 --num-workers 4
+want compile && grep -v -i "warn" "$OUT/compile.log" | tail -12
+
+# The model's own step time (no data path), eager and compiled (the first batch size), and a
+# profile of the first: PROFILE_ARGS (default batch 16 and 64).
+want profile && phase profile 260 python3 bench/gpu_profile.py ${PROFILE_ARGS:---batches 16,64 --compile --profile}
 want profile && grep -v -i "warn" "$OUT/profile.log" | tail -45
 
 # whisper-train's own loop split into data wait, train step and after-step, with a profile.

@@ -158,27 +158,70 @@ def run_whisper_train(args) -> dict:
             "seed": 0,
             "packing": args.packing,
             "num_workers": args.num_workers,
+            "compile": args.compile,
             # The bench's own cache: main() fills it in an untimed warm-up run, so every timed
             # epoch is a cached one (the user's cache would carry clips over between versions).
             "encoder_cache_dir": str(Path(args.workdir) / "encoder-cache"),
         }
     )
+    step_ends = record_step_ends(loop_module)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         result = train(config)
     text = printed.getvalue()
     # train() prints its loop time ("trained N steps in X s") and the cache build time.
     loop_seconds = float(re.search(r"trained \d+ steps in ([0-9.]+) s", text).group(1))
+    if step_ends:  # the loop ended at the last step's end: the times from its start
+        loop_start = step_ends[-1] - loop_seconds
+        step_ends[:] = [end - loop_start for end in step_ends]
     samples = result.train_examples * args.epochs
     out = {
         "loop_s": loop_seconds,
         "samples": samples,
         "samples_per_s": samples / loop_seconds,
         "epoch_s_after_first": loop_seconds / args.epochs,
+        **steady_rate(step_ends, args.batch_size),
     }
     if torch.cuda.is_available():
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
+
+
+# Steps left out of the steady rate: the first compiles the model, the second recompiles it for
+# label lengths that vary (dynamic shapes), a few more settle the allocator and the data path.
+WARM_STEPS = 10
+
+
+def record_step_ends(loop_module) -> list[float]:
+    """The wall time at the end of each of whisper-train's optimizer steps (after its checks,
+    which wait for the device once a step, so the times are the device's too)."""
+    ends: list[float] = []
+    recipe_class = getattr(loop_module, "FineTuneRecipe", None)
+    if recipe_class is None:
+        return ends
+    after_step = recipe_class._after_step
+
+    def timed_after_step(self, step):
+        result = after_step(self, step)
+        ends.append(CLOCK())
+        return result
+
+    recipe_class._after_step = timed_after_step
+    return ends
+
+
+def steady_rate(step_ends: list[float], batch_size: int) -> dict:
+    """Clips per second over the steps after the first WARM_STEPS (compilation and the first
+    steps' one-off costs excluded), and the seconds those first steps took."""
+    if len(step_ends) <= WARM_STEPS + 1:
+        return {}
+    steps = len(step_ends) - 1 - WARM_STEPS
+    seconds = step_ends[-1] - step_ends[WARM_STEPS]
+    return {
+        "steady_samples_per_s": steps * batch_size / seconds,
+        "steady_ms_per_step": 1e3 * seconds / steps,
+        "warm_steps_s": step_ends[WARM_STEPS],  # relative to the first step's start: see callers
+    }
 
 
 def run_seq2seq_trainer(args) -> dict:
@@ -245,10 +288,14 @@ def run_seq2seq_trainer(args) -> dict:
     epoch_times: list[float] = []
 
     loop_times: list[float] = []
+    step_ends: list[float] = []
 
     class EpochTimer(TrainerCallback):
         def on_train_begin(self, *_, **__):
             self.train_start = CLOCK()
+
+        def on_step_end(self, *_, **__):  # the Trainer reads the gradient norm each step: a sync
+            step_ends.append(CLOCK() - self.train_start)
 
         def on_train_end(self, *_, **__):
             loop_times.append(CLOCK() - self.train_start)
@@ -278,6 +325,7 @@ def run_seq2seq_trainer(args) -> dict:
         seed=0,
         use_cpu=not on_cuda,
         disable_tqdm=True,
+        torch_compile=args.compile,
     )
     trainer = Seq2SeqTrainer(
         model=model,
@@ -294,6 +342,7 @@ def run_seq2seq_trainer(args) -> dict:
         "samples_per_s": samples / loop_times[0],
         "features_s": features_s,
         "epoch_s_after_first": statistics.mean(epoch_times[1:] or epoch_times),
+        **steady_rate(step_ends, args.batch_size),
     }
     if on_cuda:
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -320,7 +369,9 @@ def worker(args) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def launch(args, system: str, scenario: str, epochs: int, packing: str = "off") -> dict:
+def launch(
+    args, system: str, scenario: str, epochs: int, packing: str = "off", compile: bool = False
+) -> dict:
     command = [
         sys.executable,
         __file__,
@@ -348,7 +399,7 @@ def launch(args, system: str, scenario: str, epochs: int, packing: str = "off") 
         packing,
         "--num-workers",
         str(args.num_workers),
-    ]
+    ] + (["--compile"] if compile else [])
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     match = re.search(r"^RESULT (.*)$", done.stdout, flags=re.MULTILINE)
     if not match:
@@ -384,7 +435,13 @@ def main() -> None:
         action="store_true",
         help="with --packing-sets: only print windows and speech share of each set by gap",
     )
+    parser.add_argument(
+        "--compile-sets",
+        default=None,
+        help="an4,...: whisper-train and the Trainer unpacked, eager and torch.compile'd",
+    )
     # worker-only arguments
+    parser.add_argument("--compile", action="store_true")
     parser.add_argument("--packing", default="off")
     parser.add_argument("--worker", choices=["whisper-train", "whisper-train-own-order", "trainer"])
     parser.add_argument("--scenario")
@@ -404,6 +461,9 @@ def main() -> None:
         return
     if args.packing_sets:
         packing_comparison(args)
+        return
+    if args.compile_sets:
+        compile_comparison(args)
         return
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
@@ -556,6 +616,63 @@ def packing_comparison(args) -> None:
                     f"| {name} | {clips} | {mean:.1f} | {system} | {rate:.2f} | "
                     f"{rate * mean:.1f} | {rate / trainer_rate:.2f}x | "
                     f"{rate / with_features:.2f}x |"
+                )
+
+
+def compile_comparison(args) -> None:
+    """Unpacked whisper-train and the Seq2SeqTrainer, each eager and torch.compile'd, on each
+    set: the loop's clips/s (compilation included) and the steady clips/s after WARM_STEPS
+    steps (excluded), which is what a run of thousands of steps gets."""
+    import torch
+
+    rows = [  # (label, system, compile, whisper-train's data workers)
+        ("whisper-train eager", "whisper-train", False, 0),
+        ("whisper-train compiled", "whisper-train", True, 0),
+        (f"whisper-train compiled, {args.num_workers} workers", "whisper-train", True, None),
+        ("Trainer eager", "trainer", False, 0),
+        ("Trainer compiled (torch_compile=True)", "trainer", True, 0),
+    ]
+    if not args.num_workers:
+        rows.pop(2)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        args.workdir = tmp
+        args.model_dir = str(save_model(tmp_path / "model", args.d_model, args.layers, args.model))
+        shape = args.model or f"random, d_model {args.d_model}, {args.layers}+{args.layers} layers"
+        print(
+            f"machine: {platform.machine()}, {os.cpu_count()} CPUs, cuda "
+            f"{torch.cuda.is_available()}; model {shape}; batch {args.batch_size}, "
+            f"checkpointing {args.checkpointing}; steady = steps after the first {WARM_STEPS}"
+        )
+        workers = args.num_workers
+        table = []
+        for name in args.compile_sets.split(","):
+            manifest, clips, _ = set_manifest(tmp_path, name, args.repeat)
+            args.manifest = str(manifest)
+            results = {}
+            for label, system, compiled, row_workers in rows:
+                args.num_workers = workers if row_workers is None else row_workers
+                results[label] = launch(args, system, "full", 1, "off", compile=compiled)
+                print(f"  {name} {label}: {json.dumps(results[label])}", flush=True)
+            args.num_workers = workers
+            table.append((name, clips, results))
+        print()
+        print(
+            "| set | clips | run | loop s | clips/s (loop) | first steps s | steady ms/step "
+            "| steady clips/s | vs Trainer eager (steady) | MFU (steady) | peak GiB |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for name, clips, results in table:
+            base = results["Trainer eager"].get("steady_samples_per_s")
+            for label, result in results.items():
+                steady = result.get("steady_samples_per_s")
+                mfu = result.get("mfu", 0) * steady / result["samples_per_s"] if steady else 0
+                ratio = f"{steady / base:.2f}x" if steady and base else "-"
+                print(
+                    f"| {name} | {clips} | {label} | {result['loop_s']:.1f} | "
+                    f"{result['samples_per_s']:.1f} | {result.get('warm_steps_s', 0):.1f} | "
+                    f"{result.get('steady_ms_per_step', 0):.1f} | {steady or 0:.1f} | {ratio} | "
+                    f"{100 * mfu:.1f}% | {result.get('peak_gib', 0):.2f} |"
                 )
 
 

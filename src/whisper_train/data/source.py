@@ -52,6 +52,13 @@ def shard_batches(batches: Sequence[list], rank: int, world: int) -> list[list]:
     return mine + [[] for _ in range(math.ceil(len(batches) / world) - len(mine))]
 
 
+def pins_memory(accelerator) -> bool:
+    """Whether a training loader hands out batches in page-locked memory: on CUDA, where the
+    step then copies them to the device without waiting (`non_blocking`), while the kernels
+    already queued run; elsewhere pinning only costs."""
+    return accelerator.device.type == "cuda"
+
+
 def evaluation_loader(
     dataset, collate: Callable, *, batch_size: int, rank: int, world: int, num_workers: int
 ) -> DataLoader:
@@ -165,6 +172,7 @@ class WholeData:
             generator=torch.Generator().manual_seed(seed),
             persistent_workers=num_workers > 0,
             prefetch_factor=4 if num_workers > 0 else None,
+            pin_memory=pins_memory(accelerator),
         )
         # Clips the loader skipped on this process, by origin: said at the end of the epoch
         # they were first met in, and at the end of the run.
@@ -356,6 +364,7 @@ class StreamData:
             collate_fn=streaming.StreamCollator(collate),
             num_workers=t.num_workers,
             prefetch_factor=4 if t.num_workers > 0 else None,
+            pin_memory=pins_memory(accelerator),
         )
         if self.stream_samples is None:  # --max-steps: the run's length stands in for it
             self.batches_per_epoch = t.max_steps * t.gradient_accumulation

@@ -19,6 +19,7 @@ loads.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
@@ -236,12 +237,18 @@ class FineTuneRecipe:
         accelerator, state, t = self.accelerator, self.state, self.config.train
         state.skipped_clips += sum(len(batch["skipped"]) for batch in micro_batches)
         weights, total_tokens = step_loss_weights(micro_batches, accelerator)
-        loss_sum = 0.0  # cross-entropy x tokens, this process
+        # Cross-entropy x tokens, this process, kept on the device: reading it back would make
+        # the host wait for the device after every micro-batch (see `_read_loss_and_norm`).
+        loss_sum = torch.zeros(
+            (), device=accelerator.device, dtype=_LOSS_SUM_DTYPE[accelerator.device.type]
+        )
         for position, (batch, weight) in enumerate(zip(micro_batches, weights, strict=True)):
             if batch["size"]:
                 # Moved now, not with the step's others: one micro-batch's inputs on the device
-                # at a time, however large the accumulation.
-                batch = self._with_encoder_outputs(send_to_device(batch, accelerator.device))
+                # at a time, however large the accumulation. Non-blocking from pinned memory
+                # (`data.source` pins on CUDA): the copy overlaps the kernels still queued.
+                batch = send_to_device(batch, accelerator.device, non_blocking=True)
+                batch = self._with_encoder_outputs(batch)
             else:
                 batch = stand_in_batch(
                     memory.whisper_of(unwrapped(self.model)).config,
@@ -254,16 +261,16 @@ class FineTuneRecipe:
                 terms = loss_terms(self.model, batch, preserve=self.preserve)
                 # DDP averages the N processes' gradients: x N makes that average a sum.
                 accelerator.backward(terms.loss * (weight * accelerator.num_processes))
-            loss_sum += float(terms.cross_entropy.detach().float()) * weight * total_tokens
+            loss_sum += terms.cross_entropy.detach().to(loss_sum) * (weight * total_tokens)
         if accelerator.num_processes > 1:
-            summed = torch.tensor([loss_sum], device=accelerator.device, dtype=torch.float64)
-            loss_sum = float(accelerator.reduce(summed, reduction="sum").item())
+            loss_sum = accelerator.reduce(loss_sum.reshape(1), reduction="sum").reshape(())
         if not total_tokens:  # nothing to learn anywhere: not a step (as before the stand-ins)
             self.optimizer.zero_grad(set_to_none=True)
             return None
-        step_loss = loss_sum / total_tokens
         max_norm = t.max_grad_norm if t.max_grad_norm > 0 else math.inf
-        grad_norm = _as_float(accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
+        norm = accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
+        loss_sum, grad_norm = _read_loss_and_norm(loss_sum, norm)
+        step_loss = loss_sum / total_tokens
         skipped = not (math.isfinite(step_loss) and math.isfinite(grad_norm))
         if accelerator.scaler is not None:
             self.optimizer.step()  # the fp16 scaler skips non-finite gradients itself
@@ -506,9 +513,24 @@ class FineTuneRecipe:
         return result
 
 
-def _as_float(value) -> float:
-    """A scalar tensor as a float; a DTensor (the gradient norm of sharded gradients, --fsdp)
-    is made whole first (a collective: every process calls this)."""
-    if hasattr(value, "full_tensor"):
-        value = value.full_tensor()
-    return float(value)
+# The step's loss is summed in float64, as the host did before it stayed on the device; Apple's
+# MPS has no float64.
+_LOSS_SUM_DTYPE = collections.defaultdict(lambda: torch.float64, mps=torch.float32)
+
+
+def _read_loss_and_norm(loss_sum: torch.Tensor, norm) -> tuple[float, float]:
+    """The step's summed loss and gradient norm as floats: the step's one wait for the device
+    before its update (whether to apply it depends on both being finite).
+
+    One read instead of one per micro-batch plus one for the norm: each read stops the host
+    until the device has run everything queued, and the device then idles while the host
+    queues the next kernels (on an H200, whisper-small at batch 16 spent ~45% of its loop so,
+    BENCHMARKS.md "Where an unpacked step goes"). A DTensor norm (sharded gradients, --fsdp) is
+    made whole first: a collective, which every process runs."""
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    if not torch.is_tensor(norm):  # accelerate returns a float where no parameter has a grad
+        return float(loss_sum), float(norm)
+    both = torch.stack([loss_sum.reshape(()), norm.detach().reshape(()).to(loss_sum)])
+    loss_value, norm_value = both.tolist()
+    return loss_value, norm_value

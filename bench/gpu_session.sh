@@ -59,10 +59,11 @@ want workers && phase workers 130 python3 bench/throughput.py --d-model 768 --la
   --batch-size 16 --rounds 1 --packing-sets an4 --repeat 40 --num-workers 4
 want workers && grep -v -i "warn" "$OUT/workers.log" | tail -12
 
-# Unpacked whisper-train and the Trainer, eager and compiled (and whisper-train with 4 data
-# workers), on AN4 listed 40 times: loop and steady (after 10 steps) clips/s.
-want compile && phase compile 330 python3 bench/throughput.py --d-model 768 --layers 12 \
-  --batch-size 16 --rounds 1 --compile-sets an4 --repeat 40 --num-workers 4
+# Unpacked whisper-train (its defaults; eager and compiled, with and without data workers) and
+# the Trainer (eager, compiled) on AN4 listed 40 times: loop and steady clips/s. COMPILE_ROWS
+# picks runs (bench/throughput.py --compile-rows).
+want compile && phase compile ${COMPILE_CAP:-330} python3 bench/throughput.py --d-model 768 --layers 12 \
+  --batch-size 16 --rounds 1 --compile-sets an4 --repeat 40 ${COMPILE_ROWS:+--compile-rows $COMPILE_ROWS}
 want compile && grep -v -i "warn" "$OUT/compile.log" | tail -12
 
 # The model's own step time (no data path), eager and compiled (the first batch size), and a

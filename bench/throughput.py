@@ -157,8 +157,8 @@ def run_whisper_train(args) -> dict:
             "learning_rate": 1e-5,
             "seed": 0,
             "packing": args.packing,
-            "num_workers": args.num_workers,
-            "compile": args.compile,
+            "num_workers": None if args.num_workers < 0 else args.num_workers,
+            "compile": {"on": True, "off": False, "default": None}[args.compile],
             # The bench's own cache: main() fills it in an untimed warm-up run, so every timed
             # epoch is a cached one (the user's cache would carry clips over between versions).
             "encoder_cache_dir": str(Path(args.workdir) / "encoder-cache"),
@@ -325,7 +325,7 @@ def run_seq2seq_trainer(args) -> dict:
         seed=0,
         use_cpu=not on_cuda,
         disable_tqdm=True,
-        torch_compile=args.compile,
+        torch_compile=args.compile == "on",
     )
     trainer = Seq2SeqTrainer(
         model=model,
@@ -370,7 +370,7 @@ def worker(args) -> None:
 
 
 def launch(
-    args, system: str, scenario: str, epochs: int, packing: str = "off", compile: bool = False
+    args, system: str, scenario: str, epochs: int, packing: str = "off", compile: str = "off"
 ) -> dict:
     command = [
         sys.executable,
@@ -397,9 +397,11 @@ def launch(
         str(args.peak_tflops),
         "--packing",
         packing,
+        "--compile",
+        compile,
         "--num-workers",
-        str(args.num_workers),
-    ] + (["--compile"] if compile else [])
+        str(-1 if args.num_workers is None else args.num_workers),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     match = re.search(r"^RESULT (.*)$", done.stdout, flags=re.MULTILINE)
     if not match:
@@ -422,7 +424,10 @@ def main() -> None:
     parser.add_argument("--scenarios", default="full,freeze-encoder")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument(
-        "--num-workers", type=int, default=0, help="whisper-train's data-loading workers"
+        "--num-workers",
+        type=int,
+        default=0,
+        help="whisper-train's data-loading workers (-1: its default, which depends on the device)",
     )
     parser.add_argument(
         "--packing-sets",
@@ -436,12 +441,17 @@ def main() -> None:
         help="with --packing-sets: only print windows and speech share of each set by gap",
     )
     parser.add_argument(
+        "--compile-rows",
+        default="default,eager,compiled,compiled-workers,trainer,trainer-compiled",
+        help="which runs --compile-sets compares",
+    )
+    parser.add_argument(
         "--compile-sets",
         default=None,
         help="an4,...: whisper-train and the Trainer unpacked, eager and torch.compile'd",
     )
     # worker-only arguments
-    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--compile", choices=["on", "off", "default"], default="off")
     parser.add_argument("--packing", default="off")
     parser.add_argument("--worker", choices=["whisper-train", "whisper-train-own-order", "trainer"])
     parser.add_argument("--scenario")
@@ -625,15 +635,21 @@ def compile_comparison(args) -> None:
     steps (excluded), which is what a run of thousands of steps gets."""
     import torch
 
-    rows = [  # (label, system, compile, whisper-train's data workers)
-        ("whisper-train eager", "whisper-train", False, 0),
-        ("whisper-train compiled", "whisper-train", True, 0),
-        (f"whisper-train compiled, {args.num_workers} workers", "whisper-train", True, None),
-        ("Trainer eager", "trainer", False, 0),
-        ("Trainer compiled (torch_compile=True)", "trainer", True, 0),
-    ]
-    if not args.num_workers:
-        rows.pop(2)
+    # (label, system, --compile on/off/default, whisper-train's data workers: None = its default)
+    rows = {
+        "default": ("whisper-train, its defaults", "whisper-train", "default", None),
+        "eager": ("whisper-train eager, no workers", "whisper-train", "off", 0),
+        "compiled": ("whisper-train compiled, no workers", "whisper-train", "on", 0),
+        "compiled-workers": (
+            "whisper-train compiled, default workers",
+            "whisper-train",
+            "on",
+            None,
+        ),
+        "trainer": ("Trainer eager", "trainer", "off", 0),
+        "trainer-compiled": ("Trainer compiled (torch_compile=True)", "trainer", "on", 0),
+    }
+    rows = [rows[name] for name in args.compile_rows.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         args.workdir = tmp
@@ -644,17 +660,15 @@ def compile_comparison(args) -> None:
             f"{torch.cuda.is_available()}; model {shape}; batch {args.batch_size}, "
             f"checkpointing {args.checkpointing}; steady = steps after the first {WARM_STEPS}"
         )
-        workers = args.num_workers
         table = []
         for name in args.compile_sets.split(","):
             manifest, clips, _ = set_manifest(tmp_path, name, args.repeat)
             args.manifest = str(manifest)
             results = {}
-            for label, system, compiled, row_workers in rows:
-                args.num_workers = workers if row_workers is None else row_workers
+            for label, system, compiled, workers in rows:
+                args.num_workers = workers
                 results[label] = launch(args, system, "full", 1, "off", compile=compiled)
                 print(f"  {name} {label}: {json.dumps(results[label])}", flush=True)
-            args.num_workers = workers
             table.append((name, clips, results))
         print()
         print(

@@ -172,7 +172,12 @@ class MemoryConfig:
         # ~8,700 clips of tiny, ~4,300 of small, ~2,600 of large-v3 (1500 x d_model x 2 bytes).
         default="10GB",
     )
-    compile: bool = _help("torch.compile the model.", default=False)
+    compile: bool | None = _help(
+        "torch.compile the model (default: on a CUDA GPU for runs of 2,000 optimizer steps or "
+        "more, where its ~35 s of compiling pays back; BENCHMARKS.md 'Compiled, and data "
+        "workers').",
+        default=None,
+    )
 
 
 @dataclass
@@ -273,7 +278,11 @@ class TrainConfig:
         "disable.",
         default="-1.0",
     )
-    num_workers: int = _help("Data-loading worker processes.", default=0)
+    num_workers: int | None = _help(
+        "Data-loading worker processes (default: 4 per process on a CUDA GPU, fewer where the "
+        "machine has fewer CPUs; 0 elsewhere, where they would take the CPUs that train).",
+        default=None,
+    )
     group_by_length: bool = _help(
         "Batch utterances of similar label length together (less padding), in a seeded order.",
         default=False,

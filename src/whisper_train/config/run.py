@@ -260,7 +260,7 @@ class RunConfig:
             if value is not None and not (math.isfinite(value) and in_range(value)):
                 raise UserError(f"{flag} {value:g}: expected {accepted}")
         for flag, value in (("--warmup-steps", t.warmup_steps), ("--num-workers", t.num_workers)):
-            if value < 0:
+            if value is not None and value < 0:
                 raise UserError(f"{flag} {value}: expected 0 or more")
         # numpy's seed (set with torch's and Python's) takes 32 bits, unsigned.
         if not 0 <= t.seed < 2**32:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -32,7 +33,7 @@ from tqdm.auto import tqdm
 
 from whisper_train import memory, runfolder
 from whisper_train.config import RunConfig
-from whisper_train.data.source import stand_in_batch
+from whisper_train.data.source import default_num_workers, stand_in_batch
 from whisper_train.evaluation.evaluate import run_evaluation
 from whisper_train.evaluation.scoring import get_normalizer
 from whisper_train.memory import loss_terms
@@ -143,8 +144,14 @@ class FineTuneRecipe:
             accelerator=accelerator,
             reserve_bytes=disk_needed,
         )
+        # The data workers' default depends on the device (`default_num_workers`); the saved
+        # configuration keeps what was asked for.
+        workers = default_num_workers(c.train.num_workers, accelerator)
+        loader_config = dataclasses.replace(
+            c, train=dataclasses.replace(c.train, num_workers=workers)
+        )
         self.data, self.eval_loaders, self.eval_languages = setup_loaders(
-            c,
+            loader_config,
             model,
             processor=self.processor,
             label_encoder=self.label_encoder,

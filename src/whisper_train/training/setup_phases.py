@@ -323,7 +323,7 @@ def setup_optimisation(
         optimizer = accelerator.prepare_optimizer(optimizer)
     else:
         model, optimizer = accelerator.prepare(model, optimizer)
-    if c.memory.compile:
+    if compiles(c, accelerator.device, total_steps):
         # After the DDP wrapper (as accelerate does): its hooks stay outside the compiled
         # graph. Accelerator(dynamo_backend=) is not used: that setting is process-wide and
         # kept from the first Accelerator, so a second run in one process would not compile.
@@ -337,6 +337,25 @@ def setup_optimisation(
         )
     )
     return model, optimizer, scheduler
+
+
+# Measured on an H200 (BENCHMARKS.md "Compiled, and data workers"): whisper-small at batch 16
+# spent ~35 s compiling (its first 10 steps: 38 s against 3 s eager; ~11 s when Inductor's
+# cache on the machine already holds the kernels), then 133 ms a step against 153 eager (110
+# with 4 data workers): paid back after ~1,000-1,750 steps. From 2,000 on, it is the default.
+COMPILE_BY_DEFAULT_FROM_STEPS = 2000
+
+
+def compiles(config: RunConfig, device: torch.device, total_steps: int) -> bool:
+    """Whether the model is torch.compile'd: --compile / --no-compile, or by default on a CUDA
+    GPU for runs of COMPILE_BY_DEFAULT_FROM_STEPS steps or more, where the compiling pays back,
+    except with what --compile is refused with or has not been run with on a GPU (--fsdp,
+    --packing per-clip, --offload-activations): never on a CPU, where Inductor's C++ code takes
+    minutes to build and the step is bound by arithmetic, not by launching kernels."""
+    if config.memory.compile is not None:
+        return config.memory.compile
+    untried = config.train.fsdp or config.packing_per_clip or config.memory.offload_activations
+    return device.type == "cuda" and total_steps >= COMPILE_BY_DEFAULT_FROM_STEPS and not untried
 
 
 def restore(

@@ -340,9 +340,9 @@ def setup_optimisation(
 
 
 # Measured on an H200 (BENCHMARKS.md "Compiled, and data workers"): whisper-small at batch 16
-# spent ~35 s compiling (its first 10 steps: 38 s against 3 s eager; ~11 s when Inductor's
-# cache on the machine already holds the kernels), then 133 ms a step against 153 eager (110
-# with 4 data workers): paid back after ~1,000-1,750 steps. From 2,000 on, it is the default.
+# with 4 data workers spent ~33 s compiling (its first 10 steps: 37.8 s against 4.9 s eager;
+# less when Inductor's cache on the machine already holds the kernels), then 93 ms a step
+# against 121 eager: paid back after ~1,200 steps. From 2,000 on, it is the default.
 COMPILE_BY_DEFAULT_FROM_STEPS = 2000
 
 

@@ -128,6 +128,7 @@ def test_every_evaluation_scores_every_set(tiny_run_config, two_sets, capsys):
             "clips",
             "repeated_ngram_rate",
             "insertion_rate",
+            "deletion_rate",
         }
         assert math.isfinite(row["eval_loss"]) and row["wer"] >= 0
     out = capsys.readouterr().out

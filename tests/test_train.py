@@ -78,6 +78,7 @@ def test_loss_matches_reference_and_metrics_are_written(tiny_run_config, tone_da
         "clips",
         "repeated_ngram_rate",
         "insertion_rate",
+        "deletion_rate",
     }
     assert evaluation["set"] == "eval" and evaluation["clips"] == 3  # the seeded split of --data
     assert 0 <= evaluation["repeated_ngram_rate"] <= 1 and evaluation["insertion_rate"] >= 0

@@ -155,14 +155,14 @@ def test_transformers_long_form_checks_the_text_compression_ratio(tiny_en_transf
     ratio for the call (not its token-byte ratio), and given back afterwards."""
     from unittest import mock
 
-    from whisper_train import transcribe as transcribe_module
     from whisper_train.data.synth import synthesize
+    from whisper_train.evaluation import longform  # where transcribe's generate is called
 
     backend = TransformersBackend(*tiny_en_transformers)
     model = backend.model
     audio = synthesize("please call stella and ask her to bring these things from the store")
     with mock.patch.object(
-        transcribe_module, "compression_ratio", wraps=transcribe_module.compression_ratio
+        longform, "compression_ratio", wraps=longform.compression_ratio
     ) as ratio:
         text, _ = backend.transcribe(audio)
     assert "call" in text.lower()
@@ -171,7 +171,7 @@ def test_transformers_long_form_checks_the_text_compression_ratio(tiny_en_transf
     assert "_retrieve_compression_ratio" not in vars(model)
 
     ratio_calls = []
-    with mock.patch.object(transcribe_module, "compression_ratio", side_effect=ratio_calls.append):
+    with mock.patch.object(longform, "compression_ratio", side_effect=ratio_calls.append):
         TransformersBackend(*tiny_en_transformers, decoding=NO_FALLBACK).transcribe(audio)
     assert ratio_calls == [], "with the fallback off, nothing is checked"
 

@@ -25,7 +25,6 @@ A file that cannot be read is reported and skipped; the others still get transcr
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import sys
@@ -37,13 +36,9 @@ import numpy as np
 import torch
 
 from whisper_train.audio import AUDIO_SUFFIXES, N_SAMPLES, SAMPLE_RATE, load_audio
-from whisper_train.decoding import (
-    DecodingOptions,
-    compression_ratio,
-    generate_decoded,
-    seeded,
-)
+from whisper_train.decoding import DecodingOptions, generate_decoded
 from whisper_train.errors import UserError
+from whisper_train.evaluation.longform import generate_long_form, segment_texts
 
 log = logging.getLogger(__name__)
 
@@ -165,69 +160,16 @@ class TransformersBackend:
             )
             text = decoded[0].text
             return text, [Segment(0.0, len(audio) / SAMPLE_RATE, text)] if text else []
-        # Un-truncated features + attention mask switch generate into sequential long-form
-        # decoding for recordings over 30 s; shorter ones are padded to the 30 s window.
-        inputs = self.processor.feature_extractor(
-            audio,
-            sampling_rate=SAMPLE_RATE,
-            return_tensors="pt",
-            truncation=False,
-            padding="longest" if len(audio) > N_SAMPLES else "max_length",
-            return_attention_mask=True,
+        # The long-form decoding `evaluate` scores (evaluation.longform): one implementation.
+        output = generate_long_form(
+            self.model, self.processor, audio, beam_size=self.beam_size, decoding=self.decoding
         )
-        with seeded(self.decoding.seed, weight.device), self._text_compression_ratio():
-            output = self.model.generate(
-                input_features=inputs.input_features.to(weight.device, weight.dtype),
-                attention_mask=inputs.attention_mask.to(weight.device),
-                return_timestamps=True,
-                return_segments=True,
-                num_beams=self.beam_size,
-                **self._fallback_arguments(),
-            )
         duration = len(audio) / SAMPLE_RATE
-        tokenizer = self.processor.tokenizer
-        segments = []
-        for raw in output["segments"][0]:
-            words = [t for t in raw["tokens"].tolist() if t < tokenizer.eos_token_id]
-            text = tokenizer.decode(words).strip()
-            if text:
-                start, end = float(raw["start"]), float(raw["end"])
-                segments.append(Segment(min(start, duration), min(end, duration), text))
+        segments = [
+            Segment(min(start, duration), min(end, duration), text)
+            for start, end, text in segment_texts(output, self.processor.tokenizer)
+        ]
         return " ".join(s.text for s in segments), segments
-
-    def _fallback_arguments(self) -> dict:
-        """generate's own window-by-window fallback, set from `self.decoding`. When every
-        temperature fails, transformers keeps the last try (as openai-whisper does), not the
-        most likely one (`decoding.choose`, faster-whisper's rule)."""
-        options = self.decoding
-        sampling = {"top_k": 0}  # the whole distribution, as openai-whisper samples
-        if not options.fallback:
-            first = options.temperatures[0]
-            return {"temperature": first, **sampling} if first > 0 else {}
-        return {
-            "temperature": options.temperatures,
-            "compression_ratio_threshold": options.compression_ratio_threshold,
-            "logprob_threshold": options.logprob_threshold,
-            **sampling,
-        }
-
-    @contextlib.contextmanager
-    def _text_compression_ratio(self):
-        """transformers' long-form fallback computes the compression ratio of the token ids'
-        bytes (a scale where 1.35 is its suggested threshold); for the duration of one call,
-        make it openai-whisper's ratio of the decoded text, so 2.4 means what it means there."""
-        tokenizer = self.processor.tokenizer
-
-        def text_ratio(tokens, vocab_size):
-            ids = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
-            return compression_ratio(tokenizer.decode(ids, skip_special_tokens=True).strip())
-
-        model = self.model
-        model._retrieve_compression_ratio = text_ratio  # shadows the static method
-        try:
-            yield
-        finally:
-            del model._retrieve_compression_ratio
 
 
 class CTranslate2Backend:

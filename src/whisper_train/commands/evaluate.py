@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from whisper_train.config import named_sets
+from whisper_train.config import long_form_sets, named_sets
 from whisper_train.evaluation.evaluate import EvalReport, detected_counts, report_paths
 from whisper_train.evaluation.scoring import NORMALIZERS
 
@@ -26,7 +26,10 @@ def add_parser(subparsers) -> None:
         action="append",
         help="Data in any layout `check-data` accepts; NAME=PATH, repeated, scores several sets "
         "(each set's reports then go to OUTPUT/NAME/); NAME:LANG=PATH states a set's language "
-        "(e.g. general:en=general-english/).",
+        "(e.g. general:en=general-english/). NAME:long=PATH is long recordings (audio + "
+        ".srt/.vtt/.txt of the same name, or manifest rows), each decoded whole in 30 s windows "
+        "with timestamps, as `transcribe` does, and scored over its whole transcript; a clip "
+        "over 30 s in any set is decoded that way too, never cut to its first window.",
     )
     parser.add_argument("--data-format", default=None, help="Force a data layout.")
     parser.add_argument(
@@ -76,6 +79,14 @@ def add_parser(subparsers) -> None:
         "--max-length", type=int, default=225, help="Longest transcript in tokens [default: 225]."
     )
     add_decoding_arguments(parser)
+    parser.add_argument(
+        "--condition-on-previous-text",
+        action="store_true",
+        help="Long-form decoding (clips over 30 s, NAME:long sets) gives each window the "
+        "previous windows' text as its prompt, as openai-whisper's and faster-whisper's "
+        "transcribe do by default (off: each window alone, as `whisper-train transcribe` "
+        "decodes).",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -137,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"skipped {len(report.skipped)} unreadable clip(s); {where}")
 
     sets = named_sets(args.data, "--data")
+    long_form = long_form_sets(args.data, "--data")
     several = len(sets) > 1
     default_reports = report_paths(args.model, output=None, baseline=args.baseline)
     reports_root = Path(args.output) if args.output else None
@@ -161,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
             max_length=args.max_length,
             on_report=show,
             decoding=decoding,
+            long_form=name in long_form,
+            condition_on_previous_text=args.condition_on_previous_text,
         )
         if result.paths:
             # One line that says where every file went: the default may be a folder never named.
@@ -186,10 +200,22 @@ def _print_scores(name: str, report: EvalReport) -> None:
             else ""
         )
         print(f"  detected languages: {detected}{accuracy}")
-    if report.decoding is not None and report.decoding.fallback:
+    if report.long_form_recordings:
+        # What a dropped window (deletions) or a repeated one (insertions) costs shows here.
+        previous = "with" if report.condition_on_previous_text else "without"
+        print(
+            f"  long-form: {report.long_form_recordings} of {s.n} recording(s) decoded in 30 s "
+            f"windows with timestamps, {previous} the previous text; insertions "
+            f"{100 * s.insertion_rate:.2f}%, deletions {100 * s.deletion_rate:.2f}% of "
+            f"{s.reference_words} reference words"
+        )
+    # Long-form recordings fall back window by window inside generate, which does not say
+    # which windows did: the count is of the other utterances.
+    windowed = s.n - report.long_form_recordings
+    if report.decoding is not None and report.decoding.fallback and windowed:
         # Loop figures are scored on the kept transcripts: say how many needed decoding again.
         unresolved = f", {report.unresolved} failed at every temperature" * bool(report.unresolved)
         print(
-            f"  temperature fallback: {report.fallbacks} of {s.n} utterance(s) decoded again "
+            f"  temperature fallback: {report.fallbacks} of {windowed} utterance(s) decoded again "
             f"(looping or unlikely at temperature {report.decoding.temperatures[0]:g}){unresolved}"
         )

@@ -26,10 +26,18 @@ from whisper_train.config.options import (
     field_owners,
 )
 from whisper_train.config.run import RunConfig
-from whisper_train.config.values import named_paths, named_sets, read_yaml, require_positive
+from whisper_train.config.values import (
+    LONG_FORM,
+    long_form_sets,
+    named_paths,
+    named_sets,
+    read_yaml,
+    require_positive,
+)
 
 __all__ = [
     "DEFAULT_LEARNING_RATES",
+    "LONG_FORM",
     "GROUPS",
     "MODES",
     "OPTIMIZERS",
@@ -42,6 +50,7 @@ __all__ = [
     "RunConfig",
     "TrainConfig",
     "field_owners",
+    "long_form_sets",
     "named_paths",
     "named_sets",
     "read_yaml",

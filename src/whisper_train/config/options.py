@@ -41,7 +41,10 @@ class DataConfig:
             "several sets, each scored at every evaluation; a bare PATH is named 'eval'). "
             "NAME:LANG=PATH states the set's language (e.g. general:en=general-english/); a "
             "row's `language` column wins, and a set with neither is decoded in the language "
-            "detected in each clip, never in --language. "
+            "detected in each clip, never in --language. NAME:long=PATH (or NAME:LANG:long=PATH) "
+            "is a set of long recordings (audio + .srt/.vtt/.txt of the same name, or manifest "
+            "rows of any length), each decoded whole in 30 s windows and scored over its whole "
+            "transcript; it can be the --guard. "
             "Default: a seeded split of --data, named 'eval' (decoded in --language).",
             "repeatable": True,
         },
@@ -277,6 +280,13 @@ class TrainConfig:
         "Decode again when a transcript's mean token log-probability is below this; none to "
         "disable.",
         default="-1.0",
+    )
+    condition_on_previous_text: bool = _help(
+        "Long-form evaluation sets (--eval-data NAME:long=PATH) decode each 30 s window with "
+        "the previous windows' text as its prompt, as openai-whisper's and faster-whisper's "
+        "transcribe do by default (off: each window alone, as `whisper-train transcribe` "
+        "decodes).",
+        default=False,
     )
     num_workers: int | None = _help(
         "Data-loading worker processes (default: 4 per process on a CUDA GPU, fewer where the "

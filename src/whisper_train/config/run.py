@@ -31,6 +31,7 @@ from whisper_train.config.options import (
 )
 from whisper_train.config.values import (
     coerce,
+    long_form_sets,
     named_paths,
     named_sets,
     on_off,
@@ -398,6 +399,10 @@ class RunConfig:
         if name in sets:
             return sets[name][1]
         return self.data.language
+
+    def eval_set_long_form(self, name: str) -> bool:
+        """Whether evaluation set `name` is long recordings (NAME:long=PATH), decoded whole."""
+        return name in long_form_sets(self.data.eval_data or [], "--eval-data")
 
     @property
     def primary_eval_set(self) -> str:

@@ -1,5 +1,5 @@
 """Reading option values: YAML with YAML 1.2's booleans, flag and YAML text made the field's
-declared type (`coerce`), named evaluation sets (NAME[:LANG]=PATH), and the one-line errors that
+declared type (`coerce`), named evaluation sets (NAME[:LANG][:long]=PATH), and the one-line errors that
 name a flag (`require_positive`, `one_of`, `on_off`)."""
 
 from __future__ import annotations
@@ -39,25 +39,30 @@ def read_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Yaml12Loader)  # a SafeLoader: builds only plain values
 
 
-def named_sets(entries: list[str], flag: str) -> dict[str, tuple[str, str | None]]:
-    """["target:es=t/", "general=g/"] → {"target": ("t/", "es"), "general": ("g/", None)}, in
-    order: NAME=PATH, or NAME:LANG=PATH to state the set's language (a code or name Whisper
-    knows); a bare PATH is named "eval". The one reading of NAME[:LANG]=PATH for `train
-    --eval-data` and `evaluate --data`. The language sits on the name's side of `=`, so paths
-    (and hub ids such as `name:config:split`) are never split."""
-    sets: dict[str, tuple[str, str | None]] = {}
+# NAME:long=PATH (or NAME:LANG:long=PATH): a set of long recordings, each decoded whole in
+# sequential 30 s windows and scored over its whole reference (evaluation.longform).
+LONG_FORM = "long"
+
+
+def _parse_sets(entries: list[str], flag: str) -> dict[str, tuple[str, str | None, bool]]:
+    """{name: (path, language, long-form)} of NAME[:LANG][:long]=PATH entries, in order."""
+    sets: dict[str, tuple[str, str | None, bool]] = {}
     for entry in entries:
         label, sep, path = entry.partition("=")
-        name, _, language = label.partition(":")
+        name, *tags = label.split(":")
+        long_form = LONG_FORM in tags
+        tags = [tag for tag in tags if tag != LONG_FORM]
         if not sep:  # a bare PATH
-            name, language, path = "eval", "", entry
-        elif not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name) or not path:
+            name, tags, long_form, path = "eval", [], False, entry
+        elif not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name) or not path or len(tags) > 1:
             raise UserError(
-                f"{flag} {entry}: expected NAME=PATH (or NAME:LANG=PATH) with NAME of letters, "
-                "digits, '-', '_' or '.', or a bare PATH"
+                f"{flag} {entry}: expected NAME=PATH (or NAME:LANG=PATH, NAME:{LONG_FORM}=PATH "
+                f"for long recordings) with NAME of letters, digits, '-', '_' or '.', or a "
+                "bare PATH"
             )
         if name in sets:
             raise UserError(f"{flag} {entry}: the name {name} is used twice")
+        language = tags[0] if tags else ""
         if language:
             from whisper_train.data.labels import language_code
 
@@ -65,8 +70,25 @@ def named_sets(entries: list[str], flag: str) -> dict[str, tuple[str, str | None
                 language = language_code(language)
             except UserError as exc:
                 raise UserError(f"{flag} {entry}: {exc}") from None
-        sets[name] = (path, language or None)
+        sets[name] = (path, language or None, long_form)
     return sets
+
+
+def named_sets(entries: list[str], flag: str) -> dict[str, tuple[str, str | None]]:
+    """["target:es=t/", "general=g/"] → {"target": ("t/", "es"), "general": ("g/", None)}, in
+    order: NAME=PATH, or NAME:LANG=PATH to state the set's language (a code or name Whisper
+    knows); a bare PATH is named "eval". The one reading of NAME[:LANG]=PATH for `train
+    --eval-data` and `evaluate --data`. The language sits on the name's side of `=`, so paths
+    (and hub ids such as `name:config:split`) are never split. A `:long` tag
+    (`long_form_sets`) may sit beside the language."""
+    return {
+        name: (path, language) for name, (path, language, _) in _parse_sets(entries, flag).items()
+    }
+
+
+def long_form_sets(entries: list[str], flag: str) -> set[str]:
+    """The names of the sets tagged NAME[:LANG]:long=PATH: long recordings, decoded whole."""
+    return {name for name, (_, _, long) in _parse_sets(entries, flag).items() if long}
 
 
 def named_paths(entries: list[str], flag: str) -> dict[str, str]:

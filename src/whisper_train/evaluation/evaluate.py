@@ -20,6 +20,7 @@ from whisper_train.data.collate import IGNORE_INDEX
 from whisper_train.decoding import Decoded, DecodingOptions
 from whisper_train.errors import AudioError, UserError
 from whisper_train.evaluation.generation import generate_texts
+from whisper_train.evaluation.longform import decode_recordings
 from whisper_train.evaluation.scoring import (
     Normalizer,
     Scores,
@@ -54,6 +55,14 @@ class EvalReport:
     # The language each clip is in, where the data (a `language` column) or the user
     # (--language) says it; what the model's detected language is scored against.
     expected_languages: list[str | None] = field(default_factory=list)
+    # Which rows were decoded long-form (`long_form[i]` for `scores.rows[i]`: a recording over
+    # 30 s, or every row of a NAME:long set), and whether windows saw the previous text.
+    long_form: list[bool] = field(default_factory=list)
+    condition_on_previous_text: bool = False
+
+    @property
+    def long_form_recordings(self) -> int:
+        return sum(self.long_form)
 
     @property
     def language_id(self) -> LanguageId | None:
@@ -130,10 +139,12 @@ def _feature_batches(
     skipped: list[dict],
     kept: list,
     default_language: str | None = None,
+    longer: list | None = None,
 ):
     """Examples → batches {"input_features": (batch, n_mels, 3000), "texts", "languages"}
-    (`row_languages`); bad clips skipped."""
-    from whisper_train.audio import load_audio
+    (`row_languages`); bad clips skipped; clips over 30 s appended to `longer` (to be decoded
+    long-form: the log-mel of one window would silently keep only their first 30 s)."""
+    from whisper_train.audio import N_SAMPLES, load_audio
     from whisper_train.data.features import LogMel
 
     log_mel = LogMel(processor.feature_extractor)
@@ -144,6 +155,10 @@ def _feature_batches(
                 clips.append(load_audio(example.audio, start=example.start, end=example.end))
             except AudioError as exc:
                 skipped.append({"audio": example.audio, "reason": exc.reason})
+                continue
+            if longer is not None and len(clips[-1]) > N_SAMPLES:
+                longer.append(example)
+                clips.pop()
                 continue
             texts.append(example.text)
             kept.append(example)
@@ -172,7 +187,7 @@ def run_evaluation(
     """Evaluation during training: validation loss (teacher-forced, mean over all label
     tokens) and WER of generated transcripts, gathered over processes (each evaluates its share
     of the loader). Returns a metrics row: {"step", "eval_loss", "wer", "repeated_ngram_rate",
-    "insertion_rate"}, plus on a multilingual model the languages detected
+    "insertion_rate", "deletion_rate"}, plus on a multilingual model the languages detected
     (`detected_languages`: {code: clips}) and, where `languages` states them,
     `language_id_accuracy`.
 
@@ -231,6 +246,7 @@ def run_evaluation(
         # Loops and hallucinated words: what a WER drop on the target set can hide.
         "repeated_ngram_rate": round(scores.repeated_ngram_rate, 6),
         "insertion_rate": round(scores.insertion_rate, 6),
+        "deletion_rate": round(scores.deletion_rate, 6),
     }
     if counts := detected_counts(decoded):
         row["detected_languages"] = counts
@@ -252,6 +268,8 @@ def evaluate_examples(
     model_name: str = "",
     progress: bool = False,
     decoding: DecodingOptions | None = None,
+    long_form: bool = False,
+    condition_on_previous_text: bool = False,
 ) -> EvalReport:
     """Transcribe `examples` (whisper_train.data.examples.Example) and score them against their text.
 
@@ -262,7 +280,12 @@ def evaluate_examples(
 
     `decoding`: the temperature fallback (None: on, openai-whisper's defaults); the report
     counts the utterances that needed it. Loop figures are scored on the kept transcripts.
-    `progress`: a bar on a terminal, else a line every tenth of the batches (a log file)."""
+    `progress`: a bar on a terminal, else a line every tenth of the batches (a log file).
+
+    Clips over 30 s, and every clip when `long_form`, are decoded long-form
+    (`evaluation.longform`: 30 s windows with timestamps, with the previous windows' text when
+    `condition_on_previous_text`) and scored over their whole reference; their rows come after
+    the others'."""
     from tqdm.auto import tqdm
 
     from whisper_train.data.labels import language_code
@@ -275,11 +298,13 @@ def evaluate_examples(
     skipped: list[dict] = []
     kept: list = []
     examples = list(examples)
-    batches = _feature_batches(examples, processor, batch_size, skipped, kept, default)
-    total = -(-len(examples) // batch_size)
+    longer: list = list(examples) if long_form else []
+    windowed = [] if long_form else examples
+    batches = _feature_batches(windowed, processor, batch_size, skipped, kept, default, longer)
+    total = -(-len(windowed) // batch_size)
     show_bar = progress and progress_bars_wanted()
     if progress and not show_bar:
-        batches = _progress_lines(batches, total, len(examples), started)
+        batches = _progress_lines(batches, total, len(windowed), started)
     batches = tqdm(batches, total=total, desc="evaluate", unit="batch", disable=not show_bar)
     decoded: list[Decoded] = []
     hypotheses = generate_texts(
@@ -291,6 +316,22 @@ def evaluate_examples(
         decoding=decoding,
         details=decoded,
     )
+    short = len(kept)
+    if longer:
+        recordings = decode_recordings(
+            model,
+            processor,
+            longer,
+            beam_size=num_beams,
+            decoding=decoding,
+            condition_on_previous_text=condition_on_previous_text,
+            languages=row_languages(longer, default),
+            skipped=skipped,
+            progress=progress,
+        )
+        kept += recordings.examples
+        hypotheses += recordings.texts
+        decoded += recordings.decoded
     if not kept:
         first = skipped[0] if skipped else {"audio": "?", "reason": "no clips"}
         raise UserError(
@@ -311,6 +352,8 @@ def evaluate_examples(
         seconds=time.perf_counter() - started,
         decoded=decoded,
         decoding=decoding,
+        long_form=[index >= short for index in range(len(kept))],
+        condition_on_previous_text=condition_on_previous_text,
     )
 
 
@@ -341,10 +384,11 @@ def report_to_dict(report: EvalReport) -> dict:
     n = len(report.scores.rows)
     decoded = report.decoded or [None] * n
     expected = report.expected_languages or [None] * n
-    for audio, row, item, want in zip(
-        report.audio, report.scores.rows, decoded, expected, strict=True
+    long_form = report.long_form or [False] * n
+    for audio, row, item, want, whole in zip(
+        report.audio, report.scores.rows, decoded, expected, long_form, strict=True
     ):
-        utterance = {"audio": audio, **asdict(row), "errors": row.errors}
+        utterance = {"audio": audio, **asdict(row), "errors": row.errors, "long_form": whole}
         if item is not None:
             utterance.update(item.report())
             if want is not None and item.detected_language is not None:
@@ -365,6 +409,8 @@ def report_to_dict(report: EvalReport) -> dict:
         **report.scores.summary(),
         "fallback_utterances": report.fallbacks,
         "fallback_unresolved": report.unresolved,
+        "long_form_recordings": report.long_form_recordings,
+        "condition_on_previous_text": report.condition_on_previous_text,
         "decoding": report.decoding.to_dict() if report.decoding is not None else None,
         "seconds": round(report.seconds, 3),
         "skipped": report.skipped,
@@ -441,14 +487,19 @@ def evaluate(
     max_length: int = 225,
     on_report: Callable[[str, EvalReport], None] | None = None,
     decoding: DecodingOptions | None = None,
+    long_form: bool = False,
+    condition_on_previous_text: bool = False,
 ) -> Evaluation:
     """Transcribe `data` with the model `model` (a spec: folder, hub id, run folder, tiny.en)
     and score it; with `baseline`, the same for that model and a comparison (report.md,
     report.png). Reports are written where `report_paths` says; existing ones are refused
     unless `overwrite`. `on_report("model" | "baseline", report)` is called as each model is
     scored, before the next one starts. `decoding`: the temperature fallback, the same for
-    both models (None: on, with openai-whisper's defaults)."""
+    both models (None: on, with openai-whisper's defaults). `long_form`: `data` is long
+    recordings, read whole (`data.recordings`) and decoded long-form; clips over 30 s are
+    decoded long-form in any case (`evaluate_examples`)."""
     from whisper_train.data.layouts import load_examples
+    from whisper_train.data.recordings import load_recordings
     from whisper_train.models import load_model
 
     require_positive("--batch-size", batch_size)
@@ -456,7 +507,7 @@ def evaluate(
     require_positive("--max-length", max_length)
     if eval_subset is not None:
         require_positive("--eval-subset", eval_subset)
-    examples = load_examples(data, data_format=data_format)
+    examples = (load_recordings if long_form else load_examples)(data, data_format=data_format)
     if eval_subset:
         examples = examples[:eval_subset]
     if not examples:
@@ -490,6 +541,8 @@ def evaluate(
             model_name=spec,
             progress=True,
             decoding=decoding,
+            long_form=long_form,
+            condition_on_previous_text=condition_on_previous_text,
         )
         normalizer = report.normalizer
         if on_report is not None:

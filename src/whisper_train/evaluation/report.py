@@ -99,6 +99,7 @@ def write_comparison(
         ("CER", "cer"),
         ("orthographic WER", "orthographic_wer"),
         ("insertion rate", "insertion_rate"),
+        ("deletion rate", "deletion_rate"),  # with insertions: long-form windows lost or doubled
         ("repeated 3-gram rate", "repeated_ngram_rate"),
         ("empty outputs", "empty_output_rate"),
     ]
@@ -106,7 +107,14 @@ def write_comparison(
     lines = [
         "# Evaluation: before and after",
         "",
-        f"{after.scores.n} utterances, normalizer `{after.normalizer}`.",
+        f"{after.scores.n} utterances, normalizer `{after.normalizer}`"
+        + (
+            f"; {after.long_form_recordings} recordings decoded long-form (30 s windows with "
+            f"timestamps, {'with' if after.condition_on_previous_text else 'without'} the "
+            "previous text), each scored over its whole reference."
+            if getattr(after, "long_form_recordings", 0)
+            else "."
+        ),
         "",
         f"| | before (`{before.model}`) | after (`{after.model}`) |",
         "|---|---|---|",

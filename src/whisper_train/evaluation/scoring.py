@@ -108,6 +108,8 @@ class Scores:
     insertions: int
     reference_words: int
     insertion_rate: float  # insertions / reference words: hallucinated words
+    # deletions / reference words: dropped words (in a long recording, a skipped window)
+    deletion_rate: float
     repeated_ngram_rate: float  # repeated word 3-grams / all 3-grams in hypotheses: loops
     empty_output_rate: float  # hypotheses that are empty after normalisation
     n: int
@@ -211,6 +213,7 @@ def score(
         insertions=ins,
         reference_words=words,
         insertion_rate=ins / words,
+        deletion_rate=dels / words,
         repeated_ngram_rate=repeated / ngrams if ngrams else 0.0,
         empty_output_rate=empty_outputs / len(rows),
         n=len(rows),

@@ -8,6 +8,8 @@ The recipe calls `prepare_datasets` and never needs to know how the data arrives
 from __future__ import annotations
 
 import logging
+import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,6 +18,7 @@ from whisper_train.data import streaming
 from whisper_train.data.examples import Example, PackedExamples
 from whisper_train.data.labels import LabelEncoder, label_length, with_language
 from whisper_train.data.layouts import load_examples
+from whisper_train.data.recordings import load_recordings
 from whisper_train.data.screening import (
     Screening,
     raise_first_skip,
@@ -66,9 +69,13 @@ def prepare_datasets(
         train_examples = examples
         # --data-format names --data's layout; each evaluation set's is detected on its own
         # (as on the streamed path: an evaluation set often comes from elsewhere). A set's stated
-        # language (NAME:LANG=PATH) is its rows' label prefix too.
+        # language (NAME:LANG=PATH) is its rows' label prefix too. A long-form set
+        # (NAME:long=PATH) is read as whole recordings.
         eval_sets = {
-            name: with_language(load_examples(path), config.eval_set_language(name))
+            name: with_language(
+                (load_recordings if config.eval_set_long_form(name) else load_examples)(path),
+                config.eval_set_language(name),
+            )
             for name, path in eval_paths.items()
         }
     elif d.eval_split == 0:
@@ -94,8 +101,16 @@ def prepare_datasets(
         kept_train, skipped = [], skipped + unusable
     kept_eval = {}
     for name, subset in eval_sets.items():
+        # A long-form set's recordings are decoded whole: no 30 s or label-length limit (its
+        # audio is still checked: missing or undecodable files are skipped and said).
+        long_form = config.eval_set_long_form(name)
         screening = _screen_set(
-            subset, label_encoder, max_label_tokens, d.strict, read_headers=True
+            subset,
+            label_encoder,
+            sys.maxsize if long_form else max_label_tokens,
+            d.strict,
+            read_headers=True,
+            max_seconds=math.inf if long_form else None,
         )
         kept_eval[name] = [subset[index] for index in screening.kept]
         skipped += screening.skips
@@ -123,6 +138,7 @@ def _screen_set(
     strict: bool,
     *,
     read_headers: bool,
+    max_seconds: float | None = None,
 ) -> Screening:
     """One set's screening, shared through the screening cache by every rank and later runs;
     labels counted in batches as check-data counts them (`LabelEncoder.decoder_tokens`)."""
@@ -131,6 +147,7 @@ def _screen_set(
         count_all=label_encoder.decoder_tokens_batch,
         max_label_tokens=max_label_tokens,
         read_headers=read_headers,
+        **({"max_seconds": max_seconds} if max_seconds is not None else {}),
         cache_folder=screening_cache_folder(),
         cache_salt=label_encoder.fingerprint(),
     )

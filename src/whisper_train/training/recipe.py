@@ -35,6 +35,7 @@ from whisper_train import memory, runfolder
 from whisper_train.config import RunConfig
 from whisper_train.data.source import default_num_workers, stand_in_batch
 from whisper_train.evaluation.evaluate import run_evaluation
+from whisper_train.evaluation.longform import run_long_form_evaluation
 from whisper_train.evaluation.scoring import get_normalizer
 from whisper_train.memory import loss_terms
 from whisper_train.memory.wrappers import unwrapped
@@ -392,21 +393,35 @@ class FineTuneRecipe:
 
     def _evaluate_set(self, name: str, loader, step: int) -> dict:
         """One evaluation set's metrics row at `step`, written to metrics.jsonl."""
-        device = self.accelerator.device
-        batches = (send_to_device(batch, device) for batch in loader)
-        if self.encoder_cache is not None:  # batches complete with their encoder outputs
-            batches = map(self._with_encoder_outputs, batches)
-        row = run_evaluation(
-            self.model,
-            batches,
-            self.processor,
-            self.accelerator,
-            self.normalizer,
-            self.config.train.generation_max_length,
-            step,
-            self.decoding,
-            languages=self.eval_languages[name] if self.multilingual else None,
-        )
+        languages = self.eval_languages[name] if self.multilingual else None
+        if self.config.eval_set_long_form(name):  # whole recordings, decoded in 30 s windows
+            row = run_long_form_evaluation(
+                self.model,
+                loader,
+                self.processor,
+                self.accelerator,
+                self.normalizer,
+                step,
+                decoding=self.decoding,
+                condition_on_previous_text=self.config.train.condition_on_previous_text,
+                languages=languages,
+            )
+        else:
+            device = self.accelerator.device
+            batches = (send_to_device(batch, device) for batch in loader)
+            if self.encoder_cache is not None:  # batches complete with their encoder outputs
+                batches = map(self._with_encoder_outputs, batches)
+            row = run_evaluation(
+                self.model,
+                batches,
+                self.processor,
+                self.accelerator,
+                self.normalizer,
+                self.config.train.generation_max_length,
+                step,
+                self.decoding,
+                languages=languages,
+            )
         row = {"step": step, "set": name, **row}
         self.metrics.write(row)
         return row

@@ -24,6 +24,7 @@ from whisper_train.data.labels import LabelEncoder, configure_generation
 from whisper_train.data.source import TrainingData, build_training_data, evaluation_loader
 from whisper_train.errors import UserError
 from whisper_train.evaluation.evaluate import row_languages
+from whisper_train.evaluation.longform import RECORDINGS_PER_BATCH, collate_recordings
 from whisper_train.memory.plan import encoder_cache_line
 from whisper_train.models import is_multilingual, load_model
 from whisper_train.runlog import MetricsLog, ProgressTable, StopRequest, progress_bars_wanted, say
@@ -269,6 +270,18 @@ def setup_loaders(
     # Each set is decoded in its rows' languages, else its own (`eval_set_language`), else
     # each clip's detected one: never the training language by default (issue 24).
     for name, examples in datasets.eval.items():
+        eval_languages[name] = row_languages(examples, c.eval_set_language(name))
+        if c.eval_set_long_form(name):
+            # Whole recordings, read as each is decoded (no features, labels or encoder cache).
+            eval_loaders[name] = evaluation_loader(
+                list(enumerate(examples)),
+                collate_recordings,
+                batch_size=RECORDINGS_PER_BATCH,
+                rank=accelerator.process_index,
+                world=accelerator.num_processes,
+                num_workers=0,
+            )
+            continue
         eval_set = SpeechDataset(examples, label_encoder, seed=t.seed, cached=cached)
         eval_loaders[name] = evaluation_loader(
             eval_set,
@@ -278,7 +291,6 @@ def setup_loaders(
             world=accelerator.num_processes,
             num_workers=t.num_workers,
         )
-        eval_languages[name] = row_languages(examples, c.eval_set_language(name))
     data = build_training_data(
         c,
         datasets,

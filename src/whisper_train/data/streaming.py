@@ -1,4 +1,4 @@
-"""Training data read as a stream: WebDataset and Parquet shards, and hub datasets.
+"""Training data read as a stream: WebDataset and Parquet shards, lhotse cuts, hub datasets.
 
 This module holds the stream a training process iterates (`SpeechStream`, made by
 `training_stream`) and the collator that counts the rows its batches consumed
@@ -191,7 +191,7 @@ class SpeechStream(torch.utils.data.IterableDataset):
         if not where.text or not where.text.strip():
             return Skip(where.origin, "empty transcript")
         try:
-            audio = decode_audio(where.audio, where.origin)
+            audio = decode_audio(where.audio, where.origin, start=where.start, end=where.end)
         except AudioError as exc:  # undecodable, or NaN/inf samples that would poison a batch
             return decode_skip(where.origin, exc)
         seconds = len(audio) / SAMPLE_RATE

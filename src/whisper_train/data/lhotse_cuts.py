@@ -44,8 +44,9 @@ CUT_SUFFIXES = (".jsonl.gz", ".jsonl")
 # The "type" of a serialised cut ("Cut" is MonoCut's name before lhotse 0.8).
 CUT_TYPES = ("MonoCut", "MixedCut", "MultiCut", "Cut")
 # Rows of a streamed manifest are split over the processes and loader workers in this many
-# parts (row number modulo it): `datasets` hands each worker some parts, so up to this many
-# workers in all read the manifest at once. A fixed number: a resumed run splits it the same way.
+# parts (row number modulo it), or one a row when it has fewer: `datasets` deals each process
+# and worker whole parts, as it deals shards, so up to this many read the manifest at once.
+# Fixed for a given manifest: a resumed run splits it the same way.
 STREAM_PARTS = 64
 _SAVE_AUDIOS = "write such cuts as audio files first (cuts.save_audios(DIR) returns cuts of them)"
 
@@ -164,11 +165,15 @@ def cut_examples(
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 - gzip, JSON and lhotse's own errors: one line
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(
-            f"{manifest}:{number or 1}: cannot read it as a lhotse CutSet ({reason[:200]}); "
+            f"{manifest}:{number or 1}: cannot read it as a lhotse CutSet ({_first_line(exc)}); "
             "write it again with CutSet.to_file"
         ) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
 def _source_path(cut: Any) -> str | None:
@@ -205,22 +210,39 @@ def cut_example(cut: Any, origin: str, root: str) -> Example:
     problem = _unsupported_recording(cut, recording)
     if problem:
         raise UserError(f"{where}: {problem}; {_SAVE_AUDIOS}")
-    texts = [s.text.strip() for s in sorted(cut.supervisions, key=lambda s: s.start) if s.text]
-    languages = {s.language for s in cut.supervisions if s.language}
-    if len(languages) > 1:
+    supervisions = sorted(cut.supervisions, key=lambda s: s.start)
+    texts = [s.text.strip() for s in supervisions if s.text]
+    languages = [s.language for s in supervisions if s.language]
+    if len(_spelled_alike(languages)) > 1:
         raise UserError(
-            f"{where}: its supervisions are in {', '.join(sorted(languages))}; a training "
+            f"{where}: its supervisions are in {', '.join(sorted(set(languages)))}; a training "
             "example has one language: split it with cuts.trim_to_supervisions()"
         )
     return Example(
         audio=resolve_path(root, str(recording.sources[0].source)),
         text=" ".join(texts),
-        language=languages.pop() if languages else None,
+        language=languages[0] if languages else None,
         start=float(cut.start),
         end=float(cut.start + cut.duration),
         duration=float(cut.duration),
         origin=where,
     )
+
+
+def _spelled_alike(languages: list[str]) -> set[str]:
+    """The distinct languages of `languages`, "English" and "en" one (a name Whisper does not
+    know stays as it is: the label encoder skips its clips, as in any layout)."""
+    if len(set(languages)) < 2:
+        return set(languages)
+    from whisper_train.data.labels import language_code
+
+    def code(language: str) -> str:
+        try:
+            return language_code(language) or language
+        except UserError:
+            return language
+
+    return {code(language) for language in languages}
 
 
 def _unsupported_recording(cut: Any, recording: Any) -> str | None:
@@ -246,6 +268,28 @@ def _unsupported_recording(cut: Any, recording: Any) -> str | None:
 
 
 # -- as a stream -------------------------------------------------------------------------------
+def stream_parts(manifest: Path) -> int:
+    """How many parts a streamed manifest is split into: STREAM_PARTS, or its number of rows
+    when it has fewer (an empty part would leave a process or worker without rows). Counts
+    lines without parsing them."""
+    import_lhotse()
+    from lhotse.serialization import open_best
+
+    rows = 0
+    try:
+        with open_best(manifest) as lines:
+            for line in lines:
+                rows += bool(line.strip())
+                if rows >= STREAM_PARTS:
+                    break
+    except Exception as exc:  # noqa: BLE001 - gzip's and the file system's errors: one line
+        raise UserError(
+            f"{manifest}: cannot read it as a lhotse CutSet ({_first_line(exc)}); write it "
+            "again with CutSet.to_file"
+        ) from None
+    return max(1, rows)
+
+
 def stream_rows(manifest: str, parts: list[int], n_parts: int) -> Iterator[dict]:
     """The rows of a streamed cut manifest that belong to `parts` (a `datasets` generator: it
     hands each DataLoader worker some of the parts): audio path and window, text, language,

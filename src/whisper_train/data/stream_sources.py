@@ -38,10 +38,9 @@ from whisper_train.data.layouts import (
     TEXT_COLUMNS,
 )
 from whisper_train.data.lhotse_cuts import (
-    STREAM_PARTS,
     cut_manifest,
     detect_cuts,
-    import_lhotse,
+    stream_parts,
     stream_rows,
 )
 from whisper_train.errors import AudioError, UserError
@@ -255,9 +254,9 @@ def open_stream(source: StreamSource):
 
 def _open_cut_stream(source: StreamSource, datasets):
     """A cut manifest as a `datasets` stream of its cuts' rows (`lhotse_cuts.stream_rows`),
-    split into STREAM_PARTS parts that `datasets` deals out to processes and workers as it
+    split into `stream_parts` parts that `datasets` deals out to processes and workers as it
     deals shards."""
-    import_lhotse()  # here, in the main process: the rows are read in the loader's workers
+    parts = stream_parts(Path(source.files[0]))  # in the main process: lhotse missing is one line
     string, seconds = datasets.Value("string"), datasets.Value("float64")
     features = datasets.Features(
         {"audio": string, "start": seconds, "end": seconds, "text": string}
@@ -268,8 +267,8 @@ def _open_cut_stream(source: StreamSource, datasets):
         features=features,
         gen_kwargs={
             "manifest": source.files[0],
-            "parts": list(range(STREAM_PARTS)),
-            "n_parts": STREAM_PARTS,
+            "parts": list(range(parts)),
+            "n_parts": parts,
         },
     )
     columns = Columns(

@@ -26,8 +26,6 @@ from whisper_train.data.examples import Skip
 from whisper_train.data.layouts import LAYOUTS, load_examples
 from whisper_train.training.train import train
 
-lhotse = pytest.importorskip("lhotse")
-
 # The recordings: a 6 s one at 16 kHz that three cuts take windows of, a 2 s one at 44.1 kHz,
 # and one deleted after its cut was made. Each is a chirp, so a window taken at the wrong
 # offset differs from the right one in every sample.
@@ -88,6 +86,39 @@ def write_cuts(folder: Path, cuts: dict = CUTS, name: str = "cuts.jsonl.gz") -> 
     manifest = folder / name
     CutSet.from_cuts(made).to_file(manifest)
     (folder / "gone.wav").unlink(missing_ok=True)
+    return manifest
+
+
+def write_cut_windows(folder: Path, n: int, seconds: float) -> Path:
+    """One recording of `n` tones of `seconds` each (its pitch changes at each) at 22.05 kHz,
+    and a cut manifest of `n` cuts, one a tone, each with a 3-word supervision."""
+    from lhotse import CutSet, MonoCut, Recording, SupervisionSegment
+
+    rate, words = 22_050, ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot"]
+    rng = np.random.default_rng(2)
+    folder.mkdir(parents=True, exist_ok=True)
+    t = np.arange(int(rate * seconds)) / rate
+    tones = [0.2 * np.sin(2 * np.pi * (220 + 60 * i) * t) for i in range(n)]
+    sf.write(folder / "session.wav", np.concatenate(tones).astype(np.float32), rate)
+    recording = Recording.from_file(folder / "session.wav", relative_path_depth=1)
+    cuts = []
+    for i in range(n):
+        text = " ".join(rng.choice(words, 3))
+        supervision = SupervisionSegment(
+            id=f"s{i}", recording_id=recording.id, start=0.0, duration=seconds, text=text
+        )
+        cuts.append(
+            MonoCut(
+                id=f"c{i}",
+                start=i * seconds,
+                duration=seconds,
+                channel=0,
+                recording=recording,
+                supervisions=[supervision],
+            )
+        )
+    manifest = folder / "cuts.jsonl.gz"
+    CutSet.from_cuts(cuts).to_file(manifest)
     return manifest
 
 

@@ -30,7 +30,7 @@ bytes again, not decoding them.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -252,6 +252,19 @@ class StreamCollator:
         return batch
 
 
+def in_one_line(batches: Iterable) -> Iterator:
+    """A DataLoader's `batches`, with a UserError raised in a loader worker (a stream's file
+    damaged past the rows read before step 1) re-raised as its own one line: the DataLoader
+    re-raises it with the worker's traceback as its message."""
+    try:
+        yield from batches
+    except UserError as exc:
+        text, marker = str(exc), f"{UserError.__module__}.{UserError.__qualname__}: "
+        if "\n" not in text or marker not in text:
+            raise
+        raise UserError(text.rsplit(marker, 1)[1].strip()) from None
+
+
 def training_stream(
     source: StreamSource,
     label_encoder,
@@ -300,6 +313,7 @@ __all__ = [
     "count_rows",
     "decode_audio",
     "expand_braces",
+    "in_one_line",
     "open_stream",
     "read_row",
     "skip_summary",

@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	# The test extra holds every optional package the tests run for real: the datasets, bnb,
+	# The test extra holds every optional package the tests run for real: the datasets, lhotse, bnb,
 	# whispercpp extras, and the trackers (mlflow-skinny, wandb) of tests/test_trackers.py.
 	$(PY) -m pip install -q -e ".[test]"
 	# openai-whisper without its declared triton (a large CUDA wheel a CPU does not use):
@@ -43,7 +43,7 @@ test-gpu: setup
 # runs on numpy 1.26 (the newest pyarrow refuses numpy < 2 on import; seen in a fresh clone).
 COMPAT_PINS := "transformers==4.56.2" "peft==0.13.2" "accelerate==1.3.0" "safetensors==0.4.3" \
 	"numpy==1.26.4" "soundfile==0.12.1" "soxr==0.3.7" "av==14.0.0" "jiwer==3.0.4" \
-	"datasets==3.0.0" "pyarrow==17.0.0" \
+	"datasets==3.0.0" "pyarrow==17.0.0" "lhotse==1.33.0" \
 	"whisper-normalizer==0.1.10" "ctranslate2==4.4.0" "faster-whisper==1.1.0" "pyyaml==6.0.1" \
 	"filelock==3.12.0" "tqdm==4.66.3" "tensorboard==2.14.0" "matplotlib==3.7.0"
 $(COMPAT_STAMP): pyproject.toml Makefile

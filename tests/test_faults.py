@@ -149,6 +149,34 @@ def test_an_output_dir_under_a_file_is_one_line_and_exit_2(tmp_path, tone_datase
     assert "--output-dir" in capsys.readouterr().err
 
 
+def test_a_cut_manifest_damaged_past_its_first_rows_stops_a_stream_with_one_line(
+    tmp_path, tiny_whisper_dir, capsys
+):
+    """--max-steps skips the stream's up-front count, so the damage is met in a loader worker,
+    mid-pass: still one line naming the file and the remedy, exit 2, no traceback."""
+    import gzip
+
+    from test_lhotse import write_cut_windows
+
+    from whisper_train.data.lhotse_cuts import STREAM_PARTS
+
+    manifest = write_cut_windows(tmp_path / "cuts", 2 * STREAM_PARTS, 0.3)
+    packed = manifest.read_bytes()
+    manifest.write_bytes(packed[: len(packed) * 9 // 10])
+    with gzip.open(manifest, "rt") as lines, pytest.raises(EOFError):
+        readable = 0
+        for _ in lines:
+            readable += 1
+    # Past the rows the main process reads to split the manifest: a worker meets the damage.
+    assert readable > STREAM_PARTS
+    argv = train_argv(manifest, tiny_whisper_dir, tmp_path / "out", "--streaming")
+    flags = ["--only-train", "--max-steps=4", "--batch-size=2", "--num-workers=2"]
+    assert main([*argv, *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"error: {manifest}"), err
+    assert "cannot read it as a lhotse CutSet" in err and "CutSet.to_file" in err
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_finishes_the_step_saves_and_prints_the_resume_command(
     tmp_path, tone_dataset, tiny_whisper_dir, signum

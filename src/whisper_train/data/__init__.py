@@ -2,10 +2,11 @@
 
 examples         `Example` (one utterance) and `Skip` (a clip left out, and why)
 layouts          any common layout on disk (audiofolder, manifests, Common Voice, Kaldi, HF,
-                 subtitles) → a list of examples: detection, the folder layouts, `load_examples`
+                 lhotse cuts, subtitles) → a list of examples: detection, the folder layouts, `load_examples`
 manifests        CSV/TSV/JSONL manifests (and the text files every layout reads) → examples
 subtitles        SRT/WebVTT cues and timed segments of long recordings → windows of at most 30 s
 hf_datasets      Hugging Face datasets (saved to disk, or a hub id) → examples
+lhotse_cuts      lhotse CutSet manifests → examples (one a cut), read whole or as a stream
 screening        held-out split, and the cheap check of every clip before training
 labels           transcripts → decoder token ids (prompt prefix, timestamps, languages)
 packing          several short clips into one 30-s window

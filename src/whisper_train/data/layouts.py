@@ -7,14 +7,17 @@ Layouts (name: what is detected):
     kaldi         a Kaldi data folder (wav.scp, text, optional segments)
     hf            a `datasets` dataset saved with save_to_disk (DIR or DIR:split), or a hub id
                   name:config:split when nothing local matches
+    lhotse        a lhotse CutSet manifest (cuts.jsonl.gz, a .jsonl of cuts), or a folder of them
+                  (DIR or DIR:NAME); one example a cut
     subtitles     a folder of long recordings with .srt/.vtt files of the same stem, or a manifest
                   whose rows are timed segments of long recordings; consecutive segments are
                   packed into windows of at most 30 s
 
 This module holds the folder layouts (audiofolder, Common Voice, Kaldi), `LAYOUTS`, which maps
 each format name to its detector and reader in detection order, and `load_examples`; manifests
-are read by `manifests`, subtitles by `subtitles` and `datasets` by `hf_datasets`. A mistake in
-the data is a `UserError` of one line naming the file (and row) and the remedy.
+are read by `manifests`, subtitles by `subtitles`, `datasets` by `hf_datasets` and lhotse cuts
+by `lhotse_cuts`. A mistake in the data is a `UserError` of one line naming the file (and row)
+and the remedy.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 
 from whisper_train.data.examples import Example
 from whisper_train.data.hf_datasets import DATASETS_EXTRA, detect_hf, read_hf_disk, read_hf_hub
+from whisper_train.data.lhotse_cuts import LHOTSE_EXTRA, detect_cuts, read_cuts
 from whisper_train.data.manifests import (
     AUDIO_COLUMNS,
     LANGUAGE_COLUMNS,
@@ -201,6 +205,14 @@ LAYOUTS: dict[str, Layout] = {
             "dataset_info.json/state.json/dataset_dict.json (save_to_disk)",
             has_splits=True,
         ),
+        # Before the manifests: a .jsonl of cuts is lhotse's (decided by its first row).
+        Layout(
+            "lhotse",
+            detect_cuts,
+            read_cuts,
+            "a lhotse CutSet manifest (*.jsonl.gz, or *.jsonl of cuts)",
+            has_splits=True,
+        ),
         Layout(
             "subtitles",
             detect_subtitles,
@@ -243,7 +255,7 @@ def load_examples(path: str | os.PathLike, *, data_format: str | None = None) ->
         if (
             data_format in (None, "hf")
             and _HUB_ID.match(text)
-            and not text.endswith((".jsonl", ".json", ".csv", ".tsv"))
+            and not text.endswith((".jsonl", ".jsonl.gz", ".json", ".csv", ".tsv"))
         ):
             return _non_empty(text, read_hf_hub(text))
         raise UserError(f"{path}: no such file or folder; check the path")
@@ -293,6 +305,7 @@ def _check_some_audio_exists(path: str, examples: list[Example]) -> None:
 __all__ = [
     "AUDIO_COLUMNS",
     "DATASETS_EXTRA",
+    "LHOTSE_EXTRA",
     "LANGUAGE_COLUMNS",
     "TEXT_COLUMNS",
     "LAYOUTS",

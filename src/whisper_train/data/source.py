@@ -410,7 +410,7 @@ class StreamData:
         self.dataset.replay_items = {} if position.items is None else dict(position.items)
         state.epoch = position.epoch
         replayed, usable = sum(position.rows.values()), 0
-        for batch in self.loader:
+        for batch in streaming.in_one_line(self.loader):
             position.advance(batch.pop("stream_rows"), batch.pop("stream_items"))
             if batch.get("replayed"):
                 continue

@@ -7,6 +7,8 @@
                                              layout (an `audio` column of {bytes, path} + a text
                                              column)
     --data name:config:split --streaming     a hub dataset, streamed instead of downloaded
+    --data cuts.jsonl.gz --streaming         a lhotse CutSet manifest (or DIR[:NAME] of them),
+                                             its cuts read lazily and decoded in the workers
 
 `stream_source` turns `--data` into a `StreamSource` (shard files from a folder, a brace pattern
 or a glob, local or remote, or a hub id); `open_stream` opens it as a `datasets.IterableDataset`
@@ -35,6 +37,12 @@ from whisper_train.data.layouts import (
     LAYOUTS,
     TEXT_COLUMNS,
 )
+from whisper_train.data.lhotse_cuts import (
+    cut_manifest,
+    detect_cuts,
+    stream_parts,
+    stream_rows,
+)
 from whisper_train.errors import AudioError, UserError
 
 STREAM_FORMATS = ("webdataset", "parquet")
@@ -56,12 +64,15 @@ class StreamSource:
     """A stream `--data` names: shard files of one format, or a hub dataset."""
 
     spec: str  # as the user wrote it, for messages
-    kind: str  # "webdataset", "parquet" or "hub"
-    files: tuple[str, ...] = ()  # shard files (or URLs), in order; empty for a hub dataset
+    kind: str  # "webdataset", "parquet", "hub" or "lhotse"
+    # shard files (or URLs), in order; the cut manifest for lhotse; empty for a hub dataset
+    files: tuple[str, ...] = ()
 
     def describe(self) -> str:
         if self.kind == "hub":
             return f"hub dataset {self.spec} (streamed)"
+        if self.kind == "lhotse":
+            return f"lhotse cuts {self.files[0]} (read lazily)"
         return f"{len(self.files)} {self.kind} shard{'s' if len(self.files) != 1 else ''}"
 
 
@@ -98,6 +109,10 @@ def stream_source(
     text = str(spec)
     if data_format is not None and data_format not in STREAM_FORMATS and not streaming:
         return None
+    if streaming and data_format in (None, "lhotse"):
+        manifest = _streamed_cuts(text)
+        if manifest is not None:
+            return StreamSource(text, "lhotse", (manifest,))
     files = _shard_files(text, data_format)
     if files:
         kinds = {data_format} if data_format in STREAM_FORMATS else _kinds(files)
@@ -117,9 +132,20 @@ def stream_source(
     if not os.path.exists(text) and _HUB_ID.match(text):
         return StreamSource(text, "hub")
     raise UserError(
-        f"--data {text} --streaming: only WebDataset or Parquet shards and hub ids stream; "
-        "drop --streaming to read this data whole"
+        f"--data {text} --streaming: only WebDataset or Parquet shards, lhotse cuts and hub ids "
+        "stream; drop --streaming to read this data whole"
     )
+
+
+def _streamed_cuts(text: str) -> str | None:
+    """The cut manifest `text` names (a file, a folder of them, or FOLDER:NAME), else None."""
+    path, split = Path(text), None
+    if not path.exists() and ":" in text:
+        base, _, split = text.rpartition(":")
+        path = Path(base)
+    if not path.exists() or not detect_cuts(path):
+        return None
+    return str(cut_manifest(path, split).resolve())
 
 
 def _kinds(files: list[str]) -> set[str]:
@@ -168,11 +194,13 @@ class Columns:
     text: str | None  # a text column; None when the text is in `json`
     json: str | None = None  # WebDataset KEY.json: {"text": ..., "language": ...}
     language: str | None = None
-    key: str | None = None  # WebDataset's sample key
+    key: str | None = None  # WebDataset's sample key; lhotse's cut origin
     url: str | None = None  # WebDataset's shard name
+    window: tuple[str, str] | None = None  # (start, end) s of the audio file (lhotse cuts)
 
     def wanted(self) -> list[str]:
         named = [*self.audio, self.text, self.json, self.language, self.key, self.url]
+        named += list(self.window or ())
         return [c for c in named if c]
 
 
@@ -190,6 +218,8 @@ def open_stream(source: StreamSource):
     """(a `datasets.IterableDataset` of the source's rows, its `Columns`), audio left undecoded:
     rows hold {"bytes", "path"} that `decode_audio` reads in memory."""
     datasets = _import_datasets()
+    if source.kind == "lhotse":
+        return _open_cut_stream(source, datasets)
     try:
         if source.kind == "hub":
             name, config, split = ([*source.spec.split(":"), None, None])[:3]
@@ -220,6 +250,31 @@ def open_stream(source: StreamSource):
         if isinstance(dataset.features[column], (datasets.Audio, dict)):
             dataset = dataset.cast_column(column, raw)
     return dataset.select_columns(columns.wanted()), columns
+
+
+def _open_cut_stream(source: StreamSource, datasets):
+    """A cut manifest as a `datasets` stream of its cuts' rows (`lhotse_cuts.stream_rows`),
+    split into `stream_parts` parts that `datasets` deals out to processes and workers as it
+    deals shards."""
+    parts = stream_parts(Path(source.files[0]))  # in the main process: lhotse missing is one line
+    string, seconds = datasets.Value("string"), datasets.Value("float64")
+    features = datasets.Features(
+        {"audio": string, "start": seconds, "end": seconds, "text": string}
+        | {"language": string, "origin": string}
+    )
+    dataset = datasets.IterableDataset.from_generator(
+        stream_rows,
+        features=features,
+        gen_kwargs={
+            "manifest": source.files[0],
+            "parts": list(range(parts)),
+            "n_parts": parts,
+        },
+    )
+    columns = Columns(
+        ("audio",), "text", language="language", key="origin", window=("start", "end")
+    )
+    return dataset, columns
 
 
 def _columns(source: StreamSource, features) -> Columns:
@@ -261,6 +316,8 @@ class Row:
     text: str | None
     language: str | None
     origin: str  # shard:key or the audio's path, for messages
+    start: float | None = None  # the window [start, end) s of the audio (lhotse cuts)
+    end: float | None = None
 
 
 def read_row(row: dict, columns: Columns, fallback_origin: str) -> Row:
@@ -276,22 +333,30 @@ def read_row(row: dict, columns: Columns, fallback_origin: str) -> Row:
         language = row.get(columns.language) or language
     if columns.key and row.get(columns.key):
         shard = Path(str(row.get(columns.url) or "")).name if columns.url else ""
-        origin = f"{shard}:{row[columns.key]}"
+        origin = f"{shard}:{row[columns.key]}" if shard else str(row[columns.key])
     elif isinstance(audio, dict) and audio.get("path"):
         origin = str(audio["path"])
     else:
         origin = fallback_origin
-    return Row(audio, text if isinstance(text, str) else None, language or None, origin)
+    start, end = (row.get(c) for c in columns.window) if columns.window else (None, None)
+    return Row(audio, text if isinstance(text, str) else None, language or None, origin, start, end)
 
 
-def decode_audio(audio: Any, origin: str) -> np.ndarray:
-    """Audio bytes (or a path) → float32 mono at 16 kHz, decoded in memory by the readers a
-    file goes through (soundfile, else PyAV: an M4A in a shard trains like one in a folder);
-    AudioError naming `origin` when it does not decode or holds no samples."""
-    source = _row_audio(audio)
+def decode_audio(
+    audio: Any, origin: str, *, start: float | None = None, end: float | None = None
+) -> np.ndarray:
+    """Audio bytes (or a path; its window [start, end) s) → float32 mono at 16 kHz, decoded in
+    memory by the readers a file goes through (soundfile, else PyAV: an M4A in a shard trains
+    like one in a folder); AudioError naming `origin` when it does not decode or holds no
+    samples."""
+    # A plain path (a lhotse cut's recording) goes to load_audio as it is, which names a
+    # missing file as such.
+    source = audio if isinstance(audio, str) and start is not None else _row_audio(audio)
     if source is None:
         raise AudioError(origin, "no audio bytes in this sample")
-    return load_audio(source, origin=origin if isinstance(source, bytes) else None)
+    return load_audio(
+        source, start=start, end=end, origin=origin if isinstance(source, bytes) else None
+    )
 
 
 def audio_header(audio: Any) -> AudioHeader | str:

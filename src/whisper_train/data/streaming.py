@@ -1,4 +1,4 @@
-"""Training data read as a stream: WebDataset and Parquet shards, and hub datasets.
+"""Training data read as a stream: WebDataset and Parquet shards, lhotse cuts, hub datasets.
 
 This module holds the stream a training process iterates (`SpeechStream`, made by
 `training_stream`) and the collator that counts the rows its batches consumed
@@ -30,7 +30,7 @@ bytes again, not decoding them.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -191,7 +191,7 @@ class SpeechStream(torch.utils.data.IterableDataset):
         if not where.text or not where.text.strip():
             return Skip(where.origin, "empty transcript")
         try:
-            audio = decode_audio(where.audio, where.origin)
+            audio = decode_audio(where.audio, where.origin, start=where.start, end=where.end)
         except AudioError as exc:  # undecodable, or NaN/inf samples that would poison a batch
             return decode_skip(where.origin, exc)
         seconds = len(audio) / SAMPLE_RATE
@@ -252,6 +252,19 @@ class StreamCollator:
         return batch
 
 
+def in_one_line(batches: Iterable) -> Iterator:
+    """A DataLoader's `batches`, with a UserError raised in a loader worker (a stream's file
+    damaged past the rows read before step 1) re-raised as its own one line: the DataLoader
+    re-raises it with the worker's traceback as its message."""
+    try:
+        yield from batches
+    except UserError as exc:
+        text, marker = str(exc), f"{UserError.__module__}.{UserError.__qualname__}: "
+        if "\n" not in text or marker not in text:
+            raise
+        raise UserError(text.rsplit(marker, 1)[1].strip()) from None
+
+
 def training_stream(
     source: StreamSource,
     label_encoder,
@@ -300,6 +313,7 @@ __all__ = [
     "count_rows",
     "decode_audio",
     "expand_braces",
+    "in_one_line",
     "open_stream",
     "read_row",
     "skip_summary",

@@ -477,10 +477,8 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
-        args.workdir = tmp
         args.manifest = str(write_manifest(tmp_path, args.clips))
-        args.model_dir = str(save_model(tmp_path / "model", args.d_model, args.layers, args.model))
-        shape = args.model or f"random, d_model {args.d_model}, {args.layers}+{args.layers} layers"
+        shape = set_up_model(args, tmp_path)
         print(
             f"machine: {platform.machine()}, {os.cpu_count()} CPUs, cuda "
             f"{torch.cuda.is_available()}; model {shape}; {args.clips} clips "
@@ -578,15 +576,21 @@ def packing_fill(args) -> None:
                 print(f"| {name} | {clips} | {gap} | {len(windows)} | {share:.0f}% |")
 
 
+def set_up_model(args, folder: Path) -> str:
+    """Saves the bench's model in `folder` for the workers (args.model_dir, args.workdir) and
+    returns its description."""
+    args.workdir = str(folder)
+    args.model_dir = str(save_model(folder / "model", args.d_model, args.layers, args.model))
+    return args.model or f"random, d_model {args.d_model}, {args.layers}+{args.layers} layers"
+
+
 def packing_comparison(args) -> None:
     """whisper-train packed, unpacked and the Seq2SeqTrainer on each set, side by side."""
     import torch
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
-        args.workdir = tmp
-        args.model_dir = str(save_model(tmp_path / "model", args.d_model, args.layers, args.model))
-        shape = args.model or f"random, d_model {args.d_model}, {args.layers}+{args.layers} layers"
+        shape = set_up_model(args, tmp_path)
         print(
             f"machine: {platform.machine()}, {os.cpu_count()} CPUs, cuda "
             f"{torch.cuda.is_available()}; model {shape}; batch {args.batch_size} (clips, or "
@@ -652,9 +656,7 @@ def compile_comparison(args) -> None:
     rows = [rows[name] for name in args.compile_rows.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
-        args.workdir = tmp
-        args.model_dir = str(save_model(tmp_path / "model", args.d_model, args.layers, args.model))
-        shape = args.model or f"random, d_model {args.d_model}, {args.layers}+{args.layers} layers"
+        shape = set_up_model(args, tmp_path)
         print(
             f"machine: {platform.machine()}, {os.cpu_count()} CPUs, cuda "
             f"{torch.cuda.is_available()}; model {shape}; batch {args.batch_size}, "

@@ -240,30 +240,41 @@ def test_a_tracker_that_fails_later_is_said_once_and_the_run_goes_on(tmp_path, c
     from whisper_train.runlog import MetricsLog
     from whisper_train.trackers import Trackers
 
-    class Accelerator:  # accelerate's tracker calls, the second log failing
-        trackers: list = []
-
-        def __init__(self):
-            self.logged = []
-
-        def init_trackers(self, project, config, init_kwargs):
-            self.project, self.config = project, config
+    class Tracker:  # an accelerate tracker; MLflow's second log fails
+        def __init__(self, name):
+            self.name, self.logged, self.finished = name, [], False
 
         def log(self, values, step):
-            if step == 2:
+            if self.name == "mlflow" and step == 2:
                 raise ConnectionError("server gone\nmore detail")
             self.logged.append((step, values))
 
+        def finish(self):
+            self.finished = True
+
+    class Accelerator:  # accelerate's calls that start the trackers
+        def __init__(self):
+            self.trackers = []
+
+        def init_trackers(self, project, config, init_kwargs):
+            self.project, self.config = project, config
+            self.trackers += [Tracker("mlflow"), Tracker("wandb")]
+
     accelerator = Accelerator()
-    trackers = Trackers(accelerator, ["mlflow"], "train:\n  learning_rate: 0.001\n")
+    trackers = Trackers(accelerator, ["mlflow", "wandb"], "train:\n  learning_rate: 0.001\n")
     log = MetricsLog(tmp_path, enabled=True, trackers=trackers)
+    mlflow, wandb = accelerator.trackers
     for step in (1, 2, 3):
         log.write({"step": step, "loss": 1.0 / step, "lr": 0.1, "grad_norm": None})
+    assert mlflow.finished and not wandb.finished  # ended at its failure; W&B goes on
     log.close()
     assert accelerator.config == {"train.learning_rate": 0.001}
-    assert accelerator.logged == [(1, {"train/loss": 1.0, "train/lr": 0.1})]
+    assert mlflow.logged == [(1, {"train/loss": 1.0, "train/lr": 0.1})]
+    assert [step for step, _ in wandb.logged] == [1, 2, 3]  # every row, before and after
+    assert wandb.finished
     captured = capsys.readouterr()
     said = captured.out + captured.err
+    assert said.count("--report-to") == 1
     assert "--report-to mlflow: stopped logging at step 2 (server gone)" in said
     assert [row["step"] for row in metric_rows(tmp_path)] == [1, 2, 3]
     assert not (tmp_path / "tensorboard").exists()  # not named in --report-to

@@ -18,7 +18,6 @@ import shlex
 import signal
 import sys
 import threading
-import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NoReturn
@@ -129,16 +128,25 @@ class MetricsLog:
         self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         if trackers is not None and not trackers.tensorboard:
             return
+        folder = output_dir / runfolder.TENSORBOARD_DIR
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            before = set(threading.enumerate())
-            self.writer = SummaryWriter(
-                log_dir=str(output_dir / runfolder.TENSORBOARD_DIR), purge_step=purge_step
-            )
-            _quiet_writer_threads(set(threading.enumerate()) - before)
+            _quiet_writer_threads()  # before its thread starts: it may fail at once
+            self.writer = SummaryWriter(log_dir=str(folder), purge_step=purge_step)
+            # Its first event written now: a folder it cannot write (another user's, a file in
+            # the way) is met here, before step 1, not as a traceback or as a stop after step 1
+            # that advises freeing space.
+            self.writer.flush()
         except ImportError:  # tensorboard is a dependency, but never fail a run over logging
             self.writer = None
+        except OSError as exc:
+            self.writer = None
+            self.close()  # the other trackers' runs, started above, end
+            raise UserError(
+                f"--report-to tensorboard: cannot write {folder} ({exc.strerror or exc}); make "
+                "it a folder this run can write, or leave tensorboard out of --report-to"
+            ) from None
 
     def write(self, row: dict) -> None:
         if not self.enabled:
@@ -212,17 +220,18 @@ def _append_whole(fd: int, data: bytes) -> None:
 
 # TensorBoard's writer threads: an OSError that ends one is the run's to report (MetricsLog
 # sees it at the next flush, and the run stops with one line), not a traceback on stderr.
-_writer_threads: weakref.WeakSet = weakref.WeakSet()
-
-
-def _quiet_writer_threads(threads: set) -> None:
-    _writer_threads.update(threads)
+# Known by their class, not registered once started: a folder it cannot write ends the thread
+# at its first event, before the writer's constructor returns. Any other TensorBoard writer in
+# the process loses nothing: its thread's error is raised again at its next flush or close.
+def _quiet_writer_threads() -> None:
     if getattr(threading.excepthook, "_whisper_train", False):
         return
     previous = threading.excepthook
 
     def excepthook(args) -> None:
-        if args.thread in _writer_threads and issubclass(args.exc_type, OSError):
+        if type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(
+            args.exc_type, OSError
+        ):
             return
         previous(args)
 

@@ -5,8 +5,14 @@ run's later steps on --resume); MLflow and Weights & Biases are accelerate's tra
 (`Accelerator(log_with=...)`, `init_trackers`, `log`), which log from the main process only.
 Each gets the rows of metrics.jsonl under TensorBoard's names (`scalars`) and the resolved
 configuration. Their packages are extras (`pip install 'whisper-train[mlflow]'`), checked
-before anything loads (`check_installed`); a tracker that cannot start is one line naming the
-setting it needs, before step 1.
+before anything loads (`check_installed`); a tracker that cannot start (no server, no key, a
+folder it cannot write) is one line naming the setting it needs, before step 1: nothing is
+trained yet, so stopping loses nothing, and a run the user asked to watch never goes unwatched
+for hours. A tracker that fails later (its server gone, its disk full) is one line and the run
+goes on without it: by then hours of training are at stake, and metrics.jsonl has every row.
+A --resume'd run is a new run in each tracker, named for the step it resumes from: MLflow keeps
+every value logged at a step and W&B drops steps lower than its last, so neither could take the
+interrupted run's steps after the checkpoint back.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import contextlib
 import importlib
 import math
 import os
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -83,27 +90,44 @@ class Trackers:
     """The trackers of --report-to for one run: started when the run log opens, given each
     row it writes, finished when it closes. Only the main process's are started."""
 
-    def __init__(self, accelerator, report_to: list[str] | None, config_yaml: str):
+    def __init__(
+        self,
+        accelerator,
+        report_to: list[str] | None,
+        config_yaml: str,
+        *,
+        resumed_from: int | None = None,
+    ):
+        """`resumed_from`: on --resume, the checkpoint's step (the new runs' names say it)."""
         self.accelerator = accelerator
         self.names = accelerate_trackers(report_to)
         self.tensorboard = "tensorboard" in chosen(report_to)
         self.config_yaml = config_yaml
+        self.resumed_from = resumed_from
         self.started = False
 
     def start(self, output_dir: Path) -> None:
-        """A run in each tracker, named after OUTPUT, with the configuration as parameters;
-        W&B's files go to OUTPUT/wandb/ unless WANDB_DIR says where."""
+        """A run in each tracker, named after OUTPUT (a resumed one: "OUTPUT (resumed from step
+        N)"), with the configuration as parameters; W&B's files go to OUTPUT/wandb/ unless
+        WANDB_DIR says where."""
         if not self.names:
             return
         check_installed(self.names)
-        wandb = {"name": output_dir.name}
+        name = output_dir.name
+        if self.resumed_from is not None:
+            # Told apart from the interrupted run of the same name, whose steps after the
+            # checkpoint this run logs again (see the module's docstring).
+            name = f"{name} (resumed from step {self.resumed_from})"
+        wandb = {"name": name}
         if not os.environ.get("WANDB_DIR"):
             wandb["dir"] = str(output_dir)
+        elif "wandb" in self.names:
+            _check_wandb_dir(os.environ["WANDB_DIR"])
         try:
             self.accelerator.init_trackers(
                 PROJECT,
                 config=flat_config(self.config_yaml),
-                init_kwargs={"mlflow": {"run_name": output_dir.name}, "wandb": wandb},
+                init_kwargs={"mlflow": {"run_name": name}, "wandb": wandb},
             )
         except Exception as exc:
             name = _tracker_of(exc, self.names)
@@ -116,24 +140,29 @@ class Trackers:
         self.started = True
 
     def log(self, row: dict) -> None:
-        """One metrics.jsonl row, at its step. A tracker that fails (its server gone) is said
-        once and no longer logged to: the run goes on, metrics.jsonl has every row."""
+        """One metrics.jsonl row, at its step. A tracker that fails (its server gone, its disk
+        full) is said once and no longer logged to: the run goes on, metrics.jsonl has every
+        row, and the other trackers still get every row."""
         if not self.started:
             return
         values = scalars(row)
         if not values:
             return
-        try:
-            self.accelerator.log(values, step=row["step"])
-        except Exception as exc:
-            from tqdm.auto import tqdm
+        # Each tracker on its own, not `accelerator.log`: that stops at the first tracker that
+        # raises, and the others would miss the row (or, ended with it, every later row).
+        for tracker in list(self.accelerator.trackers):
+            try:
+                tracker.log(values, step=row["step"])
+            except Exception as exc:
+                from tqdm.auto import tqdm
 
-            name = _tracker_of(exc, self.names)
-            tqdm.write(
-                f"--report-to {name}: stopped logging at step {row['step']} "
-                f"({_first_line(exc)}); metrics.jsonl has every row"
-            )
-            self.finish()
+                tqdm.write(
+                    f"--report-to {tracker.name}: stopped logging at step {row['step']} "
+                    f"({_first_line(exc)}); metrics.jsonl has every row"
+                )
+                self.accelerator.trackers.remove(tracker)
+                with contextlib.suppress(Exception):  # a full disk may refuse its end too
+                    tracker.finish()
 
     def finish(self) -> None:
         """End each tracker's run (accelerate's `end_training` does too, but it also leaves the
@@ -145,6 +174,22 @@ class Trackers:
             with contextlib.suppress(Exception):  # a run that cannot end must not end the run
                 tracker.finish()
         self.accelerator.trackers.clear()
+
+
+def _check_wandb_dir(folder: str) -> None:
+    """WANDB_DIR is a folder this process can write, or one line naming it. W&B itself would
+    fall back to the system's temporary folder, with three warnings (none under WANDB_SILENT):
+    an offline run's files there are not where the user looks, and go at the next reboot."""
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise UserError(
+            f"--report-to wandb: WANDB_DIR={folder} is not a folder this run can write "
+            f"({exc.strerror or exc}); set WANDB_DIR to one it can, or unset it to keep W&B's "
+            "files in --output-dir (OUTPUT/wandb/)"
+        ) from None
 
 
 def _tracker_of(exc: BaseException, names: list[str]) -> str:

@@ -449,7 +449,12 @@ def open_run_log(
         output_dir,
         enabled=main,
         purge_step=step + 1 if resumed else None,
-        trackers=Trackers(accelerator, config.train.report_to, config.to_saved_yaml()),
+        trackers=Trackers(
+            accelerator,
+            config.train.report_to,
+            config.to_saved_yaml(),
+            resumed_from=step if resumed else None,
+        ),
     )
     # A bar only on a terminal: in a log file its \r redraws pile up into one unreadable
     # line. Elsewhere every --logging-steps steps get one plain line instead.

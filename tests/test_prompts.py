@@ -189,11 +189,15 @@ def test_a_subtitled_recording_gives_each_window_the_one_before_as_previous_text
     assert [w.previous_text for w in windows] == [None, "one two"]
 
 
+@pytest.mark.parametrize(
+    "extra", [[], ["--mode", "freeze-encoder", "--preserve-base", "1"]], ids=["full", "preserve"]
+)
 def test_a_run_with_prompts_trains_and_its_loss_is_finite(
-    prompted_manifest, tiny_whisper_dir, tmp_path
+    extra, prompted_manifest, tiny_whisper_dir, tmp_path
 ):
+    """With --preserve-base the frozen base reads the same prompted decoder input."""
     argv = train_argv(prompted_manifest, tiny_whisper_dir, tmp_path / "out")
-    flags = ["--prompt-probability", "0.5", "--max-steps", "2", "--batch-size", "2"]
+    flags = ["--prompt-probability", "0.5", "--max-steps", "2", "--batch-size", "2", *extra]
     assert main([*argv, *flags, "--only-train", "--seed", "0"]) == 0
     losses = [row["loss"] for row in metric_rows(tmp_path / "out") if "loss" in row]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))

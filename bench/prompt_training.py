@@ -15,8 +15,7 @@ Scores (greedy `generate`, transformers' own prompt path: `prompt_ids=get_prompt
   + prev-text WER    the same, each sentence with a previous text given it as the prompt;
   name right         10 sentences naming a made-up surname (5 names x 2 voices, held-out
                      voices): how many transcripts spell the name exactly, without a prompt and
-                     with the prompt "Doctor NAME." (base tiny.en: 0/5 without, 5/5 with, on
-                     the first voice).
+                     with the prompt "Doctor NAME." (base tiny.en: 0/10 without, 10/10 with).
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@ invariants, or is refused at start in one line that names the flags.
 
 The factors (`FACTORS`) are the training options that interact: mode, processes, gradient
 accumulation, checkpointing, packing, streamed shards or lhotse cuts, --fsdp, the encoder
-cache, precision, LoRA's targets, --resume, data-loading workers, the trackers of --report-to, and settings
-given as flags or in a YAML --config. A seeded greedy generator (`covering_array`) picks rows until every pair of values
+cache, precision, LoRA's targets, --resume, data-loading workers, the trackers of --report-to,
+settings given as flags or in a YAML --config, and --prompt-probability. A seeded greedy
+generator (`covering_array`) picks rows until every pair of values
 that some valid row can hold is in a row (the 3-wise array is the slow test). Pairs no row may
 hold (`REFUSED`) are each tested to be refused.
 
@@ -62,6 +63,8 @@ FACTORS: dict[str, tuple] = {
     # --report-to: the default, or every tracker (MLflow to a file store, W&B offline)
     "trackers": ("tensorboard", "tensorboard,mlflow,wandb"),
     "options": ("flags", "yaml"),  # the row's settings as flags, or in a --config file
+    # --prompt-probability: off, or every clip with a previous text prompted with it
+    "prompts": (0.0, 1.0),
 }
 NAMES = list(FACTORS)
 
@@ -76,6 +79,8 @@ REFUSED: dict[tuple[tuple[str, object], tuple[str, object]], tuple[str, ...]] = 
     (("cache", True), ("data", "cuts")): ("--cache-encoder", "streamed"),
     (("data", "cuts"), ("packing", "per-clip")): ("--packing per-clip", "streamed"),
     (("cache", True), ("fsdp", True)): ("--fsdp", "--no-cache-encoder"),
+    (("data", "stream"), ("prompts", 1.0)): ("--prompt-probability", "streamed"),
+    (("data", "cuts"), ("prompts", 1.0)): ("--prompt-probability", "streamed"),
 }
 # Pairs that mean nothing (no flag to refuse): --lora-targets only matters with --mode lora.
 MEANINGLESS = {
@@ -195,6 +200,7 @@ def row_id(row: dict) -> str:
     parts += ["all-linear"] * (row["targets"] == "all-linear") + ["resume"] * row["resume"]
     parts += [f"w{row['workers']}"] * bool(row["workers"]) + ["yaml"] * (row["options"] == "yaml")
     parts += ["trackers"] * (row["trackers"] != "tensorboard")
+    parts += ["prompts"] * bool(row.get("prompts"))
     parts += ["decoder-adapters"] * row.get("decoder_adapters", False)
     return "-".join(parts)
 
@@ -345,6 +351,16 @@ def write_long_clips(folder: Path, n: int, seconds: float, *, shards: int | None
     return folder
 
 
+def with_previous_texts(folder: Path) -> Path:
+    """The audiofolder with a previous_text column (the row before's transcript; none for the
+    first row), which --prompt-probability prompts with and every other row ignores."""
+    lines = (folder / "metadata.csv").read_text().splitlines()
+    texts = [line.split(",", 1)[1] for line in lines[1:]]
+    rows = [f"{line},{previous}" for line, previous in zip(lines[1:], ["", *texts], strict=False)]
+    (folder / "metadata.csv").write_text("\n".join([lines[0] + ",previous_text", *rows]) + "\n")
+    return folder
+
+
 @pytest.fixture(scope="module")
 def matrix_data(tmp_path_factory, tiny_whisper_dir):
     """The tiny model and the training data of each (data, packing), each step all of it:
@@ -358,9 +374,9 @@ def matrix_data(tmp_path_factory, tiny_whisper_dir):
     root = tmp_path_factory.mktemp("matrix")
     write_shards(root / "shards", "webdataset", [1, 1, 1, 1])
     return {
-        ("whole", "off"): write_tone_dataset(root / "whole", n=GLOBAL_BATCH),
+        ("whole", "off"): with_previous_texts(write_tone_dataset(root / "whole", n=GLOBAL_BATCH)),
         ("stream", "off"): root / "shards",
-        ("whole", "on"): write_long_clips(root / "long", 8, 10.0),
+        ("whole", "on"): with_previous_texts(write_long_clips(root / "long", 8, 10.0)),
         ("whole", "per-clip"): root / "long",  # the same windows, each clip decoded alone
         ("stream", "per-clip"): root / "long-shards",  # refused at start
         ("stream", "on"): write_long_clips(root / "long-shards", 4, 16.0, shards=4),
@@ -386,6 +402,8 @@ def row_settings(row: dict) -> dict[str, object]:
         "num_workers": row["workers"],
         "report_to": row["trackers"].split(","),
     }
+    if row.get("prompts"):
+        settings["prompt_probability"] = row["prompts"]
     if row["nproc"] > 1:
         settings["nproc"] = row["nproc"]
     if row["fsdp"]:
@@ -611,7 +629,7 @@ def three_wise() -> list[dict]:
     return covering_array(3)
 
 
-THREE_WISE_ROWS = 52
+THREE_WISE_ROWS = 51
 
 
 @pytest.mark.slow

@@ -83,6 +83,15 @@ class DataConfig:
     timestamps: bool = _help(
         "Train with timestamp tokens where segment times are known.", default=False
     )
+    prompt_probability: float = _help(
+        "Chance that a training clip whose previous text is known (the window before it in a "
+        "subtitled recording, or a manifest's previous_text/prompt column) gets that text as "
+        "a prompt (<|startofprev|> text, as transformers' generate(prompt_ids=...) and "
+        "long-form decoding give it), the loss masked there: keeps prompts and previous-text "
+        "conditioning working after fine-tuning. 0 is off (the default: BENCHMARKS.md "
+        "'Prompts in training').",
+        default=0.0,
+    )
     strict: bool = _help(
         "Stop on the first unusable clip instead of skipping and counting it.", default=False
     )

@@ -237,6 +237,7 @@ class RunConfig:
         NaN learning rate; --weight-decay inf and --max-grad-norm nan trained without a word)."""
         d, m, t = self.data, self.model, self.train
         above_0, at_least_0, below_1 = (lambda v: v > 0), (lambda v: v >= 0), (lambda v: 0 <= v < 1)
+        probability = lambda v: 0 <= v <= 1  # noqa: E731
         for flag, value, in_range, accepted in (
             ("--learning-rate", t.learning_rate, above_0, "a finite number above 0 (e.g. 1e-5)"),
             ("--weight-decay", t.weight_decay, at_least_0, "a finite number of 0 or more"),
@@ -251,6 +252,7 @@ class RunConfig:
             # 1 would zero the adapter path in every training step: nothing would train.
             ("--lora-dropout", m.lora_dropout, below_1, "a probability in [0, 1)"),
             ("--preserve-base", t.preserve_base, at_least_0, "a finite weight of 0 (off) or more"),
+            ("--prompt-probability", d.prompt_probability, probability, "a probability in [0, 1]"),
             (
                 "--max-regression",
                 t.max_regression,
@@ -327,6 +329,8 @@ class RunConfig:
             ("--group-by-length", t.group_by_length, "drop it"),
             ("--train-subset", d.train_subset, "use --max-steps"),
             ("--cache-encoder", self.memory.cache_encoder, "drop it"),
+            # A stream's rows come through a shuffle buffer and carry no previous text.
+            ("--prompt-probability", d.prompt_probability, "drop it"),
         ]
         for flag, value, remedy in refused:
             if value:

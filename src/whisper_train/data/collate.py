@@ -9,6 +9,8 @@ A token sequence from `LabelEncoder.encode` runs from <|startoftranscript|> to <
 Position i of the decoder input predicts label i. The prefix (language, task, timestamp mode)
 is given at inference time, never predicted, so its labels are masked with -100 and carry no
 loss; padding is masked too. Labels are padded to the longest in the batch, not to 448.
+A prompted label (`prompts`, --prompt-probability) starts with <|startofprev|> and the previous
+text before SOT, and its prefix length counts them: given, never predicted, they are masked too.
 """
 
 from __future__ import annotations

@@ -29,6 +29,9 @@ class Example:
     duration: float | None = None  # seconds, when the data states it (saves a header read)
     segments: tuple[tuple[float, float, str], ...] = ()  # (start, end, text) from window start
     origin: str = ""  # where the example came from, e.g. "train.jsonl:12", for messages
+    # what was said just before it (the recording's previous window, a manifest's column): the
+    # prompt of --prompt-probability (`data.prompts`); None when not known
+    previous_text: str | None = None
 
 
 class PackedExamples(Sequence[Example]):
@@ -42,7 +45,17 @@ class PackedExamples(Sequence[Example]):
     for (~1.5 us).
     """
 
-    _FIELDS = ("audio", "text", "language", "start", "end", "duration", "segments", "origin")
+    _FIELDS = (
+        "audio",
+        "text",
+        "language",
+        "start",
+        "end",
+        "duration",
+        "segments",
+        "origin",
+        "previous_text",
+    )
 
     def __init__(self, examples: Iterable[Example]):
         buffer, offsets = bytearray(), array.array("q", [0])

@@ -148,6 +148,7 @@ class SpeechDataset(Dataset):
         cached=None,
         packing_timestamps: bool = False,
         per_clip: bool = False,
+        prompter=None,
     ):
         # Packed: the forked loader workers read it without each copying it (PackedExamples).
         self.examples = (
@@ -165,6 +166,8 @@ class SpeechDataset(Dataset):
         # example → whether the frozen encoder's output for it is on disk (`encoder_cache`):
         # such a clip needs neither its header read nor its audio decoded.
         self.cached = cached
+        # --prompt-probability: a `prompts.Prompter` puts previous text before some labels
+        self.prompter = prompter
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch of plain integer indices (evaluation); training indices carry their own."""
@@ -182,7 +185,7 @@ class SpeechDataset(Dataset):
         if self.cached is not None and self.augmenter is None and self.cached(self.examples[index]):
             example = self.examples[index]
             rng = random.Random(f"{self.seed}:{epoch}:{index}")
-            tokens, n_prefix = self.label_encoder.encode(example, rng=rng)
+            tokens, n_prefix = self._label(index, epoch, rng)
             return {
                 "audio": None,  # the collator reads the encoder's output instead
                 "tokens": tokens,
@@ -194,7 +197,7 @@ class SpeechDataset(Dataset):
         if isinstance(clip, Skip):
             return clip
         audio, rng = clip
-        tokens, n_prefix = self.label_encoder.encode(self.examples[index], rng=rng)
+        tokens, n_prefix = self._label(index, epoch, rng)
         return {
             "audio": audio,
             "tokens": tokens,
@@ -202,6 +205,17 @@ class SpeechDataset(Dataset):
             "text": self.examples[index].text,
             "index": index,
         }
+
+    def _label(self, index: int, epoch: int, rng: random.Random) -> tuple[list[int], int]:
+        """(tokens, n_prefix) of clip `index`: its label, prompted with its previous text when
+        the prompter draws it."""
+        example = self.examples[index]
+        tokens, n_prefix = self.label_encoder.encode(example, rng=rng)
+        if self.prompter is None:
+            return tokens, n_prefix
+        return self.prompter.prompted(
+            tokens, n_prefix, example.previous_text, index=index, epoch=epoch
+        )
 
     def _clip(self, index: int, epoch: int) -> tuple[np.ndarray, random.Random] | Skip:
         """One clip's audio, augmented, and the random draws it seeds; or why it is unusable."""
@@ -224,7 +238,7 @@ class SpeechDataset(Dataset):
         if len(indices) == 1 and not self.per_clip:  # that clip, label and all
             item = self[(epoch, indices[0])]
             return item if isinstance(item, Skip) else {**item, "skipped": []}
-        window, skipped, rng = PackedWindow(self.gap_seconds), [], None
+        window, skipped, rng, first = PackedWindow(self.gap_seconds), [], None, None
         clips = []  # per clip: its own label, as unpacked (--packing per-clip)
         for index in indices:
             clip = self._clip(index, epoch)
@@ -239,8 +253,9 @@ class SpeechDataset(Dataset):
                 continue
             window.add(audio, self.examples[index].text)
             rng = rng or clip_rng
+            first = index if first is None else first
             if self.per_clip:
-                tokens, n_prefix = self.label_encoder.encode(self.examples[index], rng=clip_rng)
+                tokens, n_prefix = self._label(index, epoch, clip_rng)
                 clips.append(
                     {
                         "tokens": tokens,
@@ -265,4 +280,12 @@ class SpeechDataset(Dataset):
             rng=rng,
             packing_timestamps=self.packing_timestamps,
         )
+        if self.prompter is not None:  # what precedes the window: its first clip's previous text
+            item["tokens"], item["n_prefix"] = self.prompter.prompted(
+                item["tokens"],
+                item["n_prefix"],
+                self.examples[first].previous_text,
+                index=first,
+                epoch=epoch,
+            )
         return {**item, "index": indices[0], "skipped": skipped}

@@ -22,6 +22,8 @@ from whisper_train.errors import UserError
 AUDIO_COLUMNS = ("audio", "audio_filepath", "path", "file_name")
 TEXT_COLUMNS = ("transcription", "text", "sentence", "normalized_text")
 LANGUAGE_COLUMNS = ("language", "locale")
+# What was said just before the row's audio (`Example.previous_text`, --prompt-probability).
+PROMPT_COLUMNS = ("previous_text", "prompt")
 
 
 # -- reading text files ---------------------------------------------------------------------
@@ -164,9 +166,16 @@ def manifest_examples(
                     f"{path}:{line}: malformed row: end {end} is not after start {start}"
                 )
             duration = end - start
-        language = None
+        language = previous_text = None
         for column in LANGUAGE_COLUMNS:  # a loop, not next(genexpr): this runs once per row
             language = language or row.get(column)
+        for column in PROMPT_COLUMNS:
+            previous_text = previous_text or row.get(column)
+        if previous_text is not None and not isinstance(previous_text, str):
+            raise UserError(
+                f"{path}:{line}: malformed row: the previous text must be text, got "
+                f"{previous_text!r}"
+            )
         examples.append(
             Example(
                 audio=resolve_path(folder, audio.strip()),
@@ -176,6 +185,7 @@ def manifest_examples(
                 end=end,
                 duration=duration,
                 origin=f"{path}:{line}",
+                previous_text=previous_text.strip() if previous_text else None,
             )
         )
     return examples

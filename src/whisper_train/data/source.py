@@ -34,7 +34,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from whisper_train.data import packing as packing_module
-from whisper_train.data import streaming
+from whisper_train.data import prompts, streaming
 from whisper_train.data.collate import IGNORE_INDEX
 from whisper_train.data.examples import Example, Skip
 from whisper_train.data.features import SpeechDataset
@@ -526,6 +526,17 @@ def packing_budget(
     return prefix, 2 if label_encoder.timestamps or packing_timestamps else 0
 
 
+def _prompter(config, examples, label_encoder, accelerator, max_label_tokens: int):
+    """--prompt-probability's `prompts.Prompter`, None when it is 0 (labels as they were)."""
+    probability = config.data.prompt_probability
+    if not probability:
+        return None
+    say(accelerator, prompts.describe_prompting(examples, probability))
+    return prompts.Prompter(
+        label_encoder, probability, seed=config.train.seed, max_target_positions=max_label_tokens
+    )
+
+
 TrainingData = WholeData | StreamData
 
 
@@ -569,6 +580,7 @@ def build_training_data(
         cached=cached,
         packing_timestamps=config.packing_timestamps_on,
         per_clip=config.packing_per_clip,
+        prompter=_prompter(config, datasets.train, label_encoder, accelerator, max_label_tokens),
     )
     sizes, prefix, per_clip = None, 0, 0
     if config.packing_on:

@@ -87,7 +87,8 @@ def pack_segments(
     """Pack consecutive timed segments of one recording into windows of at most `max_seconds`.
 
     Windows are cut only at segment boundaries. Each Example spans its first segment's start
-    to its last segment's end; its `segments` are relative to the window start. A segment longer
+    to its last segment's end; its `segments` are relative to the window start, and its
+    `previous_text` is the window before's text (what long-form decoding has just written). A segment longer
     than `max_seconds` becomes a window of its own, which screening then reports as too long.
     """
     windows: list[list[tuple[float, float, str]]] = []
@@ -97,6 +98,7 @@ def pack_segments(
         else:
             windows.append([segment])
     examples = []
+    previous_text = None  # the window before, of the same recording: its prompt in training
     for window in windows:
         start, end = window[0][0], window[-1][1]
         examples.append(
@@ -111,8 +113,10 @@ def pack_segments(
                     (round(s - start, 3), round(e - start, 3), text) for s, e, text in window
                 ),
                 origin=f"{origin} ({start:.2f}-{end:.2f} s)",
+                previous_text=previous_text,
             )
         )
+        previous_text = examples[-1].text
     return examples
 
 

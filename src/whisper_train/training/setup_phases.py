@@ -21,6 +21,7 @@ from whisper_train.data.augment import spec_augment_overrides
 from whisper_train.data.collate import SpeechCollator
 from whisper_train.data.features import LogMel, SpeechDataset
 from whisper_train.data.labels import LabelEncoder, configure_generation
+from whisper_train.data.prompts import longest_prompted_label
 from whisper_train.data.source import TrainingData, build_training_data, evaluation_loader
 from whisper_train.errors import UserError
 from whisper_train.evaluation.evaluate import row_languages
@@ -138,9 +139,13 @@ def setup_memory(
             batch_size=c.train.batch_size,
             max_memory_bytes=parse_bytes(c.memory.max_memory, flag="--max-memory"),
             # A stream's labels are unknown before step 1: the longest the workers let through.
-            label_tokens=max(
-                datasets.label_lengths(label_encoder),
-                default=model.config.max_target_positions + 1,
+            label_tokens=longest_prompted_label(
+                max(
+                    datasets.label_lengths(label_encoder),
+                    default=model.config.max_target_positions + 1,
+                ),
+                c.data.prompt_probability,  # a prompted label is longer: count its prompt
+                model.config.max_target_positions,
             ),
             precision=precision.name,
             optimizer=c.memory.optim,

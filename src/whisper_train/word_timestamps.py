@@ -121,6 +121,15 @@ def save_alignment_heads(model_dir: str | Path, heads: Sequence[Sequence[int]]) 
             f"{model_dir}: no generation_config.json to hold the alignment heads; pass a model "
             "folder that `whisper-train train` or `export --format hf` wrote"
         )
+    model_config = Path(model_dir) / "config.json"
+    if model_config.is_file():
+        dims = json.loads(model_config.read_text(encoding="utf-8"))
+        check_alignment_heads(
+            heads,
+            layers=dims["decoder_layers"],
+            heads_per_layer=dims["decoder_attention_heads"],
+            source=str(model_dir),
+        )
     config = json.loads(config_file.read_text(encoding="utf-8"))
     config["alignment_heads"] = [[int(layer), int(head)] for layer, head in heads]
     config_file.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

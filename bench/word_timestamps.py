@@ -165,6 +165,9 @@ def main() -> None:
     parser.add_argument("--head-clips", type=int, default=24, help="training clips to find heads")
     parser.add_argument("--epochs", type=float, default=1.0)
     parser.add_argument(
+        "--reuse-runs", action="store_true", help="time the work dir's earlier runs again"
+    )
+    parser.add_argument(
         "--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "wt-word-timestamps"
     )
     args = parser.parse_args()
@@ -174,7 +177,7 @@ def main() -> None:
     from whisper_train.data.layouts import load_examples
     from whisper_train.demo import prepare_demo_data
     from whisper_train.models import load_model
-    from whisper_train.word_timestamps import find_alignment_heads
+    from whisper_train.word_timestamps import default_alignment_heads, find_alignment_heads
 
     work = args.work_dir
     work.mkdir(parents=True, exist_ok=True)
@@ -219,19 +222,26 @@ def main() -> None:
     measure(f"{args.model} (base)", base, f"OpenAI's {base_heads}")
     for mode in args.modes.split(","):
         started = cpu_seconds()
-        final = fine_tune(
-            mode, data["train"], work / f"run-{mode}", epochs=args.epochs, model=args.model
-        )
+        final = work / f"run-{mode}" / "final"
+        if not (args.reuse_runs and final.is_dir()):
+            final = fine_tune(
+                mode, data["train"], work / f"run-{mode}", epochs=args.epochs, model=args.model
+            )
         train_cpu = cpu_seconds() - started
         model, processor = load_model(str(final))
         carried = model.generation_config.alignment_heads
-        measure(f"{mode}, 24 steps", (model, processor), f"base's, carried {carried}", train_cpu)
+        label = f"{mode}, {args.epochs:g} epoch"
+        measure(label, (model, processor), f"base's, carried {carried}", train_cpu)
+        # What a model that names no heads gets (a checkpoint whose generation config lost
+        # them): every runtime's default, all heads of the upper half of the decoder.
+        model.generation_config.alignment_heads = default_alignment_heads(model)
+        measure(label, (model, processor), "none named: upper half (runtimes' default)")
         started = cpu_seconds()
         search = find_alignment_heads(model, processor, examples)
         search_cpu = cpu_seconds() - started
         model.generation_config.alignment_heads = search.heads
         print(f"  found {search.heads}: median {search.error_s:.3f} s on {search.words} words")
-        measure(f"{mode}, 24 steps", (model, processor), f"found {search.heads}", 0, search_cpu)
+        measure(label, (model, processor), f"found {search.heads}", 0, search_cpu)
 
     print()
     print(

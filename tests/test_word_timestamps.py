@@ -45,10 +45,10 @@ SENTENCES = (
 PAUSE_S = 1.0
 TINY_EN_HEADS = [[1, 0], [2, 0], [2, 5], [3, 0], [3, 1], [3, 2], [3, 3], [3, 4]]
 # How far the first word of each sentence may start from its speech onset. Measured (tiny.en,
-# this recording): transformers 0.003-0.016 s; faster-whisper 0.01-0.32 s, its own rule for the
-# first word after a pause (start = end - twice the median word) moving three of the four
-# later. A word timed off by one word (~0.3 s) fails the transformers bound.
-ONSET_TOLERANCE_S = {"transformers": 0.1, "faster-whisper": 0.5}
+# this recording): transformers 0.003-0.016 s; faster-whisper and openai-whisper 0.01-0.32 s,
+# their rule for the first word after a pause (start = end - twice the median word) moving
+# three of the four later. A word timed off by one word (~0.3 s) fails the transformers bound.
+ONSET_TOLERANCE_S = {"transformers": 0.1, "faster-whisper": 0.5, "openai-whisper": 0.5}
 
 
 def speech_onset(audio: np.ndarray) -> float:
@@ -76,6 +76,15 @@ def recording(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_en():
     return load_ct2_whisper(tiny_en_dir())
+
+
+@pytest.fixture(scope="module")
+def tiny_en_openai(tiny_en, tmp_path_factory):
+    """tiny.en as openai-whisper's model.pt (float16, as OpenAI ships it), heads inside."""
+    pytest.importorskip("whisper")
+    from whisper_train.formats.openai import save_openai
+
+    return save_openai(*tiny_en, tmp_path_factory.mktemp("openai"))
 
 
 def word_transcript(model, path, output_dir=None, output_format="json"):
@@ -107,12 +116,16 @@ def assert_ordered_and_inside(transcript) -> None:
             previous_end = word.end
 
 
-@pytest.mark.parametrize("backend", ["transformers", "faster-whisper"])
+@pytest.mark.parametrize("backend", ["transformers", "faster-whisper", "openai-whisper"])
 def test_word_times_in_srt_and_json_are_ordered_inside_their_segments(
-    backend, recording, tiny_en, tmp_path
+    backend, recording, tiny_en, request, tmp_path
 ):
     path, onsets = recording
-    model = tiny_en if backend == "transformers" else str(tiny_en_dir())
+    model = {
+        "transformers": lambda: tiny_en,
+        "faster-whisper": lambda: str(tiny_en_dir()),
+        "openai-whisper": lambda: str(request.getfixturevalue("tiny_en_openai")),
+    }[backend]()
     transcript = word_transcript(model, path, tmp_path, "json")
     assert_ordered_and_inside(transcript)
     # The words are the text, and each sentence's first word starts where its speech does.
@@ -333,3 +346,56 @@ def test_the_transformers_backend_keeps_its_signature(tiny_whisper):
     unless asked for."""
     backend = TransformersBackend(*tiny_whisper, language=None, task=None, beam_size=1)
     assert backend.word_timestamps is False
+
+
+# -- export --find-alignment-heads ------------------------------------------------------------
+
+
+def test_export_finds_and_saves_alignment_heads(recording, tmp_path, capsys):
+    """tiny.en against its own word times: the heads found are OpenAI's or most of them, and
+    they are what the export's generation config holds."""
+    clips = synth.make_speech_dataset(tmp_path / "clips", n_utterances=4, seed=0)
+    output = tmp_path / "export"
+    code = cli.main(
+        [
+            "export",
+            "--model",
+            "tiny.en",
+            "--format",
+            "hf",
+            "--output",
+            str(output),
+            "--no-check",
+            "--find-alignment-heads",
+            str(clips),
+            "--alignment-reference",
+            "tiny.en",
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    saved = json.loads((output / "generation_config.json").read_text())["alignment_heads"]
+    assert f"alignment heads {saved}" in printed
+    assert len([h for h in saved if h in TINY_EN_HEADS]) >= len(saved) / 2, saved
+
+
+def test_export_find_alignment_heads_refusals_are_one_line(tiny_whisper_dir, tmp_path, capsys):
+    for extra, needle in (
+        (["--format", "hf"], "--alignment-reference MODEL"),
+        (["--format", "ggml"], "a ggml file has no place"),
+    ):
+        code = cli.main(
+            [
+                "export",
+                "--model",
+                str(tiny_whisper_dir),
+                "--output",
+                str(tmp_path / "out"),
+                "--no-check",
+                "--find-alignment-heads",
+                str(tmp_path),
+                *extra,
+            ]
+        )
+        error = capsys.readouterr().err.strip()
+        assert code == 2 and len(error.splitlines()) == 1 and needle in error, error

@@ -349,3 +349,47 @@ def highlighted_cues(segments) -> list[tuple[float, float, str]]:
             cues.append((word.start, word.end, "".join(marked).strip()))
             last = word.end
     return cues
+
+
+# -- reference word times ---------------------------------------------------------------------
+
+
+def model_word_times(model, processor, audio: np.ndarray) -> list[Word]:
+    """A model's own words on one clip of at most 30 s, timed with its alignment heads (or the
+    default): greedy, with timestamps, as `transcribe --word-timestamps` decodes a window."""
+    if len(audio) > N_SAMPLES:
+        raise UserError(f"a clip of {len(audio) / SAMPLE_RATE:.1f} s: at most 30 s here")
+    model.generation_config.alignment_heads = alignment_heads_of(model)
+    weight = next(p for p in model.parameters() if p.is_floating_point())
+    inputs = processor.feature_extractor(
+        audio, sampling_rate=SAMPLE_RATE, return_tensors="pt", return_attention_mask=True
+    )
+    with torch.inference_mode():
+        output = model.generate(
+            input_features=inputs.input_features.to(weight.device, weight.dtype),
+            attention_mask=inputs.attention_mask.to(weight.device),
+            return_timestamps=True,
+            return_segments=True,
+            return_token_timestamps=True,
+        )
+    duration = len(audio) / SAMPLE_RATE
+    words = []
+    for raw in output["segments"][0]:
+        start, end = min(float(raw["start"]), duration), min(float(raw["end"]), duration)
+        ends = raw["token_timestamps"].tolist()
+        tokens = raw["tokens"].tolist()
+        words += words_from_token_times(processor.tokenizer, tokens, ends, start=start, end=end)
+    return words
+
+
+def find_alignment_heads_against(
+    model, processor, reference, clips: Sequence[np.ndarray], *, language: str | None = None
+) -> HeadSearch:
+    """find_alignment_heads with `reference` ((model, processor), e.g. the base the model was
+    fine-tuned from) timing the words of each clip: what a user has when nobody timed words."""
+    reference_model, reference_processor = reference
+    examples = [
+        AlignmentExample(audio, model_word_times(reference_model, reference_processor, audio))
+        for audio in clips
+    ]
+    return find_alignment_heads(model, processor, examples, language=language)

@@ -56,7 +56,7 @@ from whisper_train.transcripts import (  # noqa: F401
     to_srt,
     to_vtt,
 )
-from whisper_train.word_timestamps import Word, words_from_token_times
+from whisper_train.word_timestamps import Word, alignment_heads_of, words_from_token_times
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,6 @@ class TransformersBackend:
         word_timestamps: bool = False,
     ):
         from whisper_train.evaluation.generation import set_language
-        from whisper_train.word_timestamps import alignment_heads_of
 
         self.model = model.eval()
         self.processor = processor

@@ -148,7 +148,7 @@ def test_no_function_is_longer_than_a_readable_page():
 LAYERS = (
     ("errors", "units", "audio", "runfolder", "trackers", "runlog"),
     ("data",),
-    ("decoding",),
+    ("decoding", "word_timestamps"),
     ("memory",),
     ("config",),
     ("formats",),
@@ -157,7 +157,7 @@ LAYERS = (
     ("doctor",),
     ("training",),
     ("deploy",),
-    ("checkdata", "transcribe", "demo"),
+    ("checkdata", "transcripts", "transcribe", "demo"),
     ("cli", "commands", "__main__"),
 )
 

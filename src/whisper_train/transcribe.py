@@ -29,7 +29,7 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,78 +38,25 @@ import torch
 from whisper_train.audio import AUDIO_SUFFIXES, N_SAMPLES, SAMPLE_RATE, load_audio
 from whisper_train.decoding import DecodingOptions, generate_decoded
 from whisper_train.errors import UserError
-from whisper_train.evaluation.longform import generate_long_form, segment_texts
+from whisper_train.evaluation.longform import decoded_segments, generate_long_form
+
+# The transcript files moved to transcripts.py; their names are still imported from here.
+from whisper_train.transcripts import (  # noqa: F401
+    FORMATS,
+    Segment,
+    Transcript,
+    format_timestamp,
+    render,
+    to_json,
+    to_srt,
+    to_vtt,
+)
+from whisper_train.word_timestamps import Word, alignment_heads_of, words_from_token_times
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("txt", "srt", "vtt", "json")
 AUDIO_EXTENSIONS = set(AUDIO_SUFFIXES)
 MANIFEST_EXTENSIONS = {".jsonl", ".json", ".csv", ".tsv"}
-
-
-@dataclass(frozen=True)
-class Segment:
-    start: float  # seconds from the start of the recording
-    end: float
-    text: str
-
-
-@dataclass
-class Transcript:
-    """One recording: its text and timed segments, or the reason it failed (`error`)."""
-
-    source: str
-    name: str  # output file stem
-    text: str = ""
-    segments: list[Segment] = field(default_factory=list)
-    error: str | None = None
-
-
-# -- subtitle writers -----------------------------------------------------------------------
-
-
-def format_timestamp(seconds: float, *, decimal_marker: str = ".") -> str:
-    """3.5 → '00:00:03.500' (SRT uses ',' as the decimal marker, WebVTT '.')."""
-    milliseconds = max(0, round(seconds * 1000))
-    hours, milliseconds = divmod(milliseconds, 3_600_000)
-    minutes, milliseconds = divmod(milliseconds, 60_000)
-    secs, milliseconds = divmod(milliseconds, 1000)
-    return f"{hours:02d}:{minutes:02d}:{secs:02d}{decimal_marker}{milliseconds:03d}"
-
-
-def to_srt(segments: Sequence[Segment]) -> str:
-    blocks = [
-        f"{i}\n{format_timestamp(s.start, decimal_marker=',')} --> "
-        f"{format_timestamp(s.end, decimal_marker=',')}\n{s.text}\n"
-        for i, s in enumerate(segments, start=1)
-    ]
-    return "\n".join(blocks)
-
-
-def to_vtt(segments: Sequence[Segment]) -> str:
-    blocks = [
-        f"{format_timestamp(s.start)} --> {format_timestamp(s.end)}\n{s.text}\n" for s in segments
-    ]
-    return "WEBVTT\n\n" + "\n".join(blocks)
-
-
-def to_json(transcript: Transcript) -> str:
-    payload = {
-        "audio": transcript.source,
-        "text": transcript.text,
-        "segments": [asdict(s) for s in transcript.segments],
-    }
-    return json.dumps(payload, indent=2, ensure_ascii=False) + "\n"
-
-
-def render(transcript: Transcript, output_format: str) -> str:
-    if output_format == "srt":
-        return to_srt(transcript.segments)
-    if output_format == "vtt":
-        return to_vtt(transcript.segments)
-    if output_format == "json":
-        return to_json(transcript)
-    return transcript.text + "\n"
 
 
 # -- backends -------------------------------------------------------------------------------
@@ -131,6 +78,7 @@ class TransformersBackend:
         task=None,
         beam_size=1,
         decoding: DecodingOptions | None = None,
+        word_timestamps: bool = False,
     ):
         from whisper_train.evaluation.generation import set_language
 
@@ -138,6 +86,9 @@ class TransformersBackend:
         self.processor = processor
         self.beam_size = beam_size
         self.decoding = DecodingOptions() if decoding is None else decoding
+        self.word_timestamps = word_timestamps
+        if word_timestamps:  # generate's DTW reads them there; the default where none are named
+            model.generation_config.alignment_heads = alignment_heads_of(model)
         set_language(model, language, task)
 
     @torch.inference_mode()
@@ -162,13 +113,29 @@ class TransformersBackend:
             return text, [Segment(0.0, len(audio) / SAMPLE_RATE, text)] if text else []
         # The long-form decoding `evaluate` scores (evaluation.longform): one implementation.
         output = generate_long_form(
-            self.model, self.processor, audio, beam_size=self.beam_size, decoding=self.decoding
+            self.model,
+            self.processor,
+            audio,
+            beam_size=self.beam_size,
+            decoding=self.decoding,
+            word_timestamps=self.word_timestamps,
         )
         duration = len(audio) / SAMPLE_RATE
-        segments = [
-            Segment(min(start, duration), min(end, duration), text)
-            for start, end, text in segment_texts(output, self.processor.tokenizer)
-        ]
+        segments = []
+        for decoded in decoded_segments(output, self.processor.tokenizer):
+            start, end = min(decoded.start, duration), min(decoded.end, duration)
+            words = None
+            if decoded.token_ends is not None:
+                words = tuple(
+                    words_from_token_times(
+                        self.processor.tokenizer,
+                        decoded.tokens,
+                        decoded.token_ends,
+                        start=start,
+                        end=end,
+                    )
+                )
+            segments.append(Segment(start, end, decoded.text, words))
         return " ".join(s.text for s in segments), segments
 
 
@@ -183,6 +150,7 @@ class CTranslate2Backend:
         task=None,
         beam_size=1,
         decoding: DecodingOptions | None = None,
+        word_timestamps: bool = False,
     ):
         import ctranslate2
         from faster_whisper import WhisperModel
@@ -207,6 +175,7 @@ class CTranslate2Backend:
         self.task = task or saved_task or "transcribe"
         self.beam_size = beam_size
         self.decoding = DecodingOptions() if decoding is None else decoding
+        self.word_timestamps = word_timestamps  # config.json's alignment_heads time them
 
     def transcribe(
         self, audio: np.ndarray, *, timestamps: bool = True
@@ -230,25 +199,60 @@ class CTranslate2Backend:
             log_prob_threshold=options.logprob_threshold,
             condition_on_previous_text=False,  # see the module docstring
             without_timestamps=not timestamps,
+            word_timestamps=self.word_timestamps and timestamps,
             vad_filter=False,
         )
-        texts = [(segment.start, segment.end, segment.text.strip()) for segment in found]
+        found = list(found)
         if not timestamps:
-            text = " ".join(t for _, _, t in texts if t)
+            text = " ".join(s.text.strip() for s in found if s.text.strip())
             return text, [Segment(0.0, duration, text)] if text else []
         segments = [
-            Segment(min(start, duration), min(end, duration), text)
-            for start, end, text in texts
-            if text
+            Segment(
+                min(s.start, duration), min(s.end, duration), s.text.strip(), _words(s, duration)
+            )
+            for s in found
+            if s.text.strip()
         ]
         return " ".join(s.text for s in segments), segments
+
+
+def _words(segment, duration: float) -> tuple[Word, ...] | None:
+    """A faster-whisper or openai-whisper segment's words (objects or dicts), or None."""
+    found = (
+        getattr(segment, "words", None) if not isinstance(segment, dict) else segment.get("words")
+    )
+    if found is None:
+        return None
+    fields = [w if isinstance(w, dict) else vars(w) for w in found]  # faster-whisper: objects
+    return tuple(
+        Word(f["word"], min(f["start"], duration), min(f["end"], duration), f.get("probability"))
+        for f in fields
+    )
 
 
 class WhisperCppBackend:
     """whisper.cpp through pywhispercpp on a ggml-model.bin: its loop and temperature fallback."""
 
-    def __init__(self, model_file: Path, *, language=None, task=None, beam_size=1, decoding=None):
+    def __init__(
+        self,
+        model_file: Path,
+        *,
+        language=None,
+        task=None,
+        beam_size=1,
+        decoding=None,
+        word_timestamps=False,
+    ):
         from whisper_train.deploy.runtimes import require_client
+
+        if word_timestamps:
+            # whisper.cpp's DTW takes its heads at load as a preset for OpenAI's models (or a
+            # custom list pywhispercpp 1.5.1 cannot pass); a ggml file has no field to carry
+            # a fine-tuned model's heads.
+            raise UserError(
+                f"--word-timestamps: not available for whisper.cpp models ({model_file}); "
+                "export the model with --format ct2 (faster-whisper), openai or hf instead"
+            )
 
         require_client("ggml")
         from pywhispercpp.model import Model
@@ -298,7 +302,16 @@ class WhisperCppBackend:
 class OpenAIWhisperBackend:
     """openai-whisper's `transcribe()` on a model.pt: its loop and temperature fallback."""
 
-    def __init__(self, model_file: Path, *, language=None, task=None, beam_size=1, decoding=None):
+    def __init__(
+        self,
+        model_file: Path,
+        *,
+        language=None,
+        task=None,
+        beam_size=1,
+        decoding=None,
+        word_timestamps=False,
+    ):
         from whisper_train.deploy.runtimes import require_client
 
         require_client("openai")
@@ -307,6 +320,11 @@ class OpenAIWhisperBackend:
         saved_language, saved_task = _saved_language_and_task(model_file.parent)
         self.device = _device()
         self.model = whisper.load_model(str(model_file), device=self.device)
+        # load_model sets the heads only for OpenAI's named models; the export stores them.
+        heads = torch.load(model_file, map_location="cpu", weights_only=True, mmap=True)
+        if heads.get("alignment_heads"):
+            self.model.set_alignment_heads(heads["alignment_heads"])
+        self.word_timestamps = word_timestamps
         self.language = language or saved_language
         self.task = task or saved_task or "transcribe"
         self.beam_size = beam_size
@@ -329,13 +347,19 @@ class OpenAIWhisperBackend:
             logprob_threshold=options.logprob_threshold,
             condition_on_previous_text=False,  # see the module docstring
             without_timestamps=not timestamps,
+            word_timestamps=self.word_timestamps and timestamps,
             beam_size=self.beam_size if self.beam_size > 1 else None,
             fp16=self.device == "cuda",
             verbose=None,
         )
         duration = len(audio) / SAMPLE_RATE
         segments = [
-            Segment(min(s["start"], duration), min(s["end"], duration), s["text"].strip())
+            Segment(
+                min(s["start"], duration),
+                min(s["end"], duration),
+                s["text"].strip(),
+                _words(s, duration),
+            )
             for s in result["segments"]
             if s["text"].strip()
         ]
@@ -375,12 +399,15 @@ def is_ct2_dir(path: Path) -> bool:
     return (path / "model.bin").is_file() and (path / "config.json").is_file()
 
 
-def load_backend(model, *, language=None, task=None, beam_size=1, decoding=None):
+def load_backend(
+    model, *, language=None, task=None, beam_size=1, decoding=None, word_timestamps=False
+):
     """`model`: a spec string (folder, hub id, tiny.en) or a (model, processor) pair.
 
     `decoding`: the temperature fallback (whisper_train.decoding; None: on, openai-whisper's
-    defaults)."""
+    defaults); `word_timestamps`: segments carry their words' times (not for whisper.cpp)."""
     options = {"language": language, "task": task, "beam_size": beam_size, "decoding": decoding}
+    options["word_timestamps"] = word_timestamps
     if isinstance(model, tuple):
         return TransformersBackend(*model, **options)
     from whisper_train.models import load_model, model_folder
@@ -460,12 +487,15 @@ def transcribe_paths(
     output_dir: str | Path | None = None,
     progress: bool = True,
     decoding: DecodingOptions | None = None,
+    word_timestamps: bool = False,
 ) -> list[Transcript]:
     """Transcribe every recording in `inputs`; write `<output_dir>/<name>.<format>` per file.
 
     `model` is a spec (`--model`) or a (model, processor) pair. Recordings that fail carry an
     `error` and are skipped; the rest are still transcribed. `decoding`: the temperature
     fallback (None: on, with openai-whisper's defaults; `NO_FALLBACK`: greedy only).
+    `word_timestamps`: each segment gets its words' times (json: `words`; srt/vtt: each word
+    underlined while spoken), from the model's alignment heads.
     """
     from tqdm.auto import tqdm
 
@@ -477,7 +507,12 @@ def transcribe_paths(
     if not recordings:
         raise UserError("no inputs given; pass audio files, folders or a manifest")
     backend = load_backend(
-        model, language=language, task=task, beam_size=beam_size, decoding=decoding
+        model,
+        language=language,
+        task=task,
+        beam_size=beam_size,
+        decoding=decoding,
+        word_timestamps=word_timestamps,
     )
     if output_dir is not None:
         output_dir = Path(output_dir)

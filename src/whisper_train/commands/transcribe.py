@@ -46,6 +46,12 @@ def add_parser(subparsers) -> None:
         help="Default: the model's own (transcribe unless it was fine-tuned to translate).",
     )
     parser.add_argument("--beam-size", type=int, default=1, help="1 is greedy decoding.")
+    parser.add_argument(
+        "--word-timestamps",
+        action="store_true",
+        help="Time each word from the model's alignment heads: json gives each segment its "
+        "words, srt/vtt underline each word while it is spoken (not for whisper.cpp models).",
+    )
     add_decoding_arguments(parser)
     parser.set_defaults(handler=run)
 
@@ -63,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         beam_size=args.beam_size,
         output_dir=args.output_dir,
         decoding=decoding_from_args(args),
+        word_timestamps=args.word_timestamps,
     )
     good = [r for r in results if r.error is None]
     if args.output_dir is None:

@@ -88,6 +88,7 @@ def generate_long_form(
     decoding: DecodingOptions | None = None,
     condition_on_previous_text: bool = False,
     language: str | None = None,
+    word_timestamps: bool = False,
 ) -> dict:
     """(n_samples,) float32 16 kHz audio of any length → `generate`'s output with timestamps
     and `segments` (one list per recording: {"start", "end", "tokens", ...}).
@@ -109,6 +110,8 @@ def generate_long_form(
     options = _fallback_arguments(decoding)
     if condition_on_previous_text:  # passed only when asked: a 30 s clip warns otherwise
         options["condition_on_prev_tokens"] = True
+    if word_timestamps:  # each token's end time, from the alignment heads' cross-attention
+        options["return_token_timestamps"] = True
     if language is not None and getattr(model.generation_config, "is_multilingual", False):
         options["language"] = language
     with seeded(decoding.seed, weight.device), _text_compression_ratio(model, processor.tokenizer):
@@ -122,21 +125,35 @@ def generate_long_form(
         )
 
 
-def segment_texts(output: dict, tokenizer) -> list[tuple[float, float, str]]:
-    """(start s, end s, text) of each non-empty segment of the first recording of `output`."""
+@dataclass(frozen=True)
+class DecodedSegment:
+    """One non-empty segment of a long-form decoding: its times (s), text and tokens, and with
+    word timestamps asked for, each token's end time (s: transformers' DTW over the alignment
+    heads; `word_timestamps.words_from_token_times` makes words of them)."""
+
+    start: float
+    end: float
+    text: str
+    tokens: list[int]
+    token_ends: list[float] | None = None
+
+
+def decoded_segments(output: dict, tokenizer) -> list[DecodedSegment]:
+    """The non-empty segments of the first recording of `generate_long_form`'s `output`."""
     found = []
     for raw in output["segments"][0]:
-        words = [t for t in raw["tokens"].tolist() if t < tokenizer.eos_token_id]
-        text = tokenizer.decode(words).strip()
+        tokens = raw["tokens"].tolist()
+        text = tokenizer.decode([t for t in tokens if t < tokenizer.eos_token_id]).strip()
         if text:
-            found.append((float(raw["start"]), float(raw["end"]), text))
+            ends = raw["token_timestamps"].tolist() if "token_timestamps" in raw else None
+            found.append(DecodedSegment(float(raw["start"]), float(raw["end"]), text, tokens, ends))
     return found
 
 
 def transcribe_long_form(model, processor, audio: np.ndarray, **options) -> str:
     """The text of a recording decoded long-form (`generate_long_form`'s options)."""
     output = generate_long_form(model, processor, audio, **options)
-    return " ".join(text for _, _, text in segment_texts(output, processor.tokenizer))
+    return " ".join(segment.text for segment in decoded_segments(output, processor.tokenizer))
 
 
 # -- evaluating recordings ------------------------------------------------------------------
@@ -292,6 +309,7 @@ __all__ = [
     "decode_recordings",
     "generate_long_form",
     "run_long_form_evaluation",
-    "segment_texts",
+    "decoded_segments",
+    "DecodedSegment",
     "transcribe_long_form",
 ]

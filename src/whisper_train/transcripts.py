@@ -1,0 +1,92 @@
+"""A transcript and its files: txt, SRT, WebVTT, JSON (`whisper-train transcribe --format`).
+
+With word timestamps, JSON gives each segment its `words` ([{word, start, end, probability?}]),
+and SRT/WebVTT underline each word while it is spoken (openai-whisper's `--highlight_words`);
+without them every file is as it always was.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from whisper_train.word_timestamps import Word, highlighted_cues
+
+FORMATS = ("txt", "srt", "vtt", "json")
+
+
+@dataclass(frozen=True)
+class Segment:
+    start: float  # seconds from the start of the recording
+    end: float
+    text: str
+    words: tuple[Word, ...] | None = None  # with --word-timestamps only
+
+
+@dataclass
+class Transcript:
+    """One recording: its text and timed segments, or the reason it failed (`error`)."""
+
+    source: str
+    name: str  # output file stem
+    text: str = ""
+    segments: list[Segment] = field(default_factory=list)
+    error: str | None = None
+
+
+# -- subtitle writers -----------------------------------------------------------------------
+
+
+def format_timestamp(seconds: float, *, decimal_marker: str = ".") -> str:
+    """3.5 → '00:00:03.500' (SRT uses ',' as the decimal marker, WebVTT '.')."""
+    milliseconds = max(0, round(seconds * 1000))
+    hours, milliseconds = divmod(milliseconds, 3_600_000)
+    minutes, milliseconds = divmod(milliseconds, 60_000)
+    secs, milliseconds = divmod(milliseconds, 1000)
+    return f"{hours:02d}:{minutes:02d}:{secs:02d}{decimal_marker}{milliseconds:03d}"
+
+
+def to_srt(segments: Sequence[Segment]) -> str:
+    blocks = [
+        f"{i}\n{format_timestamp(s.start, decimal_marker=',')} --> "
+        f"{format_timestamp(s.end, decimal_marker=',')}\n{s.text}\n"
+        for i, s in enumerate(segments, start=1)
+    ]
+    return "\n".join(blocks)
+
+
+def to_vtt(segments: Sequence[Segment]) -> str:
+    blocks = [
+        f"{format_timestamp(s.start)} --> {format_timestamp(s.end)}\n{s.text}\n" for s in segments
+    ]
+    return "WEBVTT\n\n" + "\n".join(blocks)
+
+
+def to_json(transcript: Transcript) -> str:
+    payload = {
+        "audio": transcript.source,
+        "text": transcript.text,
+        "segments": [_without_none(asdict(s)) for s in transcript.segments],
+    }
+    return json.dumps(payload, indent=2, ensure_ascii=False) + "\n"
+
+
+def _without_none(value):
+    """Drop unset optional fields (words, probability): the default output stays as it was."""
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    return [_without_none(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def render(transcript: Transcript, output_format: str) -> str:
+    segments = transcript.segments
+    if any(s.words for s in segments):  # subtitles that underline each word as it is spoken
+        segments = [Segment(start, end, text) for start, end, text in highlighted_cues(segments)]
+    if output_format == "srt":
+        return to_srt(segments)
+    if output_format == "vtt":
+        return to_vtt(segments)
+    if output_format == "json":
+        return to_json(transcript)
+    return transcript.text + "\n"

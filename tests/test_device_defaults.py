@@ -12,8 +12,8 @@ import yaml
 
 from whisper_train import runfolder
 from whisper_train.config import RunConfig
-from whisper_train.data import source
-from whisper_train.data.source import CUDA_DATA_WORKERS, default_num_workers, pins_memory
+from whisper_train.data import loaders
+from whisper_train.data.loaders import CUDA_DATA_WORKERS, default_num_workers, pins_memory
 from whisper_train.training.setup_phases import COMPILE_BY_DEFAULT_FROM_STEPS, compiles
 from whisper_train.training.train import train
 
@@ -68,14 +68,14 @@ def accelerator_on(device: torch.device, processes: int = 1):
 def test_data_workers_by_default_on_cuda_leave_each_training_process_a_cpu(
     monkeypatch, cpus, processes, expected
 ):
-    monkeypatch.setattr(source.os, "sched_getaffinity", lambda _: set(range(cpus)), raising=False)
+    monkeypatch.setattr(loaders.os, "sched_getaffinity", lambda _: set(range(cpus)), raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
     assert default_num_workers(None, accelerator_on(CUDA, processes)) == expected
     assert pins_memory(accelerator_on(CUDA))
 
 
 def test_no_data_workers_by_default_on_a_cpu_and_the_users_number_wins(monkeypatch):
-    monkeypatch.setattr(source.os, "sched_getaffinity", lambda _: set(range(64)), raising=False)
+    monkeypatch.setattr(loaders.os, "sched_getaffinity", lambda _: set(range(64)), raising=False)
     assert default_num_workers(None, accelerator_on(CPU)) == 0
     assert default_num_workers(3, accelerator_on(CPU)) == 3
     assert default_num_workers(0, accelerator_on(CUDA)) == 0

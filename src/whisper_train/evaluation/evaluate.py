@@ -195,7 +195,7 @@ def run_evaluation(
     `indices`), a code or None (detect it); None: the model's generation config decides.
     `normalizer` None: `normalizer_for` the languages the clips were decoded in.
 
-    `loader` holds this process's share of the set (`data.source.evaluation_loader`: each clip
+    `loader` holds this process's share of the set (`data.loaders.evaluation_loader`: each clip
     on one process, every process the same number of batches, some empty); the shares are
     brought together once, at the end, so every clip is scored once (`clips` in the row)."""
     from accelerate.utils import gather_object

@@ -33,7 +33,8 @@ from tqdm.auto import tqdm
 
 from whisper_train import memory, runfolder
 from whisper_train.config import RunConfig
-from whisper_train.data.source import default_num_workers, stand_in_batch
+from whisper_train.data.loaders import default_num_workers
+from whisper_train.data.source import stand_in_batch
 from whisper_train.evaluation.evaluate import run_evaluation
 from whisper_train.evaluation.longform import run_long_form_evaluation
 from whisper_train.evaluation.scoring import get_normalizer
@@ -254,7 +255,7 @@ class FineTuneRecipe:
             if batch["size"]:
                 # Moved now, not with the step's others: one micro-batch's inputs on the device
                 # at a time, however large the accumulation. Non-blocking from pinned memory
-                # (`data.source` pins on CUDA): the copy overlaps the kernels still queued.
+                # (`data.loaders.pins_memory`): the copy overlaps the kernels still queued.
                 batch = send_to_device(batch, accelerator.device, non_blocking=True)
                 batch = self._with_encoder_outputs(batch)
             else:

@@ -250,3 +250,43 @@ def test_a_long_form_set_guards_a_training_run(spoken_recording, tmp_path):
         # One LoRA step at the default rate barely moves tiny.en: still ~7% on this speech.
         assert row["wer"] < 0.2 and 0 <= row["deletion_rate"] < 0.1
     assert result.final_step == 1
+
+
+def test_two_processes_score_a_long_form_guard_as_one_when_one_has_no_recording(
+    spoken_recording, tmp_path
+):
+    """--nproc 2 with a long-form set of one recording: process 1's share is empty (the
+    unusable share every multi-process test runs). Both processes run the same collectives and
+    finish; the recording is scored once, with the WER one process gives it before training."""
+    from conftest import train_in_subprocess
+
+    from whisper_train.training.train import train
+
+    folder, _, _ = spoken_recording
+    tones = write_tone_dataset(tmp_path / "tones", n=6)
+    common = {
+        "data": str(tones),
+        "model": "tiny.en",
+        "mode": "lora",
+        "max_steps": 1,
+        "batch_size": 1,
+        "seed": 0,
+        "eval_data": [f"tones={tones}", f"talks:long={folder}"],
+        "guard": "talks",
+        "generation_max_length": 8,
+        "temperatures": "0",
+    }
+    config = RunConfig()
+    config.update({**common, "output_dir": str(tmp_path / "one")})
+    one = [row for row in metric_rows(Path(train(config).output_dir)) if row.get("set") == "talks"]
+    flags = [
+        f"--{key.replace('_', '-')}={value}" for key, value in common.items() if key != "eval_data"
+    ]
+    flags += [f"--eval-data={spec}" for spec in common["eval_data"]]
+    two = tmp_path / "two"
+    train_in_subprocess([*flags, "--nproc=2", f"--output-dir={two}"])
+    rows = [row for row in metric_rows(two) if row.get("set") == "talks"]
+    assert [row["step"] for row in rows] == [0, 1]
+    assert all(row["clips"] == 1 and row["long_form"] for row in rows)
+    # Step 0 is the untrained tiny.en in both runs: the same decoding of the same recording.
+    assert rows[0]["wer"] == one[0]["wer"] and one[0]["wer"] < 0.2

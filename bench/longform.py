@@ -81,14 +81,9 @@ def cpu_seconds() -> float:
     return times.user + times.system + times.children_user + times.children_system
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
+    from timestamps import cpu_model  # bench/ is this script's folder: on sys.path
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny.en")
     parser.add_argument("--seconds", type=float, default=90.0, help="length of each recording")

@@ -65,10 +65,12 @@ class Recording:
     text: str
 
 
-def build_recording(folder: Path, *, seconds: float, pause: float) -> Recording:
-    """LibriVox's clips first (one reader, consecutive sentences), then LJ Speech's."""
-    import soundfile
-
+def joined_clips(
+    *, seconds: float, pause: float
+) -> tuple[np.ndarray, list[int], list[np.ndarray], list[str]]:
+    """LibriVox's clips first (one reader, consecutive sentences), then LJ Speech's, joined by
+    `pause` s of silence until the recording is `seconds` long: (the recording, each clip's
+    first sample in it, the clips, their texts). bench/word_timestamps.py joins the same."""
     from whisper_train.audio import SAMPLE_RATE, load_audio
 
     rows = [json.loads(line) for line in (REALSPEECH / "manifest.jsonl").open()]
@@ -76,21 +78,33 @@ def build_recording(folder: Path, *, seconds: float, pause: float) -> Recording:
         r for r in rows if "ljspeech" in r["audio"]
     ]
     silence = np.zeros(round(pause * SAMPLE_RATE), dtype=np.float32)
-    pieces, joins, texts, at = [], [], [], 0
+    pieces, starts, clips, texts, at = [], [], [], [], 0
     for row in picked:
         if at / SAMPLE_RATE >= seconds:
             break
         audio = load_audio(str(REALSPEECH / row["audio"]))
         if pieces:
-            joins.append((at + len(silence) / 2) / SAMPLE_RATE)
             pieces.append(silence)
             at += len(silence)
+        starts.append(at)
         pieces.append(audio)
+        clips.append(audio)
         texts.append(row["text"])
         at += len(audio)
+    return np.concatenate(pieces), starts, clips, texts
+
+
+def build_recording(folder: Path, *, seconds: float, pause: float) -> Recording:
+    import soundfile
+
+    from whisper_train.audio import SAMPLE_RATE
+
+    audio, starts, _, texts = joined_clips(seconds=seconds, pause=pause)
+    gap = round(pause * SAMPLE_RATE)
+    joins = [(start - gap / 2) / SAMPLE_RATE for start in starts[1:]]  # mid-pause
     path = folder / "long-recording.wav"
-    soundfile.write(path, np.concatenate(pieces), SAMPLE_RATE)
-    return Recording(path, at / SAMPLE_RATE, joins, " ".join(texts))
+    soundfile.write(path, audio, SAMPLE_RATE)
+    return Recording(path, len(audio) / SAMPLE_RATE, joins, " ".join(texts))
 
 
 def cpu_model() -> str:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
 import os
 import platform
 import re
@@ -41,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timestamps import REALSPEECH, cpu_model, cpu_seconds, fine_tune  # noqa: E402
+from timestamps import REALSPEECH, cpu_model, cpu_seconds, fine_tune, joined_clips  # noqa: E402
 
 ONSET_DB = -30.0  # a 10 ms frame within this of the clip's loudest frame is speech
 
@@ -69,28 +68,16 @@ def normalise(word: str) -> str:
 def build_recording(folder: Path, *, seconds: float, pause: float) -> Recording:
     import soundfile
 
-    from whisper_train.audio import SAMPLE_RATE, load_audio
+    from whisper_train.audio import SAMPLE_RATE
 
-    rows = [json.loads(line) for line in (REALSPEECH / "manifest.jsonl").open()]
-    picked = [r for r in rows if "librivox" in r["audio"]] + [
-        r for r in rows if "ljspeech" in r["audio"]
+    audio, starts, clips, texts = joined_clips(seconds=seconds, pause=pause)
+    onsets = [
+        start / SAMPLE_RATE + speech_onset(clip, SAMPLE_RATE)
+        for start, clip in zip(starts, clips, strict=True)
     ]
-    silence = np.zeros(round(pause * SAMPLE_RATE), dtype=np.float32)
-    pieces, onsets, texts, at = [], [], [], 0
-    for row in picked:
-        if at / SAMPLE_RATE >= seconds:
-            break
-        audio = load_audio(str(REALSPEECH / row["audio"]))
-        if pieces:
-            pieces.append(silence)
-            at += len(silence)
-        onsets.append(at / SAMPLE_RATE + speech_onset(audio, SAMPLE_RATE))
-        pieces.append(audio)
-        texts.append(row["text"])
-        at += len(audio)
     path = folder / "word-times-recording.wav"
-    soundfile.write(path, np.concatenate(pieces), SAMPLE_RATE)
-    return Recording(path, at / SAMPLE_RATE, onsets, texts, " ".join(texts))
+    soundfile.write(path, audio, SAMPLE_RATE)
+    return Recording(path, len(audio) / SAMPLE_RATE, onsets, texts, " ".join(texts))
 
 
 def transcribe_words(model, path: Path):

@@ -226,3 +226,32 @@ def losses_and_evaluations(output_dir: Path) -> tuple[list[float], list[dict]]:
     WER), from metrics.jsonl."""
     rows = metric_rows(output_dir)
     return [row["loss"] for row in rows if "loss" in row], [row for row in rows if "wer" in row]
+
+
+@pytest.fixture(scope="session")
+def tiny_en_fine_tuned_on_text(tmp_path_factory) -> Path:
+    """final/ of the real tiny.en fine-tuned in full for 4 steps (batch 2, lr 1e-4) on 8
+    synthesised sentences without timestamps: trained once for the tests of what text-only
+    fine-tuning keeps (segment times, tests/test_timestamps_alive.py; word times and alignment
+    heads, tests/test_word_timestamps.py)."""
+    from whisper_train.data import synth
+    from whisper_train.training.train import train
+
+    folder = tmp_path_factory.mktemp("fine-tuned-on-text")
+    clips = synth.make_speech_dataset(folder / "clips", n_utterances=8, seed=0)
+    config = RunConfig()
+    config.update(
+        {
+            "data": str(clips),
+            "model": "tiny.en",
+            "mode": "full",
+            "output_dir": str(folder / "run"),
+            "max_steps": 4,
+            "batch_size": 2,
+            "learning_rate": 1e-4,
+            "seed": 0,
+            "only_train": True,
+        }
+    )
+    assert not config.data.timestamps and config.data.packing == "off"  # the defaults
+    return train(config).final_dir

@@ -31,11 +31,9 @@ import soundfile
 import torch
 
 from whisper_train.audio import SAMPLE_RATE
-from whisper_train.config import RunConfig
 from whisper_train.data import synth
 from whisper_train.decoding import NO_FALLBACK
 from whisper_train.models import load_model
-from whisper_train.training.train import train
 from whisper_train.transcribe import transcribe_paths
 
 SENTENCES = (
@@ -92,29 +90,15 @@ def relative_change(before: torch.nn.Module, after: torch.nn.Module) -> float:
     return (change / size) ** 0.5
 
 
-def test_text_only_fine_tuning_keeps_the_segment_times(recording, tmp_path):
+def test_text_only_fine_tuning_keeps_the_segment_times(
+    recording, tiny_en_fine_tuned_on_text, tmp_path
+):
     before = srt_segments("tiny.en", recording, tmp_path / "before")
     # tiny.en's habit: a segment a sentence or so, never one spanning a 30 s window.
     assert len(before) >= len(SENTENCES) // 2
     assert max(s.end - s.start for s in before) < 15
 
-    clips = synth.make_speech_dataset(tmp_path / "clips", n_utterances=8, seed=0)
-    config = RunConfig()
-    config.update(
-        {
-            "data": str(clips),
-            "model": "tiny.en",
-            "mode": "full",
-            "output_dir": str(tmp_path / "run"),
-            "max_steps": 4,
-            "batch_size": 2,
-            "learning_rate": 1e-4,
-            "seed": 0,
-            "only_train": True,
-        }
-    )
-    assert not config.data.timestamps and config.data.packing == "off"  # the defaults
-    final = train(config).final_dir
+    final = tiny_en_fine_tuned_on_text
     change = relative_change(load_model("tiny.en")[0], load_model(str(final))[0])
     # The fine-tune moved the weights (measured: 0.14% of their norm), not just reloaded them.
     assert change > 5e-4

@@ -20,13 +20,11 @@ from tiny_models import make_tiny_whisper, tiny_en_dir
 
 from whisper_train import cli
 from whisper_train.audio import SAMPLE_RATE
-from whisper_train.config import RunConfig
 from whisper_train.data import synth
 from whisper_train.decoding import NO_FALLBACK
 from whisper_train.errors import UserError
 from whisper_train.formats.ct2 import load_ct2_whisper
 from whisper_train.models import load_model
-from whisper_train.training.train import train
 from whisper_train.transcribe import TransformersBackend, render, transcribe_paths
 from whisper_train.word_timestamps import (
     AlignmentExample,
@@ -158,29 +156,14 @@ def test_the_default_output_has_no_words(recording, tiny_en):
 
 
 def test_a_fine_tuned_tiny_en_keeps_its_heads_and_times_words_within_tolerance(
-    recording, tiny_en, tmp_path
+    recording, tiny_en, tiny_en_fine_tuned_on_text
 ):
     """4 full steps at 1e-4 on synthesised sentences (tests/test_timestamps_alive.py's run):
     the base's alignment heads carry into final/, and its words start where the base's do.
     Measured: word starts 0.02 s median, 0.20 s at most from the base's (tolerances 3x the
     median, 2x the largest); first words within 0.026 s of the speech onsets."""
     path, onsets = recording
-    clips = synth.make_speech_dataset(tmp_path / "clips", n_utterances=8, seed=0)
-    config = RunConfig()
-    config.update(
-        {
-            "data": str(clips),
-            "model": "tiny.en",
-            "mode": "full",
-            "output_dir": str(tmp_path / "run"),
-            "max_steps": 4,
-            "batch_size": 2,
-            "learning_rate": 1e-4,
-            "seed": 0,
-            "only_train": True,
-        }
-    )
-    fine_tuned = load_model(str(train(config).final_dir))
+    fine_tuned = load_model(str(tiny_en_fine_tuned_on_text))
     assert fine_tuned[0].generation_config.alignment_heads == TINY_EN_HEADS
 
     before = word_transcript(tiny_en, path)

@@ -31,7 +31,7 @@ Grids:
   per-clip  each mode (--only) at its default learning rate for --epochs: unpacked (batch 8
          clips), --packing on and --packing per-clip (batch 1 window, about 8 clips of the
          demo's): equal clips seen; --equal-wall-epochs N adds per-clip for N epochs;
-         --per-clip-encoder CONTEXT (repeatable: block, block-restart) adds per-clip with
+         --per-clip-encoder CONTEXT (repeatable: block, block-restart, block-restart-pad) adds per-clip with
          that encoder context (`memory.clip_attention.ENCODER_CONTEXT`), --encoder-only
          runs only those;
   lr     each mode at its default learning rate, a third and a tenth of it, and
@@ -297,7 +297,7 @@ def main() -> None:
         "--per-clip-encoder",
         action="append",
         default=[],
-        choices=("block", "block-restart"),
+        choices=("block", "block-restart", "block-restart-pad"),
         help="--grid per-clip: also per-clip with this encoder context",
     )
     parser.add_argument(

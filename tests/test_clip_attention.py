@@ -25,6 +25,8 @@ from whisper_train.data.collate import IGNORE_INDEX
 from whisper_train.memory import loss_terms, prepare_model
 from whisper_train.memory.clip_attention import (
     ENCODER_CONTEXT,
+    ENCODER_CONTEXTS,
+    ClipRoute,
     gather_clip_positions,
     route_clips,
 )
@@ -61,17 +63,29 @@ def build(mode: str, checkpointing: str, attn: str) -> torch.nn.Module:
     return nonzero_lora_b(model).train()
 
 
-def clip_alone(whisper, features: torch.Tensor, span: tuple, restart: bool) -> torch.Tensor:
+def clip_alone(whisper, features: torch.Tensor, span: tuple, context: str) -> torch.Tensor:
     """(1, n, d): one clip's frames through the encoder's layers with no other frame in
-    sight, embedded at 0..n-1 (`restart`) or at its window's positions [start, end)."""
-    encoder = whisper.model.encoder
+    sight, embedded at 0..n-1 (block-restart) or at its window's positions [start, end).
+    block-restart-pad: (1, n + t, d), the clip followed by its window's tail (t positions
+    from the window's last clip's end), which the clip's frames see and which sees only
+    itself: the one mask here, built per clip, not per window."""
+    encoder, attn = whisper.model.encoder, whisper.config._attn_implementation
     window, start, end = span
     embeds = torch.nn.functional.gelu(encoder.conv1(features[window : window + 1]))
     embeds = torch.nn.functional.gelu(encoder.conv2(embeds)).permute(0, 2, 1)
-    positions = torch.arange(end - start) + (0 if restart else start)
-    hidden = embeds[:, start:end] + encoder.embed_positions.weight[positions]
+    positions = torch.arange(start, end) - (start if context != "block" else 0)
+    frames, mask = torch.arange(start, end), None
+    if context == "block-restart-pad":
+        tail = max(e for w, _, e in SPANS if w == window)
+        positions = torch.cat([positions, torch.arange(tail, embeds.shape[1])])
+        frames = torch.cat([frames, torch.arange(tail, embeds.shape[1])])
+        in_clip = torch.arange(len(frames)) < end - start
+        mask = (in_clip[:, None] | ~in_clip[None, :])[None, None]
+        if attn == "eager":
+            mask = torch.zeros(mask.shape, dtype=embeds.dtype).masked_fill(~mask, -1e300)
+    hidden = embeds[:, frames] + encoder.embed_positions.weight[positions]
     for layer in encoder.layers:
-        hidden = layer(hidden, None)
+        hidden = layer(hidden, mask)
     return encoder.layer_norm(hidden)
 
 
@@ -85,8 +99,7 @@ def reference_loss(model: torch.nn.Module, batch: dict, context: str = "window")
         if context == "window":
             keys = encoded[window : window + 1, start:end]
         else:
-            restart = context == "block-restart"
-            keys = clip_alone(whisper, batch["input_features"], SPANS[row], restart)
+            keys = clip_alone(whisper, batch["input_features"], SPANS[row], context)
         states = whisper.model.decoder(
             input_ids=batch["decoder_input_ids"][row : row + 1, : int(keep.sum())],
             encoder_hidden_states=keys,
@@ -121,7 +134,7 @@ def test_a_routed_step_is_each_clip_decoded_alone(mode, checkpointing, attn):
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("checkpointing", ["off", "full"])
 @pytest.mark.parametrize("mode", ["full", "lora"])
-@pytest.mark.parametrize("context", ["block", "block-restart"])
+@pytest.mark.parametrize("context", ["block", "block-restart", "block-restart-pad"])
 def test_a_block_diagonal_encoder_is_each_clip_encoded_alone(
     context, mode, checkpointing, attn, monkeypatch
 ):
@@ -148,7 +161,7 @@ def test_the_block_context_is_not_the_window(monkeypatch):
     """The parity above is not vacuous: each context gives another loss."""
     batch = packed_batch()
     losses = []
-    for context in ("window", "block", "block-restart"):
+    for context in ENCODER_CONTEXTS:
         monkeypatch.setenv(ENCODER_CONTEXT, context)
         with torch.no_grad():
             losses.append(float(loss_terms(build("lora", "off", "sdpa"), batch).loss))
@@ -181,12 +194,14 @@ def test_padding_is_hidden_and_the_hooks_leave_other_forwards_alone(context, mon
 
 def test_gathered_positions_and_mask():
     encoded = torch.arange(2 * 6, dtype=torch.float32).view(2, 6, 1)
-    route = type("Route", (), {})()
-    route.windows, route.starts, route.ends = (
-        torch.tensor([0, 1]),
-        torch.tensor([1, 0]),
-        torch.tensor([4, 2]),
-    )
+    route = ClipRoute(torch.tensor([0, 1]), torch.tensor([1, 0]), torch.tensor([4, 2]))
     keys, mask = gather_clip_positions(encoded, route)
     assert keys[..., 0].tolist() == [[1, 2, 3], [6, 7, 7]]  # the short clip padded by its last
     assert mask[:, 0, 0].tolist() == [[True, True, True], [True, True, False]]
+    route.context = "block-restart-pad"  # then each window's tail: [4, 6) and [2, 6)
+    keys, mask = gather_clip_positions(encoded, route)
+    assert keys[..., 0].tolist() == [[1, 2, 3, 4, 5, 5, 5], [6, 7, 7, 8, 9, 10, 11]]
+    assert mask[:, 0, 0].tolist() == [
+        [True, True, True, True, True, False, False],
+        [True, True, False, True, True, True, True],
+    ]

@@ -32,7 +32,10 @@ self-attention a block-diagonal mask: a clip's positions attend only to its own 
 the tail padding, together, only to theirs), so what the encoder makes of a clip is what it
 makes of that clip alone (after the convolutions, whose 3-frame kernels see a frame of the gap
 at each edge). "block-restart" also embeds each clip's positions as 0..n-1, where that clip
-alone would have them. Three more hooks, idle unless a route with such a context is armed: an
+alone would have them. "block-restart-pad" also shows each clip the padding after its window's
+last clip, the window's tail: in the encoder, its positions attend to their own and the tail's
+(the tail's only to the tail's, shared by the window's clips), and its decoder pass
+cross-attends to its own positions and the tail's, as a clip alone sees its padding. Three more hooks, idle unless a route with such a context is armed: an
 encoder pre-hook builds the mask and positions, the encoder's position embedding returns the
 restarted ones, and each encoder layer's pre-hook hands it the mask as its `attention_mask`
 argument, which a checkpointed layer keeps for its recomputation (transformers checkpoints a
@@ -55,7 +58,7 @@ _ROUTER = "_whisper_train_clip_router"
 # The environment variable that picks the encoder's context of --packing per-clip (internal,
 # for the measurement; unset: "window").
 ENCODER_CONTEXT = "WHISPER_TRAIN_PER_CLIP_ENCODER"
-ENCODER_CONTEXTS = ("window", "block", "block-restart")
+ENCODER_CONTEXTS = ("window", "block", "block-restart", "block-restart-pad")
 
 
 @dataclass
@@ -94,7 +97,8 @@ class ClipRouter:
         features = args[0] if args else kwargs["input_features"]
         mask, positions = block_context(route, len(features), module.embed_positions)
         self.encoder_mask = mask
-        self.encoder_positions = positions if route.context == "block-restart" else None
+        restart = route.context.startswith("block-restart")
+        self.encoder_positions = positions if restart else None
         return None
 
     def positions_hook(self, module, args, output):
@@ -141,24 +145,40 @@ def gather_clip_positions(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(C, L, d) encoder outputs of each clip (its window's positions [start, end), padded
     with copies of its last one up to L, the longest clip's length) and the (C, 1, 1, L) mask
-    that is True on each clip's own positions."""
+    that is True on each clip's own positions. With the "-pad" context, each clip's window's
+    tail [its last clip's end, S) follows, padded the same way to the longest tail."""
     device = encoded.device
     starts, ends = route.starts.to(device), route.ends.to(device)
-    lengths = ends - starts
-    width = int(lengths.max())
-    offsets = torch.arange(width, device=device)
-    valid = offsets[None, :] < lengths[:, None]  # (C, L)
-    positions = starts[:, None] + torch.minimum(offsets[None, :], lengths[:, None] - 1)
-    keys = encoded[route.windows.to(device)[:, None], positions]  # (C, L, d)
-    return keys, valid[:, None, None, :]
+    if route.context.endswith("-pad"):
+        tails = tail_starts(route).to(device)
+        spans = [(starts, ends), (tails, torch.full_like(tails, encoded.shape[1]))]
+    else:
+        spans = [(starts, ends)]
+    windows = route.windows.to(device)[:, None]
+    keys, valid = [], []
+    for first, end in spans:
+        lengths = end - first
+        offsets = torch.arange(int(lengths.max()), device=device)
+        valid.append(offsets[None, :] < lengths[:, None])  # (C, L)
+        last = torch.clamp(lengths[:, None] - 1, min=0)  # an empty tail: any position, masked
+        keys.append(encoded[windows, first[:, None] + torch.minimum(offsets[None, :], last)])
+    return torch.cat(keys, dim=1), torch.cat(valid, dim=1)[:, None, None, :]
+
+
+def tail_starts(route: ClipRoute) -> torch.Tensor:
+    """(C,) where each clip's window's tail begins: the end of that window's last clip."""
+    windows, ends = route.windows.to(route.ends.device), route.ends
+    last = torch.zeros(int(windows.max()) + 1, dtype=ends.dtype, device=ends.device)
+    return last.scatter_reduce(0, windows, ends, "amax")[windows]
 
 
 def block_context(
     route: ClipRoute, windows: int, embed_positions: nn.Module
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The (W, 1, S, S) block-diagonal self-attention mask of `route`'s windows (True where a
-    query's position and a key's are in the same clip, or both in no clip) and the (W, S)
-    positions each clip's frames have alone: 0..n-1 (the others keep the window's)."""
+    query's position and a key's are in the same clip, or both in no clip; with "-pad", also
+    where the query is in a clip and the key in its window's tail) and the (W, S) positions
+    each clip's frames have alone: 0..n-1 (the others keep the window's)."""
     device = embed_positions.weight.device
     width = embed_positions.num_embeddings
     positions = torch.arange(width, device=device).repeat(windows, 1)
@@ -167,7 +187,13 @@ def block_context(
     for clip, (window, start, end) in enumerate(spans):
         blocks[window, start:end] = clip
         positions[window, start:end] -= start
+    if route.context.endswith("-pad"):
+        tails = tail_starts(route).tolist()
+        for window, tail in zip(route.windows.tolist(), tails, strict=True):
+            blocks[window, tail:] = -2
     mask = blocks[:, :, None] == blocks[:, None, :]
+    if route.context.endswith("-pad"):
+        mask |= (blocks[:, :, None] >= 0) & (blocks[:, None, :] == -2)
     return mask[:, None], positions
 
 

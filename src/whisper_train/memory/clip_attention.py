@@ -111,11 +111,10 @@ class ClipRouter:
             return None
         hidden = args[0] if args else kwargs["hidden_states"]
         mask = self.encoder_mask
-        if self.eager:  # eager attention adds its mask to the scores
+        if self.eager and mask.dtype == torch.bool:  # eager adds its mask to the scores
             blocked = torch.finfo(hidden.dtype).min
-            mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=mask.device).masked_fill(
-                ~mask, blocked
-            )
+            zeros = torch.zeros(mask.shape, dtype=hidden.dtype, device=mask.device)
+            self.encoder_mask = mask = zeros.masked_fill(~mask, blocked)  # once a forward
         kwargs = {key: value for key, value in kwargs.items() if key != "attention_mask"}
         return (hidden, mask, *args[2:]), kwargs
 

@@ -31,6 +31,9 @@ Grids:
   per-clip  each mode (--only) at its default learning rate for --epochs: unpacked (batch 8
          clips), --packing on and --packing per-clip (batch 1 window, about 8 clips of the
          demo's): equal clips seen; --equal-wall-epochs N adds per-clip for N epochs;
+         --per-clip-encoder CONTEXT (repeatable: block, block-restart, block-restart-pad) adds per-clip with
+         that encoder context (`memory.clip_attention.ENCODER_CONTEXT`), --encoder-only
+         runs only those;
   lr     each mode at its default learning rate, a third and a tenth of it, and
          --preserve-base 1 at the default;
   all    lr, plus warm-up (10 steps) and SpecAugment at each mode's default.
@@ -66,14 +69,21 @@ class Run:
     mode: str
     learning_rate: float
     extra: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # the run's internal switches
 
     @property
     def label(self) -> str:
-        flags = " ".join(self.extra)
+        flags = " ".join([*self.extra, *(f"{k}={v}" for k, v in self.env.items())])
         return f"{self.mode} lr {self.learning_rate:.2g}" + (f" {flags}" if flags else "")
 
 
-def grid(name: str, modes: list[str], epochs: int = 1, equal_wall_epochs: int = 0) -> list[Run]:
+def grid(
+    name: str,
+    modes: list[str],
+    epochs: int = 1,
+    equal_wall_epochs: int = 0,
+    encoder_contexts: tuple[str, ...] = (),
+) -> list[Run]:
     packed = ["--packing", "on", "--batch-size", "1"]
     if name == "packing-timestamps":
         lr = CURRENT_LR["lora"]
@@ -98,9 +108,12 @@ def grid(name: str, modes: list[str], epochs: int = 1, equal_wall_epochs: int = 
                 Run(mode, lr, [*epochs_flag, "--packing", "on", "--batch-size", "1"]),
                 Run(mode, lr, [*epochs_flag, "--packing", "per-clip", "--batch-size", "1"]),
             ]
+            per_clip = ["--packing", "per-clip", "--batch-size", "1"]
             if equal_wall_epochs:
-                per_clip = ["--packing", "per-clip", "--batch-size", "1"]
                 runs.append(Run(mode, lr, ["--epochs", str(equal_wall_epochs), *per_clip]))
+            for context in encoder_contexts:
+                env = {"WHISPER_TRAIN_PER_CLIP_ENCODER": context}
+                runs.append(Run(mode, lr, [*epochs_flag, *per_clip], env))
         return runs
     if name == "packing":
         lr = CURRENT_LR["lora"]
@@ -172,7 +185,8 @@ def train_once(run: Run, sets: dict[str, Path], args, out: Path, at_start: bool)
     ]  # fmt: skip
     started = time.perf_counter()
     cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    env = {**os.environ, **run.env}
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
         raise SystemExit(f"{run.label} failed:\n{done.stderr[-3000:]}")
@@ -279,6 +293,18 @@ def main() -> None:
         action="store_true",
         help="no --eval-at-start row (the starting model's scores are known from another run)",
     )
+    parser.add_argument(
+        "--per-clip-encoder",
+        action="append",
+        default=[],
+        choices=("block", "block-restart", "block-restart-pad"),
+        help="--grid per-clip: also per-clip with this encoder context",
+    )
+    parser.add_argument(
+        "--encoder-only",
+        action="store_true",
+        help="--grid per-clip: only the --per-clip-encoder runs (the others are in BENCHMARKS.md)",
+    )
     parser.add_argument("--only", choices=tuple(DEFAULT_LR), action="append")
     parser.add_argument("--model", default="tiny.en")
     parser.add_argument("--seed", type=int, default=0, help="every run's --seed")
@@ -294,7 +320,15 @@ def main() -> None:
     if args.score_timestamps:
         score_timestamps(args.score_timestamps, sets)
         return
-    runs = grid(args.grid, args.only or list(DEFAULT_LR), args.epochs, args.equal_wall_epochs)
+    runs = grid(
+        args.grid,
+        args.only or list(DEFAULT_LR),
+        args.epochs,
+        args.equal_wall_epochs,
+        tuple(args.per_clip_encoder),
+    )
+    if args.encoder_only:
+        runs = [run for run in runs if run.env]
     if args.skip_unpacked:
         runs = [run for run in runs if "--packing" in run.extra]
     if args.equal_wall_only:

@@ -7,6 +7,10 @@ clip's positions (no padding, no mask), and takes the token mean over all clips:
 `--packing per-clip` promises each step learns. Compared in float64, where a wrong position, a
 mask that leaks onto padding or a recomputation without its mask is many orders of magnitude
 above the rounding of two summation orders.
+
+The block-diagonal encoder (`ENCODER_CONTEXT` block, block-restart) is held to the same
+standard: its reference runs each clip's frames alone through the encoder's layers (after the
+window's convolutions), at the window's positions or at 0..n-1, then decodes it alone.
 """
 
 from __future__ import annotations
@@ -19,7 +23,13 @@ from tiny_models import EOT, LORA, SOT, fresh_short_whisper, nonzero_lora_b, tra
 
 from whisper_train.data.collate import IGNORE_INDEX
 from whisper_train.memory import loss_terms, prepare_model
-from whisper_train.memory.clip_attention import gather_clip_positions, route_clips
+from whisper_train.memory.clip_attention import (
+    ENCODER_CONTEXT,
+    ENCODER_CONTEXTS,
+    ClipRoute,
+    gather_clip_positions,
+    route_clips,
+)
 from whisper_train.memory.wrappers import whisper_of
 
 # Two 1-second windows (50 encoder positions each): window 0 holds clips 0 and 1, window 1
@@ -53,16 +63,46 @@ def build(mode: str, checkpointing: str, attn: str) -> torch.nn.Module:
     return nonzero_lora_b(model).train()
 
 
-def reference_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+def clip_alone(whisper, features: torch.Tensor, span: tuple, context: str) -> torch.Tensor:
+    """(1, n, d): one clip's frames through the encoder's layers with no other frame in
+    sight, embedded at 0..n-1 (block-restart) or at its window's positions [start, end).
+    block-restart-pad: (1, n + t, d), the clip followed by its window's tail (t positions
+    from the window's last clip's end), which the clip's frames see and which sees only
+    itself: the one mask here, built per clip, not per window."""
+    encoder, attn = whisper.model.encoder, whisper.config._attn_implementation
+    window, start, end = span
+    embeds = torch.nn.functional.gelu(encoder.conv1(features[window : window + 1]))
+    embeds = torch.nn.functional.gelu(encoder.conv2(embeds)).permute(0, 2, 1)
+    positions = torch.arange(start, end) - (start if context != "block" else 0)
+    frames, mask = torch.arange(start, end), None
+    if context == "block-restart-pad":
+        tail = max(e for w, _, e in SPANS if w == window)
+        positions = torch.cat([positions, torch.arange(tail, embeds.shape[1])])
+        frames = torch.cat([frames, torch.arange(tail, embeds.shape[1])])
+        in_clip = torch.arange(len(frames)) < end - start
+        mask = (in_clip[:, None] | ~in_clip[None, :])[None, None]
+        if attn == "eager":
+            mask = torch.zeros(mask.shape, dtype=embeds.dtype).masked_fill(~mask, -1e300)
+    hidden = embeds[:, frames] + encoder.embed_positions.weight[positions]
+    for layer in encoder.layers:
+        hidden = layer(hidden, mask)
+    return encoder.layer_norm(hidden)
+
+
+def reference_loss(model: torch.nn.Module, batch: dict, context: str = "window") -> torch.Tensor:
     """Each clip decoded alone on its own positions; the token mean over all of them."""
     whisper = whisper_of(model)
     encoded = whisper.model.encoder(batch["input_features"]).last_hidden_state
     total, tokens = 0.0, 0
     for row, (window, start, end) in enumerate(SPANS):
         keep = batch["labels"][row] != IGNORE_INDEX
+        if context == "window":
+            keys = encoded[window : window + 1, start:end]
+        else:
+            keys = clip_alone(whisper, batch["input_features"], SPANS[row], context)
         states = whisper.model.decoder(
             input_ids=batch["decoder_input_ids"][row : row + 1, : int(keep.sum())],
-            encoder_hidden_states=encoded[window : window + 1, start:end],
+            encoder_hidden_states=keys,
         ).last_hidden_state[0]
         logits = whisper.proj_out(states)
         total = total + torch.nn.functional.cross_entropy(
@@ -91,7 +131,48 @@ def test_a_routed_step_is_each_clip_decoded_alone(mode, checkpointing, attn):
         torch.testing.assert_close(grad, want[name], rtol=1e-8, atol=1e-10, msg=name)
 
 
-def test_padding_is_hidden_and_the_hooks_leave_other_forwards_alone():
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("checkpointing", ["off", "full"])
+@pytest.mark.parametrize("mode", ["full", "lora"])
+@pytest.mark.parametrize("context", ["block", "block-restart", "block-restart-pad"])
+def test_a_block_diagonal_encoder_is_each_clip_encoded_alone(
+    context, mode, checkpointing, attn, monkeypatch
+):
+    batch = packed_batch()
+    reference = build(mode, "off", attn)
+    expected = reference_loss(reference, batch, context)
+    expected.backward()
+    monkeypatch.setenv(ENCODER_CONTEXT, context)
+    routed = build(mode, checkpointing, attn)
+    loss = loss_terms(routed, batch).loss
+    loss.backward()
+    # float64, as above: a frame that sees a neighbour's, a shifted position or a layer
+    # recomputed without its mask moves the ~1e1 loss by far more than 1e-10 (on this tiny
+    # random model the three contexts' losses differ by 1e-4 to 1e-2: six orders above the
+    # tolerance, `test_the_block_context_is_not_the_window`).
+    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-10)
+    got, want = trainable_gradients(routed), trainable_gradients(reference)
+    assert got.keys() == want.keys() and all(g is not None for g in got.values())
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, want[name], rtol=1e-8, atol=1e-10, msg=name)
+
+
+def test_the_block_context_is_not_the_window(monkeypatch):
+    """The parity above is not vacuous: each context gives another loss."""
+    batch = packed_batch()
+    losses = []
+    for context in ENCODER_CONTEXTS:
+        monkeypatch.setenv(ENCODER_CONTEXT, context)
+        with torch.no_grad():
+            losses.append(float(loss_terms(build("lora", "off", "sdpa"), batch).loss))
+    assert min(abs(a - b) for a, b in zip(losses, losses[1:] + losses[:1], strict=True)) > 1e-6, (
+        losses
+    )
+
+
+@pytest.mark.parametrize("context", ["window", "block-restart"])
+def test_padding_is_hidden_and_the_hooks_leave_other_forwards_alone(context, monkeypatch):
+    monkeypatch.setenv(ENCODER_CONTEXT, context)
     model = build("full", "full", "sdpa")
     batch = packed_batch()
     loss_terms(model, batch).loss.backward()  # installs and uses the hooks
@@ -113,12 +194,14 @@ def test_padding_is_hidden_and_the_hooks_leave_other_forwards_alone():
 
 def test_gathered_positions_and_mask():
     encoded = torch.arange(2 * 6, dtype=torch.float32).view(2, 6, 1)
-    route = type("Route", (), {})()
-    route.windows, route.starts, route.ends = (
-        torch.tensor([0, 1]),
-        torch.tensor([1, 0]),
-        torch.tensor([4, 2]),
-    )
+    route = ClipRoute(torch.tensor([0, 1]), torch.tensor([1, 0]), torch.tensor([4, 2]))
     keys, mask = gather_clip_positions(encoded, route)
     assert keys[..., 0].tolist() == [[1, 2, 3], [6, 7, 7]]  # the short clip padded by its last
     assert mask[:, 0, 0].tolist() == [[True, True, True], [True, True, False]]
+    route.context = "block-restart-pad"  # then each window's tail: [4, 6) and [2, 6)
+    keys, mask = gather_clip_positions(encoded, route)
+    assert keys[..., 0].tolist() == [[1, 2, 3, 4, 5, 5, 5], [6, 7, 7, 8, 9, 10, 11]]
+    assert mask[:, 0, 0].tolist() == [
+        [True, True, True, True, True, False, False],
+        [True, True, False, True, True, True, True],
+    ]

@@ -24,11 +24,28 @@ tensor (by identity): a decoder layer recomputed under checkpointing, in backwar
 forward has returned, is given the same tensor and so gets the same mask; any other forward
 (generation, evaluation, a micro-batch of single clips) meets other tensors and runs as if no
 hook were there.
+
+The encoder's context (`ENCODER_CONTEXT`, an internal switch while its variants are measured,
+BENCHMARKS.md "Per-clip packing"): by default ("window") the encoder runs on the window as it
+is, each clip's frames attending to its neighbours'. "block" gives each encoder layer's
+self-attention a block-diagonal mask: a clip's positions attend only to its own (the gaps and
+the tail padding, together, only to theirs), so what the encoder makes of a clip is what it
+makes of that clip alone (after the convolutions, whose 3-frame kernels see a frame of the gap
+at each edge). "block-restart" also embeds each clip's positions as 0..n-1, where that clip
+alone would have them. "block-restart-pad" also shows each clip the padding after its window's
+last clip, the window's tail: in the encoder, its positions attend to their own and the tail's
+(the tail's only to the tail's, shared by the window's clips), and its decoder pass
+cross-attends to its own positions and the tail's, as a clip alone sees its padding. Three more hooks, idle unless a route with such a context is armed: an
+encoder pre-hook builds the mask and positions, the encoder's position embedding returns the
+restarted ones, and each encoder layer's pre-hook hands it the mask as its `attention_mask`
+argument, which a checkpointed layer keeps for its recomputation (transformers checkpoints a
+layer's `forward`, inside its hooks).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +55,10 @@ from torch import nn
 
 # The attribute of a Whisper model that holds its router once `route_clips` installed it.
 _ROUTER = "_whisper_train_clip_router"
+# The environment variable that picks the encoder's context of --packing per-clip (internal,
+# for the measurement; unset: "window").
+ENCODER_CONTEXT = "WHISPER_TRAIN_PER_CLIP_ENCODER"
+ENCODER_CONTEXTS = ("window", "block", "block-restart", "block-restart-pad")
 
 
 @dataclass
@@ -47,6 +68,7 @@ class ClipRoute:
     windows: torch.Tensor  # (C,) long
     starts: torch.Tensor  # (C,) long, encoder positions
     ends: torch.Tensor  # (C,) long, exclusive
+    context: str = "window"  # the encoder's: one of ENCODER_CONTEXTS
 
 
 class ClipRouter:
@@ -58,13 +80,47 @@ class ClipRouter:
         self.keys: weakref.ref | None = None  # the gathered encoder outputs, (C, L, d)
         self.mask: torch.Tensor | None = None  # (C, 1, 1, L): True where a key is the clip's
         self.eager = getattr(whisper.config, "_attn_implementation", "sdpa") == "eager"
+        # During an armed encoder forward with a block context: the (W, 1, S, S) self-attention
+        # mask (True: may attend) and the (W, S) positions to embed (None: the window's own).
+        self.encoder_mask: torch.Tensor | None = None
+        self.encoder_positions: torch.Tensor | None = None
 
     def arm(self, route: ClipRoute | None) -> None:
         """The next encoder forward gathers `route`'s clips (None: it runs as it is)."""
         self.pending = route
+        self.encoder_mask = self.encoder_positions = None
+
+    def encoder_pre_hook(self, module, args, kwargs):
+        route = self.pending
+        if route is None or route.context == "window":
+            return None
+        features = args[0] if args else kwargs["input_features"]
+        mask, positions = block_context(route, len(features), module.embed_positions)
+        self.encoder_mask = mask
+        restart = route.context.startswith("block-restart")
+        self.encoder_positions = positions if restart else None
+        return None
+
+    def positions_hook(self, module, args, output):
+        if self.encoder_positions is None:
+            return None
+        return nn.functional.embedding(self.encoder_positions, module.weight)  # (W, S, d)
+
+    def encoder_layer_hook(self, module, args, kwargs):
+        if self.encoder_mask is None:
+            return None
+        hidden = args[0] if args else kwargs["hidden_states"]
+        mask = self.encoder_mask
+        if self.eager and mask.dtype == torch.bool:  # eager adds its mask to the scores
+            blocked = torch.finfo(hidden.dtype).min
+            zeros = torch.zeros(mask.shape, dtype=hidden.dtype, device=mask.device)
+            self.encoder_mask = mask = zeros.masked_fill(~mask, blocked)  # once a forward
+        kwargs = {key: value for key, value in kwargs.items() if key != "attention_mask"}
+        return (hidden, mask, *args[2:]), kwargs
 
     def encoder_hook(self, module, args, kwargs, output):
         route, self.pending = self.pending, None
+        self.encoder_mask = self.encoder_positions = None
         if route is None:
             return output
         keys, mask = gather_clip_positions(output[0], route)
@@ -88,16 +144,56 @@ def gather_clip_positions(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(C, L, d) encoder outputs of each clip (its window's positions [start, end), padded
     with copies of its last one up to L, the longest clip's length) and the (C, 1, 1, L) mask
-    that is True on each clip's own positions."""
+    that is True on each clip's own positions. With the "-pad" context, each clip's window's
+    tail [its last clip's end, S) follows, padded the same way to the longest tail."""
     device = encoded.device
     starts, ends = route.starts.to(device), route.ends.to(device)
-    lengths = ends - starts
-    width = int(lengths.max())
-    offsets = torch.arange(width, device=device)
-    valid = offsets[None, :] < lengths[:, None]  # (C, L)
-    positions = starts[:, None] + torch.minimum(offsets[None, :], lengths[:, None] - 1)
-    keys = encoded[route.windows.to(device)[:, None], positions]  # (C, L, d)
-    return keys, valid[:, None, None, :]
+    if route.context.endswith("-pad"):
+        tails = tail_starts(route).to(device)
+        spans = [(starts, ends), (tails, torch.full_like(tails, encoded.shape[1]))]
+    else:
+        spans = [(starts, ends)]
+    windows = route.windows.to(device)[:, None]
+    keys, valid = [], []
+    for first, end in spans:
+        lengths = end - first
+        offsets = torch.arange(int(lengths.max()), device=device)
+        valid.append(offsets[None, :] < lengths[:, None])  # (C, L)
+        last = torch.clamp(lengths[:, None] - 1, min=0)  # an empty tail: any position, masked
+        keys.append(encoded[windows, first[:, None] + torch.minimum(offsets[None, :], last)])
+    return torch.cat(keys, dim=1), torch.cat(valid, dim=1)[:, None, None, :]
+
+
+def tail_starts(route: ClipRoute) -> torch.Tensor:
+    """(C,) where each clip's window's tail begins: the end of that window's last clip."""
+    windows, ends = route.windows.to(route.ends.device), route.ends
+    last = torch.zeros(int(windows.max()) + 1, dtype=ends.dtype, device=ends.device)
+    return last.scatter_reduce(0, windows, ends, "amax")[windows]
+
+
+def block_context(
+    route: ClipRoute, windows: int, embed_positions: nn.Module
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (W, 1, S, S) block-diagonal self-attention mask of `route`'s windows (True where a
+    query's position and a key's are in the same clip, or both in no clip; with "-pad", also
+    where the query is in a clip and the key in its window's tail) and the (W, S) positions
+    each clip's frames have alone: 0..n-1 (the others keep the window's)."""
+    device = embed_positions.weight.device
+    width = embed_positions.num_embeddings
+    positions = torch.arange(width, device=device).repeat(windows, 1)
+    blocks = torch.full((windows, width), -1, dtype=torch.long, device=device)
+    spans = zip(route.windows.tolist(), route.starts.tolist(), route.ends.tolist(), strict=True)
+    for clip, (window, start, end) in enumerate(spans):
+        blocks[window, start:end] = clip
+        positions[window, start:end] -= start
+    if route.context.endswith("-pad"):
+        tails = tail_starts(route).tolist()
+        for window, tail in zip(route.windows.tolist(), tails, strict=True):
+            blocks[window, tail:] = -2
+    mask = blocks[:, :, None] == blocks[:, None, :]
+    if route.context.endswith("-pad"):
+        mask |= (blocks[:, :, None] >= 0) & (blocks[:, None, :] == -2)
+    return mask[:, None], positions
 
 
 def route_clips(whisper: nn.Module) -> ClipRouter:
@@ -105,7 +201,12 @@ def route_clips(whisper: nn.Module) -> ClipRouter:
     router = getattr(whisper, _ROUTER, None)
     if router is None:
         router = ClipRouter(whisper)
-        whisper.model.encoder.register_forward_hook(router.encoder_hook, with_kwargs=True)
+        encoder = whisper.model.encoder
+        encoder.register_forward_pre_hook(router.encoder_pre_hook, with_kwargs=True)
+        encoder.register_forward_hook(router.encoder_hook, with_kwargs=True)
+        encoder.embed_positions.register_forward_hook(router.positions_hook)
+        for layer in encoder.layers:
+            layer.register_forward_pre_hook(router.encoder_layer_hook, with_kwargs=True)
         for layer in whisper.model.decoder.layers:
             layer.encoder_attn.register_forward_pre_hook(
                 router.cross_attention_hook, with_kwargs=True
@@ -119,7 +220,10 @@ def clip_route(batch: dict) -> ClipRoute | None:
     if "clip_windows" not in batch:
         return None
     positions = batch["clip_positions"]
-    return ClipRoute(batch["clip_windows"], positions[:, 0], positions[:, 1])
+    context = os.environ.get(ENCODER_CONTEXT) or "window"
+    if context not in ENCODER_CONTEXTS:
+        raise ValueError(f"{ENCODER_CONTEXT}={context}: expected one of {ENCODER_CONTEXTS}")
+    return ClipRoute(batch["clip_windows"], positions[:, 0], positions[:, 1], context)
 
 
 @contextlib.contextmanager

@@ -31,9 +31,10 @@ Grids:
   per-clip  each mode (--only) at its default learning rate for --epochs: unpacked (batch 8
          clips), --packing on and --packing per-clip (batch 1 window, about 8 clips of the
          demo's): equal clips seen; --equal-wall-epochs N adds per-clip for N epochs;
-         --per-clip-encoder CONTEXT (repeatable: block, block-restart, block-restart-pad) adds per-clip with
-         that encoder context (`memory.clip_attention.ENCODER_CONTEXT`), --encoder-only
-         runs only those;
+         --per-clip-encoder CONTEXT (repeatable: window, block, block-restart,
+         block-restart-pad) adds per-clip with that encoder context
+         (`memory.clip_attention.ENCODER_CONTEXT`; the plain per-clip row is the default,
+         block-restart-pad, and was window before 2026-11-26), --encoder-only runs only those;
   lr     each mode at its default learning rate, a third and a tenth of it, and
          --preserve-base 1 at the default;
   all    lr, plus warm-up (10 steps) and SpecAugment at each mode's default.
@@ -297,8 +298,9 @@ def main() -> None:
         "--per-clip-encoder",
         action="append",
         default=[],
-        choices=("block", "block-restart", "block-restart-pad"),
-        help="--grid per-clip: also per-clip with this encoder context",
+        choices=("window", "block", "block-restart", "block-restart-pad"),
+        help="--grid per-clip: also per-clip with this encoder context (plain per-clip: "
+        "block-restart-pad, the default since 2026-11-26; window: the one before)",
     )
     parser.add_argument(
         "--encoder-only",

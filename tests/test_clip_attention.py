@@ -8,7 +8,8 @@ clip's positions (no padding, no mask), and takes the token mean over all clips:
 mask that leaks onto padding or a recomputation without its mask is many orders of magnitude
 above the rounding of two summation orders.
 
-The block-diagonal encoder (`ENCODER_CONTEXT` block, block-restart) is held to the same
+The block-diagonal encoder (`ENCODER_CONTEXT` block, block-restart, block-restart-pad: what
+`--packing per-clip` does by default) is held to the same
 standard: its reference runs each clip's frames alone through the encoder's layers (after the
 window's convolutions), at the window's positions or at 0..n-1, then decodes it alone.
 """
@@ -27,6 +28,7 @@ from whisper_train.memory.clip_attention import (
     ENCODER_CONTEXT,
     ENCODER_CONTEXTS,
     ClipRoute,
+    clip_route,
     gather_clip_positions,
     route_clips,
 )
@@ -115,7 +117,8 @@ def reference_loss(model: torch.nn.Module, batch: dict, context: str = "window")
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("checkpointing", ["off", "full"])
 @pytest.mark.parametrize("mode", ["full", "lora"])
-def test_a_routed_step_is_each_clip_decoded_alone(mode, checkpointing, attn):
+def test_a_routed_step_is_each_clip_decoded_alone(mode, checkpointing, attn, monkeypatch):
+    monkeypatch.setenv(ENCODER_CONTEXT, "window")  # the encoder on the whole window
     batch = packed_batch()
     reference = build(mode, "off", attn)
     expected = reference_loss(reference, batch)
@@ -170,7 +173,12 @@ def test_the_block_context_is_not_the_window(monkeypatch):
     )
 
 
-@pytest.mark.parametrize("context", ["window", "block-restart"])
+def test_per_clip_encodes_each_clip_as_alone_with_its_padding_by_default(monkeypatch):
+    monkeypatch.delenv(ENCODER_CONTEXT, raising=False)
+    assert clip_route(packed_batch()).context == "block-restart-pad"
+
+
+@pytest.mark.parametrize("context", ["window", "block-restart", "block-restart-pad"])
 def test_padding_is_hidden_and_the_hooks_leave_other_forwards_alone(context, monkeypatch):
     monkeypatch.setenv(ENCODER_CONTEXT, context)
     model = build("full", "full", "sdpa")

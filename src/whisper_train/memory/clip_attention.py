@@ -25,21 +25,22 @@ forward has returned, is given the same tensor and so gets the same mask; any ot
 (generation, evaluation, a micro-batch of single clips) meets other tensors and runs as if no
 hook were there.
 
-The encoder's context (`ENCODER_CONTEXT`, an internal switch while its variants are measured,
-BENCHMARKS.md "Per-clip packing"): by default ("window") the encoder runs on the window as it
-is, each clip's frames attending to its neighbours'. "block" gives each encoder layer's
-self-attention a block-diagonal mask: a clip's positions attend only to its own (the gaps and
-the tail padding, together, only to theirs), so what the encoder makes of a clip is what it
-makes of that clip alone (after the convolutions, whose 3-frame kernels see a frame of the gap
-at each edge). "block-restart" also embeds each clip's positions as 0..n-1, where that clip
-alone would have them. "block-restart-pad" also shows each clip the padding after its window's
-last clip, the window's tail: in the encoder, its positions attend to their own and the tail's
-(the tail's only to the tail's, shared by the window's clips), and its decoder pass
-cross-attends to its own positions and the tail's, as a clip alone sees its padding. Three more hooks, idle unless a route with such a context is armed: an
-encoder pre-hook builds the mask and positions, the encoder's position embedding returns the
-restarted ones, and each encoder layer's pre-hook hands it the mask as its `attention_mask`
-argument, which a checkpointed layer keeps for its recomputation (transformers checkpoints a
-layer's `forward`, inside its hooks).
+The encoder's context: each clip is encoded as if it were alone in a window padded with silence,
+which is what unpacked training and every runtime show the model ("block-restart-pad", measured
+best of four, BENCHMARKS.md "Block-diagonal encoder per clip"). Each encoder layer's
+self-attention gets a block-diagonal mask: a clip's positions attend to their own and to the
+window's tail (the padding after its last clip, which attends only to itself and is shared by
+the window's clips), never to a neighbour's; each clip's positions are embedded as 0..n-1, where
+that clip alone would have them; and its decoder pass cross-attends to its own positions and the
+tail's. (The convolutions before the layers still see one frame of the gap at each edge of a
+clip.) Three more hooks do this, idle unless a route is armed: an encoder pre-hook builds the
+mask and positions, the encoder's position embedding returns the restarted ones, and each
+encoder layer's pre-hook hands it the mask as its `attention_mask` argument, which a
+checkpointed layer keeps for its recomputation (transformers checkpoints a layer's `forward`,
+inside its hooks). The other contexts stay for the measurement (`ENCODER_CONTEXT`, an
+environment variable bench/quality.py sets; not an option): "window" (the encoder on the window
+as it is, neighbours visible: the first per-clip packing, 12-13 points worse held-out),
+"block" (block-diagonal only) and "block-restart" (no tail).
 """
 
 from __future__ import annotations
@@ -55,10 +56,11 @@ from torch import nn
 
 # The attribute of a Whisper model that holds its router once `route_clips` installed it.
 _ROUTER = "_whisper_train_clip_router"
-# The environment variable that picks the encoder's context of --packing per-clip (internal,
-# for the measurement; unset: "window").
+# The environment variable that picks another encoder context for --packing per-clip than the
+# default (internal, for bench/quality.py's comparison).
 ENCODER_CONTEXT = "WHISPER_TRAIN_PER_CLIP_ENCODER"
 ENCODER_CONTEXTS = ("window", "block", "block-restart", "block-restart-pad")
+DEFAULT_ENCODER_CONTEXT = "block-restart-pad"
 
 
 @dataclass
@@ -220,7 +222,7 @@ def clip_route(batch: dict) -> ClipRoute | None:
     if "clip_windows" not in batch:
         return None
     positions = batch["clip_positions"]
-    context = os.environ.get(ENCODER_CONTEXT) or "window"
+    context = os.environ.get(ENCODER_CONTEXT) or DEFAULT_ENCODER_CONTEXT
     if context not in ENCODER_CONTEXTS:
         raise ValueError(f"{ENCODER_CONTEXT}={context}: expected one of {ENCODER_CONTEXTS}")
     return ClipRoute(batch["clip_windows"], positions[:, 0], positions[:, 1], context)

@@ -32,7 +32,7 @@ Grids:
          clips), --packing on and --packing per-clip (batch 1 window, about 8 clips of the
          demo's): equal clips seen; --equal-wall-epochs N adds per-clip for N epochs;
          --per-clip-encoder CONTEXT (repeatable: window, block, block-restart,
-         block-restart-pad) adds per-clip with that encoder context
+         block-restart-pad, block-restart-ownpad) adds per-clip with that encoder context
          (`memory.clip_attention.ENCODER_CONTEXT`; the plain per-clip row is the default,
          block-restart-pad, and was window before 2026-11-26), --encoder-only runs only those;
   lr     each mode at its default learning rate, a third and a tenth of it, and
@@ -298,7 +298,7 @@ def main() -> None:
         "--per-clip-encoder",
         action="append",
         default=[],
-        choices=("window", "block", "block-restart", "block-restart-pad"),
+        choices=("window", "block", "block-restart", "block-restart-pad", "block-restart-ownpad"),
         help="--grid per-clip: also per-clip with this encoder context (plain per-clip: "
         "block-restart-pad, the default since 2026-11-26; window: the one before)",
     )

@@ -9,7 +9,7 @@ mask that leaks onto padding or a recomputation without its mask is many orders 
 above the rounding of two summation orders.
 
 The block-diagonal encoder (`ENCODER_CONTEXT` block, block-restart, block-restart-pad: what
-`--packing per-clip` does by default) is held to the same
+`--packing per-clip` does by default, block-restart-ownpad) is held to the same
 standard: its reference runs each clip's frames alone through the encoder's layers (after the
 window's convolutions), at the window's positions or at 0..n-1, then decodes it alone.
 """
@@ -23,13 +23,16 @@ import torch
 from tiny_models import EOT, LORA, SOT, fresh_short_whisper, nonzero_lora_b, trainable_gradients
 
 from whisper_train.data.collate import IGNORE_INDEX
+from whisper_train.data.packing import OWNPAD_GAP, OWNPAD_GAP_SECONDS, per_clip_gap_seconds
 from whisper_train.memory import loss_terms, prepare_model
 from whisper_train.memory.clip_attention import (
     ENCODER_CONTEXT,
     ENCODER_CONTEXTS,
+    OWNPAD,
     ClipRoute,
     clip_route,
     gather_clip_positions,
+    own_pad_ends,
     route_clips,
 )
 from whisper_train.memory.wrappers import whisper_of
@@ -70,13 +73,19 @@ def clip_alone(whisper, features: torch.Tensor, span: tuple, context: str) -> to
     sight, embedded at 0..n-1 (block-restart) or at its window's positions [start, end).
     block-restart-pad: (1, n + t, d), the clip followed by its window's tail (t positions
     from the window's last clip's end), which the clip's frames see and which sees only
-    itself: the one mask here, built per clip, not per window."""
+    itself: the one mask here, built per clip, not per window. block-restart-ownpad:
+    (1, n + p, d), the clip and its own padding (up to the next clip's start in its window, or
+    the window's end), p frames that nothing else sees, all at 0..n+p-1 with no mask."""
     encoder, attn = whisper.model.encoder, whisper.config._attn_implementation
     window, start, end = span
     embeds = torch.nn.functional.gelu(encoder.conv1(features[window : window + 1]))
     embeds = torch.nn.functional.gelu(encoder.conv2(embeds)).permute(0, 2, 1)
     positions = torch.arange(start, end) - (start if context != "block" else 0)
     frames, mask = torch.arange(start, end), None
+    if context == OWNPAD:
+        later = [s for w, s, _ in SPANS if w == window and s >= end]
+        frames = torch.arange(start, min(later, default=embeds.shape[1]))
+        positions = frames - start
     if context == "block-restart-pad":
         tail = max(e for w, _, e in SPANS if w == window)
         positions = torch.cat([positions, torch.arange(tail, embeds.shape[1])])
@@ -137,7 +146,7 @@ def test_a_routed_step_is_each_clip_decoded_alone(mode, checkpointing, attn, mon
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("checkpointing", ["off", "full"])
 @pytest.mark.parametrize("mode", ["full", "lora"])
-@pytest.mark.parametrize("context", ["block", "block-restart", "block-restart-pad"])
+@pytest.mark.parametrize("context", ["block", "block-restart", "block-restart-pad", OWNPAD])
 def test_a_block_diagonal_encoder_is_each_clip_encoded_alone(
     context, mode, checkpointing, attn, monkeypatch
 ):
@@ -178,7 +187,7 @@ def test_per_clip_encodes_each_clip_as_alone_with_its_padding_by_default(monkeyp
     assert clip_route(packed_batch()).context == "block-restart-pad"
 
 
-@pytest.mark.parametrize("context", ["window", "block-restart", "block-restart-pad"])
+@pytest.mark.parametrize("context", ["window", "block-restart", "block-restart-pad", OWNPAD])
 def test_padding_is_hidden_and_the_hooks_leave_other_forwards_alone(context, monkeypatch):
     monkeypatch.setenv(ENCODER_CONTEXT, context)
     model = build("full", "full", "sdpa")
@@ -213,3 +222,24 @@ def test_gathered_positions_and_mask():
         [True, True, True, True, True, False, False],
         [True, True, False, True, True, True, True],
     ]
+    route.context = OWNPAD  # each clip and its own padding: [1, 6) and [0, 6)
+    keys, mask = gather_clip_positions(encoded, route)
+    assert keys[..., 0].tolist() == [[1, 2, 3, 4, 5, 5], [6, 7, 8, 9, 10, 11]]
+    assert mask[:, 0, 0].tolist() == [[True] * 5 + [False], [True] * 6]
+
+
+def test_a_clips_own_padding_ends_at_the_next_clip_or_the_windows_end():
+    route = ClipRoute(*(torch.tensor(v) for v in ([0, 0, 1, 0], [0, 22, 5, 40], [18, 30, 31, 45])))
+    assert own_pad_ends(route, 50).tolist() == [22, 40, 50, 50]
+
+
+def test_only_the_ownpad_context_widens_the_per_clip_gap(monkeypatch):
+    monkeypatch.delenv(OWNPAD_GAP, raising=False)
+    monkeypatch.delenv(ENCODER_CONTEXT, raising=False)
+    assert per_clip_gap_seconds() == 0.3
+    monkeypatch.setenv(ENCODER_CONTEXT, "block-restart-pad")
+    assert per_clip_gap_seconds() == 0.3
+    monkeypatch.setenv(ENCODER_CONTEXT, OWNPAD)
+    assert per_clip_gap_seconds() == OWNPAD_GAP_SECONDS == 1.0
+    monkeypatch.setenv(OWNPAD_GAP, "2.0")
+    assert per_clip_gap_seconds() == 2.0

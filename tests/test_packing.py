@@ -28,7 +28,14 @@ from whisper_train.data.augment import WaveformAugmenter
 from whisper_train.data.features import SpeechDataset
 from whisper_train.data.labels import LabelEncoder
 from whisper_train.data.layouts import load_examples
-from whisper_train.data.packing import ClipSize, plan_windows, window_seconds
+from whisper_train.data.packing import (
+    OWNPAD,
+    OWNPAD_GAP,
+    PER_CLIP_ENCODER,
+    ClipSize,
+    plan_windows,
+    window_seconds,
+)
 from whisper_train.data.source import WholeData, group_steps, shard_batches
 from whisper_train.errors import UserError
 from whisper_train.training.recipe import FineTuneRecipe
@@ -311,6 +318,27 @@ def test_per_clip_packing_decodes_each_clip_of_a_window_on_its_own(tmp_path, tin
     config.update({"output_dir": str(tmp_path / "trained"), "max_steps": 2})
     losses, _ = losses_and_evaluations(train(config.validate()).output_dir)
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+
+
+def test_per_clip_packing_with_own_padding_plans_longer_gaps(
+    tmp_path, tiny_run_config, monkeypatch
+):
+    """WHISPER_TRAIN_PER_CLIP_ENCODER=block-restart-ownpad: 1.0 s between two clips of a
+    window (50 encoder positions, 49 where a clip straddles one), each clip's own padding."""
+    monkeypatch.setenv(PER_CLIP_ENCODER, OWNPAD)
+    monkeypatch.delenv(OWNPAD_GAP, raising=False)
+    data = _many_tones(tmp_path, n=40)
+    config = tiny_run_config(data=str(data), packing="per-clip", batch_size=2, eval_split=0.0)
+    recipe = FineTuneRecipe(config.validate())
+    recipe.setup()
+    batch = next(recipe.data.steps(types.SimpleNamespace(epoch=0, batches_in_epoch=0)))[0]
+    windows, positions = batch["clip_windows"], batch["clip_positions"]
+    assert len(windows) > 2
+    for window in (0, 1):
+        spans = positions[windows == window].tolist()
+        assert all(
+            49 <= later[0] - earlier[1] <= 51 for earlier, later in itertools.pairwise(spans)
+        )
 
 
 def test_packing_is_refused_with_the_encoder_cache_and_reads_yaml_booleans(tiny_run_config):

@@ -23,6 +23,7 @@ language, the prefix's).
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +37,13 @@ from whisper_train.data.labels import label_positions
 # (~0.1-0.2 s), so a clip boundary still sounds like one, and short enough to cost little of
 # the 30 s (a 3 s clip pays 10%). A choice, with its fill measured in BENCHMARKS.md.
 DEFAULT_GAP_SECONDS = 0.3
+# --packing per-clip's encoder context (`memory.clip_attention`), an internal switch for the
+# measurement: with "block-restart-ownpad" each clip owns the silence after it, so its windows
+# are planned with OWNPAD_GAP_SECONDS between two clips (or $WHISPER_TRAIN_PER_CLIP_GAP).
+PER_CLIP_ENCODER = "WHISPER_TRAIN_PER_CLIP_ENCODER"
+OWNPAD = "block-restart-ownpad"
+OWNPAD_GAP_SECONDS = 1.0
+OWNPAD_GAP = "WHISPER_TRAIN_PER_CLIP_GAP"
 # Windows kept open for a clip to fit into, per language: a larger number fills windows more
 # tightly and costs a longer search per clip (first fit over at most this many).
 OPEN_WINDOWS = 16
@@ -103,6 +111,14 @@ def plan_windows(
         windows.extend(window[0] for window in open_windows[language])
     rng.shuffle(windows)
     return [tuple(window) for window in windows]
+
+
+def per_clip_gap_seconds() -> float:
+    """The silence between two clips of a --packing per-clip window: DEFAULT_GAP_SECONDS, or
+    with the "block-restart-ownpad" encoder context OWNPAD_GAP_SECONDS (or $OWNPAD_GAP)."""
+    if os.environ.get(PER_CLIP_ENCODER) != OWNPAD:
+        return DEFAULT_GAP_SECONDS
+    return float(os.environ.get(OWNPAD_GAP) or OWNPAD_GAP_SECONDS)
 
 
 def window_seconds(

@@ -530,7 +530,11 @@ def build_training_data(
         label_encoder,
         augmenter=augmenter,
         seed=t.seed,
-        gap_seconds=packing_module.DEFAULT_GAP_SECONDS,
+        gap_seconds=(
+            packing_module.per_clip_gap_seconds()
+            if config.packing_per_clip
+            else packing_module.DEFAULT_GAP_SECONDS
+        ),
         cached=cached,
         packing_timestamps=config.packing_timestamps_on,
         per_clip=config.packing_per_clip,

@@ -40,7 +40,10 @@ checkpointed layer keeps for its recomputation (transformers checkpoints a layer
 inside its hooks). The other contexts stay for the measurement (`ENCODER_CONTEXT`, an
 environment variable bench/quality.py sets; not an option): "window" (the encoder on the window
 as it is, neighbours visible: the first per-clip packing, 12-13 points worse held-out),
-"block" (block-diagonal only) and "block-restart" (no tail).
+"block" (block-diagonal only), "block-restart" (no tail) and "block-restart-ownpad" (each clip
+with padding of its own, not shared: the silence after it up to the next clip, or to the
+window's end after the last one, in its block and embedded after it, 0..n+p-1; its windows are
+planned with a longer gap, OWNPAD_GAP_SECONDS, so that each clip has some).
 """
 
 from __future__ import annotations
@@ -54,13 +57,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from whisper_train.data.packing import OWNPAD, PER_CLIP_ENCODER
+
 # The attribute of a Whisper model that holds its router once `route_clips` installed it.
 _ROUTER = "_whisper_train_clip_router"
 # The environment variable that picks another encoder context for --packing per-clip than the
 # default (internal, for bench/quality.py's comparison).
-ENCODER_CONTEXT = "WHISPER_TRAIN_PER_CLIP_ENCODER"
-ENCODER_CONTEXTS = ("window", "block", "block-restart", "block-restart-pad")
+ENCODER_CONTEXT = PER_CLIP_ENCODER
+ENCODER_CONTEXTS = ("window", "block", "block-restart", "block-restart-pad", OWNPAD)
 DEFAULT_ENCODER_CONTEXT = "block-restart-pad"
+# "block-restart-ownpad" (OWNPAD): each clip's own padding is the silence after it in its
+# window, up to the next clip (after the window's last clip: up to the window's end); its
+# windows are planned with a longer gap (`packing.per_clip_gap_seconds`) so that each has some.
 
 
 @dataclass
@@ -150,6 +158,8 @@ def gather_clip_positions(
     tail [its last clip's end, S) follows, padded the same way to the longest tail."""
     device = encoded.device
     starts, ends = route.starts.to(device), route.ends.to(device)
+    if route.context == OWNPAD:  # the clip and its own padding, one span
+        ends = own_pad_ends(route, encoded.shape[1]).to(device)
     if route.context.endswith("-pad"):
         tails = tail_starts(route).to(device)
         spans = [(starts, ends), (tails, torch.full_like(tails, encoded.shape[1]))]
@@ -166,6 +176,18 @@ def gather_clip_positions(
     return torch.cat(keys, dim=1), torch.cat(valid, dim=1)[:, None, None, :]
 
 
+def own_pad_ends(route: ClipRoute, width: int) -> torch.Tensor:
+    """(C,) where each clip's own padding ends ("block-restart-ownpad"): the next clip's start
+    in its window, or the window's end (`width` positions) after the window's last clip."""
+    windows, starts, ends = route.windows.cpu(), route.starts.cpu(), route.ends.cpu()
+    pad_ends = torch.full_like(ends, width)
+    for clip in range(len(ends)):
+        later = (windows == windows[clip]) & (starts >= ends[clip])
+        if later.any():
+            pad_ends[clip] = starts[later].min()
+    return pad_ends.to(route.ends.device)
+
+
 def tail_starts(route: ClipRoute) -> torch.Tensor:
     """(C,) where each clip's window's tail begins: the end of that window's last clip."""
     windows, ends = route.windows.to(route.ends.device), route.ends
@@ -179,12 +201,14 @@ def block_context(
     """The (W, 1, S, S) block-diagonal self-attention mask of `route`'s windows (True where a
     query's position and a key's are in the same clip, or both in no clip; with "-pad", also
     where the query is in a clip and the key in its window's tail) and the (W, S) positions
-    each clip's frames have alone: 0..n-1 (the others keep the window's)."""
+    each clip's frames have alone: 0..n-1 (the others keep the window's). With "-ownpad" a
+    clip's block is its frames and its own padding after them, positions 0..n+p-1."""
     device = embed_positions.weight.device
     width = embed_positions.num_embeddings
     positions = torch.arange(width, device=device).repeat(windows, 1)
     blocks = torch.full((windows, width), -1, dtype=torch.long, device=device)
-    spans = zip(route.windows.tolist(), route.starts.tolist(), route.ends.tolist(), strict=True)
+    ends = own_pad_ends(route, width) if route.context == OWNPAD else route.ends
+    spans = zip(route.windows.tolist(), route.starts.tolist(), ends.tolist(), strict=True)
     for clip, (window, start, end) in enumerate(spans):
         blocks[window, start:end] = clip
         positions[window, start:end] -= start

@@ -233,7 +233,7 @@ def test_a_clips_own_padding_ends_at_the_next_clip_or_the_windows_end():
     assert own_pad_ends(route, 50).tolist() == [22, 40, 50, 50]
 
 
-def test_only_the_ownpad_context_widens_the_per_clip_gap(monkeypatch):
+def test_by_default_only_the_ownpad_context_widens_the_per_clip_gap(monkeypatch):
     monkeypatch.delenv(OWNPAD_GAP, raising=False)
     monkeypatch.delenv(ENCODER_CONTEXT, raising=False)
     assert per_clip_gap_seconds() == 0.3
@@ -242,4 +242,6 @@ def test_only_the_ownpad_context_widens_the_per_clip_gap(monkeypatch):
     monkeypatch.setenv(ENCODER_CONTEXT, OWNPAD)
     assert per_clip_gap_seconds() == OWNPAD_GAP_SECONDS == 1.0
     monkeypatch.setenv(OWNPAD_GAP, "2.0")
+    assert per_clip_gap_seconds() == 2.0
+    monkeypatch.setenv(ENCODER_CONTEXT, "block-restart-pad")  # the control: same gap
     assert per_clip_gap_seconds() == 2.0

@@ -39,7 +39,8 @@ from whisper_train.data.labels import label_positions
 DEFAULT_GAP_SECONDS = 0.3
 # --packing per-clip's encoder context (`memory.clip_attention`), an internal switch for the
 # measurement: with "block-restart-ownpad" each clip owns the silence after it, so its windows
-# are planned with OWNPAD_GAP_SECONDS between two clips (or $WHISPER_TRAIN_PER_CLIP_GAP).
+# are planned with OWNPAD_GAP_SECONDS between two clips ($WHISPER_TRAIN_PER_CLIP_GAP: another
+# gap, for any context).
 PER_CLIP_ENCODER = "WHISPER_TRAIN_PER_CLIP_ENCODER"
 OWNPAD = "block-restart-ownpad"
 OWNPAD_GAP_SECONDS = 1.0
@@ -115,10 +116,11 @@ def plan_windows(
 
 def per_clip_gap_seconds() -> float:
     """The silence between two clips of a --packing per-clip window: DEFAULT_GAP_SECONDS, or
-    with the "block-restart-ownpad" encoder context OWNPAD_GAP_SECONDS (or $OWNPAD_GAP)."""
-    if os.environ.get(PER_CLIP_ENCODER) != OWNPAD:
-        return DEFAULT_GAP_SECONDS
-    return float(os.environ.get(OWNPAD_GAP) or OWNPAD_GAP_SECONDS)
+    with the "block-restart-ownpad" encoder context OWNPAD_GAP_SECONDS; $OWNPAD_GAP, when set,
+    for any context (the measurement's control: another context at the same gap)."""
+    if os.environ.get(OWNPAD_GAP):
+        return float(os.environ[OWNPAD_GAP])
+    return OWNPAD_GAP_SECONDS if os.environ.get(PER_CLIP_ENCODER) == OWNPAD else DEFAULT_GAP_SECONDS
 
 
 def window_seconds(

@@ -43,7 +43,8 @@ as it is, neighbours visible: the first per-clip packing, 12-13 points worse hel
 "block" (block-diagonal only), "block-restart" (no tail) and "block-restart-ownpad" (each clip
 with padding of its own, not shared: the silence after it up to the next clip, or to the
 window's end after the last one, in its block and embedded after it, 0..n+p-1; its windows are
-planned with a longer gap, OWNPAD_GAP_SECONDS, so that each clip has some).
+planned with a longer gap, OWNPAD_GAP_SECONDS, so that each clip has some; measured no better
+than "block-restart-pad" at the same gap, BENCHMARKS.md "Each clip with padding of its own").
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,7 +133,14 @@ def save_alignment_heads(model_dir: str | Path, heads: Sequence[Sequence[int]]) 
         )
     config = json.loads(config_file.read_text(encoding="utf-8"))
     config["alignment_heads"] = [[int(layer), int(head)] for layer, head in heads]
-    config_file.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    # Written beside and renamed over (atomic on POSIX): a kill or a full disk mid-write leaves
+    # the model's generation config as it was, never half a file.
+    partial = config_file.with_name(config_file.name + ".partial")
+    try:
+        partial.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        os.replace(partial, config_file)
+    finally:
+        partial.unlink(missing_ok=True)  # what a failed write left
     return config_file
 
 

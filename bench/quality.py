@@ -36,7 +36,8 @@ Grids:
          (`memory.clip_attention.ENCODER_CONTEXT`; the plain per-clip row is the default,
          block-restart-pad, and was window before 2026-11-26), --encoder-only runs only those;
   lr     each mode at its default learning rate, a third and a tenth of it, and
-         --preserve-base 1 at the default;
+         --preserve-base 1 at the default; with --learning-rate (repeatable) each mode at
+         exactly those rates instead (a sweep: nothing else);
   all    lr, plus warm-up (10 steps) and SpecAugment at each mode's default.
 """
 
@@ -48,6 +49,7 @@ import os
 import platform
 import re
 import resource
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -84,6 +86,7 @@ def grid(
     epochs: int = 1,
     equal_wall_epochs: int = 0,
     encoder_contexts: tuple[str, ...] = (),
+    rates: tuple[float, ...] = (),
 ) -> list[Run]:
     packed = ["--packing", "on", "--batch-size", "1"]
     if name == "packing-timestamps":
@@ -125,6 +128,8 @@ def grid(
         ]
     if name == "defaults":
         return [Run(mode, CURRENT_LR[mode]) for mode in modes]
+    if name == "lr" and rates:  # a sweep at the rates asked for
+        return [Run(mode, lr) for mode in modes for lr in rates]
     runs = []
     for mode in modes:
         default = DEFAULT_LR[mode]
@@ -307,6 +312,18 @@ def main() -> None:
         action="store_true",
         help="--grid per-clip: only the --per-clip-encoder runs (the others are in BENCHMARKS.md)",
     )
+    parser.add_argument(
+        "--learning-rate",
+        type=float,
+        action="append",
+        default=[],
+        help="--grid lr: each mode at exactly these rates (repeatable)",
+    )
+    parser.add_argument(
+        "--extra",
+        default="",
+        help="flags added to every run's command line (e.g. '--warmup-steps 3')",
+    )
     parser.add_argument("--only", choices=tuple(DEFAULT_LR), action="append")
     parser.add_argument("--model", default="tiny.en")
     parser.add_argument("--seed", type=int, default=0, help="every run's --seed")
@@ -328,7 +345,11 @@ def main() -> None:
         args.epochs,
         args.equal_wall_epochs,
         tuple(args.per_clip_encoder),
+        tuple(args.learning_rate),
     )
+    if args.extra:
+        for run in runs:
+            run.extra = [*run.extra, *shlex.split(args.extra)]
     if args.encoder_only:
         runs = [run for run in runs if run.env]
     if args.skip_unpacked:

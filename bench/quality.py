@@ -64,7 +64,7 @@ REALSPEECH = REPO.parent / "shared" / "realspeech"
 WHISPER_TRAIN = [sys.executable, "-m", "whisper_train.cli"]
 # config.py's defaults when this grid was first run (lora's is now 3e-4, from its results)
 DEFAULT_LR = {"full": 1e-5, "lora": 1e-3, "freeze-encoder": 3e-5}
-CURRENT_LR = {**DEFAULT_LR, "lora": 3e-4}  # config.py's defaults now
+CURRENT_LR = {**DEFAULT_LR, "lora": 3e-4, "full": 3e-5}  # config/options.py's defaults now
 
 
 @dataclass

@@ -75,6 +75,36 @@ def test_unknown_yaml_key_names_the_key(tmp_path):
 
 def test_mode_dependent_defaults():
     assert RunConfig.from_flat({"mode": "lora"}).learning_rate == 3e-4
+    assert RunConfig.from_flat({"mode": "full"}).learning_rate == 3e-5
+
+
+@pytest.mark.parametrize(
+    ("width", "rate"),
+    # tiny (measured), base, small (the HF blog's ~1e-5), medium, large-v3 and turbo; a test
+    # model narrower than tiny takes tiny's, one between two sizes the wider size's (lower) rate
+    [(None, 3e-5), (64, 3e-5), (384, 3e-5), (512, 2.5e-5), (768, 1.25e-5), (800, 6.25e-6),
+     (1024, 6.25e-6), (1280, 4.4e-6), (2048, 4.4e-6)],
+)  # fmt: skip
+def test_full_fine_tuning_defaults_to_a_lower_rate_for_a_wider_model(width, rate):
+    config = RunConfig.from_flat({"mode": "full"})
+    config.model_width = width
+    assert config.learning_rate == rate
+    for mode, own in (("lora", 3e-4), ("freeze-encoder", 3e-5)):  # adapters: not by width
+        other = RunConfig.from_flat({"mode": mode})
+        other.model_width = width
+        assert other.learning_rate == own
+    given = RunConfig.from_flat({"mode": "full", "learning_rate": 2e-5})
+    given.model_width = width
+    assert given.learning_rate == 2e-5  # the user's rate wins
+
+
+def test_a_run_takes_its_models_width_for_the_default_rate(tiny_whisper_dir):
+    from whisper_train.training.setup_phases import setup_model_and_labels
+
+    config = RunConfig.from_flat({"model": str(tiny_whisper_dir), "mode": "full"}).validate()
+    model, _, _ = setup_model_and_labels(config)
+    assert config.model_width == model.config.d_model
+    assert "model_width" not in config.to_yaml()  # not an option: the saved yaml keeps none
     assert RunConfig.from_flat({"mode": "freeze-encoder"}).cache_encoder is True
     assert (
         RunConfig.from_flat({"mode": "freeze-encoder", "audio_augment": True}).cache_encoder

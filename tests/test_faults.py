@@ -973,7 +973,7 @@ def test_weights_that_blow_up_later_stop_there_and_the_advice_resumes_from_befor
     assert code == 2 and "stopped at step 2: its update made" in line
     assert [p.name for p in checkpoints_module.list_checkpoints(out)] == ["checkpoint-1"]
     assert _all_finite(out / "checkpoint-1" / "trainable.safetensors")
-    assert f"--resume {out / 'checkpoint-1'} --learning-rate 1e-05" in line
+    assert f"--resume {out / 'checkpoint-1'} --learning-rate 3e-05" in line
     code, line = _train_cli(*_advised_command(line))
     assert code == 0, line
     assert [row["step"] for row in metric_rows(out)] == [1, 2, 3, 4]
@@ -995,7 +995,7 @@ def test_a_bad_step_stop_after_finite_but_blown_weights_advises_what_trains_on(
 
     assert code == 2 and "stopped at step 5: 3 optimizer steps in a row" in line
     assert _all_finite(out / "checkpoint-5" / "trainable.safetensors")
-    assert f"--resume {out / 'checkpoint-1'} --learning-rate 1e-05" in line
+    assert f"--resume {out / 'checkpoint-1'} --learning-rate 3e-05" in line
     code, line = _train_cli(*_advised_command(line))
     assert code == 0, line
     rows = metric_rows(out)
@@ -1058,6 +1058,6 @@ def test_two_processes_stop_together_when_an_update_blows_up(
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if "its update made" in line]
     assert lines and all("stopped at step 2: its update made" in line for line in lines), lines
-    assert f"--resume {out / 'checkpoint-1'} --learning-rate 1e-05" in lines[0]
+    assert f"--resume {out / 'checkpoint-1'} --learning-rate 3e-05" in lines[0]
     assert [p.name for p in checkpoints_module.list_checkpoints(out)] == ["checkpoint-1"]
     assert not (out / "final").exists()

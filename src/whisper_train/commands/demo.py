@@ -57,7 +57,7 @@ def add_parser(subparsers) -> None:
         type=float,
         default=None,
         help="Peak learning rate (default: train's for the mode: 3e-4 for lora, 3e-5 for "
-        "freeze-encoder, 1e-5 for full).",
+        "freeze-encoder, 3e-5 for full on tiny, lower for wider models).",
     )
     parser.add_argument(
         "--mode",

@@ -14,7 +14,6 @@ from typing import Any
 import yaml
 
 from whisper_train.config.options import (
-    DEFAULT_LEARNING_RATES,
     GROUPS,
     MODES,
     OPTIMIZERS,
@@ -27,6 +26,7 @@ from whisper_train.config.options import (
     MemoryConfig,
     ModelConfig,
     TrainConfig,
+    default_learning_rate,
     field_owners,
 )
 from whisper_train.config.values import (
@@ -59,6 +59,9 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    # Not an option: the trained model's width (d_model), set by the recipe once the model is
+    # loaded, on which full fine-tuning's default learning rate depends (`learning_rate`).
+    model_width: int | None = None
 
     # -- building -------------------------------------------------------------------------
     @classmethod
@@ -421,7 +424,13 @@ class RunConfig:
     def learning_rate(self) -> float:
         if self.train.learning_rate is not None:
             return self.train.learning_rate
-        return DEFAULT_LEARNING_RATES[self.model.mode]
+        return self.default_learning_rate
+
+    @property
+    def default_learning_rate(self) -> float:
+        """The mode's rate when --learning-rate is not given (for full fine-tuning, the
+        model's width's once `model_width` is known)."""
+        return default_learning_rate(self.model.mode, self.model_width)
 
     def lora_settings(self):
         """The adapters of --mode lora (`memory.LoraSettings`), None for the other modes. With

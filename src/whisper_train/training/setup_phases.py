@@ -83,6 +83,7 @@ def setup_model_and_labels(
     and SpecAugment; the encoder of the labels it learns."""
     c = config
     model, processor = load_model(c.model.model, attn_implementation=c.model.attn_implementation)
+    c.model_width = model.config.d_model  # full fine-tuning's default rate depends on it
     multilingual = is_multilingual(model)
     label_encoder = LabelEncoder(
         processor.tokenizer,

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from whisper_train import runfolder
-from whisper_train.config import DEFAULT_LEARNING_RATES, RunConfig
+from whisper_train.config import RunConfig
 from whisper_train.data.collate import IGNORE_INDEX
 from whisper_train.errors import UserError
 from whisper_train.runlog import resume_command
@@ -75,10 +75,9 @@ def nonfinite_tensors(parameters: list[torch.Tensor], accelerator) -> list[bool]
     return (flags > 0).tolist()[: len(local)]
 
 
-def lower_learning_rate(rate: float, mode: str) -> float:
-    """A learning rate to suggest after updates blew up: the mode's default when `rate` is
-    above it, else a tenth of `rate`."""
-    default = DEFAULT_LEARNING_RATES[mode]
+def lower_learning_rate(rate: float, default: float) -> float:
+    """A learning rate to suggest after updates blew up: the run's default (`default`) when
+    `rate` is above it, else a tenth of `rate`."""
     return default if rate > default else rate / 10
 
 
@@ -139,7 +138,7 @@ def lower_learning_rate_advice(config: RunConfig, output_dir: Path, suspect_step
     saved before `suspect_step` (whose update may have broken the weights), or that starts
     again when there is none. Every checkpoint holds finite weights (`refuse_nonfinite_update`
     runs after every update)."""
-    lower = lower_learning_rate(config.learning_rate, config.model.mode)
+    lower = lower_learning_rate(config.learning_rate, config.default_learning_rate)
     config_file = output_dir / runfolder.CONFIG_FILE
     earlier = [
         folder

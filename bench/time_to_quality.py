@@ -69,6 +69,7 @@ REPO = Path(__file__).resolve().parents[1]
 # whisper-train's default rates (config/options.py), read from the checkout being measured
 sys.path.insert(0, str(REPO / "src"))
 from whisper_train.config import DEFAULT_LEARNING_RATES as DEFAULT_LR  # noqa: E402
+
 # whisper-train's LoRA defaults (--lora-r, --lora-alpha, --lora-dropout, --lora-targets)
 LORA = {"r": 32, "lora_alpha": 64, "lora_dropout": 0.05, "target_modules": ["q_proj", "v_proj"]}
 

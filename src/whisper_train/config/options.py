@@ -21,6 +21,15 @@ DEFAULT_LEARNING_RATES = {"full": 3e-5, "lora": 3e-4, "freeze-encoder": 3e-5}
 # small the HF blog's ~1e-5. A width between two sizes takes the larger size's (lower) rate.
 FULL_LEARNING_RATES_BY_WIDTH = {384: 3e-5, 512: 2.5e-5, 768: 1.25e-5, 1024: 6.25e-6, 1280: 4.4e-6}
 
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+SCHEDULERS = ("linear", "constant_with_warmup")
+OPTIMIZERS = ("adamw", "adamw-fused", "adamw8bit")
+TASKS = ("transcribe", "translate")
+# --packing per-clip: packed windows whose clips are decoded one by one.
+PER_CLIP = "per-clip"
+# --report-to: where the metrics rows go besides metrics.jsonl (whisper_train.trackers).
+TRACKERS = ("tensorboard", "mlflow", "wandb", "none")
+
 
 def default_learning_rate(mode: str, model_width: int | None = None) -> float:
     """`mode`'s learning rate when none is given; for full fine-tuning it falls with the
@@ -30,14 +39,6 @@ def default_learning_rate(mode: str, model_width: int | None = None) -> float:
     widths = sorted(FULL_LEARNING_RATES_BY_WIDTH)
     at_least = [width for width in widths if width >= model_width]
     return FULL_LEARNING_RATES_BY_WIDTH[at_least[0] if at_least else widths[-1]]
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-SCHEDULERS = ("linear", "constant_with_warmup")
-OPTIMIZERS = ("adamw", "adamw-fused", "adamw8bit")
-TASKS = ("transcribe", "translate")
-# --packing per-clip: packed windows whose clips are decoded one by one.
-PER_CLIP = "per-clip"
-# --report-to: where the metrics rows go besides metrics.jsonl (whisper_train.trackers).
-TRACKERS = ("tensorboard", "mlflow", "wandb", "none")
 
 
 def _help(text: str, **kwargs: Any) -> Any:

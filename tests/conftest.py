@@ -79,6 +79,34 @@ def crash_on_loss_call(monkeypatch, n: int) -> None:
     monkeypatch.setattr(recipe_module, "loss_terms", crashing)
 
 
+def fill_disk_on_write(monkeypatch) -> None:
+    """Make a file opened for writing through `Path.open` take half of each write and then
+    fail as a full disk does (ENOSPC). Reading is untouched."""
+    import errno
+
+    real_open = Path.open
+
+    class FullDisk:
+        def __init__(self, file):
+            self.file = file
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc_info):
+            self.file.close()
+
+        def write(self, data):
+            self.file.write(data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def opening(self, mode="r", *args, **kwargs):
+        file = real_open(self, mode, *args, **kwargs)
+        return FullDisk(file) if any(flag in mode for flag in "wxa+") else file
+
+    monkeypatch.setattr(Path, "open", opening)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _own_cache_folder(tmp_path_factory):
     """Screening results and encoder outputs go to a folder of this session, not the user's

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import soundfile
 import soxr
+from conftest import fill_disk_on_write
 
 from whisper_train.audio import SAMPLE_RATE, audio_duration, load_audio, read_header
 from whisper_train.errors import AudioError
@@ -285,6 +288,21 @@ def test_encoded_bytes_decode_as_their_file_does(tmp_path, name):
     stored = _cached_audio(data, tmp_path / "cache", "dataset[0]")
     assert stored.endswith(path.suffix)
     np.testing.assert_array_equal(load_audio(stored), load_audio(path))
+
+
+def test_a_full_disk_leaves_no_part_of_the_audio_in_the_cache(tmp_path, monkeypatch):
+    from whisper_train.data.hf_datasets import _cached_audio
+
+    data = _recording(tmp_path, "call.wav").read_bytes()
+    cache = tmp_path / "cache"
+    fill_disk_on_write(monkeypatch)
+    with pytest.raises(OSError, match="No space"):
+        _cached_audio(data, cache, "dataset[0]")
+    monkeypatch.undo()
+    assert list(cache.iterdir()) == []  # neither half a clip nor a temporary
+    stored = _cached_audio(data, cache, "dataset[0]")  # room again: stored whole
+    assert [path.name for path in cache.iterdir()] == [Path(stored).name]
+    assert Path(stored).read_bytes() == data
 
 
 def test_bytes_neither_decoder_reads_are_named_by_their_origin(tmp_path):

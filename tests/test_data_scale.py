@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile
+from conftest import fill_disk_on_write
 from tiny_models import english_tokenizer
 
 from whisper_train.checkdata import PREFIX_BYTES, check_data
@@ -179,6 +180,18 @@ def test_an_unwritable_cache_folder_screens_without_it(tmp_path, monkeypatch):
     blocker.write_text("")
     result, reads = _screen_with_counted_reads(load_examples(manifest), blocker, monkeypatch)
     assert result.kept == [0, 3] and len(reads) == 5
+
+
+def test_a_full_disk_costs_the_screening_cache_never_the_screening(tmp_path, monkeypatch):
+    manifest = _screening_data(tmp_path)
+    cache = tmp_path / "cache"
+    with pytest.MonkeyPatch.context() as patch:
+        fill_disk_on_write(patch)
+        result, reads = _screen_with_counted_reads(load_examples(manifest), cache, monkeypatch)
+    assert result.kept == [0, 3] and len(reads) == 5
+    assert not [path.name for path in cache.iterdir() if not path.name.endswith(".lock")]
+    again, reads = _screen_with_counted_reads(load_examples(manifest), cache, monkeypatch)
+    assert again == result and len(reads) == 5  # nothing half-written was taken for a result
 
 
 # -- paths ----------------------------------------------------------------------------------------

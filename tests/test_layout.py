@@ -146,7 +146,7 @@ def test_no_function_is_longer_than_a_readable_page():
 # packages a module may import its own package's modules. Within the shared first and the
 # tools' layer, modules are independent concepts that may use one another.
 LAYERS = (
-    ("errors", "units", "audio", "runfolder", "trackers", "runlog"),
+    ("errors", "units", "files", "audio", "runfolder", "trackers", "runlog"),
     ("data",),
     ("decoding", "word_timestamps"),
     ("memory",),

@@ -113,7 +113,9 @@ def test_a_damaged_half_is_refused_and_nothing_is_left_under_the_model_name(monk
     monkeypatch.setattr(packaged, "packaged_base_parts", lambda: (fake_first, fake_second))
     with pytest.raises(UserError, match="reinstall the packages"):
         packaged.multilingual_base_folder(tmp_path / "cache")
-    assert not list((tmp_path / "cache").rglob("model.bin*"))
+    # The side files only: neither model.bin nor the temporary it was joined in.
+    left = {path.name for path in (tmp_path / "cache").rglob("*") if path.is_file()}
+    assert left == set(packaged.BASE_SIDE_FILES)
 
 
 def test_detection_picks_english_for_english_and_spanish_for_spanish(without_language):

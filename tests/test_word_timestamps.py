@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import difflib
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile
 import torch
+from conftest import fill_disk_on_write
 from tiny_models import make_tiny_whisper, tiny_en_dir
 
 from whisper_train import cli
@@ -246,24 +246,19 @@ def test_save_alignment_heads_writes_the_generation_config_and_refuses_bad_heads
 def test_a_full_disk_while_saving_alignment_heads_leaves_the_generation_config_whole(
     tiny_whisper_dir, tmp_path, monkeypatch
 ):
-    import errno
     import shutil
 
     folder = tmp_path / "model"
     shutil.copytree(tiny_whisper_dir, folder)
     before = (folder / "generation_config.json").read_bytes()
-    real_write_text = Path.write_text
+    files_before = sorted(path.name for path in folder.iterdir())
 
-    def full_disk(self, text, *args, **kwargs):
-        real_write_text(self, text[: len(text) // 2], *args, **kwargs)  # half, then the error
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(Path, "write_text", full_disk)
+    fill_disk_on_write(monkeypatch)  # half of the new config lands, then the error
     with pytest.raises(OSError, match="No space"):
         save_alignment_heads(folder, [[1, 2]])
     monkeypatch.undo()
     assert (folder / "generation_config.json").read_bytes() == before
-    assert not (folder / "generation_config.json.partial").exists()
+    assert sorted(path.name for path in folder.iterdir()) == files_before  # no temporary left
     assert getattr(load_model(str(folder))[0].generation_config, "alignment_heads", None) is None
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch
 
 from whisper_train.audio import HOP_LENGTH, N_SAMPLES, SAMPLE_RATE
 from whisper_train.errors import UserError
+from whisper_train.files import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -133,14 +133,9 @@ def save_alignment_heads(model_dir: str | Path, heads: Sequence[Sequence[int]]) 
         )
     config = json.loads(config_file.read_text(encoding="utf-8"))
     config["alignment_heads"] = [[int(layer), int(head)] for layer, head in heads]
-    # Written beside and renamed over (atomic on POSIX): a kill or a full disk mid-write leaves
-    # the model's generation config as it was, never half a file.
-    partial = config_file.with_name(config_file.name + ".partial")
-    try:
-        partial.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        os.replace(partial, config_file)
-    finally:
-        partial.unlink(missing_ok=True)  # what a failed write left
+    # A kill or a full disk mid-write leaves the model's generation config as it was, never half
+    # a file.
+    write_atomically(config_file, json.dumps(config, indent=2) + "\n")
     return config_file
 
 

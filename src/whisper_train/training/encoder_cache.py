@@ -27,8 +27,8 @@ either, it stops writing, says so once with the numbers, and encodes the remaini
 the fly every time. Files are written whole, never preallocated or sparse.
 
 Shared safely: each process stores only the clips of its own batches (its shard). A file is
-written to a temporary name unique to its writer (`tempfile.mkstemp` in the same folder) and
-renamed into place (`os.replace`, atomic on POSIX): a reader sees no file or a whole one. Two
+written to a temporary name unique to its writer in the same folder and renamed into place
+(`files.write_atomically`, atomic on POSIX): a reader sees no file or a whole one. Two
 processes can meet on one clip only when accelerate repeats a few clips to even out the last
 batch of a sharded loader; they write the same bytes from the same weights, and whichever
 rename lands last leaves a whole, valid file.
@@ -45,7 +45,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +57,7 @@ from safetensors.torch import save as save_safetensors
 from whisper_train import runfolder
 from whisper_train.data.collate import SpeechCollator
 from whisper_train.errors import UserError
+from whisper_train.files import write_atomically
 from whisper_train.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ class EncoderCache:
         try:
             cache.folder.mkdir(parents=True, exist_ok=True)
             if not (cache.folder / INFO_FILE).exists():
-                _write_atomically(cache.folder / INFO_FILE, json.dumps(info, indent=1).encode())
+                write_atomically(cache.folder / INFO_FILE, json.dumps(info, indent=1).encode())
         except OSError as exc:
             raise UserError(
                 f"--encoder-cache-dir {root}: cannot write in {cache.folder} ({exc.strerror}); "
@@ -237,7 +237,7 @@ class EncoderCache:
             if self.written_bytes + len(data) > self.room or free - len(data) < self.reserve_bytes:
                 self._refuse(len(data), free)
                 return False
-            _write_atomically(path, data)
+            write_atomically(path, data)
         except OSError as exc:
             self.refused = True
             log.warning(
@@ -378,19 +378,6 @@ class CachedClip:
     def __call__(self, example) -> bool:
         key = clip_key(example)
         return key is not None and self.cache.path(key).is_file()
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    """`data` to `path` through a temporary file unique to this writer, renamed into place."""
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)  # as a plain open() would leave it, not mkstemp's owner-only 0o600
-        with os.fdopen(fd, "wb") as file:
-            file.write(data)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 # -- `whisper-train cache ls | clear` -----------------------------------------------------------

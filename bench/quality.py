@@ -32,7 +32,8 @@ Grids:
          clips), --packing on and --packing per-clip (batch 1 window, about 8 clips of the
          demo's): equal clips seen; --equal-wall-epochs N adds per-clip for N epochs;
          --per-clip-encoder CONTEXT (repeatable: window, block, block-restart,
-         block-restart-pad, block-restart-ownpad) adds per-clip with that encoder context
+         block-restart-pad, block-restart-ownpad, block-restart-silence,
+         block-restart-silence-self) adds per-clip with that encoder context
          (`memory.clip_attention.ENCODER_CONTEXT`; the plain per-clip row is the default,
          block-restart-pad, and was window before 2026-11-26), --encoder-only runs only those;
   lr     each mode at its default learning rate, a third and a tenth of it, and
@@ -303,7 +304,15 @@ def main() -> None:
         "--per-clip-encoder",
         action="append",
         default=[],
-        choices=("window", "block", "block-restart", "block-restart-pad", "block-restart-ownpad"),
+        choices=(
+            "window",
+            "block",
+            "block-restart",
+            "block-restart-pad",
+            "block-restart-ownpad",
+            "block-restart-silence",
+            "block-restart-silence-self",
+        ),
         help="--grid per-clip: also per-clip with this encoder context (plain per-clip: "
         "block-restart-pad, the default since 2026-11-26; window: the one before)",
     )

@@ -14,7 +14,8 @@ Systems, each its own process, each starting from the same model folder (--model
   whisper-train  `whisper-train train` (its CLI, in-process) with its shipped defaults plus
                  --learning-rate, --batch-size, --seed, --max-steps, --only-train (nothing
                  scored while timed) and each --variant's own flags (after the others: they
-                 win). The default (no flags) always runs.
+                 win; leading VAR=VALUE words go to its environment). The default (no flags)
+                 always runs.
 
 The Trainer runs first, for --budget-factor epochs; its training seconds are the budget. Each
 whisper-train variant is timed for a few steps (a calibration run), then trained for the steps
@@ -54,6 +55,7 @@ import copy
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import statistics
@@ -313,7 +315,10 @@ def launch(spec: dict, folder: Path) -> dict:
     log = folder / "worker.log"
     with log.open("w") as stream:
         command = [sys.executable, __file__, "--worker", str(folder / "spec.json")]
-        done = subprocess.run(command, stdout=stream, stderr=subprocess.STDOUT, check=False)
+        env = {**os.environ, **spec.get("env", {})}
+        done = subprocess.run(
+            command, stdout=stream, stderr=subprocess.STDOUT, check=False, env=env
+        )
     if done.returncode != 0:
         raise WorkerFailed(f"{folder.name} failed ({log}):\n{log.read_text()[-2000:]}")
     return json.loads((folder / "result.json").read_text())
@@ -348,6 +353,18 @@ def run_trainer(args, sets, model_dir: Path) -> list[dict]:
     return runs
 
 
+def variant_of(text: str) -> tuple[str, list[str], dict[str, str]]:
+    """ "NAME=[VAR=VALUE ...] FLAGS": the variant's name, its flags and the environment its
+    worker adds (leading VAR=VALUE words, as a shell takes them: an internal switch such as
+    WHISPER_TRAIN_PER_CLIP_ENCODER, which has no flag)."""
+    name, _, rest = text.partition("=")
+    words, env = shlex.split(rest), {}
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    return name.strip(), words, env
+
+
 def whisper_train_spec(args, sets, model_dir, variant, seed, steps, marks, out) -> dict:
     """A whisper-train worker's run: the variant's flags last (they win); saves at `marks`
     unless `out` is a calibration run's folder."""
@@ -361,13 +378,13 @@ def whisper_train_spec(args, sets, model_dir, variant, seed, steps, marks, out) 
     ]  # fmt: skip
     save = not out.name.endswith("-calibration")
     return {"system": "whisper-train", "model_dir": str(model_dir), "argv": argv,
-            "marks": marks, "save": save, "out": str(out)}  # fmt: skip
+            "marks": marks, "save": save, "out": str(out), "env": variant[2]}  # fmt: skip
 
 
 def run_whisper_train(args, sets, model_dir: Path, variant, budget: float) -> list[dict]:
     """A calibration run (seconds a step, first seed), then per seed the steps that fill
     `budget` (the Trainer's training seconds)."""
-    (label, flags), runs = variant, []
+    (label, flags, _), runs = variant, []
     steps, out = args.calibration_steps, args.work_dir / f"wt-{label}-calibration"
     marks = list(range(1, steps + 1))
     spec = whisper_train_spec(args, sets, model_dir, variant, args.seeds[0], steps, marks, out)
@@ -592,7 +609,8 @@ def parse_args() -> argparse.Namespace:
     add("--batch-size", type=int, default=8, help="clips a step (a variant may change its own)")
     example = "'packed=--packing on --batch-size 1'"
     add("--variant", action="append", default=[], metavar="NAME=FLAGS",
-        help=f"whisper-train with these flags too, e.g. {example}")  # fmt: skip
+        help=f"whisper-train with these flags too, e.g. {example}; leading VAR=VALUE words "
+        "set the worker's environment")  # fmt: skip
     add("--budget-factor", type=float, default=1.5, help="the Trainer's epochs: the budget")
     add("--points", type=int, default=5, help="saved points a run")
     add("--calibration-steps", type=int, default=4)
@@ -620,10 +638,7 @@ def main() -> None:
         return
     import torch
 
-    variants = [("default", [])]
-    variants += [
-        (v.partition("=")[0].strip(), shlex.split(v.partition("=")[2])) for v in args.variant
-    ]
+    variants = [("default", [], {})] + [variant_of(text) for text in args.variant]
     smoke = "-smoke" if args.smoke else ""
     args.work_dir.mkdir(parents=True, exist_ok=True)
     sets = make_sets(args.target, args.work_dir / f"data-{args.target}{smoke}", args.smoke)

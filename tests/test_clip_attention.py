@@ -29,6 +29,8 @@ from whisper_train.memory.clip_attention import (
     ENCODER_CONTEXT,
     ENCODER_CONTEXTS,
     OWNPAD,
+    SILENCE,
+    SILENCE_SELF,
     ClipRoute,
     clip_route,
     gather_clip_positions,
@@ -100,6 +102,30 @@ def clip_alone(whisper, features: torch.Tensor, span: tuple, context: str) -> to
     return encoder.layer_norm(hidden)
 
 
+def clip_beside_silence(whisper, features: torch.Tensor, span: tuple) -> torch.Tensor:
+    """(1, S, d): one clip's n frames at 0..n-1 through the encoder's layers, attending in
+    each to themselves and to a silence window's frames n..S-1 at that layer (the silence
+    window encoded alone, blind to the clip); then that silence window's outputs n..S-1."""
+    encoder = whisper.model.encoder
+    window, start, end = span
+    n = end - start
+    silence = torch.full_like(features[window : window + 1], float(features[window].min()))
+
+    def embedded(frames):
+        embeds = torch.nn.functional.gelu(encoder.conv1(frames))
+        return torch.nn.functional.gelu(encoder.conv2(embeds)).permute(0, 2, 1)
+
+    clip = embedded(features[window : window + 1])[:, start:end]
+    clip = clip + encoder.embed_positions.weight[:n]
+    quiet = (
+        embedded(silence) + encoder.embed_positions.weight[: encoder.config.max_source_positions]
+    )
+    for layer in encoder.layers:
+        clip = layer(torch.cat([clip, quiet[:, n:]], dim=1), None)[:, :n]
+        quiet = layer(quiet, None)
+    return encoder.layer_norm(torch.cat([clip, quiet[:, n:]], dim=1))
+
+
 def reference_loss(model: torch.nn.Module, batch: dict, context: str = "window") -> torch.Tensor:
     """Each clip decoded alone on its own positions; the token mean over all of them."""
     whisper = whisper_of(model)
@@ -109,6 +135,14 @@ def reference_loss(model: torch.nn.Module, batch: dict, context: str = "window")
         keep = batch["labels"][row] != IGNORE_INDEX
         if context == "window":
             keys = encoded[window : window + 1, start:end]
+        elif context == SILENCE:  # the clip alone at 0..n-1, then silence's n..S-1
+            features = batch["input_features"][window : window + 1]
+            silence = torch.full_like(features, float(features.min()))
+            after = whisper.model.encoder(silence).last_hidden_state[:, end - start :]
+            alone = clip_alone(whisper, batch["input_features"], SPANS[row], "block-restart")
+            keys = torch.cat([alone, after], dim=1)
+        elif context == SILENCE_SELF:
+            keys = clip_beside_silence(whisper, batch["input_features"], SPANS[row])
         else:
             keys = clip_alone(whisper, batch["input_features"], SPANS[row], context)
         states = whisper.model.decoder(
@@ -146,7 +180,9 @@ def test_a_routed_step_is_each_clip_decoded_alone(mode, checkpointing, attn, mon
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("checkpointing", ["off", "full"])
 @pytest.mark.parametrize("mode", ["full", "lora"])
-@pytest.mark.parametrize("context", ["block", "block-restart", "block-restart-pad", OWNPAD])
+@pytest.mark.parametrize(
+    "context", ["block", "block-restart", "block-restart-pad", OWNPAD, SILENCE, SILENCE_SELF]
+)
 def test_a_block_diagonal_encoder_is_each_clip_encoded_alone(
     context, mode, checkpointing, attn, monkeypatch
 ):
@@ -187,7 +223,9 @@ def test_per_clip_encodes_each_clip_as_alone_with_its_padding_by_default(monkeyp
     assert clip_route(packed_batch()).context == "block-restart-pad"
 
 
-@pytest.mark.parametrize("context", ["window", "block-restart", "block-restart-pad", OWNPAD])
+@pytest.mark.parametrize(
+    "context", ["window", "block-restart", "block-restart-pad", OWNPAD, SILENCE, SILENCE_SELF]
+)
 def test_padding_is_hidden_and_the_hooks_leave_other_forwards_alone(context, monkeypatch):
     monkeypatch.setenv(ENCODER_CONTEXT, context)
     model = build("full", "full", "sdpa")

@@ -65,7 +65,25 @@ _ROUTER = "_whisper_train_clip_router"
 # The environment variable that picks another encoder context for --packing per-clip than the
 # default (internal, for bench/quality.py's comparison).
 ENCODER_CONTEXT = PER_CLIP_ENCODER
-ENCODER_CONTEXTS = ("window", "block", "block-restart", "block-restart-pad", OWNPAD)
+# "block-restart-silence" (SILENCE): each clip's decoder pass cross-attends to all S positions,
+# as at inference: its own frames at 0..n-1, then positions n..S-1 of a window of pure silence
+# (the clip's window's log-mel floor) encoded beside it, which stands for the padding a clip
+# alone has. The encoder's batch doubles (a silence window per window).
+SILENCE = "block-restart-silence"
+# "block-restart-silence-self" (SILENCE_SELF): as SILENCE, and in every encoder layer a clip's
+# frames also attend to the silence window's frames at n..S-1, as a clip alone attends to its
+# padding (which, unlike a clip's own padding, does not attend back to the clip).
+SILENCE_SELF = "block-restart-silence-self"
+SILENCE_CONTEXTS = (SILENCE, SILENCE_SELF)
+ENCODER_CONTEXTS = (
+    "window",
+    "block",
+    "block-restart",
+    "block-restart-pad",
+    OWNPAD,
+    SILENCE,
+    SILENCE_SELF,
+)
 DEFAULT_ENCODER_CONTEXT = "block-restart-pad"
 # "block-restart-ownpad" (OWNPAD): each clip's own padding is the silence after it in its
 # window, up to the next clip (after the window's last clip: up to the window's end); its
@@ -106,11 +124,33 @@ class ClipRouter:
         if route is None or route.context == "window":
             return None
         features = args[0] if args else kwargs["input_features"]
+        if route.context in SILENCE_CONTEXTS:
+            features = with_silence_windows(features)
+            if args:
+                args = (features, *args[1:])
+            else:
+                kwargs = {**kwargs, "input_features": features}
         mask, positions = block_context(route, len(features), module.embed_positions)
         self.encoder_mask = mask
+        if route.context == SILENCE_SELF:
+            mask = torch.cat([mask, silence_keys_mask(route, mask)], dim=-1)
+            self.encoder_mask = mask
         restart = route.context.startswith("block-restart")
         self.encoder_positions = positions if restart else None
-        return None
+        return (args, kwargs) if route.context in SILENCE_CONTEXTS else None
+
+    @staticmethod
+    def self_attention_hook(module, args, kwargs):
+        """SILENCE_SELF: a mask over twice the sequence's keys is the sign (kept by a
+        checkpointed layer's recomputation) to give each window's queries its silence
+        window's frames after its own, and each silence window's itself twice (the second
+        copy masked)."""
+        hidden = args[0] if args else kwargs["hidden_states"]
+        mask = kwargs.get("attention_mask")
+        if mask is None or mask.shape[-1] != 2 * hidden.shape[1]:
+            return None
+        silence = hidden[len(hidden) // 2 :]
+        return args, {**kwargs, "key_value_states": torch.cat([hidden, silence.repeat(2, 1, 1)], 1)}
 
     def positions_hook(self, module, args, output):
         if self.encoder_positions is None:
@@ -159,6 +199,13 @@ def gather_clip_positions(
     tail [its last clip's end, S) follows, padded the same way to the longest tail."""
     device = encoded.device
     starts, ends = route.starts.to(device), route.ends.to(device)
+    if route.context in SILENCE_CONTEXTS:  # the clip's own frames, then silence's n..S-1
+        windows, width = route.windows.to(device)[:, None], encoded.shape[1]
+        offsets = torch.arange(width, device=device)[None, :]
+        own = offsets < (ends - starts)[:, None]
+        rows = torch.where(own, windows, windows + encoded.shape[0] // 2)
+        keys = encoded[rows, torch.where(own, starts[:, None] + offsets, offsets)]
+        return keys, torch.ones(keys.shape[:2], dtype=torch.bool, device=device)[:, None, None]
     if route.context == OWNPAD:  # the clip and its own padding, one span
         ends = own_pad_ends(route, encoded.shape[1]).to(device)
     if route.context.endswith("-pad"):
@@ -175,6 +222,26 @@ def gather_clip_positions(
         last = torch.clamp(lengths[:, None] - 1, min=0)  # an empty tail: any position, masked
         keys.append(encoded[windows, first[:, None] + torch.minimum(offsets[None, :], last)])
     return torch.cat(keys, dim=1), torch.cat(valid, dim=1)[:, None, None, :]
+
+
+def with_silence_windows(features: torch.Tensor) -> torch.Tensor:
+    """(2W, n_mels, frames): the W windows, then for each a window of silence: every bin at
+    that window's lowest value, the log-mel floor its clamp gives silence (and padding)."""
+    floor = features.amin(dim=(1, 2), keepdim=True)
+    return torch.cat([features, floor.expand_as(features)])
+
+
+def silence_keys_mask(route: ClipRoute, window_mask: torch.Tensor) -> torch.Tensor:
+    """(2W, 1, S, S), to go beside `window_mask` (each window's own keys): which frames of its
+    silence window each query may also attend to (SILENCE_SELF). A clip of n frames: those at
+    n..S-1, its padding were it alone; a frame in no clip, and a silence window's, none."""
+    rows, width, device = window_mask.shape[0], window_mask.shape[-1], window_mask.device
+    lengths = torch.full((rows, width), width, dtype=torch.long, device=device)
+    spans = zip(route.windows.tolist(), route.starts.tolist(), route.ends.tolist(), strict=True)
+    for window, start, end in spans:
+        lengths[window, start:end] = end - start
+    keys = torch.arange(width, device=device)
+    return (keys[None, None, :] >= lengths[:, :, None])[:, None]
 
 
 def own_pad_ends(route: ClipRoute, width: int) -> torch.Tensor:
@@ -234,6 +301,7 @@ def route_clips(whisper: nn.Module) -> ClipRouter:
         encoder.embed_positions.register_forward_hook(router.positions_hook)
         for layer in encoder.layers:
             layer.register_forward_pre_hook(router.encoder_layer_hook, with_kwargs=True)
+            layer.self_attn.register_forward_pre_hook(router.self_attention_hook, with_kwargs=True)
         for layer in whisper.model.decoder.layers:
             layer.encoder_attn.register_forward_pre_hook(
                 router.cross_attention_hook, with_kwargs=True

@@ -44,7 +44,13 @@ as it is, neighbours visible: the first per-clip packing, 12-13 points worse hel
 with padding of its own, not shared: the silence after it up to the next clip, or to the
 window's end after the last one, in its block and embedded after it, 0..n+p-1; its windows are
 planned with a longer gap, OWNPAD_GAP_SECONDS, so that each clip has some; measured no better
-than "block-restart-pad" at the same gap, BENCHMARKS.md "Each clip with padding of its own").
+than "block-restart-pad" at the same gap, BENCHMARKS.md "Each clip with padding of its own"),
+"block-restart-silence" and "block-restart-silence-self" (a window of silence encoded beside
+each window stands for the padding a clip alone has: each clip's decoder pass cross-attends to
+its own frames and the silence window's n..1499; with -self its frames also attend to those in
+every encoder layer, through the self-attention's keys. Closer to unpacked per clip seen, at 2x
+and 2.7x the step: slower to a given quality, BENCHMARKS.md "The padding's encoder outputs in
+sight").
 """
 
 from __future__ import annotations

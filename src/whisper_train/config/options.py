@@ -229,7 +229,9 @@ class TrainConfig:
     )
     lr_scheduler: str = _help("linear or constant_with_warmup.", default="linear")
     warmup_steps: int = _help(
-        "Linear warm-up steps (default 0, a choice not measured here).", default=0
+        "Linear warm-up steps (default 0: a 10% warm-up changed nothing at full's default rate "
+        "and did not make 1e-4 safe for real speech; BENCHMARKS.md 'Warm-up and schedule').",
+        default=0,
     )
     weight_decay: float = _help("AdamW weight decay.", default=0.0)
     max_grad_norm: float = _help("Clip gradients to this global norm (0 disables).", default=1.0)

@@ -227,7 +227,11 @@ class TrainConfig:
         "lower for wider models (small 1.25e-5, large 4.4e-6); BENCHMARKS.md 'Learning rates'.",
         default=None,
     )
-    lr_scheduler: str = _help("linear or constant_with_warmup.", default="linear")
+    lr_scheduler: str = _help(
+        "linear or constant_with_warmup (linear by default: a constant rate cost real speech "
+        "0.5-1.4 points of WER; BENCHMARKS.md 'Warm-up and schedule').",
+        default="linear",
+    )
     warmup_steps: int = _help(
         "Linear warm-up steps (default 0: a 10% warm-up changed nothing at full's default rate "
         "and did not make 1e-4 safe for real speech; BENCHMARKS.md 'Warm-up and schedule').",

@@ -29,10 +29,11 @@ def add_config_arguments(parser: argparse.ArgumentParser, groups=tuple(GROUPS)) 
             flag = "--" + f.name.replace("_", "-")
             factory = f.default_factory
             default = f.default if f.default is not MISSING else factory()  # type: ignore[misc]
-            help_text = f.metadata.get("help", "")
+            # argparse %-formats help text: a percent sign in prose must reach it doubled
+            help_text = f.metadata.get("help", "").replace("%", "%%")
             if default not in (None, False, [], ""):
                 shown = ",".join(default) if isinstance(default, list) else default
-                help_text += f" [default: {shown}]"
+                help_text += f" [default: {str(shown).replace('%', '%%')}]"
             if _is_bool(f.type):
                 group.add_argument(
                     flag,

@@ -51,3 +51,33 @@ def get_model_path() -> str:
     return str(Path(__file__).parent / "model")
 PYEOF
 du -sh .whl .whl-compat .gpu
+
+# TTQ=1: bench/time_to_quality.py's inputs too (the `ttq` phase of bench/gpu_session.sh): the
+# real tiny.en as a model folder and the demo's synth sets. tiny.en's float32 weights (151 MB)
+# are past what one call carries, so they travel as float16 (75 MB; the precision openai-whisper
+# runs them in on a GPU), split in two: .gpu-ttq-a/ (with the first call) and .gpu-ttq-b/ (with
+# the data, the next call on the same warm machine); the phase joins them and widens to float32.
+if [ "${TTQ:-0}" = 1 ]; then
+  rm -rf .gpu-ttq-a .gpu-ttq-b
+  mkdir -p .gpu-ttq-a .gpu-ttq-b/model-tiny.en
+  PYTHONPATH=src "$PY" - <<'PYEOF'
+import sys
+from pathlib import Path
+
+sys.path.insert(0, "bench")
+import time_to_quality as ttq
+from safetensors.torch import load_file, save_file
+
+folder = ttq.save_base_model("tiny.en", Path("/tmp/gpu-ttq-model"))
+ttq.make_sets("synth", Path(".gpu-ttq-b/data-synth"), smoke=False)
+for file in folder.iterdir():
+    if file.name != "model.safetensors":
+        Path(".gpu-ttq-b/model-tiny.en", file.name).write_bytes(file.read_bytes())
+weights = load_file(folder / "model.safetensors")
+save_file({k: v.half() for k, v in weights.items()}, "/tmp/gpu-ttq-model.fp16", {"format": "pt"})
+PYEOF
+  size=$(stat -c %s /tmp/gpu-ttq-model.fp16)
+  head -c $((size * 3 / 5)) /tmp/gpu-ttq-model.fp16 > .gpu-ttq-a/model.fp16.part1
+  tail -c +$((size * 3 / 5 + 1)) /tmp/gpu-ttq-model.fp16 > .gpu-ttq-b/model.fp16.part2
+  du -sh .gpu-ttq-a .gpu-ttq-b
+fi

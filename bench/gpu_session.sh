@@ -5,7 +5,7 @@
 # the others their time; each writes its log to $OUT (at most 8 files come back). Phases run in
 # the issue's order of importance: the CUDA tests, peak memory against the planner, the seed
 # reports on transformers 4.56.2 and 5.x, then throughput against the Seq2SeqTrainer. PHASES
-# picks some (default: tests memory seed throughput; also: workers, compile, profile, loop).
+# picks some (default: tests memory seed throughput; also: workers, compile, profile, loop, ttq).
 set -u
 PHASES=${PHASES:-tests memory seed throughput}
 want() { [[ " $PHASES " == *" $1 "* ]]; }
@@ -74,3 +74,25 @@ want profile && grep -v -i "warn" "$OUT/profile.log" | tail -45
 # whisper-train's own loop split into data wait, train step and after-step, with a profile.
 want loop && phase loop 150 python3 bench/gpu_loop_profile.py --repeat 20
 want loop && grep -v -i "warn\|^step " "$OUT/loop.log" | tail -42
+
+# bench/time_to_quality.py on the real tiny.en and the demo's synth sets (TTQ=1 bash
+# bench/gpu_carry.sh): its float16 weights came in two halves, .gpu-ttq-a with an earlier call
+# on this warm machine and .gpu-ttq-b with this one; joined and widened to float32 here.
+# TTQ_MODE full|lora; the Trainer at the two rates BENCHMARKS' CPU table gave it.
+if want ttq; then
+  model=.gpu-ttq-b/model-tiny.en
+  if [ ! -f .gpu-ttq-a/model.fp16.part1 ] || [ ! -f .gpu-ttq-b/model.fp16.part2 ]; then
+    echo "== ttq: a half of the model is missing (a fresh machine? carry .gpu-ttq-a again)"
+  else
+    cat .gpu-ttq-a/model.fp16.part1 .gpu-ttq-b/model.fp16.part2 > /tmp/model.fp16
+    python3 -c "from safetensors.torch import load_file, save_file; w = load_file('/tmp/model.fp16'); save_file({k: v.float() for k, v in w.items()}, '$model/model.safetensors', {'format': 'pt'})"
+    mode=${TTQ_MODE:-full}
+    if [ "$mode" = full ]; then rates="1e-5 5e-5"; else rates="3e-4 1e-3"; fi
+    phase ttq ${TTQ_CAP:-480} python3 bench/time_to_quality.py --target synth --mode "$mode" \
+      --model tiny.en --work-dir .gpu-ttq-b --trainer-learning-rates $rates --seeds 0 1 \
+      --points ${TTQ_POINTS:-3} --variant "per-clip=--packing per-clip --batch-size 1" \
+      --variant "per-clip-silence=WHISPER_TRAIN_PER_CLIP_ENCODER=block-restart-silence --packing per-clip --batch-size 1"
+    cp .gpu-ttq-b/time_to_quality-synth-* "$OUT/" 2>/dev/null
+    grep -v -i "warn" "$OUT/ttq.log" | tail -40
+  fi
+fi

@@ -17,6 +17,7 @@ window's convolutions), at the window's positions or at 0..n-1, then decodes it 
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -157,10 +158,33 @@ def reference_loss(model: torch.nn.Module, batch: dict, context: str = "window")
     return total / tokens
 
 
+# Checkpointing off, on, and on with the layers' hooks run again by the recomputation.
+CHECKPOINTING = ["off", "full", "full, hooks recomputed"]
+CHECKPOINTING_IDS = ["off", "full", "full-hooks"]
+
+
+def hooks_inside_the_checkpoint(monkeypatch) -> None:
+    """A checkpointed layer as transformers 4.56 to 5.17 (at least) run it: the whole call,
+    hooks included, inside the checkpoint, so its recomputation in backward runs its hooks again
+    (5.24 checkpoints only `forward`, inside the hooks)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    def call(self, *args, **kwargs):
+        if self.gradient_checkpointing and self.training:
+            whole_call = functools.partial(torch.nn.Module.__call__, self, **kwargs)
+            return self._gradient_checkpointing_func(whole_call, *args)
+        return torch.nn.Module.__call__(self, *args, **kwargs)
+
+    monkeypatch.setattr(GradientCheckpointingLayer, "__call__", call)
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("checkpointing", ["off", "full"])
+@pytest.mark.parametrize("checkpointing", CHECKPOINTING, ids=CHECKPOINTING_IDS)
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_a_routed_step_is_each_clip_decoded_alone(mode, checkpointing, attn, monkeypatch):
+    if checkpointing == "full, hooks recomputed":
+        hooks_inside_the_checkpoint(monkeypatch)
+        checkpointing = "full"
     monkeypatch.setenv(ENCODER_CONTEXT, "window")  # the encoder on the whole window
     batch = packed_batch()
     reference = build(mode, "off", attn)
@@ -178,7 +202,7 @@ def test_a_routed_step_is_each_clip_decoded_alone(mode, checkpointing, attn, mon
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("checkpointing", ["off", "full"])
+@pytest.mark.parametrize("checkpointing", CHECKPOINTING, ids=CHECKPOINTING_IDS)
 @pytest.mark.parametrize("mode", ["full", "lora"])
 @pytest.mark.parametrize(
     "context", ["block", "block-restart", "block-restart-pad", OWNPAD, SILENCE, SILENCE_SELF]
@@ -186,6 +210,9 @@ def test_a_routed_step_is_each_clip_decoded_alone(mode, checkpointing, attn, mon
 def test_a_block_diagonal_encoder_is_each_clip_encoded_alone(
     context, mode, checkpointing, attn, monkeypatch
 ):
+    if checkpointing == "full, hooks recomputed":
+        hooks_inside_the_checkpoint(monkeypatch)
+        checkpointing = "full"
     batch = packed_batch()
     reference = build(mode, "off", attn)
     expected = reference_loss(reference, batch, context)

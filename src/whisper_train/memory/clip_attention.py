@@ -20,8 +20,9 @@ per model (`route_clips`), join the two batch sizes:
 
 The encoder hook acts once, on the next encoder forward after `ClipRouter.arm`: the one inside
 the model call `loss_terms` makes. The mask hook acts only where the keys are that very gathered
-tensor (by identity): a decoder layer recomputed under checkpointing, in backward after the
-forward has returned, is given the same tensor and so gets the same mask; any other forward
+tensor (the same memory, `same_tensor`): a decoder layer recomputed under checkpointing, in
+backward after the forward has returned, is given that tensor again and so gets the same mask;
+any other forward
 (generation, evaluation, a micro-batch of single clips) meets other tensors and runs as if no
 hook were there.
 
@@ -35,9 +36,14 @@ that clip alone would have them; and its decoder pass cross-attends to its own p
 tail's. (The convolutions before the layers still see one frame of the gap at each edge of a
 clip.) Three more hooks do this, idle unless a route is armed: an encoder pre-hook builds the
 mask and positions, the encoder's position embedding returns the restarted ones, and each
-encoder layer's pre-hook hands it the mask as its `attention_mask` argument, which a
-checkpointed layer keeps for its recomputation (transformers checkpoints a layer's `forward`,
-inside its hooks). The other contexts stay for the measurement (`ENCODER_CONTEXT`, an
+encoder layer's pre-hook hands it the mask as its `attention_mask` argument. A checkpointed
+layer's recomputation in backward must get that mask again, after the forward has ended:
+transformers 5.24 checkpoints a layer's `forward` inside its hooks (the recomputation keeps the
+argument the hook gave), but 4.56 to 5.17 at least checkpoint the call, hooks included (the
+recomputation runs the hook again, on its input's memory as a new tensor object): the hook
+remembers which input it gave which mask (`same_tensor`). (Found on a GPU, where a layer recomputed without its mask picks another
+attention kernel and backward fails: "A different number of tensors was saved"; on a CPU it
+would have given wrong gradients in silence.) The other contexts stay for the measurement (`ENCODER_CONTEXT`, an
 environment variable bench/quality.py sets; not an option): "window" (the encoder on the window
 as it is, neighbours visible: the first per-clip packing, 12-13 points worse held-out),
 "block" (block-diagonal only), "block-restart" (no tail) and "block-restart-ownpad" (each clip
@@ -119,6 +125,9 @@ class ClipRouter:
         # mask (True: may attend) and the (W, S) positions to embed (None: the window's own).
         self.encoder_mask: torch.Tensor | None = None
         self.encoder_positions: torch.Tensor | None = None
+        # (an encoder layer's input, the mask the layer was given) in the last routed encoder
+        # forward, for its recomputation where transformers runs the hook again (module doc)
+        self.given_masks: list[tuple[weakref.ref, torch.Tensor]] = []
 
     def arm(self, route: ClipRoute | None) -> None:
         """The next encoder forward gathers `route`'s clips (None: it runs as it is)."""
@@ -129,6 +138,7 @@ class ClipRouter:
         route = self.pending
         if route is None or route.context == "window":
             return None
+        self.given_masks = []  # the last micro-batch's backward is done: a new one begins
         features = args[0] if args else kwargs["input_features"]
         if route.context in SILENCE_CONTEXTS:
             features = with_silence_windows(features)
@@ -164,14 +174,21 @@ class ClipRouter:
         return nn.functional.embedding(self.encoder_positions, module.weight)  # (W, S, d)
 
     def encoder_layer_hook(self, module, args, kwargs):
-        if self.encoder_mask is None:
-            return None
         hidden = args[0] if args else kwargs["hidden_states"]
-        mask = self.encoder_mask
-        if self.eager and mask.dtype == torch.bool:  # eager adds its mask to the scores
-            blocked = torch.finfo(hidden.dtype).min
-            zeros = torch.zeros(mask.shape, dtype=hidden.dtype, device=mask.device)
-            self.encoder_mask = mask = zeros.masked_fill(~mask, blocked)  # once a forward
+        if self.encoder_mask is None:  # outside a routed forward: a recomputation of one?
+            given = (
+                mask for layer_input, mask in self.given_masks if same_tensor(hidden, layer_input())
+            )
+            mask = next(given, None)
+            if mask is None:
+                return None
+        else:
+            mask = self.encoder_mask
+            if self.eager and mask.dtype == torch.bool:  # eager adds its mask to the scores
+                blocked = torch.finfo(hidden.dtype).min
+                zeros = torch.zeros(mask.shape, dtype=hidden.dtype, device=mask.device)
+                self.encoder_mask = mask = zeros.masked_fill(~mask, blocked)  # once a forward
+            self.given_masks.append((weakref.ref(hidden), mask))
         kwargs = {key: value for key, value in kwargs.items() if key != "attention_mask"}
         return (hidden, mask, *args[2:]), kwargs
 
@@ -187,13 +204,28 @@ class ClipRouter:
 
     def cross_attention_hook(self, module, args, kwargs):
         keys = kwargs.get("key_value_states")
-        if keys is None or self.keys is None or keys is not self.keys():
+        if keys is None or self.keys is None or not same_tensor(keys, self.keys()):
             return None
         mask = self.mask
         if self.eager:  # eager attention adds its mask to the scores
             blocked = torch.finfo(torch.float32).min
             mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, blocked)
         return args, {**kwargs, "attention_mask": mask}
+
+
+def same_tensor(tensor: torch.Tensor, other: torch.Tensor | None) -> bool:
+    """Whether `tensor` is `other` or the same memory seen the same way: a recomputation under
+    non-reentrant checkpointing gets the forward's tensor arguments back as new tensor objects
+    over the same storage (a layer's hooks see those where they run inside the checkpoint)."""
+    return other is not None and (
+        tensor is other
+        or (
+            tensor.data_ptr() == other.data_ptr()
+            and tensor.shape == other.shape
+            and tensor.stride() == other.stride()
+            and tensor.dtype == other.dtype
+        )
+    )
 
 
 def gather_clip_positions(

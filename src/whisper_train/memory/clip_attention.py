@@ -41,11 +41,12 @@ layer's recomputation in backward must get that mask again, after the forward ha
 transformers 5.24 checkpoints a layer's `forward` inside its hooks (the recomputation keeps the
 argument the hook gave), but 4.56 to 5.17 at least checkpoint the call, hooks included (the
 recomputation runs the hook again, on its input's memory as a new tensor object): the hook
-remembers which input it gave which mask (`same_tensor`). (Found on a GPU, where a layer recomputed without its mask picks another
-attention kernel and backward fails: "A different number of tensors was saved"; on a CPU the
-same, or with eager attention, wrong gradients in silence.) The other contexts stay for the measurement (`ENCODER_CONTEXT`, an
-environment variable bench/quality.py sets; not an option): "window" (the encoder on the window
-as it is, neighbours visible: the first per-clip packing, 12-13 points worse held-out),
+remembers which input it gave which mask (`same_tensor`). (Found on a GPU, where a layer
+recomputed without its mask picks another attention kernel and backward fails: "A different
+number of tensors was saved"; on a CPU the same, or with eager attention, wrong gradients in
+silence.) The other contexts stay for the measurement (`ENCODER_CONTEXT`, an environment
+variable bench/quality.py sets; not an option): "window" (the encoder on the window as it is,
+neighbours visible: the first per-clip packing, 12-13 points worse held-out),
 "block" (block-diagonal only), "block-restart" (no tail) and "block-restart-ownpad" (each clip
 with padding of its own, not shared: the silence after it up to the next clip, or to the
 window's end after the last one, in its block and embedded after it, 0..n+p-1; its windows are

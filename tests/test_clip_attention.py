@@ -245,9 +245,33 @@ def test_the_block_context_is_not_the_window(monkeypatch):
     )
 
 
-def test_per_clip_encodes_each_clip_as_alone_with_its_padding_by_default(monkeypatch):
+def test_per_clip_context_by_default_follows_what_trains(monkeypatch):
+    """LoRA: each clip as alone with its window's padding; full and freeze-encoder (the whole
+    decoder trains): with a silence window's outputs, which kept real speech (BENCHMARKS.md)."""
     monkeypatch.delenv(ENCODER_CONTEXT, raising=False)
-    assert clip_route(packed_batch()).context == "block-restart-pad"
+    assert clip_route(packed_batch(), adapters=True).context == "block-restart-pad"
+    assert clip_route(packed_batch(), adapters=False).context == SILENCE
+    assert clip_route({"input_features": torch.zeros(1)}, adapters=False) is None
+    monkeypatch.setenv(ENCODER_CONTEXT, OWNPAD)  # the bench's switch wins
+    assert clip_route(packed_batch(), adapters=False).context == OWNPAD
+
+
+def test_a_default_per_clip_step_routes_by_what_trains(monkeypatch):
+    """Through `loss_terms`: a LoRA model's per-clip loss is block-restart-pad's, a fully
+    trained model's is block-restart-silence's (each differs from the other context's)."""
+    batch = packed_batch()
+    losses = {}
+    for mode in ("lora", "full"):
+        model = build(mode, "off", "sdpa")
+        for context in ("", "block-restart-pad", SILENCE):
+            if context:
+                monkeypatch.setenv(ENCODER_CONTEXT, context)
+            else:
+                monkeypatch.delenv(ENCODER_CONTEXT, raising=False)
+            with torch.no_grad():
+                losses[mode, context] = float(loss_terms(model, batch).loss)
+    assert losses["lora", ""] == losses["lora", "block-restart-pad"] != losses["lora", SILENCE]
+    assert losses["full", ""] == losses["full", SILENCE] != losses["full", "block-restart-pad"]
 
 
 @pytest.mark.parametrize(

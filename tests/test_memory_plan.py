@@ -48,6 +48,37 @@ def test_counted_activations_match_measured_saved_tensors_for_every_policy(mode,
     assert measured["full"] < measured["off"]
 
 
+def test_the_encoders_share_of_the_count_matches_what_its_forward_saves():
+    """The part of a sample's count that a second encoder sequence adds (`--packing per-clip`'s
+    silence window beside each window) is what the encoder's own forward saves."""
+    model = _prepared("full")
+    features, _ = _batch(model, batch_size=2)
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(tensor):
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer and pointer not in parameters:
+            kept.setdefault(pointer, tensor.untyped_storage().nbytes())
+        return tensor
+
+    with (
+        memory.checkpointing_policy(model, "off"),
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+    ):
+        memory.whisper_of(model).model.encoder(features)
+    per_sample = planner.count_saved_bytes(model, policy="off", label_tokens=LABEL_TOKENS)
+    assert 0 < per_sample["encoder"] < per_sample["device"]
+    assert 2 * per_sample["encoder"] == pytest.approx(sum(kept.values()), rel=0.15)
+    # The estimate counts it once more per extra encoder sequence, and only it.
+    one = planner.estimate_memory(model, batch_size=1)
+    two_encoders = planner.estimate_memory(model, batch_size=1, encoder_rows=2)
+    assert two_encoders.activations - one.activations == per_sample["encoder"]
+    assert planner.estimate_memory(model, batch_size=2, encoder_rows=2) == (
+        planner.estimate_memory(model, batch_size=2)
+    )
+
+
 def test_estimate_terms_follow_mode_and_optimizer():
     full = _prepared("full")
     frozen = _prepared("freeze-encoder")

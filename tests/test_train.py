@@ -250,6 +250,25 @@ def test_auto_checkpointing_plans_within_the_budget_and_grouping_trains(tiny_run
     assert "memory plan" not in captured.err and "Traceback" not in captured.err
 
 
+@pytest.mark.parametrize("mode, encoder_rows", [("full", 2), ("lora", 1)])
+def test_the_plan_counts_per_clips_silence_windows_in_full_fine_tuning(
+    mode, encoder_rows, tiny_run_config, tmp_path, capsys, monkeypatch
+):
+    """--packing per-clip in full fine-tuning encodes a silence window beside each window: the
+    plan's encoder batch is twice the windows; with LoRA (block-restart-pad) it is the batch."""
+    monkeypatch.delenv("WHISPER_TRAIN_PER_CLIP_ENCODER", raising=False)
+    data = write_tone_dataset(tmp_path / "many", n=24)
+    result = train(
+        tiny_run_config(
+            data=str(data), packing="per-clip", batch_size=1, mode=mode, eval_split=0.0,
+            gradient_checkpointing="auto", max_memory="64GB", max_steps=1,
+        )
+    )  # fmt: skip
+    assert result.steps == 1
+    header = next(line for line in capsys.readouterr().out.splitlines() if "mode " in line)
+    assert ("batch 1 (encoder 2)" in header) == (encoder_rows == 2), header
+
+
 def test_auto_checkpointing_refuses_an_impossible_budget(tiny_run_config):
     from whisper_train.errors import UserError
 

@@ -27,8 +27,10 @@ any other forward
 hook were there.
 
 The encoder's context: each clip is encoded as if it were alone in a window padded with silence,
-which is what unpacked training and every runtime show the model ("block-restart-pad", measured
-best of four, BENCHMARKS.md "Block-diagonal encoder per clip"). Each encoder layer's
+which is what unpacked training and every runtime show the model. Two contexts do this by
+default (`DEFAULT_ENCODER_CONTEXTS`, by what trains): "block-restart-pad" with LoRA (measured
+best of four, BENCHMARKS.md "Block-diagonal encoder per clip") and "block-restart-silence" in
+full and freeze-encoder fine-tuning (below). In "block-restart-pad" each encoder layer's
 self-attention gets a block-diagonal mask: a clip's positions attend to their own and to the
 window's tail (the padding after its last clip, which attends only to itself and is shared by
 the window's clips), never to a neighbour's; each clip's positions are embedded as 0..n-1, where
@@ -56,8 +58,10 @@ than "block-restart-pad" at the same gap, BENCHMARKS.md "Each clip with padding 
 each window stands for the padding a clip alone has: each clip's decoder pass cross-attends to
 its own frames and the silence window's n..1499; with -self its frames also attend to those in
 every encoder layer, through the self-attention's keys. Closer to unpacked per clip seen, at 2x
-and 2.7x the step: slower to a given quality, BENCHMARKS.md "The padding's encoder outputs in
-sight").
+and 2.7x the step, BENCHMARKS.md "The padding's encoder outputs in sight"; the first is the
+default where the decoder's weights all train, since block-restart-pad taught that decoder to
+stop early on real speech, "Per-clip on real speech"). The silence windows double the encoder's
+batch: `encoder_rows_per_window`, which the memory planner counts.
 """
 
 from __future__ import annotations
@@ -97,7 +101,13 @@ ENCODER_CONTEXTS = (
     SILENCE,
     SILENCE_SELF,
 )
-DEFAULT_ENCODER_CONTEXT = "block-restart-pad"
+# The context `--packing per-clip` uses, by what trains (BENCHMARKS.md "Per-clip on real
+# speech"): with every weight of the decoder training (full, freeze-encoder), block-restart-pad
+# taught the model to stop early on real speech (LJ Speech 17.7% against 7.3-7.8 unpacked, 11.8%
+# deletions, AN4 x 8 epochs) and the silence window keeps it (6.9-7.5) at 2x pad's step; with
+# LoRA's adapters, block-restart-pad kept real speech (6.8-7.3) and is the faster to any quality
+# on the demo's sets ("The padding's encoder outputs in sight").
+DEFAULT_ENCODER_CONTEXTS = {"adapters": "block-restart-pad", "weights": SILENCE}
 # "block-restart-ownpad" (OWNPAD): each clip's own padding is the silence after it in its
 # window, up to the next clip (after the window's last clip: up to the window's end); its
 # windows are planned with a longer gap (`packing.per_clip_gap_seconds`) so that each has some.
@@ -349,22 +359,38 @@ def route_clips(whisper: nn.Module) -> ClipRouter:
     return router
 
 
-def clip_route(batch: dict) -> ClipRoute | None:
+def encoder_context(*, adapters: bool) -> str:
+    """The encoder context of a run's per-clip windows: $WHISPER_TRAIN_PER_CLIP_ENCODER (for
+    bench/quality.py's comparisons), else the default for what trains (`adapters`: LoRA)."""
+    context = (
+        os.environ.get(ENCODER_CONTEXT)
+        or DEFAULT_ENCODER_CONTEXTS["adapters" if adapters else "weights"]
+    )
+    if context not in ENCODER_CONTEXTS:
+        raise ValueError(f"{ENCODER_CONTEXT}={context}: expected one of {ENCODER_CONTEXTS}")
+    return context
+
+
+def encoder_rows_per_window(context: str) -> int:
+    """Sequences the encoder runs per packed window: 2 where a silence window goes beside it."""
+    return 2 if context in SILENCE_CONTEXTS else 1
+
+
+def clip_route(batch: dict, *, adapters: bool) -> ClipRoute | None:
     """The route of a packed per-clip micro-batch; None for any other batch."""
     if "clip_windows" not in batch:
         return None
     positions = batch["clip_positions"]
-    context = os.environ.get(ENCODER_CONTEXT) or DEFAULT_ENCODER_CONTEXT
-    if context not in ENCODER_CONTEXTS:
-        raise ValueError(f"{ENCODER_CONTEXT}={context}: expected one of {ENCODER_CONTEXTS}")
+    context = encoder_context(adapters=adapters)
     return ClipRoute(batch["clip_windows"], positions[:, 0], positions[:, 1], context)
 
 
 @contextlib.contextmanager
-def clips_routed(whisper: nn.Module, batch: dict) -> Iterator[None]:
+def clips_routed(whisper: nn.Module, batch: dict, *, adapters: bool) -> Iterator[None]:
     """Inside, the model's next forward routes `batch`'s clips (when it is a packed per-clip
-    micro-batch; else nothing changes). The mask stays for the recomputations of backward."""
-    route = clip_route(batch)
+    micro-batch; else nothing changes) in the context for what trains (`adapters`: LoRA). The
+    mask stays for the recomputations of backward."""
+    route = clip_route(batch, adapters=adapters)
     if route is None:
         yield
         return

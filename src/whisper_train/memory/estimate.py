@@ -80,6 +80,7 @@ def estimate_memory(
     optimizer: str = "adamw",
     offload: bool = False,
     activation_scale: float = 1.0,
+    encoder_rows: int | None = None,
 ) -> MemoryEstimate:
     """Peak training memory of `model` as prepared (frozen parts, LoRA) under `policy`.
 
@@ -88,6 +89,9 @@ def estimate_memory(
     decides). It may live on the meta device: only shapes and `requires_grad` are read.
     `label_tokens` is the longest decoder input in a batch (labels are padded per batch).
     `activation_scale` is the probe's correction (measured / counted), 1.0 without a probe.
+    `encoder_rows` is the encoder's batch where it is not `batch_size`: a packed per-clip
+    micro-batch of W windows encodes 2W with a silence window beside each
+    (`clip_attention.encoder_rows_per_window`).
     """
     half = precision in _HALF_PRECISIONS
     params = list(model.parameters())
@@ -98,7 +102,9 @@ def estimate_memory(
     if optimizer_bytes is None:
         raise UserError(f"--optim {optimizer}: expected one of adamw, adamw-fused, adamw8bit")
     per_sample = count_saved_bytes(model, policy=policy, label_tokens=label_tokens, half=half)
-    kept = per_sample["device"] * batch_size * activation_scale
+    encoder_rows = batch_size if encoder_rows is None else encoder_rows
+    decoder_side = per_sample["device"] - per_sample["encoder"]
+    kept = (decoder_side * batch_size + per_sample["encoder"] * encoder_rows) * activation_scale
     offloaded = 0
     if offload:  # checkpoint inputs go to host memory; the rest stays on the device
         offloaded = int(per_sample["checkpoint_inputs"] * batch_size * activation_scale)
@@ -130,8 +136,9 @@ def count_saved_bytes(
 ) -> dict[str, int]:
     """Bytes saved for backward for ONE sample, counted from the model's shapes.
 
-    Returns {"device": all saved bytes, "checkpoint_inputs": the part that checkpointed layers
-    keep (their inputs), "working": transient bytes at the peak}.
+    Returns {"device": all saved bytes, "encoder": the encoder's part of them, "checkpoint_inputs":
+    the part that checkpointed layers keep (their inputs), "working": transient bytes at the
+    peak}.
     """
     whisper = whisper_of(model)
     config = whisper.config
@@ -173,6 +180,7 @@ def count_saved_bytes(
     encoder_output = full_bytes * n_enc * d
     if grad_path:  # the final LayerNorm: its input (the last residual) and statistics
         saved += full_bytes * (n_enc * d + 2 * n_enc)
+    encoder_saved = saved  # per encoder sequence (a packed per-clip window may run two)
     # The encoder output is kept whenever the decoder's cross-attention trains or is checkpointed.
     decoder = whisper.model.decoder
     keeps_encoder_output = False
@@ -206,7 +214,12 @@ def count_saved_bytes(
     working += 2 * 8 * n_dec
     if not (stem_trains and not half):
         working += 4 * config.num_mel_bins * n_frames
-    return {"device": saved, "checkpoint_inputs": checkpoint_inputs, "working": working}
+    return {
+        "device": saved,
+        "encoder": encoder_saved,
+        "checkpoint_inputs": checkpoint_inputs,
+        "working": working,
+    }
 
 
 def _layer_bytes(layer: nn.Module, n: int, n_cross: int | None, full: int, compute: int) -> int:

@@ -59,6 +59,7 @@ def plan_checkpointing(
     optimizer: str = "adamw",
     every_n: int = 2,
     probe: bool = True,
+    encoder_rows: int | None = None,
 ) -> Plan:
     """The cheapest of off → every-N → encoder → full → full + offload whose estimate fits.
 
@@ -87,6 +88,7 @@ def plan_checkpointing(
             optimizer=optimizer,
             offload=offload,
             activation_scale=scale,
+            encoder_rows=encoder_rows,
         )
         estimates[name] = estimate
         if chosen is None and estimate.total <= max_memory_bytes:
@@ -95,7 +97,9 @@ def plan_checkpointing(
         estimates,
         chosen=chosen,
         max_memory_bytes=max_memory_bytes,
-        header=f"mode {mode}, batch {batch_size}, labels <= {label_tokens} "
+        header=f"mode {mode}, batch {batch_size}"
+        + (f" (encoder {encoder_rows})" if encoder_rows not in (None, batch_size) else "")
+        + f", labels <= {label_tokens} "
         f"tokens, {precision}, {optimizer}, probe scale {scale:.2f}",
     )
     if chosen is None:
@@ -125,6 +129,7 @@ def prepare_model_within_budget(
     label_tokens: int,
     precision: str,
     optimizer: str,
+    encoder_rows: int | None = None,
 ) -> tuple[nn.Module, Plan]:
     """`--gradient-checkpointing auto`: the cheapest policy whose estimated peak fits.
 
@@ -142,6 +147,7 @@ def prepare_model_within_budget(
         label_tokens=label_tokens,
         precision=precision,
         optimizer=optimizer,
+        encoder_rows=encoder_rows,
     )
     return prepare_model(model, mode=mode, checkpointing=plan.policy, lora=lora), plan
 

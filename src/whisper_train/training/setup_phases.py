@@ -26,6 +26,7 @@ from whisper_train.data.source import TrainingData, build_training_data, evaluat
 from whisper_train.errors import UserError
 from whisper_train.evaluation.evaluate import row_languages
 from whisper_train.evaluation.longform import RECORDINGS_PER_BATCH, collate_recordings
+from whisper_train.memory import clip_attention
 from whisper_train.memory.plan import encoder_cache_line
 from whisper_train.models import is_multilingual, load_model
 from whisper_train.runlog import MetricsLog, ProgressTable, StopRequest, progress_bars_wanted, say
@@ -112,6 +113,16 @@ def setup_data(config: RunConfig, model, label_encoder: LabelEncoder) -> Dataset
     )
 
 
+def _encoder_rows(config: RunConfig, lora) -> int:
+    """Sequences the encoder runs per micro-batch: --batch-size, or twice as many windows where
+    --packing per-clip puts a silence window beside each (`clip_attention.encoder_context`)."""
+    windows = config.train.batch_size
+    if not config.packing_per_clip:
+        return windows
+    context = clip_attention.encoder_context(adapters=lora is not None)
+    return windows * clip_attention.encoder_rows_per_window(context)
+
+
 def setup_memory(
     config: RunConfig,
     model,
@@ -150,6 +161,7 @@ def setup_memory(
             ),
             precision=precision.name,
             optimizer=c.memory.optim,
+            encoder_rows=_encoder_rows(config, lora),
         )
         checkpointing, offload = plan.policy, offload or plan.offload
         say(accelerator, plan.table + plan_lines)

@@ -34,8 +34,9 @@ Grids:
          --per-clip-encoder CONTEXT (repeatable: window, block, block-restart,
          block-restart-pad, block-restart-ownpad, block-restart-silence,
          block-restart-silence-self) adds per-clip with that encoder context
-         (`memory.clip_attention.ENCODER_CONTEXT`; the plain per-clip row is the default,
-         block-restart-pad, and was window before 2026-11-26), --encoder-only runs only those;
+         (`memory.clip_attention.ENCODER_CONTEXT`; the plain per-clip row is the mode's
+         default: block-restart-pad with LoRA, block-restart-silence in full and freeze-encoder
+         since 2026-11-26, and window before that day), --encoder-only runs only those;
   lr     each mode at its default learning rate, a third and a tenth of it, and
          --preserve-base 1 at the default; with --learning-rate (repeatable) each mode at
          exactly those rates instead (a sweep: nothing else);
@@ -313,8 +314,8 @@ def main() -> None:
             "block-restart-silence",
             "block-restart-silence-self",
         ),
-        help="--grid per-clip: also per-clip with this encoder context (plain per-clip: "
-        "block-restart-pad, the default since 2026-11-26; window: the one before)",
+        help="--grid per-clip: also per-clip with this encoder context (plain per-clip: the "
+        "mode's default, block-restart-pad with LoRA, block-restart-silence otherwise)",
     )
     parser.add_argument(
         "--encoder-only",

@@ -5,7 +5,8 @@
 # the others their time; each writes its log to $OUT (at most 8 files come back). Phases run in
 # the order of importance: the CUDA tests, peak memory against the planner, the seed
 # reports on transformers 4.56.2 and 5.x, then throughput against the Seq2SeqTrainer. PHASES
-# picks some (default: tests memory seed throughput; also: workers, compile, profile, loop, ttq).
+# picks some (default: tests memory seed throughput; also: workers, compile, threshold, mfu,
+# profile, loop, ttq).
 set -u
 PHASES=${PHASES:-tests memory seed throughput}
 want() { [[ " $PHASES " == *" $1 "* ]]; }
@@ -65,6 +66,21 @@ want workers && grep -v -i "warn" "$OUT/workers.log" | tail -12
 want compile && phase compile ${COMPILE_CAP:-330} python3 bench/throughput.py --d-model 768 --layers 12 \
   --batch-size 16 --rounds 1 --compile-sets an4 --repeat 40 ${COMPILE_ROWS:+--compile-rows $COMPILE_ROWS}
 want compile && grep -v -i "warn" "$OUT/compile.log" | tail -12
+
+# Whether compiling from 2,000 steps (setup_phases.COMPILE_BY_DEFAULT_FROM_STEPS, measured on
+# whisper-small's shape) also pays for medium's (d_model 1024, 24 + 24 layers): eager and
+# compiled, both with the default data workers, on the same clips; break-even = the compiled
+# run's extra first-steps seconds / its saving a steady step.
+want threshold && phase threshold ${THRESHOLD_CAP:-240} python3 bench/throughput.py --d-model 1024 \
+  --layers 24 --batch-size 16 --rounds 1 --compile-sets an4 --repeat 40 \
+  --compile-rows default,compiled-workers
+want threshold && grep -v -i "warn" "$OUT/threshold.log" | tail -8
+
+# MFU in whisper-train's own loop at a batch the model alone reached 32.7% with (64, compiled,
+# default workers): AN4 listed 160 times = 100 steps.
+want mfu && phase mfu ${MFU_CAP:-200} python3 bench/throughput.py --d-model 768 --layers 12 \
+  --batch-size 64 --rounds 1 --compile-sets an4 --repeat 160 --compile-rows compiled-workers
+want mfu && grep -v -i "warn" "$OUT/mfu.log" | tail -6
 
 # The model's own step time (no data path), eager and compiled (the first batch size), and a
 # profile of the first: PROFILE_ARGS (default batch 16 and 64).

@@ -679,7 +679,7 @@ def compile_comparison(args) -> None:
         )
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for name, clips, results in table:
-            base = results["Trainer eager"].get("steady_samples_per_s")
+            base = results.get("Trainer eager", {}).get("steady_samples_per_s")
             for label, result in results.items():
                 steady = result.get("steady_samples_per_s")
                 mfu = result.get("mfu", 0) * steady / result["samples_per_s"] if steady else 0

@@ -104,10 +104,11 @@ if want ttq; then
     python3 -c "from safetensors.torch import load_file, save_file; w = load_file('/tmp/model.fp16'); save_file({k: v.float() for k, v in w.items()}, '$model/model.safetensors', {'format': 'pt'})"
     mode=${TTQ_MODE:-full}
     if [ "$mode" = full ]; then rates="1e-5 5e-5"; else rates="3e-4 1e-3"; fi
+    # TTQ_RATES and TTQ_SEEDS cut the runs where the device time left is short.
     phase ttq ${TTQ_CAP:-480} python3 bench/time_to_quality.py --target synth --mode "$mode" \
-      --model tiny.en --work-dir .gpu-ttq-b --trainer-learning-rates $rates --seeds 0 1 \
-      --points ${TTQ_POINTS:-3} --variant "per-clip=--packing per-clip --batch-size 1" \
-      --variant "per-clip-silence=WHISPER_TRAIN_PER_CLIP_ENCODER=block-restart-silence --packing per-clip --batch-size 1"
+      --model tiny.en --work-dir .gpu-ttq-b --trainer-learning-rates ${TTQ_RATES:-$rates} \
+      --seeds ${TTQ_SEEDS:-0 1} --points ${TTQ_POINTS:-3} \
+      --variant "per-clip=--packing per-clip --batch-size 1"
     cp .gpu-ttq-b/time_to_quality-synth-* "$OUT/" 2>/dev/null
     grep -v -i "warn" "$OUT/ttq.log" | tail -40
   fi

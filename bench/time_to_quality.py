@@ -389,12 +389,13 @@ def run_whisper_train(args, sets, model_dir: Path, variant, budget: float) -> li
     marks = list(range(1, steps + 1))
     spec = whisper_train_spec(args, sets, model_dir, variant, args.seeds[0], steps, marks, out)
     seconds = [point["seconds"] for point in launch(spec, out)["points"]]
-    # Seconds a step once warm: the first step (allocation) and the second (kernels met with
-    # new shapes; on a CPU its delta was 7.1 s where later ones were 4.8-5.6) are left out,
-    # which a budget-long run pays once, as the Trainer's run does inside its budget.
-    warm = seconds[1:] if len(seconds) >= 3 else seconds
-    per_step = (warm[-1] - warm[0]) / max(1, len(warm) - 1) or seconds[0]
-    steps = max(args.points, round((budget - seconds[0]) / per_step) + 1)
+    # A run pays one-off costs in its first steps (allocation; kernels met with new shapes: on
+    # a CPU step 2 took 7.1 s where later ones took 4.8-5.6; on CUDA the first 8-20 steps),
+    # as the Trainer's run does inside its budget. So the first half of the calibration counts
+    # as it came, and the second half gives the seconds a warm step.
+    cold = len(seconds) // 2 if len(seconds) >= 4 else 1
+    per_step = (seconds[-1] - seconds[cold - 1]) / max(1, len(seconds) - cold) or seconds[0]
+    steps = max(args.points, cold + round((budget - seconds[cold - 1]) / per_step))
     steps = min(steps, 3) if args.smoke else steps
     lr = float(flags[flags.index("--learning-rate") + 1]) if "--learning-rate" in flags else None
     for seed in args.seeds:
@@ -616,7 +617,9 @@ def parse_args() -> argparse.Namespace:
         "set the worker's environment")  # fmt: skip
     add("--budget-factor", type=float, default=1.5, help="the Trainer's epochs: the budget")
     add("--points", type=int, default=5, help="saved points a run")
-    add("--calibration-steps", type=int, default=4)
+    add("--calibration-steps", type=int,
+        help="steps timed before each variant's runs (default: 4 on a CPU, 24 on CUDA, whose "
+        "first 8-20 steps carry one-off costs)")  # fmt: skip
     add("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "wt-time-to-quality")
     add("--keep-models", action="store_true", help="keep every point's model folder")
     add("--smoke", action="store_true", help="tiny budgets: checks the script")
@@ -624,6 +627,10 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     args.learning_rate = args.learning_rate or DEFAULT_LR[args.mode]
     args.train_clips = args.eval_clips = None
+    if args.calibration_steps is None:
+        import torch
+
+        args.calibration_steps = 24 if torch.cuda.is_available() else 4
     if args.smoke:
         # 8 clips in batches of 4: 2 Trainer steps, 2 calibration steps, at most 3 after
         args.train_clips, args.eval_clips, args.batch_size, args.budget_factor = 8, 4, 4, 1.0

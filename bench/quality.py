@@ -33,10 +33,12 @@ Grids:
          demo's): equal clips seen; --equal-wall-epochs N adds per-clip for N epochs;
          --per-clip-encoder CONTEXT (repeatable: window, block, block-restart,
          block-restart-pad, block-restart-ownpad, block-restart-silence,
-         block-restart-silence-self) adds per-clip with that encoder context
-         (`memory.clip_attention.ENCODER_CONTEXT`; the plain per-clip row is the mode's
-         default: block-restart-pad with LoRA, block-restart-silence in full and freeze-encoder
-         since 2026-11-26, and window before that day), --encoder-only runs only those;
+         block-restart-silence-self, block-restart-silence-detached) adds per-clip with that
+         encoder context (`memory.clip_attention.ENCODER_CONTEXT`; the plain per-clip row is
+         the mode's default: block-restart-pad with LoRA; in full and freeze-encoder
+         block-restart-silence-detached since the sixth session of 2026-11-26,
+         block-restart-silence before, and window before that day), --encoder-only runs only
+         those;
   lr     each mode at its default learning rate, a third and a tenth of it, and
          --preserve-base 1 at the default; with --learning-rate (repeatable) each mode at
          exactly those rates instead (a sweep: nothing else);
@@ -313,9 +315,10 @@ def main() -> None:
             "block-restart-ownpad",
             "block-restart-silence",
             "block-restart-silence-self",
+            "block-restart-silence-detached",
         ),
         help="--grid per-clip: also per-clip with this encoder context (plain per-clip: the "
-        "mode's default, block-restart-pad with LoRA, block-restart-silence otherwise)",
+        "mode's default, block-restart-pad with LoRA, block-restart-silence-detached otherwise)",
     )
     parser.add_argument(
         "--encoder-only",

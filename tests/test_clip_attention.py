@@ -31,6 +31,7 @@ from whisper_train.memory.clip_attention import (
     ENCODER_CONTEXTS,
     OWNPAD,
     SILENCE,
+    SILENCE_DETACHED,
     SILENCE_SELF,
     ClipRoute,
     clip_route,
@@ -136,10 +137,12 @@ def reference_loss(model: torch.nn.Module, batch: dict, context: str = "window")
         keep = batch["labels"][row] != IGNORE_INDEX
         if context == "window":
             keys = encoded[window : window + 1, start:end]
-        elif context == SILENCE:  # the clip alone at 0..n-1, then silence's n..S-1
+        elif context in (SILENCE, SILENCE_DETACHED):  # the clip alone, then silence's n..S-1
             features = batch["input_features"][window : window + 1]
             silence = torch.full_like(features, float(features.min()))
             after = whisper.model.encoder(silence).last_hidden_state[:, end - start :]
+            if context == SILENCE_DETACHED:  # the decoder learns from it, the encoder not
+                after = after.detach()
             alone = clip_alone(whisper, batch["input_features"], SPANS[row], "block-restart")
             keys = torch.cat([alone, after], dim=1)
         elif context == SILENCE_SELF:
@@ -205,7 +208,16 @@ def test_a_routed_step_is_each_clip_decoded_alone(mode, checkpointing, attn, mon
 @pytest.mark.parametrize("checkpointing", CHECKPOINTING, ids=CHECKPOINTING_IDS)
 @pytest.mark.parametrize("mode", ["full", "lora"])
 @pytest.mark.parametrize(
-    "context", ["block", "block-restart", "block-restart-pad", OWNPAD, SILENCE, SILENCE_SELF]
+    "context",
+    [
+        "block",
+        "block-restart",
+        "block-restart-pad",
+        OWNPAD,
+        SILENCE,
+        SILENCE_SELF,
+        SILENCE_DETACHED,
+    ],
 )
 def test_a_block_diagonal_encoder_is_each_clip_encoded_alone(
     context, mode, checkpointing, attn, monkeypatch
@@ -233,10 +245,11 @@ def test_a_block_diagonal_encoder_is_each_clip_encoded_alone(
 
 
 def test_the_block_context_is_not_the_window(monkeypatch):
-    """The parity above is not vacuous: each context gives another loss."""
+    """The parity above is not vacuous: each context gives another loss (the detached silence
+    window, SILENCE's loss and other encoder gradients: below)."""
     batch = packed_batch()
     losses = []
-    for context in ENCODER_CONTEXTS:
+    for context in (c for c in ENCODER_CONTEXTS if c != SILENCE_DETACHED):
         monkeypatch.setenv(ENCODER_CONTEXT, context)
         with torch.no_grad():
             losses.append(float(loss_terms(build("lora", "off", "sdpa"), batch).loss))
@@ -245,12 +258,38 @@ def test_the_block_context_is_not_the_window(monkeypatch):
     )
 
 
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_a_detached_silence_window_changes_only_the_encoders_gradients(mode, monkeypatch):
+    """SILENCE_DETACHED is SILENCE's forward with no backward through the silence windows: the
+    same loss and decoder gradients, and encoder gradients that differ (the parity above pins
+    them to the clips' own frames' share)."""
+    batch = packed_batch()
+    results = {}
+    for context in (SILENCE, SILENCE_DETACHED):
+        monkeypatch.setenv(ENCODER_CONTEXT, context)
+        model = build(mode, "full", "sdpa")
+        loss = loss_terms(model, batch).loss
+        loss.backward()
+        results[context] = float(loss), trainable_gradients(model)
+    (loss, grads), (detached_loss, detached_grads) = results[SILENCE], results[SILENCE_DETACHED]
+    assert detached_loss == pytest.approx(loss, rel=0, abs=1e-10)  # float64, ~1e1
+    encoder = [name for name in grads if ".encoder." in name]
+    assert encoder and len(encoder) < len(grads)
+    for name, grad in grads.items():
+        if name in encoder:
+            continue
+        torch.testing.assert_close(detached_grads[name], grad, rtol=1e-8, atol=1e-10, msg=name)
+    # every encoder weight also learned through the silence window under SILENCE: ~1e-3 apart
+    assert all((detached_grads[n] - grads[n]).abs().max() > 1e-8 for n in encoder)
+
+
 def test_per_clip_context_by_default_follows_what_trains(monkeypatch):
     """LoRA: each clip as alone with its window's padding; full and freeze-encoder (the whole
-    decoder trains): with a silence window's outputs, which kept real speech (BENCHMARKS.md)."""
+    decoder trains): with a silence window's outputs (encoded without gradient), which kept
+    real speech (BENCHMARKS.md)."""
     monkeypatch.delenv(ENCODER_CONTEXT, raising=False)
     assert clip_route(packed_batch(), adapters=True).context == "block-restart-pad"
-    assert clip_route(packed_batch(), adapters=False).context == SILENCE
+    assert clip_route(packed_batch(), adapters=False).context == SILENCE_DETACHED
     assert clip_route({"input_features": torch.zeros(1)}, adapters=False) is None
     monkeypatch.setenv(ENCODER_CONTEXT, OWNPAD)  # the bench's switch wins
     assert clip_route(packed_batch(), adapters=False).context == OWNPAD
@@ -258,24 +297,35 @@ def test_per_clip_context_by_default_follows_what_trains(monkeypatch):
 
 def test_a_default_per_clip_step_routes_by_what_trains(monkeypatch):
     """Through `loss_terms`: a LoRA model's per-clip loss is block-restart-pad's, a fully
-    trained model's is block-restart-silence's (each differs from the other context's)."""
+    trained model's is block-restart-silence-detached's (each differs from the other
+    context's)."""
     batch = packed_batch()
     losses = {}
     for mode in ("lora", "full"):
         model = build(mode, "off", "sdpa")
-        for context in ("", "block-restart-pad", SILENCE):
+        for context in ("", "block-restart-pad", SILENCE_DETACHED):
             if context:
                 monkeypatch.setenv(ENCODER_CONTEXT, context)
             else:
                 monkeypatch.delenv(ENCODER_CONTEXT, raising=False)
             with torch.no_grad():
                 losses[mode, context] = float(loss_terms(model, batch).loss)
-    assert losses["lora", ""] == losses["lora", "block-restart-pad"] != losses["lora", SILENCE]
-    assert losses["full", ""] == losses["full", SILENCE] != losses["full", "block-restart-pad"]
+    pad, silence = "block-restart-pad", SILENCE_DETACHED
+    assert losses["lora", ""] == losses["lora", pad] != losses["lora", silence]
+    assert losses["full", ""] == losses["full", silence] != losses["full", pad]
 
 
 @pytest.mark.parametrize(
-    "context", ["window", "block-restart", "block-restart-pad", OWNPAD, SILENCE, SILENCE_SELF]
+    "context",
+    [
+        "window",
+        "block-restart",
+        "block-restart-pad",
+        OWNPAD,
+        SILENCE,
+        SILENCE_SELF,
+        SILENCE_DETACHED,
+    ],
 )
 def test_padding_is_hidden_and_the_hooks_leave_other_forwards_alone(context, monkeypatch):
     monkeypatch.setenv(ENCODER_CONTEXT, context)

@@ -399,7 +399,15 @@ def test_accumulation_is_the_token_mean_of_the_step(tmp_path, tiny_run_config):
     )
 
 
-def test_two_processes_packed_with_an_empty_share_equal_one(tmp_path, tiny_whisper_dir):
+@pytest.mark.parametrize(
+    "packing, sharding", [("on", []), ("per-clip", ["--fsdp"])], ids=["on", "per-clip-fsdp"]
+)
+def test_two_processes_packed_with_an_empty_share_equal_one(
+    packing, sharding, tmp_path, tiny_whisper_dir
+):
+    """Per-clip under --fsdp: its silence windows' encoder forward all-gathers every encoder
+    layer once more, so the process with nothing to read must run it too (a routed
+    stand-in): else the two processes' all-gathers pair up wrong and the run hangs or fails."""
     data = _many_tones(tmp_path, n=66)
     # One missing clip: with --batch-size 1 a process's micro-batch can hold nothing usable.
     metadata = data / "metadata.csv"
@@ -414,12 +422,12 @@ def test_two_processes_packed_with_an_empty_share_equal_one(tmp_path, tiny_whisp
         "--eval-split=0",
         "--only-train",
         "--lr-scheduler=constant_with_warmup",
-        "--packing=on",
+        f"--packing={packing}",
         "--max-steps=4",
     ]
     alone = train_in_subprocess([*common, "--batch-size=2", f"--output-dir={tmp_path / 'one'}"])
     train_in_subprocess(
-        [*common, "--nproc=2", "--batch-size=1", f"--output-dir={tmp_path / 'two'}"]
+        [*common, *sharding, "--nproc=2", "--batch-size=1", f"--output-dir={tmp_path / 'two'}"]
     )
     one = [row["loss"] for row in metric_rows(tmp_path / "one") if "loss" in row]
     two = [row["loss"] for row in metric_rows(tmp_path / "two") if "loss" in row]

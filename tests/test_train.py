@@ -250,13 +250,18 @@ def test_auto_checkpointing_plans_within_the_budget_and_grouping_trains(tiny_run
     assert "memory plan" not in captured.err and "Traceback" not in captured.err
 
 
-@pytest.mark.parametrize("mode, encoder_rows", [("full", 2), ("lora", 1)])
-def test_the_plan_counts_per_clips_silence_windows_in_full_fine_tuning(
-    mode, encoder_rows, tiny_run_config, tmp_path, capsys, monkeypatch
+@pytest.mark.parametrize(
+    "mode, context, encoder_rows",
+    [("full", "block-restart-silence", 2), ("full", "", 1), ("lora", "", 1)],
+)
+def test_the_plan_counts_silence_windows_encoded_in_the_windows_batch(
+    mode, context, encoder_rows, tiny_run_config, tmp_path, capsys, monkeypatch
 ):
-    """--packing per-clip in full fine-tuning encodes a silence window beside each window: the
-    plan's encoder batch is twice the windows; with LoRA (block-restart-pad) it is the batch."""
-    monkeypatch.delenv("WHISPER_TRAIN_PER_CLIP_ENCODER", raising=False)
+    """--packing per-clip with block-restart-silence encodes a silence window beside each window
+    in the windows' batch: the plan's encoder batch is twice the windows. By default (full:
+    the silence windows in a forward without gradient, which keeps nothing for backward; LoRA:
+    block-restart-pad) it is the batch."""
+    monkeypatch.setenv("WHISPER_TRAIN_PER_CLIP_ENCODER", context)
     data = write_tone_dataset(tmp_path / "many", n=24)
     result = train(
         tiny_run_config(

@@ -127,10 +127,10 @@ class DataConfig:
         "each window labelled with its clips' transcripts joined; per-clip: the same windows, "
         "each clip decoded on its own (its own label, cross-attending to its own part of the "
         "window), as unpacked training decodes it; in full and freeze-encoder fine-tuning with "
-        "a window of silence encoded beside each window, standing for a lone clip's padding "
-        "(twice the encoder's work; without it, full fine-tuning on 1-3 s clips cost real "
-        "speech 10 points of WER: BENCHMARKS.md 'Per-clip on real speech'); off: one clip a "
-        "window. Evaluation is never packed.",
+        "a window of silence encoded (without gradient) for each window, standing for a lone "
+        "clip's padding (a third more encoder work; without it, full fine-tuning on 1-3 s "
+        "clips cost real speech 10 points of WER: BENCHMARKS.md 'Per-clip on real speech'); "
+        "off: one clip a window. Evaluation is never packed.",
         default="off",
     )
     packing_timestamps: str = _help(

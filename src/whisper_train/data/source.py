@@ -64,10 +64,15 @@ def group_steps(micro_batches: Iterable[dict], accumulation: int) -> Iterator[li
         yield step
 
 
-def stand_in_batch(model_config, device: torch.device, *, encoder_outputs: bool) -> dict:
+def stand_in_batch(
+    model_config, device: torch.device, *, encoder_outputs: bool, per_clip: bool = False
+) -> dict:
     """What a process runs for an empty micro-batch: one silent row whose labels are all
     ignored. Its loss is a zero that reaches every parameter (`memory.loss_terms`), so the
-    process takes part in DDP's gradient all-reduce with zero weight instead of skipping it."""
+    process takes part in DDP's gradient all-reduce with zero weight instead of skipping it.
+    With `per_clip` (--packing per-clip) the row is a window holding one clip, routed as the
+    other processes' windows are: their encoder forwards (the silence windows' among them), and
+    under --fsdp their layers' all-gathers, are its own."""
     batch = {
         "decoder_input_ids": torch.full(
             (1, 1), model_config.decoder_start_token_id, dtype=torch.long, device=device
@@ -80,6 +85,9 @@ def stand_in_batch(model_config, device: torch.device, *, encoder_outputs: bool)
     else:
         frames = 2 * model_config.max_source_positions
         batch["input_features"] = torch.zeros((1, model_config.num_mel_bins, frames), device=device)
+    if per_clip:
+        batch["clip_windows"] = torch.zeros(1, dtype=torch.long, device=device)
+        batch["clip_positions"] = torch.tensor([[0, 1]], dtype=torch.long, device=device)
     return batch
 
 

@@ -29,8 +29,8 @@ hook were there.
 The encoder's context: each clip is encoded as if it were alone in a window padded with silence,
 which is what unpacked training and every runtime show the model. Two contexts do this by
 default (`DEFAULT_ENCODER_CONTEXTS`, by what trains): "block-restart-pad" with LoRA (measured
-best of four, BENCHMARKS.md "Block-diagonal encoder per clip") and "block-restart-silence" in
-full and freeze-encoder fine-tuning (below). In "block-restart-pad" each encoder layer's
+best of four, BENCHMARKS.md "Block-diagonal encoder per clip") and
+"block-restart-silence-detached" in full and freeze-encoder fine-tuning (below). In "block-restart-pad" each encoder layer's
 self-attention gets a block-diagonal mask: a clip's positions attend to their own and to the
 window's tail (the padding after its last clip, which attends only to itself and is shared by
 the window's clips), never to a neighbour's; each clip's positions are embedded as 0..n-1, where
@@ -58,10 +58,15 @@ than "block-restart-pad" at the same gap, BENCHMARKS.md "Each clip with padding 
 each window stands for the padding a clip alone has: each clip's decoder pass cross-attends to
 its own frames and the silence window's n..1499; with -self its frames also attend to those in
 every encoder layer, through the self-attention's keys. Closer to unpacked per clip seen, at 2x
-and 2.7x the step, BENCHMARKS.md "The padding's encoder outputs in sight"; the first is the
-default where the decoder's weights all train, since block-restart-pad taught that decoder to
-stop early on real speech, "Per-clip on real speech"). The silence windows double the encoder's
-batch: `encoder_rows_per_window`, which the memory planner counts.
+and 2.7x the step, BENCHMARKS.md "The padding's encoder outputs in sight"; block-restart-pad
+taught a decoder whose weights all train to stop early on real speech, "Per-clip on real
+speech", and the silence window kept it), and "block-restart-silence-detached", the default
+where the decoder's weights all train: block-restart-silence's forward, its silence windows
+encoded in a forward of their own without gradient (the encoder pre-hook calls the encoder's
+`forward`, so these hooks stay out of it): as good per clip seen on the demo's sets and on real
+speech, at 0.75-0.8x its step (BENCHMARKS.md "A silence window without gradient"). The
+in-batch silence windows double the encoder's batch: `encoder_rows_per_window`, which the
+memory planner counts; the detached ones keep nothing for backward.
 """
 
 from __future__ import annotations
@@ -91,7 +96,15 @@ SILENCE = "block-restart-silence"
 # frames also attend to the silence window's frames at n..S-1, as a clip alone attends to its
 # padding (which, unlike a clip's own padding, does not attend back to the clip).
 SILENCE_SELF = "block-restart-silence-self"
-SILENCE_CONTEXTS = (SILENCE, SILENCE_SELF)
+# "block-restart-silence-detached" (SILENCE_DETACHED): SILENCE's forward, but the silence
+# windows are encoded in a forward of their own without gradient: no backward (nor
+# recomputation) through them, so a step costs about 1.3x block-restart-pad's, not 2x; the
+# encoder learns only from the clips' own frames (the decoder's weights, from every key).
+SILENCE_DETACHED = "block-restart-silence-detached"
+# The contexts whose clips' keys end with a silence window's outputs, and those whose silence
+# windows go through the encoder in the windows' own batch (and its backward).
+SILENCE_CONTEXTS = (SILENCE, SILENCE_SELF, SILENCE_DETACHED)
+SILENCE_IN_BATCH = (SILENCE, SILENCE_SELF)
 ENCODER_CONTEXTS = (
     "window",
     "block",
@@ -100,14 +113,16 @@ ENCODER_CONTEXTS = (
     OWNPAD,
     SILENCE,
     SILENCE_SELF,
+    SILENCE_DETACHED,
 )
 # The context `--packing per-clip` uses, by what trains (BENCHMARKS.md "Per-clip on real
 # speech"): with every weight of the decoder training (full, freeze-encoder), block-restart-pad
 # taught the model to stop early on real speech (LJ Speech 17.7% against 7.3-7.8 unpacked, 11.8%
-# deletions, AN4 x 8 epochs) and the silence window keeps it (6.9-7.5) at 2x pad's step; with
-# LoRA's adapters, block-restart-pad kept real speech (6.8-7.3) and is the faster to any quality
-# on the demo's sets ("The padding's encoder outputs in sight").
-DEFAULT_ENCODER_CONTEXTS = {"adapters": "block-restart-pad", "weights": SILENCE}
+# deletions, AN4 x 8 epochs) and the silence window keeps it (6.9-7.5) at 2x pad's step;
+# without gradient through it (7.5, 0.3% deletions) at ~1.3x ("A silence window without
+# gradient"); with LoRA's adapters, block-restart-pad kept real speech (6.8-7.3) and is the
+# faster to any quality on the demo's sets ("The padding's encoder outputs in sight").
+DEFAULT_ENCODER_CONTEXTS = {"adapters": "block-restart-pad", "weights": SILENCE_DETACHED}
 # "block-restart-ownpad" (OWNPAD): each clip's own padding is the silence after it in its
 # window, up to the next clip (after the window's last clip: up to the window's end); its
 # windows are planned with a longer gap (`packing.per_clip_gap_seconds`) so that each has some.
@@ -139,6 +154,9 @@ class ClipRouter:
         # (an encoder layer's input, the mask the layer was given) in the last routed encoder
         # forward, for its recomputation where transformers runs the hook again (module doc)
         self.given_masks: list[tuple[weakref.ref, torch.Tensor]] = []
+        # SILENCE_DETACHED: the (W, S, d) silence windows' outputs, from the encoder pre-hook
+        # to the encoder hook of the same forward
+        self.silence_outputs: torch.Tensor | None = None
 
     def arm(self, route: ClipRoute | None) -> None:
         """The next encoder forward gathers `route`'s clips (None: it runs as it is)."""
@@ -151,7 +169,12 @@ class ClipRouter:
             return None
         self.given_masks = []  # the last micro-batch's backward is done: a new one begins
         features = args[0] if args else kwargs["input_features"]
-        if route.context in SILENCE_CONTEXTS:
+        if route.context == SILENCE_DETACHED:
+            # The encoder's own forward (not its call: these hooks stay out), nothing armed,
+            # so its layers and positions run as they are; no graph kept.
+            with torch.no_grad():
+                self.silence_outputs = module.forward(silence_windows(features))[0]
+        if route.context in SILENCE_IN_BATCH:
             features = with_silence_windows(features)
             if args:
                 args = (features, *args[1:])
@@ -164,7 +187,7 @@ class ClipRouter:
             self.encoder_mask = mask
         restart = route.context.startswith("block-restart")
         self.encoder_positions = positions if restart else None
-        return (args, kwargs) if route.context in SILENCE_CONTEXTS else None
+        return (args, kwargs) if route.context in SILENCE_IN_BATCH else None
 
     @staticmethod
     def self_attention_hook(module, args, kwargs):
@@ -208,7 +231,10 @@ class ClipRouter:
         self.encoder_mask = self.encoder_positions = None
         if route is None:
             return output
-        keys, mask = gather_clip_positions(output[0], route)
+        encoded, silence, self.silence_outputs = output[0], self.silence_outputs, None
+        if silence is not None:  # SILENCE_DETACHED: the windows, then their silence windows
+            encoded = torch.cat([encoded, silence.to(encoded.dtype)])
+        keys, mask = gather_clip_positions(encoded, route)
         self.keys, self.mask = weakref.ref(keys), mask
         output["last_hidden_state"] = keys
         return output
@@ -273,11 +299,15 @@ def gather_clip_positions(
     return torch.cat(keys, dim=1), torch.cat(valid, dim=1)[:, None, None, :]
 
 
+def silence_windows(features: torch.Tensor) -> torch.Tensor:
+    """(W, n_mels, frames): for each of the W windows a window of silence: every bin at that
+    window's lowest value, the log-mel floor its clamp gives silence (and padding)."""
+    return features.amin(dim=(1, 2), keepdim=True).expand_as(features)
+
+
 def with_silence_windows(features: torch.Tensor) -> torch.Tensor:
-    """(2W, n_mels, frames): the W windows, then for each a window of silence: every bin at
-    that window's lowest value, the log-mel floor its clamp gives silence (and padding)."""
-    floor = features.amin(dim=(1, 2), keepdim=True)
-    return torch.cat([features, floor.expand_as(features)])
+    """(2W, n_mels, frames): the W windows, then their silence windows (`silence_windows`)."""
+    return torch.cat([features, silence_windows(features)])
 
 
 def silence_keys_mask(route: ClipRoute, window_mask: torch.Tensor) -> torch.Tensor:
@@ -372,8 +402,9 @@ def encoder_context(*, adapters: bool) -> str:
 
 
 def encoder_rows_per_window(context: str) -> int:
-    """Sequences the encoder runs per packed window: 2 where a silence window goes beside it."""
-    return 2 if context in SILENCE_CONTEXTS else 1
+    """Sequences the encoder runs per packed window, and keeps activations of for backward: 2
+    where a silence window goes beside it in the windows' batch (not SILENCE_DETACHED's)."""
+    return 2 if context in SILENCE_IN_BATCH else 1
 
 
 def clip_route(batch: dict, *, adapters: bool) -> ClipRoute | None:

@@ -90,7 +90,7 @@ def estimate_memory(
     `label_tokens` is the longest decoder input in a batch (labels are padded per batch).
     `activation_scale` is the probe's correction (measured / counted), 1.0 without a probe.
     `encoder_rows` is the encoder's batch where it is not `batch_size`: a packed per-clip
-    micro-batch of W windows encodes 2W with a silence window beside each
+    micro-batch of W windows encodes 2W where a silence window goes beside each in its batch
     (`clip_attention.encoder_rows_per_window`).
     """
     half = precision in _HALF_PRECISIONS

@@ -263,6 +263,7 @@ class FineTuneRecipe:
                     memory.whisper_of(unwrapped(self.model)).config,
                     accelerator.device,
                     encoder_outputs=self.encoder_cache is not None,
+                    per_clip=self.config.packing_per_clip,
                 )
             last = position == len(micro_batches) - 1
             sync = contextlib.nullcontext() if last else accelerator.no_sync(self.model)

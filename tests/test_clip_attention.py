@@ -207,18 +207,7 @@ def test_a_routed_step_is_each_clip_decoded_alone(mode, checkpointing, attn, mon
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("checkpointing", CHECKPOINTING, ids=CHECKPOINTING_IDS)
 @pytest.mark.parametrize("mode", ["full", "lora"])
-@pytest.mark.parametrize(
-    "context",
-    [
-        "block",
-        "block-restart",
-        "block-restart-pad",
-        OWNPAD,
-        SILENCE,
-        SILENCE_SELF,
-        SILENCE_DETACHED,
-    ],
-)
+@pytest.mark.parametrize("context", [c for c in ENCODER_CONTEXTS if c != "window"])
 def test_a_block_diagonal_encoder_is_each_clip_encoded_alone(
     context, mode, checkpointing, attn, monkeypatch
 ):
@@ -315,18 +304,7 @@ def test_a_default_per_clip_step_routes_by_what_trains(monkeypatch):
     assert losses["full", ""] == losses["full", silence] != losses["full", pad]
 
 
-@pytest.mark.parametrize(
-    "context",
-    [
-        "window",
-        "block-restart",
-        "block-restart-pad",
-        OWNPAD,
-        SILENCE,
-        SILENCE_SELF,
-        SILENCE_DETACHED,
-    ],
-)
+@pytest.mark.parametrize("context", [c for c in ENCODER_CONTEXTS if c != "block"])
 def test_padding_is_hidden_and_the_hooks_leave_other_forwards_alone(context, monkeypatch):
     monkeypatch.setenv(ENCODER_CONTEXT, context)
     model = build("full", "full", "sdpa")

@@ -30,10 +30,10 @@ The encoder's context: each clip is encoded as if it were alone in a window padd
 which is what unpacked training and every runtime show the model. Two contexts do this by
 default (`DEFAULT_ENCODER_CONTEXTS`, by what trains): "block-restart-pad" with LoRA (measured
 best of four, BENCHMARKS.md "Block-diagonal encoder per clip") and
-"block-restart-silence-detached" in full and freeze-encoder fine-tuning (below). In "block-restart-pad" each encoder layer's
-self-attention gets a block-diagonal mask: a clip's positions attend to their own and to the
-window's tail (the padding after its last clip, which attends only to itself and is shared by
-the window's clips), never to a neighbour's; each clip's positions are embedded as 0..n-1, where
+"block-restart-silence-detached" in full and freeze-encoder fine-tuning (below). In
+"block-restart-pad" each encoder layer's self-attention gets a block-diagonal mask: a clip's
+positions attend to their own and to the window's tail (the padding after its last clip, which
+attends only to itself and is shared by the window's clips), never to a neighbour's; each clip's positions are embedded as 0..n-1, where
 that clip alone would have them; and its decoder pass cross-attends to its own positions and the
 tail's. (The convolutions before the layers still see one frame of the gap at each edge of a
 clip.) Three more hooks do this, idle unless a route is armed: an encoder pre-hook builds the
@@ -97,9 +97,10 @@ SILENCE = "block-restart-silence"
 # padding (which, unlike a clip's own padding, does not attend back to the clip).
 SILENCE_SELF = "block-restart-silence-self"
 # "block-restart-silence-detached" (SILENCE_DETACHED): SILENCE's forward, but the silence
-# windows are encoded in a forward of their own without gradient: no backward (nor
-# recomputation) through them, so a step costs about 1.3x block-restart-pad's, not 2x; the
-# encoder learns only from the clips' own frames (the decoder's weights, from every key).
+# windows are encoded in a forward of their own without gradient: a window's silence costs
+# one forward, not a forward, a backward (and under checkpointing a recomputation), 0.75-0.8x
+# SILENCE's step as measured; the encoder learns only from the clips' own frames (the
+# decoder's weights, from every key).
 SILENCE_DETACHED = "block-restart-silence-detached"
 # The contexts whose clips' keys end with a silence window's outputs, and those whose silence
 # windows go through the encoder in the windows' own batch (and its backward).
@@ -119,8 +120,8 @@ ENCODER_CONTEXTS = (
 # speech"): with every weight of the decoder training (full, freeze-encoder), block-restart-pad
 # taught the model to stop early on real speech (LJ Speech 17.7% against 7.3-7.8 unpacked, 11.8%
 # deletions, AN4 x 8 epochs) and the silence window keeps it (6.9-7.5) at 2x pad's step;
-# without gradient through it (7.5, 0.3% deletions) at ~1.3x ("A silence window without
-# gradient"); with LoRA's adapters, block-restart-pad kept real speech (6.8-7.3) and is the
+# without gradient through it (7.5, 0.3% deletions) at 0.75-0.8x that step ("A silence window
+# without gradient"); with LoRA's adapters, block-restart-pad kept real speech (6.8-7.3) and is the
 # faster to any quality on the demo's sets ("The padding's encoder outputs in sight").
 DEFAULT_ENCODER_CONTEXTS = {"adapters": "block-restart-pad", "weights": SILENCE_DETACHED}
 # "block-restart-ownpad" (OWNPAD): each clip's own padding is the silence after it in its
@@ -402,8 +403,8 @@ def encoder_context(*, adapters: bool) -> str:
 
 
 def encoder_rows_per_window(context: str) -> int:
-    """Sequences the encoder runs per packed window, and keeps activations of for backward: 2
-    where a silence window goes beside it in the windows' batch (not SILENCE_DETACHED's)."""
+    """Sequences per packed window whose activations the encoder keeps for backward: 2 where a
+    silence window goes beside it in the windows' batch (SILENCE_DETACHED's keeps none)."""
     return 2 if context in SILENCE_IN_BATCH else 1
 
 

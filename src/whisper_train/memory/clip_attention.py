@@ -33,9 +33,9 @@ best of four, BENCHMARKS.md "Block-diagonal encoder per clip") and
 "block-restart-silence-detached" in full and freeze-encoder fine-tuning (below). In
 "block-restart-pad" each encoder layer's self-attention gets a block-diagonal mask: a clip's
 positions attend to their own and to the window's tail (the padding after its last clip, which
-attends only to itself and is shared by the window's clips), never to a neighbour's; each clip's positions are embedded as 0..n-1, where
-that clip alone would have them; and its decoder pass cross-attends to its own positions and the
-tail's. (The convolutions before the layers still see one frame of the gap at each edge of a
+attends only to itself and is shared by the window's clips), never to a neighbour's; each
+clip's positions are embedded as 0..n-1, where that clip alone would have them; and its decoder
+pass cross-attends to its own positions and the tail's. (The convolutions before the layers still see one frame of the gap at each edge of a
 clip.) Three more hooks do this, idle unless a route is armed: an encoder pre-hook builds the
 mask and positions, the encoder's position embedding returns the restarted ones, and each
 encoder layer's pre-hook hands it the mask as its `attention_mask` argument. A checkpointed

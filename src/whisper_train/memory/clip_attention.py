@@ -27,46 +27,45 @@ any other forward
 hook were there.
 
 The encoder's context: each clip is encoded as if it were alone in a window padded with silence,
-which is what unpacked training and every runtime show the model. Two contexts do this by
-default (`DEFAULT_ENCODER_CONTEXTS`, by what trains): "block-restart-pad" with LoRA (measured
-best of four, BENCHMARKS.md "Block-diagonal encoder per clip") and
-"block-restart-silence-detached" in full and freeze-encoder fine-tuning (below). In
-"block-restart-pad" each encoder layer's self-attention gets a block-diagonal mask: a clip's
-positions attend to their own and to the window's tail (the padding after its last clip, which
-attends only to itself and is shared by the window's clips), never to a neighbour's; each
-clip's positions are embedded as 0..n-1, where that clip alone would have them; and its decoder
-pass cross-attends to its own positions and the tail's. (The convolutions before the layers still see one frame of the gap at each edge of a
-clip.) Three more hooks do this, idle unless a route is armed: an encoder pre-hook builds the
-mask and positions, the encoder's position embedding returns the restarted ones, and each
-encoder layer's pre-hook hands it the mask as its `attention_mask` argument. A checkpointed
-layer's recomputation in backward must get that mask again, after the forward has ended:
-transformers 5.24 checkpoints a layer's `forward` inside its hooks (the recomputation keeps the
-argument the hook gave), but 4.56 to 5.17 at least checkpoint the call, hooks included (the
-recomputation runs the hook again, on its input's memory as a new tensor object): the hook
-remembers which input it gave which mask (`same_tensor`). (Found on a GPU, where a layer
-recomputed without its mask picks another attention kernel and backward fails: "A different
-number of tensors was saved"; on a CPU the same, or with eager attention, wrong gradients in
-silence.) The other contexts stay for the measurement (`ENCODER_CONTEXT`, an environment
+which is what unpacked training and every runtime show the model. Two contexts do this by default
+(`DEFAULT_ENCODER_CONTEXTS`, by what trains): "block-restart-pad" with LoRA (measured best of four,
+BENCHMARKS.md "Block-diagonal encoder per clip") and "block-restart-silence-detached" in full and
+freeze-encoder fine-tuning (below). In "block-restart-pad" each encoder layer's self-attention gets
+a block-diagonal mask: a clip's positions attend to their own and to the window's tail (the padding
+after its last clip, which attends only to itself and is shared by the window's clips), never to a
+neighbour's; each clip's positions are embedded as 0..n-1, where that clip alone would have them;
+and its decoder pass cross-attends to its own positions and the tail's. (The convolutions before
+the layers still see one frame of the gap at each edge of a clip.) Three more hooks do this, idle
+unless a route is armed: an encoder pre-hook builds the mask and positions, the encoder's position
+embedding returns the restarted ones, and each encoder layer's pre-hook hands it the mask as its
+`attention_mask` argument. A checkpointed layer's recomputation in backward must get that mask
+again, after the forward has ended: transformers 5.24 checkpoints a layer's `forward` inside its
+hooks (the recomputation keeps the argument the hook gave), but 4.56 to 5.17 at least checkpoint
+the call, hooks included (the recomputation runs the hook again, on its input's memory as a new
+tensor object): the hook remembers which input it gave which mask (`same_tensor`). (Found on a GPU,
+where a layer recomputed without its mask picks another attention kernel and backward fails: "A
+different number of tensors was saved"; on a CPU the same, or with eager attention, wrong gradients
+in silence.) The other contexts stay for the measurement (`ENCODER_CONTEXT`, an environment
 variable bench/quality.py sets; not an option): "window" (the encoder on the window as it is,
-neighbours visible: the first per-clip packing, 12-13 points worse held-out),
-"block" (block-diagonal only), "block-restart" (no tail) and "block-restart-ownpad" (each clip
-with padding of its own, not shared: the silence after it up to the next clip, or to the
-window's end after the last one, in its block and embedded after it, 0..n+p-1; its windows are
-planned with a longer gap, OWNPAD_GAP_SECONDS, so that each clip has some; measured no better
-than "block-restart-pad" at the same gap, BENCHMARKS.md "Each clip with padding of its own"),
-"block-restart-silence" and "block-restart-silence-self" (a window of silence encoded beside
-each window stands for the padding a clip alone has: each clip's decoder pass cross-attends to
-its own frames and the silence window's n..1499; with -self its frames also attend to those in
-every encoder layer, through the self-attention's keys. Closer to unpacked per clip seen, at 2x
-and 2.7x the step, BENCHMARKS.md "The padding's encoder outputs in sight"; block-restart-pad
-taught a decoder whose weights all train to stop early on real speech, "Per-clip on real
-speech", and the silence window kept it), and "block-restart-silence-detached", the default
-where the decoder's weights all train: block-restart-silence's forward, its silence windows
-encoded in a forward of their own without gradient (the encoder pre-hook calls the encoder's
-`forward`, so these hooks stay out of it): as good per clip seen on the demo's sets and on real
-speech, at 0.75-0.8x its step (BENCHMARKS.md "A silence window without gradient"). The
-in-batch silence windows double the encoder's batch: `encoder_rows_per_window`, which the
-memory planner counts; the detached ones keep nothing for backward.
+neighbours visible: the first per-clip packing, 12-13 points worse held-out), "block"
+(block-diagonal only), "block-restart" (no tail) and "block-restart-ownpad" (each clip with padding
+of its own, not shared: the silence after it up to the next clip, or to the window's end after the
+last one, in its block and embedded after it, 0..n+p-1; its windows are planned with a longer gap,
+OWNPAD_GAP_SECONDS, so that each clip has some; measured no better than "block-restart-pad" at the
+same gap, BENCHMARKS.md "Each clip with padding of its own"), "block-restart-silence" and
+"block-restart-silence-self" (a window of silence encoded beside each window stands for the padding
+a clip alone has: each clip's decoder pass cross-attends to its own frames and the silence window's
+n..1499; with -self its frames also attend to those in every encoder layer, through the
+self-attention's keys. Closer to unpacked per clip seen, at 2x and 2.7x the step, BENCHMARKS.md
+"The padding's encoder outputs in sight"; block-restart-pad taught a decoder whose weights all
+train to stop early on real speech, "Per-clip on real speech", and the silence window kept it), and
+"block-restart-silence-detached", the default where the decoder's weights all train:
+block-restart-silence's forward, its silence windows encoded in a forward of their own without
+gradient (the encoder pre-hook calls the encoder's `forward`, so these hooks stay out of it): as
+good per clip seen on the demo's sets and on real speech, at 0.75-0.8x its step (BENCHMARKS.md "A
+silence window without gradient"). The in-batch silence windows double the encoder's batch:
+`encoder_rows_per_window`, which the memory planner counts; the detached ones keep nothing for
+backward.
 """
 
 from __future__ import annotations

@@ -266,6 +266,8 @@ def rows_at(result: dict, step: int) -> dict[str, dict]:
 
 
 def main() -> None:
+    from whisper_train.memory.clip_attention import ENCODER_CONTEXTS
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", choices=("real", "synth"), default="real")
     parser.add_argument("--steps", type=int, default=30)
@@ -307,16 +309,7 @@ def main() -> None:
         "--per-clip-encoder",
         action="append",
         default=[],
-        choices=(
-            "window",
-            "block",
-            "block-restart",
-            "block-restart-pad",
-            "block-restart-ownpad",
-            "block-restart-silence",
-            "block-restart-silence-self",
-            "block-restart-silence-detached",
-        ),
+        choices=ENCODER_CONTEXTS,
         help="--grid per-clip: also per-clip with this encoder context (plain per-clip: the "
         "mode's default, block-restart-pad with LoRA, block-restart-silence-detached otherwise)",
     )

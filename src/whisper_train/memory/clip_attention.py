@@ -62,7 +62,7 @@ train to stop early on real speech, "Per-clip on real speech", and the silence w
 "block-restart-silence-detached", the default where the decoder's weights all train:
 block-restart-silence's forward, its silence windows encoded in a forward of their own without
 gradient (the encoder pre-hook calls the encoder's `forward`, so these hooks stay out of it): as
-good per clip seen on the demo's sets and on real speech, at 0.75-0.8x its step (BENCHMARKS.md "A
+good per clip seen on the demo's sets and on real speech, at 0.72-0.84x its step (BENCHMARKS.md "A
 silence window without gradient"). The in-batch silence windows double the encoder's batch:
 `encoder_rows_per_window`, which the memory planner counts; the detached ones keep nothing for
 backward.
@@ -97,7 +97,7 @@ SILENCE = "block-restart-silence"
 SILENCE_SELF = "block-restart-silence-self"
 # "block-restart-silence-detached" (SILENCE_DETACHED): SILENCE's forward, but the silence
 # windows are encoded in a forward of their own without gradient: a window's silence costs
-# one forward, not a forward, a backward (and under checkpointing a recomputation), 0.75-0.8x
+# one forward, not a forward, a backward (and under checkpointing a recomputation), 0.72-0.84x
 # SILENCE's step as measured; the encoder learns only from the clips' own frames (the
 # decoder's weights, from every key).
 SILENCE_DETACHED = "block-restart-silence-detached"
@@ -119,7 +119,7 @@ ENCODER_CONTEXTS = (
 # speech"): with every weight of the decoder training (full, freeze-encoder), block-restart-pad
 # taught the model to stop early on real speech (LJ Speech 17.7% against 7.3-7.8 unpacked, 11.8%
 # deletions, AN4 x 8 epochs) and the silence window keeps it (6.9-7.5) at 2x pad's step;
-# without gradient through it (7.5, 0.3% deletions) at 0.75-0.8x that step ("A silence window
+# without gradient through it (7.5, 0.3% deletions) at 0.72-0.84x that step ("A silence window
 # without gradient"); with LoRA's adapters, block-restart-pad kept real speech (6.8-7.3) and is the
 # faster to any quality on the demo's sets ("The padding's encoder outputs in sight").
 DEFAULT_ENCODER_CONTEXTS = {"adapters": "block-restart-pad", "weights": SILENCE_DETACHED}

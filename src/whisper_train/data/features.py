@@ -145,6 +145,7 @@ class SpeechDataset(Dataset):
         augmenter=None,
         seed: int = 0,
         gap_seconds: float = 0.3,
+        padding_stride: int = 0,
         cached=None,
         packing_timestamps: bool = False,
         per_clip: bool = False,
@@ -159,6 +160,7 @@ class SpeechDataset(Dataset):
         self.seed = seed
         self.epoch = 0
         self.gap_seconds = gap_seconds
+        self.padding_stride = padding_stride  # packing.own_padding_seconds
         # --packing-timestamps on: a packed window of 2+ clips is always labelled with times
         self.packing_timestamps = packing_timestamps
         # --packing per-clip: a window's clips keep their own labels (`memory.clip_attention`)
@@ -238,7 +240,7 @@ class SpeechDataset(Dataset):
         if len(indices) == 1 and not self.per_clip:  # that clip, label and all
             item = self[(epoch, indices[0])]
             return item if isinstance(item, Skip) else {**item, "skipped": []}
-        window, skipped, rng, first = PackedWindow(self.gap_seconds), [], None, None
+        window, skipped, rng, first = PackedWindow(self.gap_seconds, self.padding_stride), [], None, None
         clips = []  # per clip: its own label, as unpacked (--packing per-clip)
         for index in indices:
             clip = self._clip(index, epoch)

@@ -23,6 +23,7 @@ language, the prefix's).
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from collections.abc import Sequence
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from whisper_train.audio import CHUNK_LENGTH, SAMPLE_RATE
+from whisper_train.audio import CHUNK_LENGTH, ENCODER_POSITIONS, SAMPLE_RATE
 from whisper_train.data.labels import label_positions
 
 # Silence between two clips of a window. 0.3 s: longer than the pause inside a sentence
@@ -45,6 +46,13 @@ PER_CLIP_ENCODER = "WHISPER_TRAIN_PER_CLIP_ENCODER"
 OWNPAD = "block-restart-ownpad"
 OWNPAD_GAP_SECONDS = 1.0
 OWNPAD_GAP = "WHISPER_TRAIN_PER_CLIP_GAP"
+# "block-restart-ownpad-sampled" (SAMPLED_PAD): each clip is followed in its window by padding of
+# its own that stands for all the padding it has alone (the S - n encoder positions after its
+# n), sampled every SAMPLED_PAD_STRIDE positions (`own_padding_seconds`), so its windows hold
+# fewer clips; $WHISPER_TRAIN_PER_CLIP_STRIDE, another stride (for the measurement).
+SAMPLED_PAD = "block-restart-ownpad-sampled"
+SAMPLED_PAD_STRIDE = 8
+SAMPLED_PAD_STRIDE_VARIABLE = "WHISPER_TRAIN_PER_CLIP_STRIDE"
 # Windows kept open for a clip to fit into, per language: a larger number fills windows more
 # tightly and costs a longer search per clip (first fit over at most this many).
 OPEN_WINDOWS = 16
@@ -70,13 +78,15 @@ def plan_windows(
     max_seconds: float = CHUNK_LENGTH,
     gap_seconds: float = DEFAULT_GAP_SECONDS,
     timestamp_tokens: int = 0,
+    padding_stride: int = 0,
 ) -> list[tuple[int, ...]]:
     """The windows of one epoch: tuples of clip indices (in their order in the window).
 
     A window's label, `prefix_tokens` and a body of its clips' `text_tokens` (+
     `timestamp_tokens` per clip: 2 with timestamps), occupies at most `max_tokens` decoder
     positions (`labels.label_positions`); its audio, the clips plus a gap between each two, at
-    most `max_seconds`. A clip too long for either alone still gets a window of its own
+    most `max_seconds`; with a `padding_stride`, each clip's own padding after it counts too
+    (`own_padding_seconds`). A clip too long for either alone still gets a window of its own
     (screening has already dropped clips over 30 s and labels over the limit).
     Every clip is in exactly one window; windows are returned in a seeded random order.
     """
@@ -89,6 +99,7 @@ def plan_windows(
     for index in order:
         clip = clips[index]
         body = clip.text_tokens + timestamp_tokens
+        footprint = clip.seconds + own_padding_seconds(clip.seconds, padding_stride)
         if clip.whole:
             windows.append([index])
             continue
@@ -96,15 +107,15 @@ def plan_windows(
         for window in candidates:
             members, seconds, used = window
             if (
-                seconds + gap_seconds + clip.seconds <= max_seconds
+                seconds + gap_seconds + footprint <= max_seconds
                 and label_positions(prefix_tokens, used + body) <= max_tokens
             ):
                 members.append(index)
-                window[1] = seconds + gap_seconds + clip.seconds
+                window[1] = seconds + gap_seconds + footprint
                 window[2] = used + body
                 break
         else:
-            candidates.append([[index], clip.seconds, body])
+            candidates.append([[index], footprint, body])
             if len(candidates) > OPEN_WINDOWS:  # the fullest is closed: least room left
                 fullest = max(range(len(candidates)), key=lambda i: candidates[i][1])
                 windows.append(candidates.pop(fullest)[0])
@@ -116,11 +127,35 @@ def plan_windows(
 
 def per_clip_gap_seconds() -> float:
     """The silence between two clips of a --packing per-clip window: DEFAULT_GAP_SECONDS, or
-    with the "block-restart-ownpad" encoder context OWNPAD_GAP_SECONDS; $OWNPAD_GAP, when set,
+    with the "block-restart-ownpad" encoder context OWNPAD_GAP_SECONDS, with SAMPLED_PAD none
+    (its clips' own padding lies between them); $OWNPAD_GAP, when set,
     for any context (the measurement's control: another context at the same gap)."""
     if os.environ.get(OWNPAD_GAP):
         return float(os.environ[OWNPAD_GAP])
-    return OWNPAD_GAP_SECONDS if os.environ.get(PER_CLIP_ENCODER) == OWNPAD else DEFAULT_GAP_SECONDS
+    context = os.environ.get(PER_CLIP_ENCODER)
+    if context == SAMPLED_PAD:  # each clip's own padding is what lies between two
+        return 0.0
+    return OWNPAD_GAP_SECONDS if context == OWNPAD else DEFAULT_GAP_SECONDS
+
+
+def per_clip_padding_stride() -> int:
+    """Every how many encoder positions a --packing per-clip window's clips have their own
+    padding sampled: 0 (none of its own) but with the SAMPLED_PAD context, SAMPLED_PAD_STRIDE
+    or $WHISPER_TRAIN_PER_CLIP_STRIDE."""
+    if os.environ.get(PER_CLIP_ENCODER) != SAMPLED_PAD:
+        return 0
+    return int(os.environ.get(SAMPLED_PAD_STRIDE_VARIABLE) or SAMPLED_PAD_STRIDE)
+
+
+def own_padding_seconds(clip_seconds: float, stride: int) -> float:
+    """The padding laid after a clip of `clip_seconds` in its window (SAMPLED_PAD): one
+    encoder position (20 ms) for every `stride` of the S - n its padding alone would span; 0
+    with no `stride`."""
+    if not stride:
+        return 0.0
+    clip_positions = math.ceil(clip_seconds * ENCODER_POSITIONS / CHUNK_LENGTH)
+    padding = math.ceil(max(ENCODER_POSITIONS - clip_positions, 0) / stride)
+    return padding * CHUNK_LENGTH / ENCODER_POSITIONS
 
 
 def window_seconds(
@@ -146,8 +181,9 @@ class PackedWindow:
     stream (`SpeechStream`) both build their windows with it, so a window's audio and label do
     not depend on how its clips were read."""
 
-    def __init__(self, gap_seconds: float = DEFAULT_GAP_SECONDS):
+    def __init__(self, gap_seconds: float = DEFAULT_GAP_SECONDS, padding_stride: int = 0):
         self.gap = np.zeros(int(round(gap_seconds * SAMPLE_RATE)), dtype=np.float32)
+        self.padding_stride = padding_stride  # each clip's own padding after it (SAMPLED_PAD)
         self.max_samples = int(CHUNK_LENGTH * SAMPLE_RATE)
         self.pieces: list[np.ndarray] = []  # clips and the gaps between them
         self.texts: list[str] = []
@@ -161,9 +197,13 @@ class PackedWindow:
     def _next_start(self) -> int:
         return self.samples + (len(self.gap) if self.pieces else 0)
 
+    def _own_padding(self, audio: np.ndarray) -> int:
+        seconds = own_padding_seconds(len(audio) / SAMPLE_RATE, self.padding_stride)
+        return int(round(seconds * SAMPLE_RATE))
+
     def fits(self, audio: np.ndarray) -> bool:
-        """Whether `audio`, added next, would end within the 30 s window."""
-        return self._next_start() + len(audio) <= self.max_samples
+        """Whether `audio`, added next, would end (its own padding too) within the window."""
+        return self._next_start() + len(audio) + self._own_padding(audio) <= self.max_samples
 
     def add(self, audio: np.ndarray, text: str) -> None:
         """Append a clip (whether it `fits` is the caller's to decide)."""
@@ -174,6 +214,9 @@ class PackedWindow:
         self.texts.append(text)
         self.spans.append((start / SAMPLE_RATE, (start + len(audio)) / SAMPLE_RATE))
         self.samples = start + len(audio)
+        if padding := self._own_padding(audio):
+            self.pieces.append(np.zeros(padding, dtype=np.float32))
+            self.samples += padding
 
     def audio(self) -> np.ndarray:
         """The window's samples: its clips and the gaps between them."""

@@ -173,6 +173,7 @@ class WholeData:
             max_tokens=self.max_tokens,
             gap_seconds=self.dataset.gap_seconds,
             timestamp_tokens=self.timestamp_tokens,
+            padding_stride=self.dataset.padding_stride,
         )
 
     def global_batches(self, epoch: int) -> list[list]:
@@ -543,6 +544,7 @@ def build_training_data(
             if config.packing_per_clip
             else packing_module.DEFAULT_GAP_SECONDS
         ),
+        padding_stride=packing_module.per_clip_padding_stride() if config.packing_per_clip else 0,
         cached=cached,
         packing_timestamps=config.packing_timestamps_on,
         per_clip=config.packing_per_clip,

@@ -79,7 +79,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from whisper_train.data.packing import OWNPAD, PER_CLIP_ENCODER
+from whisper_train.data.packing import OWNPAD, PER_CLIP_ENCODER, SAMPLED_PAD
 
 # The attribute of a Whisper model that holds its router once `route_clips` installed it.
 _ROUTER = "_whisper_train_clip_router"
@@ -114,6 +114,7 @@ ENCODER_CONTEXTS = (
     SILENCE,
     SILENCE_SELF,
     SILENCE_DETACHED,
+    SAMPLED_PAD,
 )
 # The context `--packing per-clip` uses, by what trains (BENCHMARKS.md "Per-clip on real
 # speech"): with every weight of the decoder training (full, freeze-encoder), block-restart-pad
@@ -151,6 +152,9 @@ class ClipRouter:
         # mask (True: may attend) and the (W, S) positions to embed (None: the window's own).
         self.encoder_mask: torch.Tensor | None = None
         self.encoder_positions: torch.Tensor | None = None
+        # SAMPLED_PAD: the (W, S) encoder positions each frame stands for, from its position on
+        # (1 but for a clip's own padding's samples)
+        self.encoder_spans: torch.Tensor | None = None
         # (an encoder layer's input, the mask the layer was given) in the last routed encoder
         # forward, for its recomputation where transformers runs the hook again (module doc)
         self.given_masks: list[tuple[weakref.ref, torch.Tensor]] = []
@@ -161,7 +165,7 @@ class ClipRouter:
     def arm(self, route: ClipRoute | None) -> None:
         """The next encoder forward gathers `route`'s clips (None: it runs as it is)."""
         self.pending = route
-        self.encoder_mask = self.encoder_positions = None
+        self.encoder_mask = self.encoder_positions = self.encoder_spans = None
 
     def encoder_pre_hook(self, module, args, kwargs):
         route = self.pending
@@ -180,8 +184,8 @@ class ClipRouter:
                 args = (features, *args[1:])
             else:
                 kwargs = {**kwargs, "input_features": features}
-        mask, positions = block_context(route, len(features), module.embed_positions)
-        self.encoder_mask = mask
+        mask, positions, spans = block_context(route, len(features), module.embed_positions)
+        self.encoder_mask, self.encoder_spans = mask, spans
         if route.context == SILENCE_SELF:
             mask = torch.cat([mask, silence_keys_mask(route, mask)], dim=-1)
             self.encoder_mask = mask
@@ -205,7 +209,14 @@ class ClipRouter:
     def positions_hook(self, module, args, output):
         if self.encoder_positions is None:
             return None
-        return nn.functional.embedding(self.encoder_positions, module.weight)  # (W, S, d)
+        embedded = nn.functional.embedding(self.encoder_positions, module.weight)  # (W, S, d)
+        if self.encoder_spans is not None:  # a sample of padding: the mean of those it stands for
+            embedded = torch.where(
+                (self.encoder_spans > 1)[..., None],
+                mean_embeddings(module.weight, self.encoder_positions, self.encoder_spans),
+                embedded,
+            )
+        return embedded
 
     def encoder_layer_hook(self, module, args, kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]
@@ -228,13 +239,14 @@ class ClipRouter:
 
     def encoder_hook(self, module, args, kwargs, output):
         route, self.pending = self.pending, None
+        counts, self.encoder_spans = self.encoder_spans, None
         self.encoder_mask = self.encoder_positions = None
         if route is None:
             return output
         encoded, silence, self.silence_outputs = output[0], self.silence_outputs, None
         if silence is not None:  # SILENCE_DETACHED: the windows, then their silence windows
             encoded = torch.cat([encoded, silence.to(encoded.dtype)])
-        keys, mask = gather_clip_positions(encoded, route)
+        keys, mask = gather_clip_positions(encoded, route, counts)
         self.keys, self.mask = weakref.ref(keys), mask
         output["last_hidden_state"] = keys
         return output
@@ -244,7 +256,7 @@ class ClipRouter:
         if keys is None or self.keys is None or not same_tensor(keys, self.keys()):
             return None
         mask = self.mask
-        if self.eager:  # eager attention adds its mask to the scores
+        if self.eager and mask.dtype == torch.bool:  # eager attention adds its mask to the scores
             blocked = torch.finfo(torch.float32).min
             mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, blocked)
         return args, {**kwargs, "attention_mask": mask}
@@ -266,12 +278,15 @@ def same_tensor(tensor: torch.Tensor, other: torch.Tensor | None) -> bool:
 
 
 def gather_clip_positions(
-    encoded: torch.Tensor, route: ClipRoute
+    encoded: torch.Tensor, route: ClipRoute, counts: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(C, L, d) encoder outputs of each clip (its window's positions [start, end), padded
     with copies of its last one up to L, the longest clip's length) and the (C, 1, 1, L) mask
     that is True on each clip's own positions. With the "-pad" context, each clip's window's
-    tail [its last clip's end, S) follows, padded the same way to the longest tail."""
+    tail [its last clip's end, S) follows, padded the same way to the longest tail. With
+    SAMPLED_PAD, each clip's own padding's samples follow its frames, and the mask is a bias
+    to add to the scores: log of the positions each key stands for (`counts`, (W, S)), the
+    float32 minimum on the padding of the gathered keys."""
     device = encoded.device
     starts, ends = route.starts.to(device), route.ends.to(device)
     if route.context in SILENCE_CONTEXTS:  # the clip's own frames, then silence's n..S-1
@@ -281,7 +296,7 @@ def gather_clip_positions(
         rows = torch.where(own, windows, windows + encoded.shape[0] // 2)
         keys = encoded[rows, torch.where(own, starts[:, None] + offsets, offsets)]
         return keys, torch.ones(keys.shape[:2], dtype=torch.bool, device=device)[:, None, None]
-    if route.context == OWNPAD:  # the clip and its own padding, one span
+    if route.context in (OWNPAD, SAMPLED_PAD):  # the clip and its own padding, one span
         ends = own_pad_ends(route, encoded.shape[1]).to(device)
     if route.context.endswith("-pad"):
         tails = tail_starts(route).to(device)
@@ -296,7 +311,14 @@ def gather_clip_positions(
         valid.append(offsets[None, :] < lengths[:, None])  # (C, L)
         last = torch.clamp(lengths[:, None] - 1, min=0)  # an empty tail: any position, masked
         keys.append(encoded[windows, first[:, None] + torch.minimum(offsets[None, :], last)])
-    return torch.cat(keys, dim=1), torch.cat(valid, dim=1)[:, None, None, :]
+    keys, valid = torch.cat(keys, dim=1), torch.cat(valid, dim=1)
+    if route.context == SAMPLED_PAD:
+        lengths = torch.clamp(ends - starts, min=1)
+        offsets = torch.minimum(torch.arange(keys.shape[1], device=device), lengths[:, None] - 1)
+        weights = counts.to(device)[windows, starts[:, None] + offsets].to(torch.float32).log()
+        blocked = torch.finfo(torch.float32).min
+        return keys, weights.masked_fill(~valid, blocked)[:, None, None, :]
+    return keys, valid[:, None, None, :]
 
 
 def silence_windows(features: torch.Tensor) -> torch.Tensor:
@@ -344,21 +366,33 @@ def tail_starts(route: ClipRoute) -> torch.Tensor:
 
 def block_context(
     route: ClipRoute, windows: int, embed_positions: nn.Module
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The (W, 1, S, S) block-diagonal self-attention mask of `route`'s windows (True where a
     query's position and a key's are in the same clip, or both in no clip; with "-pad", also
     where the query is in a clip and the key in its window's tail) and the (W, S) positions
     each clip's frames have alone: 0..n-1 (the others keep the window's). With "-ownpad" a
-    clip's block is its frames and its own padding after them, positions 0..n+p-1."""
+    clip's block is its frames and its own padding after them, positions 0..n+p-1. With
+    SAMPLED_PAD too, but its p padding frames stand for the S - n positions of padding it has
+    alone, spread evenly: the third value is the (W, S) number of positions each frame stands
+    for (1 but there; None in other contexts), its first position the one in the second, and
+    the mask is a bias to add to the scores (`sampled_padding_bias`)."""
     device = embed_positions.weight.device
     width = embed_positions.num_embeddings
     positions = torch.arange(width, device=device).repeat(windows, 1)
     blocks = torch.full((windows, width), -1, dtype=torch.long, device=device)
-    ends = own_pad_ends(route, width) if route.context == OWNPAD else route.ends
+    sampled = route.context == SAMPLED_PAD
+    ends = own_pad_ends(route, width) if route.context in (OWNPAD, SAMPLED_PAD) else route.ends
     spans = zip(route.windows.tolist(), route.starts.tolist(), ends.tolist(), strict=True)
+    counts = torch.ones((windows, width), dtype=torch.long, device=device) if sampled else None
     for clip, (window, start, end) in enumerate(spans):
         blocks[window, start:end] = clip
         positions[window, start:end] -= start
+        if sampled:  # the padding's p frames: S - n positions from n on, spread evenly
+            clip_end = int(route.ends[clip])
+            n, p = clip_end - start, end - clip_end
+            edges = n + torch.arange(p + 1, device=device) * (width - n) // max(p, 1)
+            positions[window, clip_end:end] = edges[:-1]
+            counts[window, clip_end:end] = edges[1:] - edges[:-1]
     if route.context.endswith("-pad"):
         tails = tail_starts(route).tolist()
         for window, tail in zip(route.windows.tolist(), tails, strict=True):
@@ -366,7 +400,28 @@ def block_context(
     mask = blocks[:, :, None] == blocks[:, None, :]
     if route.context.endswith("-pad"):
         mask |= (blocks[:, :, None] >= 0) & (blocks[:, None, :] == -2)
-    return mask[:, None], positions
+    if sampled:
+        return sampled_padding_bias(mask, counts)[:, None], positions, counts
+    return mask[:, None], positions, None
+
+
+def sampled_padding_bias(mask: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """(W, S, S) scores' bias where a key stands for `counts` positions (W, S): softmax over a
+    key once with log(c) added to its score is softmax over c copies of it. The float32
+    minimum where `mask` is False."""
+    bias = counts.to(torch.float32).log()[:, None, :].expand(mask.shape)
+    return bias.masked_fill(~mask, torch.finfo(torch.float32).min)
+
+
+def mean_embeddings(
+    table: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """(..., d): for each entry the mean of `table`'s rows [position, position + count): a
+    sample of padding standing for `count` positions carries their mean position embedding
+    (Whisper's sinusoids: what varies faster than the samples averages out, not aliased)."""
+    cumulative = torch.cat([table.new_zeros(1, table.shape[1]), table.cumsum(0)])
+    last = torch.clamp(positions + counts, max=len(table))
+    return (cumulative[last] - cumulative[positions]) / (last - positions)[..., None]
 
 
 def route_clips(whisper: nn.Module) -> ClipRouter:

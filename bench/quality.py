@@ -33,7 +33,8 @@ Grids:
          demo's): equal clips seen; --equal-wall-epochs N adds per-clip for N epochs;
          --per-clip-encoder CONTEXT (repeatable: window, block, block-restart,
          block-restart-pad, block-restart-ownpad, block-restart-silence,
-         block-restart-silence-self, block-restart-silence-detached) adds per-clip with that
+         block-restart-silence-self, block-restart-silence-detached,
+         block-restart-ownpad-sampled) adds per-clip with that
          encoder context (`memory.clip_attention.ENCODER_CONTEXT`; the plain per-clip row is
          the mode's default: block-restart-pad with LoRA; in full and freeze-encoder
          block-restart-silence-detached since the sixth session of 2026-11-26,

@@ -24,7 +24,12 @@ import torch
 from tiny_models import EOT, LORA, SOT, fresh_short_whisper, nonzero_lora_b, trainable_gradients
 
 from whisper_train.data.collate import IGNORE_INDEX
-from whisper_train.data.packing import OWNPAD_GAP, OWNPAD_GAP_SECONDS, per_clip_gap_seconds
+from whisper_train.data.packing import (
+    OWNPAD_GAP,
+    OWNPAD_GAP_SECONDS,
+    SAMPLED_PAD,
+    per_clip_gap_seconds,
+)
 from whisper_train.memory import loss_terms, prepare_model
 from whisper_train.memory.clip_attention import (
     ENCODER_CONTEXT,
@@ -34,8 +39,10 @@ from whisper_train.memory.clip_attention import (
     SILENCE_DETACHED,
     SILENCE_SELF,
     ClipRoute,
+    block_context,
     clip_route,
     gather_clip_positions,
+    gathered_counts,
     own_pad_ends,
     route_clips,
 )
@@ -79,7 +86,12 @@ def clip_alone(whisper, features: torch.Tensor, span: tuple, context: str) -> to
     from the window's last clip's end), which the clip's frames see and which sees only
     itself: the one mask here, built per clip, not per window. block-restart-ownpad:
     (1, n + p, d), the clip and its own padding (up to the next clip's start in its window, or
-    the window's end), p frames that nothing else sees, all at 0..n+p-1 with no mask."""
+    the window's end), p frames that nothing else sees, all at 0..n+p-1 with no mask.
+    block-restart-ownpad-sampled: (1, S, d), the clip and S - n frames of padding alone: its
+    own padding's p frames, each repeated for the positions it stands for (S - n spread evenly
+    over them from n on) and embedded at their mean position embedding, no mask: softmax over
+    c copies of a key is softmax over one with log(c) added to its score, and the copies of a
+    frame, given the same input and keys, stay copies through every layer."""
     encoder, attn = whisper.model.encoder, whisper.config._attn_implementation
     window, start, end = span
     embeds = torch.nn.functional.gelu(encoder.conv1(features[window : window + 1]))
@@ -99,6 +111,17 @@ def clip_alone(whisper, features: torch.Tensor, span: tuple, context: str) -> to
         if attn == "eager":
             mask = torch.zeros(mask.shape, dtype=embeds.dtype).masked_fill(~mask, -1e300)
     hidden = embeds[:, frames] + encoder.embed_positions.weight[positions]
+    if context == SAMPLED_PAD:
+        width, n = embeds.shape[1], end - start
+        table = encoder.embed_positions.weight
+        later = [s for w, s, _ in SPANS if w == window and s >= end]
+        pad_frames = list(range(end, min(later, default=width)))
+        edges = [n + j * (width - n) // len(pad_frames) for j in range(len(pad_frames) + 1)]
+        padding = [
+            (embeds[:, frame] + table[first:last].mean(0)).expand(last - first, -1)
+            for frame, first, last in zip(pad_frames, edges, edges[1:], strict=False)
+        ]
+        hidden = torch.cat([embeds[:, start:end] + table[:n], torch.cat(padding)[None]], dim=1)
     for layer in encoder.layers:
         hidden = layer(hidden, mask)
     return encoder.layer_norm(hidden)
@@ -343,6 +366,49 @@ def test_gathered_positions_and_mask():
     keys, mask = gather_clip_positions(encoded, route)
     assert keys[..., 0].tolist() == [[1, 2, 3, 4, 5, 5], [6, 7, 8, 9, 10, 11]]
     assert mask[:, 0, 0].tolist() == [[True] * 5 + [False], [True] * 6]
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_a_clip_with_all_its_padding_sampled_at_every_position_is_unpacked_training(
+    mode, monkeypatch
+):
+    """SAMPLED_PAD's limit: a clip at the start of its window, its own padding the rest of the
+    window (each frame standing for one position), is the clip alone in a padded window: the
+    model's own forward on each window with its clip's label (unrouted), to float64 rounding."""
+    batch = packed_batch()
+    plain = {key: batch[key] for key in ("decoder_input_ids", "labels")}
+    plain["input_features"] = batch["input_features"][[0, 1, 1]]
+    alone = {**plain, "clip_windows": torch.arange(3)}
+    alone["clip_positions"] = torch.tensor([[0, end - start] for _, start, end in SPANS])
+    reference = build(mode, "off", "sdpa")
+    expected = loss_terms(reference, plain).loss
+    expected.backward()
+    monkeypatch.setenv(ENCODER_CONTEXT, SAMPLED_PAD)
+    routed = build(mode, "off", "sdpa")
+    loss = loss_terms(routed, alone).loss
+    loss.backward()
+    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-10)
+    got, want = trainable_gradients(routed), trainable_gradients(reference)
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, want[name], rtol=1e-8, atol=1e-10, msg=name)
+
+
+def test_sampled_padding_spreads_the_padding_a_clip_has_alone_over_its_own():
+    """Window 0 of `SPANS`: clip 0 (18 positions) has 4 frames of its own padding for 32
+    positions (8 each, from 18 on), clip 1 (25) has 3 for 25 (8, 8, 9, from 25 on); each
+    clip's gathered keys stand for the 50 positions it has alone."""
+    route = clip_route(packed_batch(), adapters=False)
+    route.context = SAMPLED_PAD
+    table = torch.nn.Embedding(50, 4)
+    mask, positions, counts = block_context(route, 2, table)
+    assert positions[0, 18:22].tolist() == [18, 26, 34, 42]
+    assert counts[0, 18:22].tolist() == [8, 8, 8, 8]
+    assert positions[0, 47:].tolist() == [25, 33, 41] and counts[0, 47:].tolist() == [8, 8, 9]
+    assert positions[0, 22:47].tolist() == list(range(25)) and counts[0, :18].eq(1).all()
+    assert mask[0, 0, 0, :22].all() and not mask[0, 0, 0, 22:].any()  # clip 0's own block
+    keys, valid = gather_clip_positions(torch.zeros(2, 50, 1), route)
+    weights = gathered_counts(counts, route, keys.shape[1])
+    assert [int(weights[c][valid[c, 0, 0]].sum()) for c in range(3)] == [50, 50, 50]
 
 
 def test_a_clips_own_padding_ends_at_the_next_clip_or_the_windows_end():

@@ -689,7 +689,13 @@ def test_packed_windows_on_the_device_accumulate_to_the_token_mean_and_train_in_
 
 
 @pytest.mark.parametrize(
-    "context", ["block-restart-pad", "block-restart-silence", "block-restart-silence-detached"]
+    "context",
+    [
+        "block-restart-pad",
+        "block-restart-silence",
+        "block-restart-silence-detached",
+        "block-restart-ownpad-sampled",
+    ],
 )
 def test_per_clip_packing_on_the_device_recomputes_each_layer_with_its_mask(
     context, device, tmp_path, tiny_run_config, float32_math, deterministic_algorithms, monkeypatch

@@ -32,7 +32,11 @@ from whisper_train.data.packing import (
     OWNPAD,
     OWNPAD_GAP,
     PER_CLIP_ENCODER,
+    SAMPLED_PAD,
+    SAMPLED_PAD_STRIDE_VARIABLE,
     ClipSize,
+    PackedWindow,
+    own_padding_seconds,
     plan_windows,
     window_seconds,
 )
@@ -339,6 +343,55 @@ def test_per_clip_packing_with_own_padding_plans_longer_gaps(
         assert all(
             49 <= later[0] - earlier[1] <= 51 for earlier, later in itertools.pairwise(spans)
         )
+
+
+def test_a_clips_sampled_padding_is_planned_and_laid_after_it():
+    """SAMPLED_PAD: a clip of n encoder positions is followed by ceil((1500 - n) / stride)
+    positions of its own padding, in the plan's 30 s as in the window's audio."""
+    assert own_padding_seconds(3.0, 8) == pytest.approx(169 * 0.02)  # (1500 - 150) / 8
+    assert own_padding_seconds(29.9, 8) == pytest.approx(0.02)  # 5 positions alone: 1
+    assert own_padding_seconds(29.99, 8) == 0.0  # 1500: none
+    assert own_padding_seconds(3.0, 0) == 0.0
+    clips = _random_clips(200)
+    for window in _plan(clips, gap_seconds=0.0, padding_stride=8):
+        footprints = sum(clips[i].seconds + own_padding_seconds(clips[i].seconds, 8) for i in window)
+        assert footprints <= 30.0 + 1e-9
+    window = PackedWindow(0.0, padding_stride=8)
+    clip = np.ones(3 * 16000, dtype=np.float32)
+    while window.fits(clip):
+        window.add(clip, "a")
+    # 150 + 169 positions a clip: 4 fit in 1500 (a fifth would end at 1595)
+    assert len(window) == 4
+    starts = [start for start, _ in window.spans]
+    assert np.diff(starts) == pytest.approx([3.0 + 169 * 0.02] * 3)
+    assert len(window.audio()) == 4 * (48000 + 169 * 320)
+    assert not window.audio()[48000 : 48000 + 169 * 320].any()  # silence after the first
+
+
+def test_per_clip_packing_with_sampled_padding_gives_each_clip_its_own(
+    tmp_path, tiny_run_config, monkeypatch
+):
+    """WHISPER_TRAIN_PER_CLIP_ENCODER=block-restart-ownpad-sampled: after each 1.2 s clip (60
+    encoder positions, 61 where it straddles one) its own padding, (1500 - 60) / 8 = 180
+    positions, no other gap: at most 6 clips a window; a step trains."""
+    monkeypatch.setenv(PER_CLIP_ENCODER, SAMPLED_PAD)
+    monkeypatch.delenv(OWNPAD_GAP, raising=False)
+    monkeypatch.delenv(SAMPLED_PAD_STRIDE_VARIABLE, raising=False)
+    data = _many_tones(tmp_path, n=40)
+    config = tiny_run_config(data=str(data), packing="per-clip", batch_size=2, eval_split=0.0)
+    recipe = FineTuneRecipe(config.validate())
+    recipe.setup()
+    batch = next(recipe.data.steps(types.SimpleNamespace(epoch=0, batches_in_epoch=0)))[0]
+    windows, positions = batch["clip_windows"], batch["clip_positions"]
+    for window in (0, 1):
+        spans = positions[windows == window].tolist()
+        assert 2 <= len(spans) <= 6
+        assert all(
+            179 <= later[0] - earlier[1] <= 181 for earlier, later in itertools.pairwise(spans)
+        )
+    config.update({"output_dir": str(tmp_path / "trained"), "max_steps": 2})
+    losses, _ = losses_and_evaluations(train(config.validate()).output_dir)
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
 
 
 def test_packing_is_refused_with_the_encoder_cache_and_reads_yaml_booleans(tiny_run_config):

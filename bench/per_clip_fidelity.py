@@ -106,8 +106,9 @@ def labelled(clips, members, labels) -> list[dict]:
         tokens, n_prefix = window_label(
             labels, [text], [(0.0, len(audio) / 16000)], language=None, timestamps=False
         )
-        items.append({"audio": audio, "tokens": tokens, "n_prefix": n_prefix, "text": text,
-                      "index": index})
+        items.append(
+            {"audio": audio, "tokens": tokens, "n_prefix": n_prefix, "text": text, "index": index}
+        )
     return items
 
 
@@ -188,10 +189,12 @@ def main() -> None:
     reference_loss, reference = summed_gradient(model, unpacked)
     print(f"{args.model}, {args.mode}; the first {len(clips)} clips of {args.data}")
     print()
-    print("The gradient of a pass over the clips (the loss summed over their label tokens), "
-          "packed per clip in each context, against unpacked's (batches of 8): cosine / norm "
-          "ratio per parameter group; loss per label token (unpacked's "
-          f"{reference_loss:.3f})")
+    print(
+        "The gradient of a pass over the clips (the loss summed over their label tokens), "
+        "packed per clip in each context, against unpacked's (batches of 8): cosine / norm "
+        "ratio per parameter group; loss per label token (unpacked's "
+        f"{reference_loss:.3f})"
+    )
     print()
     groups = [g for g, _ in GROUPS if any(group_of(n) == g for n in reference)] + ["all"]
     print("| context | clips a window | loss | " + " | ".join(groups) + " |")

@@ -264,9 +264,9 @@ def test_packed_run_resumes_mid_epoch_with_the_uninterrupted_losses(
 ):
     data = _many_tones(tmp_path)
     common = {"data": str(data), "packing": packing, "batch_size": 1, "eval_split": 0.0}
-    reference = train(tiny_run_config(output_dir=str(tmp_path / "ref"), max_steps=5, **common))
+    reference = train(tiny_run_config(output_dir=str(tmp_path / "ref"), max_steps=10, **common))
     reference_losses, _ = losses_and_evaluations(reference.output_dir)
-    config = tiny_run_config(max_steps=5, save_steps=1, save_total_limit=1, **common)
+    config = tiny_run_config(max_steps=10, save_steps=1, save_total_limit=1, **common)
     with monkeypatch.context() as patch:
         crash_on_loss_call(patch, 3)  # dies during step 3, after checkpoint-2
         with pytest.raises(RuntimeError, match="simulated crash"):
@@ -275,7 +275,8 @@ def test_packed_run_resumes_mid_epoch_with_the_uninterrupted_losses(
     train(config)
     losses, _ = losses_and_evaluations(tmp_path / "out")
     np.testing.assert_allclose(losses, reference_losses, rtol=0, atol=SAME_RUN_LOSS_ATOL)
-    # 36 clips of 1.2 s in windows of <= 30 s: the 5 steps crossed an epoch boundary.
+    # 36 clips of 1.2 s in windows of <= 30 s (per-clip: 6 a window, each with its own
+    # padding, 8 windows): the 10 steps crossed an epoch boundary.
     epochs = [row["epoch"] for row in metric_rows(tmp_path / "out") if "loss" in row]
     assert epochs[-1] > 1.0
 
@@ -297,13 +298,19 @@ def test_packed_training_trains_on_windows_and_evaluates_single_clips(tmp_path, 
     assert all(len(text.split()) == 3 for text in evaluated)
 
 
-def test_per_clip_packing_decodes_each_clip_of_a_window_on_its_own(tmp_path, tiny_run_config):
+def _first_per_clip_batch(tmp_path, tiny_run_config):
+    """(config, recipe, first micro-batch) of a --packing per-clip run on 40 tones of 1.2 s, 2
+    windows a micro-batch."""
     data = _many_tones(tmp_path, n=40)
     config = tiny_run_config(data=str(data), packing="per-clip", batch_size=2, eval_split=0.0)
     recipe = FineTuneRecipe(config.validate())
     recipe.setup()
-    state = types.SimpleNamespace(epoch=0, batches_in_epoch=0)
-    batch = next(recipe.data.steps(state))[0]
+    batch = next(recipe.data.steps(types.SimpleNamespace(epoch=0, batches_in_epoch=0)))[0]
+    return config, recipe, batch
+
+
+def test_per_clip_packing_decodes_each_clip_of_a_window_on_its_own(tmp_path, tiny_run_config):
+    config, recipe, batch = _first_per_clip_batch(tmp_path, tiny_run_config)
     windows, positions = batch["clip_windows"], batch["clip_positions"]
     # Two windows through the encoder, several clips each through the decoder, each with its
     # own 3-word label (its own prefix and <|endoftext|>), not the window's joined one.
@@ -313,7 +320,8 @@ def test_per_clip_packing_decodes_each_clip_of_a_window_on_its_own(tmp_path, tin
     eot = recipe.label_encoder.eot_id
     assert [(row == eot).sum().item() for row in batch["labels"]] == [1] * len(windows)
     # Each clip's encoder positions: 1.2 s of audio (60 positions, +1 where it straddles one),
-    # in order in its window, none shared with the clip before it (0.3 s gaps: 15 positions).
+    # in order in its window, none shared with the clip before it (its own padding between:
+    # 180 positions by default, the test below; 15 with another context's 0.3 s gaps).
     lengths = (positions[:, 1] - positions[:, 0]).tolist()
     assert all(60 <= n <= 61 for n in lengths)
     for window in (0, 1):
@@ -331,11 +339,7 @@ def test_per_clip_packing_with_own_padding_plans_longer_gaps(
     window (50 encoder positions, 49 where a clip straddles one), each clip's own padding."""
     monkeypatch.setenv(PER_CLIP_ENCODER, OWNPAD)
     monkeypatch.delenv(OWNPAD_GAP, raising=False)
-    data = _many_tones(tmp_path, n=40)
-    config = tiny_run_config(data=str(data), packing="per-clip", batch_size=2, eval_split=0.0)
-    recipe = FineTuneRecipe(config.validate())
-    recipe.setup()
-    batch = next(recipe.data.steps(types.SimpleNamespace(epoch=0, batches_in_epoch=0)))[0]
+    _, _, batch = _first_per_clip_batch(tmp_path, tiny_run_config)
     windows, positions = batch["clip_windows"], batch["clip_positions"]
     assert len(windows) > 2
     for window in (0, 1):
@@ -354,7 +358,9 @@ def test_a_clips_sampled_padding_is_planned_and_laid_after_it():
     assert own_padding_seconds(3.0, 0) == 0.0
     clips = _random_clips(200)
     for window in _plan(clips, gap_seconds=0.0, padding_stride=8):
-        footprints = sum(clips[i].seconds + own_padding_seconds(clips[i].seconds, 8) for i in window)
+        footprints = sum(
+            clips[i].seconds + own_padding_seconds(clips[i].seconds, 8) for i in window
+        )
         assert footprints <= 30.0 + 1e-9
     window = PackedWindow(0.0, padding_stride=8)
     clip = np.ones(3 * 16000, dtype=np.float32)
@@ -377,11 +383,7 @@ def test_per_clip_packing_with_sampled_padding_gives_each_clip_its_own(
     monkeypatch.setenv(PER_CLIP_ENCODER, SAMPLED_PAD)
     monkeypatch.delenv(OWNPAD_GAP, raising=False)
     monkeypatch.delenv(SAMPLED_PAD_STRIDE_VARIABLE, raising=False)
-    data = _many_tones(tmp_path, n=40)
-    config = tiny_run_config(data=str(data), packing="per-clip", batch_size=2, eval_split=0.0)
-    recipe = FineTuneRecipe(config.validate())
-    recipe.setup()
-    batch = next(recipe.data.steps(types.SimpleNamespace(epoch=0, batches_in_epoch=0)))[0]
+    config, _, batch = _first_per_clip_batch(tmp_path, tiny_run_config)
     windows, positions = batch["clip_windows"], batch["clip_positions"]
     for window in (0, 1):
         spans = positions[windows == window].tolist()
@@ -453,10 +455,12 @@ def test_accumulation_is_the_token_mean_of_the_step(tmp_path, tiny_run_config):
 
 
 @pytest.mark.parametrize(
-    "packing, sharding", [("on", []), ("per-clip", ["--fsdp"])], ids=["on", "per-clip-fsdp"]
+    "packing, sharding, windows",
+    [("on", [], 5), ("per-clip", ["--fsdp"], 12)],
+    ids=["on", "per-clip-fsdp"],
 )
 def test_two_processes_packed_with_an_empty_share_equal_one(
-    packing, sharding, tmp_path, tiny_whisper_dir
+    packing, sharding, windows, tmp_path, tiny_whisper_dir
 ):
     """Per-clip under --fsdp: its silence windows' encoder forward all-gathers every encoder
     layer once more, so the process with nothing to read must run it too (a routed
@@ -476,7 +480,7 @@ def test_two_processes_packed_with_an_empty_share_equal_one(
         "--only-train",
         "--lr-scheduler=constant_with_warmup",
         f"--packing={packing}",
-        "--max-steps=4",
+        f"--max-steps={windows // 2}",  # the whole epoch: the window that holds nothing too
     ]
     alone = train_in_subprocess([*common, "--batch-size=2", f"--output-dir={tmp_path / 'one'}"])
     train_in_subprocess(
@@ -484,12 +488,13 @@ def test_two_processes_packed_with_an_empty_share_equal_one(
     )
     one = [row["loss"] for row in metric_rows(tmp_path / "one") if "loss" in row]
     two = [row["loss"] for row in metric_rows(tmp_path / "two") if "loss" in row]
-    assert len(one) == 4
+    assert len(one) == windows // 2
     np.testing.assert_allclose(two, one, rtol=0, atol=SAME_RUN_LOSS_ATOL)
     assert "missing.wav" in alone.stdout  # named at the end of the epoch it was met in
-    # 66 clips of 1.2 s in 4 windows, the missing one alone in a fifth: 2 processes x batch 1
-    # share 5 windows as 3 and 2 + an empty micro-batch, which must not hang or weigh.
-    assert "packed into 5 windows" in alone.stdout
+    # 66 clips of 1.2 s in 4 windows (per-clip: 11 of 6, each clip with 3.6 s of its own
+    # padding), the missing one alone in one more: 2 processes x batch 1 share them, one
+    # process's micro-batch holding nothing usable, which must not hang or weigh.
+    assert f"packed into {windows} windows" in alone.stdout
 
 
 def test_a_clip_whose_encoder_output_is_cached_is_not_decoded_again(

@@ -258,9 +258,8 @@ def test_the_plan_counts_silence_windows_encoded_in_the_windows_batch(
     mode, context, encoder_rows, tiny_run_config, tmp_path, capsys, monkeypatch
 ):
     """--packing per-clip with block-restart-silence encodes a silence window beside each window
-    in the windows' batch: the plan's encoder batch is twice the windows. By default (full:
-    the silence windows in a forward without gradient, which keeps nothing for backward; LoRA:
-    block-restart-pad) it is the batch."""
+    in the windows' batch: the plan's encoder batch is twice the windows. By default (each
+    clip with its own padding, sampled, in the window) it is the batch."""
     monkeypatch.setenv("WHISPER_TRAIN_PER_CLIP_ENCODER", context)
     data = write_tone_dataset(tmp_path / "many", n=24)
     result = train(

@@ -126,11 +126,10 @@ class DataConfig:
         "tokens (the encoder always runs on 30 s: packed, it runs on speech, not padding), "
         "each window labelled with its clips' transcripts joined; per-clip: the same windows, "
         "each clip decoded on its own (its own label, cross-attending to its own part of the "
-        "window), as unpacked training decodes it; in full and freeze-encoder fine-tuning with "
-        "a window of silence encoded (without gradient) for each window, standing for a lone "
-        "clip's padding (a third more encoder work; without it, full fine-tuning on 1-3 s "
-        "clips cost real speech 10 points of WER: BENCHMARKS.md 'Per-clip on real speech'); "
-        "off: one clip a window. Evaluation is never packed.",
+        "window), as unpacked training decodes it, each clip followed in its window by its "
+        "own padding, one frame for every 8 of the padding it has alone (so about 4 clips of "
+        "3 s a window): within a point of unpacked training per clip seen (BENCHMARKS.md 'Each "
+        "clip alone, its padding sampled'); off: one clip a window. Evaluation is never packed.",
         default="off",
     )
     packing_timestamps: str = _help(

@@ -240,7 +240,12 @@ class SpeechDataset(Dataset):
         if len(indices) == 1 and not self.per_clip:  # that clip, label and all
             item = self[(epoch, indices[0])]
             return item if isinstance(item, Skip) else {**item, "skipped": []}
-        window, skipped, rng, first = PackedWindow(self.gap_seconds, self.padding_stride), [], None, None
+        window, skipped, rng, first = (
+            PackedWindow(self.gap_seconds, self.padding_stride),
+            [],
+            None,
+            None,
+        )
         clips = []  # per clip: its own label, as unpacked (--packing per-clip)
         for index in indices:
             clip = self._clip(index, epoch)

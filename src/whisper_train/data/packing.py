@@ -53,6 +53,18 @@ OWNPAD_GAP = "WHISPER_TRAIN_PER_CLIP_GAP"
 SAMPLED_PAD = "block-restart-ownpad-sampled"
 SAMPLED_PAD_STRIDE = 8
 SAMPLED_PAD_STRIDE_VARIABLE = "WHISPER_TRAIN_PER_CLIP_STRIDE"
+# The context --packing per-clip uses unless $WHISPER_TRAIN_PER_CLIP_ENCODER names another:
+# closest to unpacked training per clip seen of those measured (BENCHMARKS.md "Each clip alone,
+# its padding sampled"), for LoRA and full fine-tuning alike.
+DEFAULT_PER_CLIP_CONTEXT = SAMPLED_PAD
+
+
+def per_clip_context() -> str:
+    """--packing per-clip's encoder context (`memory.clip_attention`, which checks the name):
+    $WHISPER_TRAIN_PER_CLIP_ENCODER, else DEFAULT_PER_CLIP_CONTEXT."""
+    return os.environ.get(PER_CLIP_ENCODER) or DEFAULT_PER_CLIP_CONTEXT
+
+
 # Windows kept open for a clip to fit into, per language: a larger number fills windows more
 # tightly and costs a longer search per clip (first fit over at most this many).
 OPEN_WINDOWS = 16
@@ -126,13 +138,13 @@ def plan_windows(
 
 
 def per_clip_gap_seconds() -> float:
-    """The silence between two clips of a --packing per-clip window: DEFAULT_GAP_SECONDS, or
-    with the "block-restart-ownpad" encoder context OWNPAD_GAP_SECONDS, with SAMPLED_PAD none
-    (its clips' own padding lies between them); $OWNPAD_GAP, when set,
+    """The silence between two clips of a --packing per-clip window: none with SAMPLED_PAD, the
+    default (its clips' own padding lies between them), OWNPAD_GAP_SECONDS with
+    "block-restart-ownpad", DEFAULT_GAP_SECONDS with another context; $OWNPAD_GAP, when set,
     for any context (the measurement's control: another context at the same gap)."""
     if os.environ.get(OWNPAD_GAP):
         return float(os.environ[OWNPAD_GAP])
-    context = os.environ.get(PER_CLIP_ENCODER)
+    context = per_clip_context()
     if context == SAMPLED_PAD:  # each clip's own padding is what lies between two
         return 0.0
     return OWNPAD_GAP_SECONDS if context == OWNPAD else DEFAULT_GAP_SECONDS
@@ -140,9 +152,9 @@ def per_clip_gap_seconds() -> float:
 
 def per_clip_padding_stride() -> int:
     """Every how many encoder positions a --packing per-clip window's clips have their own
-    padding sampled: 0 (none of its own) but with the SAMPLED_PAD context, SAMPLED_PAD_STRIDE
-    or $WHISPER_TRAIN_PER_CLIP_STRIDE."""
-    if os.environ.get(PER_CLIP_ENCODER) != SAMPLED_PAD:
+    padding sampled: with the SAMPLED_PAD context (the default), SAMPLED_PAD_STRIDE or
+    $WHISPER_TRAIN_PER_CLIP_STRIDE; 0 (none of its own) with another."""
+    if per_clip_context() != SAMPLED_PAD:
         return 0
     return int(os.environ.get(SAMPLED_PAD_STRIDE_VARIABLE) or SAMPLED_PAD_STRIDE)
 
@@ -150,8 +162,9 @@ def per_clip_padding_stride() -> int:
 def own_padding_seconds(clip_seconds: float, stride: int) -> float:
     """The padding laid after a clip of `clip_seconds` in its window (SAMPLED_PAD): one
     encoder position (20 ms) for every `stride` of the S - n its padding alone would span; 0
-    with no `stride`."""
-    if not stride:
+    with no `stride`, and for a clip of 30 s or more (or of unknown length: infinite, a clip
+    that failed its check and gets a window of its own)."""
+    if not stride or not clip_seconds < CHUNK_LENGTH:
         return 0.0
     clip_positions = math.ceil(clip_seconds * ENCODER_POSITIONS / CHUNK_LENGTH)
     padding = math.ceil(max(ENCODER_POSITIONS - clip_positions, 0) / stride)

@@ -27,10 +27,11 @@ any other forward
 hook were there.
 
 The encoder's context: each clip is encoded as if it were alone in a window padded with silence,
-which is what unpacked training and every runtime show the model. Two contexts do this by default
-(`DEFAULT_ENCODER_CONTEXTS`, by what trains): "block-restart-pad" with LoRA (measured best of four,
-BENCHMARKS.md "Block-diagonal encoder per clip") and "block-restart-silence-detached" in full and
-freeze-encoder fine-tuning (below). In "block-restart-pad" each encoder layer's self-attention gets
+which is what unpacked training and every runtime show the model. The contexts below approach
+that one after another, as measured; the default, for every mode, is the last and closest,
+"block-restart-ownpad-sampled" (`packing.DEFAULT_PER_CLIP_CONTEXT`; before it, "block-restart-pad"
+with LoRA and "block-restart-silence-detached" in full and freeze-encoder fine-tuning). In
+"block-restart-pad" each encoder layer's self-attention gets
 a block-diagonal mask: a clip's positions attend to their own and to the window's tail (the padding
 after its last clip, which attends only to itself and is shared by the window's clips), never to a
 neighbour's; each clip's positions are embedded as 0..n-1, where that clip alone would have them;
@@ -59,7 +60,7 @@ n..1499; with -self its frames also attend to those in every encoder layer, thro
 self-attention's keys. Closer to unpacked per clip seen, at 2x and 2.7x the step, BENCHMARKS.md
 "The padding's encoder outputs in sight"; block-restart-pad taught a decoder whose weights all
 train to stop early on real speech, "Per-clip on real speech", and the silence window kept it), and
-"block-restart-silence-detached", the default where the decoder's weights all train:
+"block-restart-silence-detached" (the default in full fine-tuning before SAMPLED_PAD):
 block-restart-silence's forward, its silence windows encoded in a forward of their own without
 gradient (the encoder pre-hook calls the encoder's `forward`, so these hooks stay out of it): as
 good per clip seen on the demo's sets and on real speech, at 0.72-0.84x its step (BENCHMARKS.md "A
@@ -88,7 +89,6 @@ forward.
 from __future__ import annotations
 
 import contextlib
-import os
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -96,7 +96,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from whisper_train.data.packing import OWNPAD, PER_CLIP_ENCODER, SAMPLED_PAD
+from whisper_train.data.packing import OWNPAD, PER_CLIP_ENCODER, SAMPLED_PAD, per_clip_context
 
 # The attribute of a Whisper model that holds its router once `route_clips` installed it.
 _ROUTER = "_whisper_train_clip_router"
@@ -133,14 +133,11 @@ ENCODER_CONTEXTS = (
     SILENCE_DETACHED,
     SAMPLED_PAD,
 )
-# The context `--packing per-clip` uses, by what trains (BENCHMARKS.md "Per-clip on real
-# speech"): with every weight of the decoder training (full, freeze-encoder), block-restart-pad
+# The context `--packing per-clip` uses is SAMPLED_PAD unless $WHISPER_TRAIN_PER_CLIP_ENCODER names
+# another (`packing.per_clip_context`: the data's layout depends on it too). The two it replaced:
+# with LoRA, block-restart-pad; with every weight of the decoder training, block-restart-pad
 # taught the model to stop early on real speech (LJ Speech 17.7% against 7.3-7.8 unpacked, 11.8%
-# deletions, AN4 x 8 epochs) and the silence window keeps it (6.9-7.5) at 2x pad's step;
-# without gradient through it (7.5, 0.3% deletions) at 0.72-0.84x that step ("A silence window
-# without gradient"); with LoRA's adapters, block-restart-pad kept real speech (6.8-7.3) and is the
-# faster to any quality on the demo's sets ("The padding's encoder outputs in sight").
-DEFAULT_ENCODER_CONTEXTS = {"adapters": "block-restart-pad", "weights": SILENCE_DETACHED}
+# deletions, AN4 x 8 epochs), which the silence window kept (SILENCE_DETACHED, 7.5).
 # "block-restart-ownpad" (OWNPAD): each clip's own padding is the silence after it in its
 # window, up to the next clip (after the window's last clip: up to the window's end); its
 # windows are planned with a longer gap (`packing.per_clip_gap_seconds`) so that each has some.
@@ -294,9 +291,7 @@ def count_bias(mask: torch.Tensor, counts: torch.Tensor, hidden: torch.Tensor) -
     on): torch's sdpa on a CPU given a float32 bias beside float64 queries computes other scores
     (a layer's output 5e-3 off, measured on torch 2.13)."""
     device = hidden.device.type
-    dtype = (
-        torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-    )
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
     bias = counts.to(dtype).log().expand(mask.shape)
     return bias.masked_fill(~mask, torch.finfo(dtype).min)
 
@@ -476,13 +471,10 @@ def route_clips(whisper: nn.Module) -> ClipRouter:
     return router
 
 
-def encoder_context(*, adapters: bool) -> str:
+def encoder_context() -> str:
     """The encoder context of a run's per-clip windows: $WHISPER_TRAIN_PER_CLIP_ENCODER (for
-    bench/quality.py's comparisons), else the default for what trains (`adapters`: LoRA)."""
-    context = (
-        os.environ.get(ENCODER_CONTEXT)
-        or DEFAULT_ENCODER_CONTEXTS["adapters" if adapters else "weights"]
-    )
+    bench/quality.py's comparisons), else SAMPLED_PAD (`packing.per_clip_context`)."""
+    context = per_clip_context()
     if context not in ENCODER_CONTEXTS:
         raise ValueError(f"{ENCODER_CONTEXT}={context}: expected one of {ENCODER_CONTEXTS}")
     return context
@@ -494,21 +486,20 @@ def encoder_rows_per_window(context: str) -> int:
     return 2 if context in SILENCE_IN_BATCH else 1
 
 
-def clip_route(batch: dict, *, adapters: bool) -> ClipRoute | None:
+def clip_route(batch: dict) -> ClipRoute | None:
     """The route of a packed per-clip micro-batch; None for any other batch."""
     if "clip_windows" not in batch:
         return None
     positions = batch["clip_positions"]
-    context = encoder_context(adapters=adapters)
+    context = encoder_context()
     return ClipRoute(batch["clip_windows"], positions[:, 0], positions[:, 1], context)
 
 
 @contextlib.contextmanager
-def clips_routed(whisper: nn.Module, batch: dict, *, adapters: bool) -> Iterator[None]:
+def clips_routed(whisper: nn.Module, batch: dict) -> Iterator[None]:
     """Inside, the model's next forward routes `batch`'s clips (when it is a packed per-clip
-    micro-batch; else nothing changes) in the context for what trains (`adapters`: LoRA). The
-    mask stays for the recomputations of backward."""
-    route = clip_route(batch, adapters=adapters)
+    micro-batch; else nothing changes). The mask stays for the recomputations of backward."""
+    route = clip_route(batch)
     if route is None:
         yield
         return

@@ -162,7 +162,6 @@ def loss_terms(
     the trained model's, recomputed with them in backward under checkpointing.
     """
     whisper = whisper_of(unwrapped(model))
-    adapters = is_peft_model(unwrapped(model))  # a per-clip window's context follows (LoRA)
     inputs = {"decoder_input_ids": batch["decoder_input_ids"]}
     if "encoder_hidden_states" in batch:
         from transformers.modeling_outputs import BaseModelOutput
@@ -177,7 +176,7 @@ def loss_terms(
         # Adapters on the output head (peft wraps it): only the model knows its logits.
         if preserving:
             return _full_vocabulary_terms(model, inputs, batch["labels"], preserve)
-        with clips_routed(whisper, batch, adapters=adapters):
+        with clips_routed(whisper, batch):
             loss = model(**inputs, labels=batch["labels"]).loss
         return LossTerms(loss, loss, None)
     base_states = base_weight = None
@@ -191,7 +190,7 @@ def loss_terms(
         recomputed=recomputed_decoder_layers(whisper) if torch.is_grad_enabled() else (),
     )
     # A packed per-clip micro-batch: each clip's decoder pass on its own encoder positions.
-    with _projection_deferred(whisper), folded, clips_routed(whisper, batch, adapters=adapters):
+    with _projection_deferred(whisper), folded, clips_routed(whisper, batch):
         decoder_states = model(**inputs).logits  # (batch, T, d_model): hidden states here
     labels = batch["labels"].to(decoder_states.device)
     keep = labels != IGNORE_INDEX

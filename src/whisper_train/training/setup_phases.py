@@ -113,14 +113,14 @@ def setup_data(config: RunConfig, model, label_encoder: LabelEncoder) -> Dataset
     )
 
 
-def _encoder_rows(config: RunConfig, lora) -> int:
+def _encoder_rows(config: RunConfig) -> int:
     """Sequences the encoder runs per micro-batch for backward: --batch-size, or twice as many
     windows where --packing per-clip's context puts a silence window beside each in the
     windows' batch (`clip_attention.encoder_rows_per_window`)."""
     windows = config.train.batch_size
     if not config.packing_per_clip:
         return windows
-    context = clip_attention.encoder_context(adapters=lora is not None)
+    context = clip_attention.encoder_context()
     return windows * clip_attention.encoder_rows_per_window(context)
 
 
@@ -162,7 +162,7 @@ def setup_memory(
             ),
             precision=precision.name,
             optimizer=c.memory.optim,
-            encoder_rows=_encoder_rows(config, lora),
+            encoder_rows=_encoder_rows(config),
         )
         checkpointing, offload = plan.policy, offload or plan.offload
         say(accelerator, plan.table + plan_lines)

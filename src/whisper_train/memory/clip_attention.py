@@ -169,7 +169,7 @@ class ClipRouter:
         self.encoder_positions: torch.Tensor | None = None
         # SAMPLED_PAD: the (W, S) encoder positions each frame stands for, from its position on
         # (1 but for a clip's own padding's samples)
-        self.encoder_spans: torch.Tensor | None = None
+        self.encoder_counts: torch.Tensor | None = None
         # (an encoder layer's input, the mask the layer was given) in the last routed encoder
         # forward, for its recomputation where transformers runs the hook again (module doc)
         self.given_masks: list[tuple[weakref.ref, torch.Tensor]] = []
@@ -180,7 +180,7 @@ class ClipRouter:
     def arm(self, route: ClipRoute | None) -> None:
         """The next encoder forward gathers `route`'s clips (None: it runs as it is)."""
         self.pending = route
-        self.encoder_mask = self.encoder_positions = self.encoder_spans = None
+        self.encoder_mask = self.encoder_positions = self.encoder_counts = None
 
     def encoder_pre_hook(self, module, args, kwargs):
         route = self.pending
@@ -199,8 +199,8 @@ class ClipRouter:
                 args = (features, *args[1:])
             else:
                 kwargs = {**kwargs, "input_features": features}
-        mask, positions, spans = block_context(route, len(features), module.embed_positions)
-        self.encoder_mask, self.encoder_spans = mask, spans
+        mask, positions, counts = block_context(route, len(features), module.embed_positions)
+        self.encoder_mask, self.encoder_counts = mask, counts
         if route.context == SILENCE_SELF:
             mask = torch.cat([mask, silence_keys_mask(route, mask)], dim=-1)
             self.encoder_mask = mask
@@ -225,10 +225,10 @@ class ClipRouter:
         if self.encoder_positions is None:
             return None
         embedded = nn.functional.embedding(self.encoder_positions, module.weight)  # (W, S, d)
-        if self.encoder_spans is not None:  # a sample of padding: the mean of those it stands for
+        if self.encoder_counts is not None:  # a sample of padding: the mean of those it stands for
             embedded = torch.where(
-                (self.encoder_spans > 1)[..., None],
-                mean_embeddings(module.weight, self.encoder_positions, self.encoder_spans),
+                (self.encoder_counts > 1)[..., None],
+                mean_embeddings(module.weight, self.encoder_positions, self.encoder_counts),
                 embedded,
             )
         return embedded
@@ -244,9 +244,9 @@ class ClipRouter:
                 return None
         else:
             mask = self.encoder_mask
-            if self.encoder_spans is not None and mask.dtype == torch.bool:  # SAMPLED_PAD
-                spans = self.encoder_spans[:, None, None, :]
-                self.encoder_mask = mask = count_bias(mask, spans, hidden)  # once a forward
+            if self.encoder_counts is not None and mask.dtype == torch.bool:  # SAMPLED_PAD
+                counts = self.encoder_counts[:, None, None, :]
+                self.encoder_mask = mask = count_bias(mask, counts, hidden)  # once a forward
             elif self.eager and mask.dtype == torch.bool:  # eager adds its mask to the scores
                 blocked = torch.finfo(hidden.dtype).min
                 zeros = torch.zeros(mask.shape, dtype=hidden.dtype, device=mask.device)
@@ -257,7 +257,7 @@ class ClipRouter:
 
     def encoder_hook(self, module, args, kwargs, output):
         route, self.pending = self.pending, None
-        counts, self.encoder_spans = self.encoder_spans, None
+        counts, self.encoder_counts = self.encoder_counts, None
         self.encoder_mask = self.encoder_positions = None
         if route is None:
             return output
@@ -447,8 +447,7 @@ def mean_embeddings(
     sample of padding standing for `count` positions carries their mean position embedding
     (Whisper's sinusoids: what varies faster than the samples averages out, not aliased)."""
     cumulative = torch.cat([table.new_zeros(1, table.shape[1]), table.cumsum(0)])
-    last = torch.clamp(positions + counts, max=len(table))
-    return (cumulative[last] - cumulative[positions]) / (last - positions)[..., None]
+    return (cumulative[positions + counts] - cumulative[positions]) / counts[..., None]
 
 
 def route_clips(whisper: nn.Module) -> ClipRouter:

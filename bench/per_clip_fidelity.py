@@ -1,7 +1,7 @@
 """How close is a per-clip packed step to the unpacked step on the same clips?
 
     PYTHONPATH=src .venv/bin/python bench/per_clip_fidelity.py [--mode full|lora]
-        [--context CONTEXT ...] [--windows 6] [--data DIR] [--work-dir DIR]
+        [--context CONTEXT ...] [--clips 32] [--same-loudness] [--data DIR] [--work-dir DIR]
 
 `--packing per-clip` learns less per clip seen than unpacked training (BENCHMARKS.md "Per-clip
 packing"): a training run of each encoder context takes minutes to an hour and two seeds of the
@@ -15,9 +15,10 @@ ratio 1 trains as unpacked does, per clip seen, whatever the rate.
 
 The clips are the training set of the demo's sets at the bench's size (`bench/quality.py
 --target synth`: 128 sentences, synthesised into --work-dir unless --data names an audiofolder),
-in the order listed, laid into windows as `data.packing.PackedWindow` lays them (0.3 s gaps, up
-to 30 s). The model is the real tiny.en in float32, eval mode off (as in training; it has no
-dropout), no checkpointing: the gradients are what the optimizer would be given.
+the first --clips in the order listed, laid into windows as each context's training lays them
+(`data.packing.PackedWindow`: its gap, or each clip's own padding; up to 30 s). The model is the
+real tiny.en in float32, in training mode (it has no dropout), no checkpointing: the gradients
+are what the optimizer would be given.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import soundfile
 import torch
 
@@ -60,7 +62,7 @@ def group_of(name: str) -> str:
     return next((group for group, part in GROUPS if part in name), "other")
 
 
-def read_clips(folder: Path) -> list[tuple[torch.Tensor, str]]:
+def read_clips(folder: Path) -> list[tuple[np.ndarray, str]]:
     with (folder / "metadata.csv").open(encoding="utf-8") as stream:
         rows = list(csv.DictReader(stream))
     clips = []

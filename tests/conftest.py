@@ -281,5 +281,6 @@ def tiny_en_fine_tuned_on_text(tmp_path_factory) -> Path:
             "only_train": True,
         }
     )
-    assert not config.data.timestamps and config.data.packing == "off"  # the defaults
+    config.validate()
+    assert not config.data.timestamps and config.data.packing == "per-clip"  # the defaults
     return train(config).final_dir

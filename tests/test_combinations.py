@@ -209,7 +209,7 @@ PAIRWISE = covering_array(2)
 
 # -- running a row ---------------------------------------------------------------------------
 
-GLOBAL_BATCH = 4  # every training clip: a step is a pass over the data
+GLOBAL_BATCH = 4  # clips, or packed windows: all the training data, a step is a pass over it
 
 
 def install_gradient_observer(out_dir: str, patch=setattr) -> None:
@@ -391,9 +391,12 @@ def matrix_data(tmp_path_factory, tiny_whisper_dir):
 
 def row_settings(row: dict) -> dict[str, object]:
     """The row's settings: {option: value as a user writes it}."""
+    # --batch-size counts clips; packed data read whole has 2 a window (`matrix_data`), a
+    # stream's packed windows are counted as windows (one clip each here).
+    clips_a_window = 2 if row["packing"] != "off" and row["data"] == "whole" else 1
     settings = {
         "mode": row["mode"],
-        "batch_size": GLOBAL_BATCH // (row["nproc"] * row["accumulation"]),
+        "batch_size": clips_a_window * GLOBAL_BATCH // (row["nproc"] * row["accumulation"]),
         "gradient_accumulation": row["accumulation"],
         "gradient_checkpointing": row["checkpointing"],
         "packing": row["packing"],
@@ -584,6 +587,28 @@ def test_a_forbidden_pair_is_refused_in_one_line(
     for text in named:
         assert text in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("row", PAIRWISE, ids=row_id)
+def test_packing_auto_is_per_clip_wherever_the_matrix_trains_per_clip(
+    row, matrix_data, tmp_path, monkeypatch
+):
+    """--packing auto (the default) with every row's other options: per-clip where the matrix
+    lets per-clip meet them, off where per-clip would be refused (never an error itself)."""
+    from whisper_train.cli import build_parser, config_from_args
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    flags = row_flags(row, matrix_data, tmp_path)
+    if row["options"] == "yaml":
+        yaml_file = tmp_path / "options.yaml"
+        yaml_file.write_text(
+            yaml_file.read_text().replace(f"packing: {row['packing']}", "packing: auto")
+        )
+    else:
+        flags = ["--packing=auto" if f.startswith("--packing=") else f for f in flags]
+    config = config_from_args(build_parser().parse_args(["train", *flags])).validate()
+    per_clip_allowed = _consistent({**row, "packing": "per-clip"})
+    assert config.data.packing == ("per-clip" if per_clip_allowed else "off")
 
 
 def refused_row(pair) -> dict:

@@ -72,6 +72,8 @@ def _freeze_run(tiny_run_config, tmp_path, name, *, only_train=True, **overrides
         batch_size=N_TRAIN[only_train],
         max_steps=2,
         encoder_cache_dir=str(tmp_path / "cache"),
+        # --packing auto trains a cached run unpacked: its uncached twin is too.
+        packing="off",
         **overrides,
     )
     return losses_and_evaluations(train(config).output_dir)
@@ -363,6 +365,7 @@ def _lora_run(tiny_run_config, tmp_path, name, **overrides):
         batch_size=N_TRAIN[True],
         max_steps=2,  # 2 epochs: the second reads back every clip the first cached
         encoder_cache_dir=str(tmp_path / "cache"),
+        packing="off",  # as --packing auto trains a cached run: its uncached twin too
         **overrides,
     )
     result = train(config)

@@ -242,6 +242,7 @@ def test_the_step_loop_moves_each_micro_batch_to_the_device_as_it_runs_it(
 
     monkeypatch.setattr(recipe_module, "send_to_device", move, raising=False)
     monkeypatch.setattr(recipe_module, "loss_terms", loss)
-    train(tiny_run_config(max_steps=2, batch_size=2, gradient_accumulation=3))
+    # Clips one by one: 6 micro-batches of 2 clips (packed, 9 clips fill fewer windows).
+    train(tiny_run_config(max_steps=2, batch_size=2, gradient_accumulation=3, packing="off"))
 
     assert events == ["move", "forward"] * 6  # never a step's micro-batches moved together

@@ -283,8 +283,9 @@ def test_packed_run_resumes_mid_epoch_with_the_uninterrupted_losses(
 
 def test_packed_training_trains_on_windows_and_evaluates_single_clips(tmp_path, tiny_run_config):
     data = _many_tones(tmp_path, n=40)
+    # 30 training clips in 2 windows: --batch-size counts clips, so 30 is both windows.
     config = tiny_run_config(
-        data=str(data), packing="on", batch_size=2, only_train=False, eval_split=0.25
+        data=str(data), packing="on", batch_size=30, only_train=False, eval_split=0.25
     )
     config.validate()
     recipe = FineTuneRecipe(config)
@@ -300,9 +301,10 @@ def test_packed_training_trains_on_windows_and_evaluates_single_clips(tmp_path, 
 
 def _first_per_clip_batch(tmp_path, tiny_run_config):
     """(config, recipe, first micro-batch) of a --packing per-clip run on 40 tones of 1.2 s, 2
-    windows a micro-batch."""
+    windows a micro-batch (--batch-size counts clips: 12 is 2 windows of ~6 clips, each
+    clip with its sampled padding 1.2 + 28.8 / 8 s)."""
     data = _many_tones(tmp_path, n=40)
-    config = tiny_run_config(data=str(data), packing="per-clip", batch_size=2, eval_split=0.0)
+    config = tiny_run_config(data=str(data), packing="per-clip", batch_size=12, eval_split=0.0)
     recipe = FineTuneRecipe(config.validate())
     recipe.setup()
     batch = next(recipe.data.steps(types.SimpleNamespace(epoch=0, batches_in_epoch=0)))[0]
@@ -402,8 +404,27 @@ def test_packing_is_refused_with_the_encoder_cache_and_reads_yaml_booleans(tiny_
     tiny_run_config(packing="on", mode="freeze-encoder", cache_encoder=False).validate()
     config = tiny_run_config(packing=True)  # YAML reads `packing: on` as true
     assert config.validate().data.packing == "on"
-    with pytest.raises(UserError, match="--packing maybe: expected on, per-clip or off"):
+    with pytest.raises(UserError, match="--packing maybe: expected on, per-clip, auto or off"):
         tiny_run_config(packing="maybe").validate()
+
+
+def test_packing_auto_packs_per_clip_unless_an_option_cannot_meet_it(tiny_run_config):
+    """The default: per-clip; off with what per-clip is refused with (the matrix covers
+    streams and the encoder cache, `test_packing_auto_is_per_clip_wherever_the_matrix_...`)
+    and with what any packing is, never an error of its own."""
+    assert tiny_run_config().validate().data.packing == "per-clip"
+    for options in (
+        {"preserve_base": 0.5},
+        {"compile": True},
+        {"group_by_length": True},
+        {"mode": "freeze-encoder"},  # its encoder cache, on by default
+    ):
+        assert tiny_run_config(**options).validate().data.packing == "off", options
+    uncached = tiny_run_config(mode="freeze-encoder", cache_encoder=False)
+    assert uncached.validate().data.packing == "per-clip"
+    # Asked for by name, per-clip with such an option is refused, not turned off.
+    with pytest.raises(UserError, match="--packing per-clip is not supported with --compile"):
+        tiny_run_config(packing="per-clip", compile=True).validate()
 
 
 def test_packing_timestamps_is_a_flag_and_a_yaml_key_and_needs_packing(tiny_run_config):
@@ -439,7 +460,12 @@ def _varied_labels(tmp_path):
 
 def test_accumulation_is_the_token_mean_of_the_step(tmp_path, tiny_run_config):
     data = _varied_labels(tmp_path)
-    common = {"data": str(data), "eval_split": 0.0, "lr_scheduler": "constant_with_warmup"}
+    common = {
+        "data": str(data),
+        "eval_split": 0.0,
+        "lr_scheduler": "constant_with_warmup",
+        "packing": "off",  # packed, a micro-batch is whole windows: 2 x 2 may hold more
+    }
     four = train(tiny_run_config(output_dir=str(tmp_path / "b4"), batch_size=4, **common))
     two_by_two = train(
         tiny_run_config(
@@ -454,19 +480,21 @@ def test_accumulation_is_the_token_mean_of_the_step(tmp_path, tiny_run_config):
     )
 
 
+# --batch-size counts clips: (clips for 2 windows a micro-batch, for 1), from the plan's 67
+# clips in 5 windows (on) or 12 (per-clip).
 @pytest.mark.parametrize(
-    "packing, sharding, windows",
-    [("on", [], 5), ("per-clip", ["--fsdp"], 12)],
+    "packing, sharding, windows, batch_sizes",
+    [("on", [], 5, (27, 13)), ("per-clip", ["--fsdp"], 12, (11, 6))],
     ids=["on", "per-clip-fsdp"],
 )
 def test_two_processes_packed_with_an_empty_share_equal_one(
-    packing, sharding, windows, tmp_path, tiny_whisper_dir
+    packing, sharding, windows, batch_sizes, tmp_path, tiny_whisper_dir
 ):
     """Per-clip under --fsdp: its silence windows' encoder forward all-gathers every encoder
     layer once more, so the process with nothing to read must run it too (a routed
     stand-in): else the two processes' all-gathers pair up wrong and the run hangs or fails."""
     data = _many_tones(tmp_path, n=66)
-    # One missing clip: with --batch-size 1 a process's micro-batch can hold nothing usable.
+    # One missing clip: with one window a micro-batch, a process's micro-batch can hold nothing usable.
     metadata = data / "metadata.csv"
     lines = metadata.read_text().splitlines()
     lines.append("missing.wav,alpha bravo charlie")
@@ -482,9 +510,18 @@ def test_two_processes_packed_with_an_empty_share_equal_one(
         f"--packing={packing}",
         f"--max-steps={windows // 2}",  # the whole epoch: the window that holds nothing too
     ]
-    alone = train_in_subprocess([*common, "--batch-size=2", f"--output-dir={tmp_path / 'one'}"])
+    two_windows, one_window = batch_sizes
+    alone = train_in_subprocess(
+        [*common, f"--batch-size={two_windows}", f"--output-dir={tmp_path / 'one'}"]
+    )
     train_in_subprocess(
-        [*common, *sharding, "--nproc=2", "--batch-size=1", f"--output-dir={tmp_path / 'two'}"]
+        [
+            *common,
+            *sharding,
+            "--nproc=2",
+            f"--batch-size={one_window}",
+            f"--output-dir={tmp_path / 'two'}",
+        ]
     )
     one = [row["loss"] for row in metric_rows(tmp_path / "one") if "loss" in row]
     two = [row["loss"] for row in metric_rows(tmp_path / "two") if "loss" in row]
@@ -495,6 +532,7 @@ def test_two_processes_packed_with_an_empty_share_equal_one(
     # padding), the missing one alone in one more: 2 processes x batch 1 share them, one
     # process's micro-batch holding nothing usable, which must not hang or weigh.
     assert f"packed into {windows} windows" in alone.stdout
+    assert "2 a micro-batch" in alone.stdout
 
 
 def test_a_clip_whose_encoder_output_is_cached_is_not_decoded_again(

@@ -54,7 +54,7 @@ def test_resume_refuses_a_different_mode_and_a_fresh_run_refuses_old_checkpoints
     assert (tmp_path / "out" / "checkpoint-1" / "trainer_state.json").is_file()
     with pytest.raises(UserError, match="--resume"):
         train(tiny_run_config(max_steps=2))
-    with pytest.raises(UserError, match="same --model, --mode"):
+    with pytest.raises(UserError, match="--mode freeze-encoder differs from the checkpoint's"):
         train(tiny_run_config(max_steps=2, resume="latest", mode="freeze-encoder"))
     with pytest.raises(UserError, match="not a checkpoint folder"):
         train(tiny_run_config(resume=str(tmp_path / "nowhere")))
@@ -146,7 +146,7 @@ def _files_of_a_checkpoint(folder, config_yaml: str) -> None:
         ("seed", 1, 0),
         ("train_subset", 6, None),
         ("eval_split", 0.5, 0.25),
-        ("packing", "on", "off"),
+        ("packing", "on", "per-clip"),  # the default's choice, asked for by name
     ],
 )
 def test_resume_refuses_options_an_exact_resume_depends_on(
@@ -155,7 +155,7 @@ def test_resume_refuses_options_an_exact_resume_depends_on(
     out = tmp_path / "out"
     checkpoint = out / "checkpoint-1"
     # What refuses is read before any training: no run needed.
-    _files_of_a_checkpoint(checkpoint, tiny_run_config().to_saved_yaml())
+    _files_of_a_checkpoint(checkpoint, tiny_run_config().validate().to_saved_yaml())
     flag = "--" + option.replace("_", "-")
 
     with pytest.raises(UserError) as caught:
@@ -163,6 +163,29 @@ def test_resume_refuses_options_an_exact_resume_depends_on(
 
     assert f"{flag} {changed} differs from the checkpoint's {saved}" in str(caught.value)
     assert f"resume with {flag} {saved}" in str(caught.value)
+
+
+def test_packing_auto_resumes_with_the_checkpoints_packing_or_names_what_refuses_it(
+    tmp_path, tiny_run_config
+):
+    """A run of an earlier default (packing off) continues unpacked under --packing auto; a
+    per-clip run resumed with an option per-clip cannot meet is refused, naming it."""
+    checkpoint = tmp_path / "out" / "checkpoint-1"
+    _files_of_a_checkpoint(checkpoint, tiny_run_config(packing="off").to_saved_yaml())
+    config = tiny_run_config(resume="latest").validate()
+    assert config.data.packing == "per-clip"
+    resume.check_resume_options(checkpoint, config)
+    assert config.data.packing == "off"
+
+    (checkpoint / "whisper-train.yaml").write_text(tiny_run_config().validate().to_saved_yaml())
+    with pytest.raises(UserError) as caught:
+        resume.check_resume_options(checkpoint, tiny_run_config(compile=True).validate())
+    assert "trained with --packing per-clip, which is not supported with --compile" in str(
+        caught.value
+    )
+    # Asked for by name, a packing other than the checkpoint's is refused as before.
+    with pytest.raises(UserError, match="--packing off differs from the checkpoint's per-clip"):
+        resume.check_resume_options(checkpoint, tiny_run_config(packing="off").validate())
 
 
 def test_resume_refuses_other_data_but_not_the_same_folder_spelled_otherwise(

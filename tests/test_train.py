@@ -58,7 +58,8 @@ def test_loss_matches_reference_and_metrics_are_written(tiny_run_config, tone_da
         return texts
 
     monkeypatch.setattr(evaluate_module, "generate_texts", recording_generate_texts)
-    result = train(tiny_run_config(only_train=False))
+    # The reference is of clips one by one (tests/test_packing.py and the matrix: packed).
+    result = train(tiny_run_config(only_train=False, packing="off"))
     losses, evaluations = losses_and_evaluations(result.output_dir)
     print("losses:", losses)  # as metrics.jsonl stores them (6 decimals)
     assert result.steps == 3
@@ -140,7 +141,10 @@ def test_encoder_cache_gives_the_uncached_loss_curve(tmp_path, tiny_run_config):
     cached = train(tiny_run_config(output_dir=str(tmp_path / "cached"), mode="freeze-encoder"))
     uncached = train(
         tiny_run_config(
-            output_dir=str(tmp_path / "uncached"), mode="freeze-encoder", cache_encoder=False
+            output_dir=str(tmp_path / "uncached"),
+            mode="freeze-encoder",
+            cache_encoder=False,
+            packing="off",  # as --packing auto trains the cached run
         )
     )
     # Not bitwise: the cache encodes clip by clip, training encodes batches of 4 (other matrix

@@ -25,8 +25,10 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 SCHEDULERS = ("linear", "constant_with_warmup")
 OPTIMIZERS = ("adamw", "adamw-fused", "adamw8bit")
 TASKS = ("transcribe", "translate")
-# --packing per-clip: packed windows whose clips are decoded one by one.
+# --packing per-clip: packed windows whose clips are decoded one by one; auto (the default):
+# per-clip wherever it can run, else off (`RunConfig.validate` decides).
 PER_CLIP = "per-clip"
+PACKING_AUTO = "auto"
 # --report-to: where the metrics rows go besides metrics.jsonl (whisper_train.trackers).
 TRACKERS = ("tensorboard", "mlflow", "wandb", "none")
 
@@ -122,15 +124,18 @@ class DataConfig:
         "Waveform augmentation (noise, speed, gain), seeded by --seed.", default=False
     )
     packing: str = _help(
-        "on: pack short training clips into windows of at most 30 s of audio and 448 label "
-        "tokens (the encoder always runs on 30 s: packed, it runs on speech, not padding), "
-        "each window labelled with its clips' transcripts joined; per-clip: the same windows, "
+        "auto (the default): per-clip wherever it can run, else off (streamed data, "
+        "--preserve-base, --compile, --group-by-length and the frozen encoder's cache take "
+        "off); per-clip: pack short training clips into windows of at most 30 s of audio, "
         "each clip decoded on its own (its own label, cross-attending to its own part of the "
         "window), as unpacked training decodes it, each clip followed in its window by its "
         "own padding, one frame for every 8 of the padding it has alone (so about 4 clips of "
-        "3 s a window): within a point of unpacked training per clip seen (BENCHMARKS.md 'Each "
-        "clip alone, its padding sampled'); off: one clip a window. Evaluation is never packed.",
-        default="off",
+        "3 s a window): within a point of unpacked training per clip seen, 3.6x its clips a "
+        "second (BENCHMARKS.md 'Each clip alone, its padding sampled'); on: the same windows "
+        "of at most 448 label tokens, each labelled with its clips' transcripts joined; off: "
+        "one clip a window (the encoder always runs on 30 s: packed, it runs on speech, not "
+        "padding). Evaluation is never packed.",
+        default="auto",
     )
     packing_timestamps: str = _help(
         "on (with --packing on): label every packed window of 2+ clips in Whisper's timestamp "
@@ -220,7 +225,11 @@ class TrainConfig:
     )
     epochs: float | None = _help("Passes over the training data (default 3).", default=None)
     max_steps: int | None = _help("Optimizer steps; overrides --epochs.", default=None)
-    batch_size: int = _help("Utterances per micro-batch (per process).", default=8)
+    batch_size: int = _help(
+        "Clips per micro-batch (per process). Packed read-whole data takes as many 30 s "
+        "windows as hold about this many clips (at least one); a packed stream counts windows.",
+        default=8,
+    )
     gradient_accumulation: int = _help("Micro-batches per optimizer step.", default=1)
     learning_rate: float | None = _help(
         "Peak learning rate: default 3e-4 for lora (1e-3 cost tiny.en 4 points of WER on real "

@@ -17,6 +17,7 @@ from whisper_train.config.options import (
     GROUPS,
     MODES,
     OPTIMIZERS,
+    PACKING_AUTO,
     PER_CLIP,
     PRECISIONS,
     SCHEDULERS,
@@ -62,6 +63,9 @@ class RunConfig:
     # Not an option: the trained model's width (d_model), set by the recipe once the model is
     # loaded, on which full fine-tuning's default learning rate depends (`learning_rate`).
     model_width: int | None = None
+    # Not an option: whether `validate` chose --packing from auto (the default), so that a
+    # --resume may take the checkpoint's packing instead (`training.resume`).
+    packing_auto: bool = False
 
     # -- building -------------------------------------------------------------------------
     @classmethod
@@ -189,7 +193,10 @@ class RunConfig:
             ("--shuffle-buffer", d.shuffle_buffer),
         ):
             require_positive(flag, value)
-        d.packing = on_off("--packing", d.packing, PER_CLIP)
+        d.packing = on_off("--packing", d.packing, PER_CLIP, PACKING_AUTO)
+        if d.packing == PACKING_AUTO:
+            self.packing_auto = True
+            d.packing = PER_CLIP if self.packing_refusal(PER_CLIP) is None else "off"
         d.packing_timestamps = on_off("--packing-timestamps", d.packing_timestamps)
         if d.packing_timestamps == "on" and d.packing != "on":
             raise UserError(
@@ -306,21 +313,40 @@ class RunConfig:
             if refuse:
                 raise UserError(f"--fsdp with {why}")
 
-    def _validate_per_clip(self) -> None:
-        """--packing per-clip meets what it has been proven with (tests/test_clip_attention.py,
-        the combination matrix); the rest is refused here, not at step 1."""
-        if self.data.packing != PER_CLIP:
-            return
+    def _per_clip_refusal(self) -> str | None:
+        """Why --packing per-clip cannot run with the other options, or None: it meets what it
+        has been proven with (tests/test_clip_attention.py, the combination matrix)."""
         for unsupported, why in (
             (self.stream_source() is not None, "streamed data (packs windows of its own)"),
             (self.train.preserve_base, "--preserve-base (its frozen copy decodes whole windows)"),
             (self.memory.compile, "--compile (the clips' routing runs hooks on tensors)"),
         ):
             if unsupported:
-                raise UserError(
-                    f"--packing per-clip is not supported with {why}: use --packing on, or "
-                    "drop the other option"
-                )
+                return why
+        return None
+
+    def packing_refusal(self, packing: str) -> str | None:
+        """What keeps `packing` from training with the other options (None: nothing). --packing
+        auto trains unpacked where per-clip has one; what refuses any packing: --group-by-length
+        and the frozen encoder's cache (whose epochs after the first skip the encoder anyway)."""
+        if packing == "off":
+            return None
+        if self.train.group_by_length:
+            return "--group-by-length"
+        if self.cache_encoder:
+            return "the frozen encoder's cache (--no-cache-encoder turns it off)"
+        return self._per_clip_refusal() if packing == PER_CLIP else None
+
+    def _validate_per_clip(self) -> None:
+        """--packing per-clip with what it cannot run with: refused here, not at step 1."""
+        if self.data.packing != PER_CLIP:
+            return
+        why = self._per_clip_refusal()
+        if why is not None:
+            raise UserError(
+                f"--packing per-clip is not supported with {why}: use --packing on, or "
+                "drop the other option"
+            )
 
     def _validate_stream(self) -> None:
         """What a streamed --data (shards, or --streaming) cannot do: it has no length before

@@ -178,6 +178,16 @@ def window_seconds(
     return sum(clips[i].seconds for i in window) + gap_seconds * (len(window) - 1)
 
 
+def windows_per_batch(batch_size: int, windows: Sequence[tuple[int, ...]]) -> int:
+    """The packed windows a micro-batch of `batch_size` clips takes: the nearest whole number
+    to batch_size over the plan's mean clips a window, at least 1 (windows of one clip each:
+    batch_size windows, as unpacked)."""
+    clips = sum(len(window) for window in windows)
+    if not clips:
+        return batch_size
+    return max(1, round(batch_size * len(windows) / clips))
+
+
 def fill_ratio(
     clips: Sequence[ClipSize],
     windows: Sequence[Sequence[int]],

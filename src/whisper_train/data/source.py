@@ -160,6 +160,12 @@ class WholeData:
         # they were first met in, and at the end of the run.
         self.clip_skips: dict[str, Skip] = {}
         self.reported_skips = 0
+        # Packed, --batch-size counts clips: a micro-batch takes the windows that hold about
+        # that many (from the first epoch's plan, fixed for the run: every epoch's steps carry
+        # the clips a step of the recipe was measured with, whatever the clips' lengths).
+        self.windows_per_batch = batch_size
+        if clip_sizes is not None:
+            self.windows_per_batch = packing_module.windows_per_batch(batch_size, self.windows(0))
         self.batches_per_epoch = len(self.process_batches(0))
 
     # -- the plan of an epoch -------------------------------------------------------------
@@ -181,6 +187,7 @@ class WholeData:
         (epoch, clip index) or (epoch, window of clip indices)."""
         size = self.batch_size
         if self.clip_sizes is not None:
+            size = self.windows_per_batch
             items: list = self.windows(epoch)
         elif self.label_lengths is not None:
             from whisper_train.data.sampling import LengthGroupedBatchSampler
@@ -270,10 +277,12 @@ class WholeData:
             windows = self.windows(0)
             fill = packing_module.fill_ratio(self.clip_sizes, windows)
             decoded = "each clip decoded on its own, " if self.dataset.per_clip else ""
+            clips = sum(len(window) for window in windows)
             text += (
                 f", packed into {len(windows)} windows of <= 30 s (speech "
-                f"{100 * fill:.0f}% of the encoder's input; {decoded}--packing off trains them "
-                "one by one)"
+                f"{100 * fill:.0f}% of the encoder's input; {decoded}"
+                f"{self.windows_per_batch} a micro-batch, ~{self.windows_per_batch * clips / len(windows):.1f} "
+                "clips; --packing off trains them one by one)"
             )
         if not self.strict:
             text += (

@@ -192,6 +192,8 @@ def _safetensors_damage(path: Path) -> str | None:
 # --warmup-steps, --max-steps, --epochs) are instead applied from the resume point: see
 # `load_checkpoint`.
 FIXED_ON_RESUME = (
+    # First: another mode makes other options differ too (--packing auto's choice).
+    ("model", "mode", "--mode"),
     ("train", "batch_size", "--batch-size"),
     ("train", "gradient_accumulation", "--gradient-accumulation"),
     ("train", "seed", "--seed"),
@@ -220,12 +222,28 @@ def check_resume_options(folder: Path, config) -> None:
         before, now = saved[group][name], getattr(getattr(config, group), name)
         if name == "data" and before and now and _same_path(before, now):
             continue
+        if name == "packing" and config.packing_auto and before != now:
+            _resume_packing(folder, config, before)
+            continue
         if before != now:
             raise UserError(
                 f"--resume {folder}: {flag} {now} differs from the checkpoint's {before}, and "
                 f"an exact resume depends on it; resume with {flag} {before}, or start a new run "
                 "(a new --output-dir) to change it"
             )
+
+
+def _resume_packing(folder: Path, config, saved: str) -> None:
+    """--packing auto (the default) continues a run with the checkpoint's packing (a run of an
+    earlier default, or of options that chose otherwise), unless the options now refuse it."""
+    why = config.packing_refusal(saved)
+    if why is not None:
+        raise UserError(
+            f"--resume {folder}: the checkpoint trained with --packing {saved}, which is not "
+            f"supported with {why}; resume without that option, or start a new run (a new "
+            "--output-dir) to change it"
+        )
+    config.data.packing = saved
 
 
 def _same_path(a: str, b: str) -> bool:

@@ -114,9 +114,10 @@ def setup_data(config: RunConfig, model, label_encoder: LabelEncoder) -> Dataset
 
 
 def _encoder_rows(config: RunConfig) -> int:
-    """Sequences the encoder runs per micro-batch for backward: --batch-size, or twice as many
-    windows where --packing per-clip's context puts a silence window beside each in the
-    windows' batch (`clip_attention.encoder_rows_per_window`)."""
+    """Sequences the encoder runs per micro-batch for backward, at most: --batch-size (packed,
+    a micro-batch holds fewer windows than clips), or twice as many where --packing
+    per-clip's context puts a silence window beside each in the windows' batch
+    (`clip_attention.encoder_rows_per_window`)."""
     windows = config.train.batch_size
     if not config.packing_per_clip:
         return windows

@@ -85,6 +85,10 @@ class Run:
         return f"{self.mode} lr {self.learning_rate:.2g}" + (f" {flags}" if flags else "")
 
 
+# The packing grids' baseline: clips one by one, named (the default packs per clip).
+UNPACKED = ["--packing", "off"]
+
+
 def grid(
     name: str,
     modes: list[str],
@@ -98,7 +102,7 @@ def grid(
         lr = CURRENT_LR["lora"]
         timestamped = [*packed, "--packing-timestamps", "on"]
         runs = [
-            Run("lora", lr, ["--epochs", str(epochs)]),
+            Run("lora", lr, ["--epochs", str(epochs), *UNPACKED]),
             Run("lora", lr, ["--epochs", str(epochs), *packed]),
             Run("lora", lr, ["--epochs", str(epochs), *timestamped]),
         ]
@@ -113,7 +117,7 @@ def grid(
         for mode in modes:
             lr, epochs_flag = CURRENT_LR[mode], ["--epochs", str(epochs)]
             runs += [
-                Run(mode, lr, epochs_flag),
+                Run(mode, lr, [*epochs_flag, *UNPACKED]),
                 Run(mode, lr, [*epochs_flag, "--packing", "on", "--batch-size", "1"]),
                 Run(mode, lr, [*epochs_flag, "--packing", "per-clip", "--batch-size", "1"]),
             ]
@@ -127,7 +131,7 @@ def grid(
     if name == "packing":
         lr = CURRENT_LR["lora"]
         return [
-            Run("lora", lr, ["--epochs", str(epochs)]),
+            Run("lora", lr, ["--epochs", str(epochs), *UNPACKED]),
             Run("lora", lr, ["--epochs", str(epochs), "--packing", "on", "--batch-size", "1"]),
             Run("lora", lr, ["--epochs", str(3 * epochs), "--packing", "on", "--batch-size", "1"]),
         ]

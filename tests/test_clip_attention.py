@@ -41,12 +41,16 @@ from whisper_train.memory.clip_attention import (
     SILENCE_DETACHED,
     SILENCE_SELF,
     ClipRoute,
+    EncoderSegments,
     block_context,
+    block_segments,
     clip_route,
+    count_bias,
     gather_clip_positions,
     gathered_counts,
     own_pad_ends,
     route_clips,
+    segmented_attention,
 )
 from whisper_train.memory.wrappers import whisper_of
 
@@ -410,6 +414,42 @@ def test_sampled_padding_spreads_the_padding_a_clip_has_alone_over_its_own():
     keys, valid = gather_clip_positions(torch.zeros(2, 50, 1), route)
     weights = gathered_counts(counts, route, keys.shape[1])
     assert [int(weights[c][valid[c, 0, 0]].sum()) for c in range(3)] == [50, 50, 50]
+
+
+def test_attention_span_by_span_is_the_block_diagonal_bias_and_its_gradients():
+    """SAMPLED_PAD on sdpa attends span by span (`segmented_attention`), never building the
+    (W, S, S) bias: the same outputs and gradients, in float64, as an encoder self-attention
+    given `count_bias`'s block-diagonal bias; positions in no clip (window 1's first 5)
+    attend among themselves in both."""
+    from transformers import WhisperConfig
+    from transformers.models.whisper.modeling_whisper import WhisperAttention
+
+    route = clip_route(packed_batch())
+    route.context = SAMPLED_PAD
+    mask, _, counts = block_context(route, 2, torch.nn.Embedding(50, 4))
+    spans = block_segments(route, 2, 50)
+    assert spans == (((0, 22), (22, 50)), ((0, 5), (5, 50)))
+    config = WhisperConfig(d_model=16, encoder_attention_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    attention = WhisperAttention(16, 2, config=config).double()
+    hidden = torch.randn(2, 50, 16, dtype=torch.float64, requires_grad=True)
+
+    def output_and_gradients(run):
+        attention.zero_grad()
+        hidden.grad = None
+        out = run()
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        grads = [p.grad.clone() for p in attention.parameters()]
+        return out.detach(), hidden.grad.clone(), grads
+
+    bias = count_bias(mask, counts[:, None, None, :], hidden)
+    dense = output_and_gradients(lambda: attention(hidden_states=hidden, attention_mask=bias)[0])
+    segments = EncoderSegments(spans, counts)
+    segmented = output_and_gradients(lambda: segmented_attention(attention, hidden, segments)[0])
+    torch.testing.assert_close(segmented[0], dense[0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(segmented[1], dense[1], rtol=0, atol=1e-12)
+    for got, want in zip(segmented[2], dense[2], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
 def test_a_clips_own_padding_ends_at_the_next_clip_or_the_windows_end():

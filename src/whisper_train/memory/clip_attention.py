@@ -89,6 +89,7 @@ forward.
 from __future__ import annotations
 
 import contextlib
+import types
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -200,6 +201,8 @@ class ClipRouter:
             else:
                 kwargs = {**kwargs, "input_features": features}
         mask, positions, counts = block_context(route, len(features), module.embed_positions)
+        if route.context == SAMPLED_PAD and not self.eager:
+            mask = EncoderSegments(block_segments(route, len(features), mask.shape[-1]), counts)
         self.encoder_mask, self.encoder_counts = mask, counts
         if route.context == SILENCE_SELF:
             mask = torch.cat([mask, silence_keys_mask(route, mask)], dim=-1)
@@ -216,7 +219,7 @@ class ClipRouter:
         copy masked)."""
         hidden = args[0] if args else kwargs["hidden_states"]
         mask = kwargs.get("attention_mask")
-        if mask is None or mask.shape[-1] != 2 * hidden.shape[1]:
+        if not isinstance(mask, torch.Tensor) or mask.shape[-1] != 2 * hidden.shape[1]:
             return None
         silence = hidden[len(hidden) // 2 :]
         return args, {**kwargs, "key_value_states": torch.cat([hidden, silence.repeat(2, 1, 1)], 1)}
@@ -244,7 +247,9 @@ class ClipRouter:
                 return None
         else:
             mask = self.encoder_mask
-            if self.encoder_counts is not None and mask.dtype == torch.bool:  # SAMPLED_PAD
+            if isinstance(mask, EncoderSegments):  # SAMPLED_PAD on sdpa: `segmented_attention`
+                pass
+            elif self.encoder_counts is not None and mask.dtype == torch.bool:  # SAMPLED_PAD
                 counts = self.encoder_counts[:, None, None, :]
                 self.encoder_mask = mask = count_bias(mask, counts, hidden)  # once a forward
             elif self.eager and mask.dtype == torch.bool:  # eager adds its mask to the scores
@@ -281,6 +286,90 @@ class ClipRouter:
             blocked = torch.finfo(torch.float32).min
             mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, blocked)
         return args, {**kwargs, "attention_mask": mask}
+
+
+@dataclass(frozen=True)
+class EncoderSegments:
+    """SAMPLED_PAD's encoder self-attention on sdpa, given to each encoder layer in place of
+    its attention mask: each window's positions cut into the spans that attend only among
+    themselves (a clip and its own padding; any positions in no clip, together), in order,
+    covering the window, and the (W, S) positions each frame stands for (`block_context`)."""
+
+    spans: tuple[tuple[tuple[int, int], ...], ...]  # per window: [start, end) in order
+    counts: torch.Tensor  # (W, S) long
+
+
+def block_segments(
+    route: ClipRoute, windows: int, width: int
+) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Each window's [start, end) spans in order, covering 0..width: each clip with its own
+    padding (`own_pad_ends`), and the positions between or before them that are in no clip."""
+    ends = own_pad_ends(route, width)
+    blocks: list[list[tuple[int, int]]] = [[] for _ in range(windows)]
+    spans = zip(route.windows.tolist(), route.starts.tolist(), ends.tolist(), strict=True)
+    for window, start, end in spans:
+        blocks[window].append((start, end))
+    segments = []
+    for spans_of_window in blocks:
+        cut, covered = [], 0
+        for start, end in sorted(spans_of_window):
+            if start > covered:
+                cut.append((covered, start))
+            cut.append((start, end))
+            covered = end
+        if covered < width:
+            cut.append((covered, width))
+        segments.append(tuple(cut))
+    return tuple(segments)
+
+
+def segmented_attention(
+    attention: nn.Module, hidden: torch.Tensor, segments: EncoderSegments
+) -> tuple[torch.Tensor, None]:
+    """An encoder layer's self-attention (`attention`, Whisper's, its own projections) on the
+    (W, S, d) `hidden`, each span of `segments` attending only to itself, each key's score
+    raised by log of the positions it stands for: what the block-diagonal bias of `count_bias`
+    computes, without the (W, S, S) bias or the scores between spans (a window of ~4 clips: a
+    fifth of them). The same arithmetic as transformers' WhisperAttention with sdpa (the query
+    scaled before the product, as there), span by span."""
+    windows, width, _ = hidden.shape
+    shape = (windows, width, attention.num_heads, attention.head_dim)
+    query = (attention.q_proj(hidden) * attention.scaling).view(shape).transpose(1, 2)
+    key = attention.k_proj(hidden).view(shape).transpose(1, 2)
+    value = attention.v_proj(hidden).view(shape).transpose(1, 2)
+    log_counts = segments.counts.to(query.dtype).log()  # in the scores' dtype (`count_bias`)
+    dropout = attention.dropout if attention.training else 0.0
+    outputs = []
+    for window, spans in enumerate(segments.spans):
+        for start, end in spans:
+            part = slice(start, end)
+            outputs.append(
+                nn.functional.scaled_dot_product_attention(
+                    query[window : window + 1, :, part],
+                    key[window : window + 1, :, part],
+                    value[window : window + 1, :, part],
+                    attn_mask=log_counts[window, part][None, None, None, :],
+                    dropout_p=dropout,
+                    scale=1.0,
+                )
+            )
+    spans_of = [len(spans) for spans in segments.spans]
+    by_window, first = [], 0
+    for count in spans_of:
+        by_window.append(torch.cat(outputs[first : first + count], dim=2))
+        first += count
+    output = torch.cat(by_window).transpose(1, 2).reshape(windows, width, -1)
+    return attention.out_proj(output), None
+
+
+def _forward_with_segments(self: nn.Module, *args, **kwargs):
+    """An encoder self-attention's forward, bound to the module (a deep copy rebinds it to the
+    copy): given `EncoderSegments` for its mask, `segmented_attention`; else its class's own."""
+    segments = kwargs.get("attention_mask")
+    if not isinstance(segments, EncoderSegments):
+        return type(self).forward(self, *args, **kwargs)
+    hidden = args[0] if args else kwargs["hidden_states"]
+    return segmented_attention(self, hidden, segments)
 
 
 def count_bias(mask: torch.Tensor, counts: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -462,6 +551,9 @@ def route_clips(whisper: nn.Module) -> ClipRouter:
         for layer in encoder.layers:
             layer.register_forward_pre_hook(router.encoder_layer_hook, with_kwargs=True)
             layer.self_attn.register_forward_pre_hook(router.self_attention_hook, with_kwargs=True)
+            # An instance's forward (not the class's): the other attention modules, and this
+            # one given anything but segments, run as they are.
+            layer.self_attn.forward = types.MethodType(_forward_with_segments, layer.self_attn)
         for layer in whisper.model.decoder.layers:
             layer.encoder_attn.register_forward_pre_hook(
                 router.cross_attention_hook, with_kwargs=True

@@ -83,7 +83,9 @@ added is softmax over c copies of it, and c copies of a frame, given the same in
 copies through every layer. So at a stride of 1 it is unpacked training exactly, and at 8 a step's
 gradient is within 0.94-0.95 of unpacked's direction (the float64 tests prove the copies; the
 bench measures the stride) at about 4 clips a window of the demo's ~3 s clips, with no silence
-forward.
+forward. On sdpa its encoder self-attention runs span by span (`EncoderSegments`,
+`segmented_attention`: each encoder layer's attention module is given the spans for its mask),
+the block-diagonal bias never built: the same arithmetic, about a fifth of the scores.
 """
 
 from __future__ import annotations

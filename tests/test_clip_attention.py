@@ -41,7 +41,6 @@ from whisper_train.memory.clip_attention import (
     SILENCE_DETACHED,
     SILENCE_SELF,
     ClipRoute,
-    EncoderSegments,
     block_context,
     block_segments,
     clip_route,
@@ -50,8 +49,8 @@ from whisper_train.memory.clip_attention import (
     gathered_counts,
     own_pad_ends,
     route_clips,
-    segmented_attention,
 )
+from whisper_train.memory.span_attention import EncoderSegments, segmented_attention
 from whisper_train.memory.wrappers import whisper_of
 
 # Two 1-second windows (50 encoder positions each): window 0 holds clips 0 and 1, window 1

@@ -130,8 +130,8 @@ class DataConfig:
         "each clip decoded on its own (its own label, cross-attending to its own part of the "
         "window), as unpacked training decodes it, each clip followed in its window by its "
         "own padding, one frame for every 8 of the padding it has alone (so about 4 clips of "
-        "3 s a window): within a point of unpacked training per clip seen, 3.6x its clips a "
-        "second (BENCHMARKS.md 'Each clip alone, its padding sampled'); on: the same windows "
+        "3 s a window): within a point of unpacked training per clip seen, 4.9x its clips a "
+        "second (BENCHMARKS.md 'Packing per clip by default'); on: the same windows "
         "of at most 448 label tokens, each labelled with its clips' transcripts joined; off: "
         "one clip a window (the encoder always runs on 30 s: packed, it runs on speech, not "
         "padding). Evaluation is never packed.",

@@ -277,12 +277,12 @@ class WholeData:
             windows = self.windows(0)
             fill = packing_module.fill_ratio(self.clip_sizes, windows)
             decoded = "each clip decoded on its own, " if self.dataset.per_clip else ""
-            clips = sum(len(window) for window in windows)
+            per_batch = self.windows_per_batch
+            clips = per_batch * sum(len(window) for window in windows) / len(windows)
             text += (
                 f", packed into {len(windows)} windows of <= 30 s (speech "
-                f"{100 * fill:.0f}% of the encoder's input; {decoded}"
-                f"{self.windows_per_batch} a micro-batch, ~{self.windows_per_batch * clips / len(windows):.1f} "
-                "clips; --packing off trains them one by one)"
+                f"{100 * fill:.0f}% of the encoder's input; {decoded}{per_batch} a micro-batch, "
+                f"~{clips:.1f} clips; --packing off trains them one by one)"
             )
         if not self.strict:
             text += (

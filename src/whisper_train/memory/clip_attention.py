@@ -83,8 +83,8 @@ added is softmax over c copies of it, and c copies of a frame, given the same in
 copies through every layer. So at a stride of 1 it is unpacked training exactly, and at 8 a step's
 gradient is within 0.94-0.95 of unpacked's direction (the float64 tests prove the copies; the
 bench measures the stride) at about 4 clips a window of the demo's ~3 s clips, with no silence
-forward. On sdpa its encoder self-attention runs span by span (`EncoderSegments`,
-`segmented_attention`: each encoder layer's attention module is given the spans for its mask),
+forward. On sdpa its encoder self-attention runs span by span (`span_attention`: each encoder
+layer's attention module is given the spans for its mask),
 the block-diagonal bias never built: the same arithmetic, about a fifth of the scores.
 """
 
@@ -100,6 +100,11 @@ import torch
 from torch import nn
 
 from whisper_train.data.packing import OWNPAD, PER_CLIP_ENCODER, SAMPLED_PAD, per_clip_context
+from whisper_train.memory.span_attention import (
+    EncoderSegments,
+    cover_windows,
+    forward_with_segments,
+)
 
 # The attribute of a Whisper model that holds its router once `route_clips` installed it.
 _ROUTER = "_whisper_train_clip_router"
@@ -290,88 +295,17 @@ class ClipRouter:
         return args, {**kwargs, "attention_mask": mask}
 
 
-@dataclass(frozen=True)
-class EncoderSegments:
-    """SAMPLED_PAD's encoder self-attention on sdpa, given to each encoder layer in place of
-    its attention mask: each window's positions cut into the spans that attend only among
-    themselves (a clip and its own padding; any positions in no clip, together), in order,
-    covering the window, and the (W, S) positions each frame stands for (`block_context`)."""
-
-    spans: tuple[tuple[tuple[int, int], ...], ...]  # per window: [start, end) in order
-    counts: torch.Tensor  # (W, S) long
-
-
 def block_segments(
     route: ClipRoute, windows: int, width: int
 ) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Each window's [start, end) spans in order, covering 0..width: each clip with its own
-    padding (`own_pad_ends`), and the positions between or before them that are in no clip."""
+    """Each window's [start, end) spans in order, covering 0..width (`cover_windows`): each clip
+    with its own padding (`own_pad_ends`), and the positions before or between them in no clip."""
     ends = own_pad_ends(route, width)
     blocks: list[list[tuple[int, int]]] = [[] for _ in range(windows)]
     spans = zip(route.windows.tolist(), route.starts.tolist(), ends.tolist(), strict=True)
     for window, start, end in spans:
         blocks[window].append((start, end))
-    segments = []
-    for spans_of_window in blocks:
-        cut, covered = [], 0
-        for start, end in sorted(spans_of_window):
-            if start > covered:
-                cut.append((covered, start))
-            cut.append((start, end))
-            covered = end
-        if covered < width:
-            cut.append((covered, width))
-        segments.append(tuple(cut))
-    return tuple(segments)
-
-
-def segmented_attention(
-    attention: nn.Module, hidden: torch.Tensor, segments: EncoderSegments
-) -> tuple[torch.Tensor, None]:
-    """An encoder layer's self-attention (`attention`, Whisper's, its own projections) on the
-    (W, S, d) `hidden`, each span of `segments` attending only to itself, each key's score
-    raised by log of the positions it stands for: what the block-diagonal bias of `count_bias`
-    computes, without the (W, S, S) bias or the scores between spans (a window of ~4 clips: a
-    fifth of them). The same arithmetic as transformers' WhisperAttention with sdpa (the query
-    scaled before the product, as there), span by span."""
-    windows, width, _ = hidden.shape
-    shape = (windows, width, attention.num_heads, attention.head_dim)
-    query = (attention.q_proj(hidden) * attention.scaling).view(shape).transpose(1, 2)
-    key = attention.k_proj(hidden).view(shape).transpose(1, 2)
-    value = attention.v_proj(hidden).view(shape).transpose(1, 2)
-    log_counts = segments.counts.to(query.dtype).log()  # in the scores' dtype (`count_bias`)
-    dropout = attention.dropout if attention.training else 0.0
-    outputs = []
-    for window, spans in enumerate(segments.spans):
-        for start, end in spans:
-            part = slice(start, end)
-            outputs.append(
-                nn.functional.scaled_dot_product_attention(
-                    query[window : window + 1, :, part],
-                    key[window : window + 1, :, part],
-                    value[window : window + 1, :, part],
-                    attn_mask=log_counts[window, part][None, None, None, :],
-                    dropout_p=dropout,
-                    scale=1.0,
-                )
-            )
-    spans_of = [len(spans) for spans in segments.spans]
-    by_window, first = [], 0
-    for count in spans_of:
-        by_window.append(torch.cat(outputs[first : first + count], dim=2))
-        first += count
-    output = torch.cat(by_window).transpose(1, 2).reshape(windows, width, -1)
-    return attention.out_proj(output), None
-
-
-def _forward_with_segments(self: nn.Module, *args, **kwargs):
-    """An encoder self-attention's forward, bound to the module (a deep copy rebinds it to the
-    copy): given `EncoderSegments` for its mask, `segmented_attention`; else its class's own."""
-    segments = kwargs.get("attention_mask")
-    if not isinstance(segments, EncoderSegments):
-        return type(self).forward(self, *args, **kwargs)
-    hidden = args[0] if args else kwargs["hidden_states"]
-    return segmented_attention(self, hidden, segments)
+    return cover_windows(blocks, width)
 
 
 def count_bias(mask: torch.Tensor, counts: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -555,7 +489,7 @@ def route_clips(whisper: nn.Module) -> ClipRouter:
             layer.self_attn.register_forward_pre_hook(router.self_attention_hook, with_kwargs=True)
             # An instance's forward (not the class's): the other attention modules, and this
             # one given anything but segments, run as they are.
-            layer.self_attn.forward = types.MethodType(_forward_with_segments, layer.self_attn)
+            layer.self_attn.forward = types.MethodType(forward_with_segments, layer.self_attn)
         for layer in whisper.model.decoder.layers:
             layer.encoder_attn.register_forward_pre_hook(
                 router.cross_attention_hook, with_kwargs=True

@@ -66,25 +66,21 @@ def segmented_attention(
     value = attention.v_proj(hidden).view(shape).transpose(1, 2)
     log_counts = segments.counts.to(query.dtype).log()  # in the scores' dtype (`count_bias`)
     dropout = attention.dropout if attention.training else 0.0
-    outputs = []
+    by_window = []
     for window, spans in enumerate(segments.spans):
-        for start, end in spans:
-            part = slice(start, end)
-            outputs.append(
-                nn.functional.scaled_dot_product_attention(
-                    query[window : window + 1, :, part],
-                    key[window : window + 1, :, part],
-                    value[window : window + 1, :, part],
-                    attn_mask=log_counts[window, part][None, None, None, :],
-                    dropout_p=dropout,
-                    scale=1.0,
-                )
+        rows = slice(window, window + 1)
+        parts = [
+            nn.functional.scaled_dot_product_attention(
+                query[rows, :, start:end],
+                key[rows, :, start:end],
+                value[rows, :, start:end],
+                attn_mask=log_counts[window, start:end][None, None, None, :],
+                dropout_p=dropout,
+                scale=1.0,
             )
-    spans_of = [len(spans) for spans in segments.spans]
-    by_window, first = [], 0
-    for count in spans_of:
-        by_window.append(torch.cat(outputs[first : first + count], dim=2))
-        first += count
+            for start, end in spans
+        ]
+        by_window.append(torch.cat(parts, dim=2))  # the spans cover the window, in order
     output = torch.cat(by_window).transpose(1, 2).reshape(windows, width, -1)
     return attention.out_proj(output), None
 

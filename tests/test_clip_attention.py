@@ -42,6 +42,7 @@ from whisper_train.memory.clip_attention import (
     SILENCE_SELF,
     ClipRoute,
     block_context,
+    block_mask,
     block_segments,
     clip_route,
     count_bias,
@@ -404,7 +405,8 @@ def test_sampled_padding_spreads_the_padding_a_clip_has_alone_over_its_own():
     route = clip_route(packed_batch())
     route.context = SAMPLED_PAD
     table = torch.nn.Embedding(50, 4)
-    mask, positions, counts = block_context(route, 2, table)
+    blocks, positions, counts = block_context(route, 2, table)
+    mask = block_mask(blocks, route.context)
     assert positions[0, 18:22].tolist() == [18, 26, 34, 42]
     assert counts[0, 18:22].tolist() == [8, 8, 8, 8]
     assert positions[0, 47:].tolist() == [25, 33, 41] and counts[0, 47:].tolist() == [8, 8, 9]
@@ -425,7 +427,8 @@ def test_attention_span_by_span_is_the_block_diagonal_bias_and_its_gradients():
 
     route = clip_route(packed_batch())
     route.context = SAMPLED_PAD
-    mask, _, counts = block_context(route, 2, torch.nn.Embedding(50, 4))
+    blocks, _, counts = block_context(route, 2, torch.nn.Embedding(50, 4))
+    mask = block_mask(blocks, route.context)
     spans = block_segments(route, 2, 50)
     assert spans == (((0, 22), (22, 50)), ((0, 5), (5, 50)))
     config = WhisperConfig(d_model=16, encoder_attention_heads=2, attn_implementation="sdpa")

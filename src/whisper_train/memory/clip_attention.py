@@ -207,9 +207,11 @@ class ClipRouter:
                 args = (features, *args[1:])
             else:
                 kwargs = {**kwargs, "input_features": features}
-        mask, positions, counts = block_context(route, len(features), module.embed_positions)
-        if route.context == SAMPLED_PAD and not self.eager:
-            mask = EncoderSegments(block_segments(route, len(features), mask.shape[-1]), counts)
+        blocks, positions, counts = block_context(route, len(features), module.embed_positions)
+        if route.context == SAMPLED_PAD and not self.eager:  # no (W, S, S) mask: span by span
+            mask = EncoderSegments(block_segments(route, len(features), blocks.shape[-1]), counts)
+        else:
+            mask = block_mask(blocks, route.context)
         self.encoder_mask, self.encoder_counts = mask, counts
         if route.context == SILENCE_SELF:
             mask = torch.cat([mask, silence_keys_mask(route, mask)], dim=-1)
@@ -429,15 +431,14 @@ def tail_starts(route: ClipRoute) -> torch.Tensor:
 def block_context(
     route: ClipRoute, windows: int, embed_positions: nn.Module
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The (W, 1, S, S) block-diagonal self-attention mask of `route`'s windows (True where a
-    query's position and a key's are in the same clip, or both in no clip; with "-pad", also
-    where the query is in a clip and the key in its window's tail) and the (W, S) positions
-    each clip's frames have alone: 0..n-1 (the others keep the window's). With "-ownpad" a
-    clip's block is its frames and its own padding after them, positions 0..n+p-1. With
-    SAMPLED_PAD too, but its p padding frames stand for the S - n positions of padding it has
-    alone, spread evenly: the third value is the (W, S) number of positions each frame stands
-    for (1 but there; None in other contexts), its first position the one in the second
-    (`count_bias` turns the mask into the scores' bias)."""
+    """The (W, S) block of each position of `route`'s windows (its clip's index; -1 in no clip;
+    -2 in the window's tail with "-pad": `block_mask` turns them into the self-attention mask)
+    and the (W, S) positions each clip's frames have alone: 0..n-1 (the others keep the
+    window's). With "-ownpad" a clip's block is its frames and its own padding after them,
+    positions 0..n+p-1. With SAMPLED_PAD too, but its p padding frames stand for the S - n
+    positions of padding it has alone, spread evenly: the third value is the (W, S) number of
+    positions each frame stands for (1 but there; None in other contexts), its first position
+    the one in the second (`count_bias` turns the mask into the scores' bias)."""
     device = embed_positions.weight.device
     width = embed_positions.num_embeddings
     positions = torch.arange(width, device=device).repeat(windows, 1)
@@ -459,10 +460,17 @@ def block_context(
         tails = tail_starts(route).tolist()
         for window, tail in zip(route.windows.tolist(), tails, strict=True):
             blocks[window, tail:] = -2
+    return blocks, positions, counts
+
+
+def block_mask(blocks: torch.Tensor, context: str) -> torch.Tensor:
+    """The (W, 1, S, S) block-diagonal self-attention mask of `block_context`'s blocks: True
+    where a query's position and a key's are in the same clip, or both in no clip; with "-pad",
+    also where the query is in a clip and the key in its window's tail."""
     mask = blocks[:, :, None] == blocks[:, None, :]
-    if route.context.endswith("-pad"):
+    if context.endswith("-pad"):
         mask |= (blocks[:, :, None] >= 0) & (blocks[:, None, :] == -2)
-    return mask[:, None], positions, counts
+    return mask[:, None]
 
 
 def mean_embeddings(

@@ -13,6 +13,7 @@ import yaml
 from whisper_train.cli import build_parser, config_from_args, main
 from whisper_train.config import RunConfig
 from whisper_train.errors import UserError
+from whisper_train.memory import LoraSettings
 from whisper_train.units import parse_bytes
 
 PRESETS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
@@ -28,7 +29,7 @@ def test_the_lora_preset_has_the_measured_rate_and_takes_only_train(tmp_path):
     lora = Path(__file__).parents[1] / "configs" / "lora.yaml"
     args = build_parser().parse_args(["train", "--config", str(lora), "--only-train"])
     config = config_from_args(args).validate()
-    assert config.learning_rate == 3e-4 and config.train.only_train
+    assert config.learning_rate == 1.5e-4 and config.train.only_train
 
 
 def test_presets_exist():
@@ -74,8 +75,16 @@ def test_unknown_yaml_key_names_the_key(tmp_path):
 
 
 def test_mode_dependent_defaults():
-    assert RunConfig.from_flat({"mode": "lora"}).learning_rate == 3e-4
+    assert RunConfig.from_flat({"mode": "lora"}).learning_rate == 1.5e-4
     assert RunConfig.from_flat({"mode": "full"}).learning_rate == 3e-5
+
+
+def test_lora_defaults_put_adapters_on_every_linear_layer():
+    """The CLI's default targets and the library's (`LoraSettings()`) are one choice, written
+    twice only because config stays torch-free above memory."""
+    every_linear = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+    settings = RunConfig.from_flat({"mode": "lora"}).lora_settings()
+    assert settings.targets == every_linear == LoraSettings().targets
 
 
 @pytest.mark.parametrize(
@@ -89,7 +98,7 @@ def test_full_fine_tuning_defaults_to_a_lower_rate_for_a_wider_model(width, rate
     config = RunConfig.from_flat({"mode": "full"})
     config.model_width = width
     assert config.learning_rate == rate
-    for mode, own in (("lora", 3e-4), ("freeze-encoder", 3e-5)):  # adapters: not by width
+    for mode, own in (("lora", 1.5e-4), ("freeze-encoder", 3e-5)):  # adapters: not by width
         other = RunConfig.from_flat({"mode": mode})
         other.model_width = width
         assert other.learning_rate == own

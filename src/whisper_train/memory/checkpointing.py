@@ -47,7 +47,9 @@ class LoraSettings:
     r: int = 32  # rank of the A·B update
     alpha: int = 64  # scale of the update is alpha / r
     dropout: float = 0.05  # dropout on the adapter path only
-    targets: tuple[str, ...] = ("q_proj", "v_proj")  # module names that get adapters
+    # Module names that get adapters: every linear layer, as the CLI's default
+    # (`config.options.LORA_TARGETS`; config sits above memory and stays torch-free).
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
     # No adapters inside the encoder: set when its outputs are cached (`RunConfig.lora_settings`),
     # which are computed once, without gradient, so encoder adapters could never train.
     decoder_only: bool = False

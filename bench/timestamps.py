@@ -8,8 +8,8 @@ transcribed with `--format srt` by the base model and by models fine-tuned the d
    Sense and Sensibility, then LJ Speech clips in manifest order) joined with `--pause` seconds
    of silence until it lasts `--seconds`; each join's time (the middle of its pause) is known.
 2. Fine-tuning: `whisper-train demo`'s training set (demo.prepare_demo_data: espeak-ng sentences
-   in the training voices and words), text-only labels (no --timestamps, packing off: the
-   defaults), the demo's run settings (batch 8, 10 warm-up steps, default learning rate of each
+   in the training voices and words), text-only labels (no --timestamps, packing off; `--labels
+   default` packs per clip, the default now), the demo's run settings (batch 8, 10 warm-up steps, default learning rate of each
    mode), one epoch per mode. No evaluation during training: the recording is the evaluation.
    `--labels` adds packed runs (LABELS): the clips packed into 30 s windows, one window a step,
    with or without each clip's span as time tokens in the labels.
@@ -45,12 +45,14 @@ REALSPEECH = REPO.parent / "shared" / "realspeech"
 if not REALSPEECH.is_dir():  # a git worktree beside the lead's checkout
     REALSPEECH = Path("/work/shared/realspeech")
 TOLERANCES_S = (0.5, 1.0)
-# How the training labels are built. text-only: the defaults (one clip a row, no time tokens);
+# How the training labels are built. text-only: one clip a row, no time tokens, unpacked (the
+# default until packing per clip); default: the same labels packed per clip (`--packing auto`);
 # packed-text-only: clips packed into 30 s windows, one window a step (about as many clips a
 # step as 8 unpacked); packed-timestamps: the same windows, half of them labelled with each
 # clip's span as time tokens (--packing on --timestamps; labels.py's 50% mix).
 LABELS = {
     "text-only": {"batch_size": 8, "packing": "off", "timestamps": False},
+    "default": {"batch_size": 8, "packing": "auto", "timestamps": False},
     "packed-text-only": {"batch_size": 1, "packing": "on", "timestamps": False},
     "packed-timestamps": {"batch_size": 1, "packing": "on", "timestamps": True},
 }

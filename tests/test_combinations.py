@@ -57,7 +57,8 @@ FACTORS: dict[str, tuple] = {
     "fsdp": (False, True),
     "cache": (False, True),  # --cache-encoder, else --no-cache-encoder (freeze-encoder's default)
     "precision": ("fp32", "bf16"),
-    "targets": ("q,v", "all-linear"),  # LoRA's --lora-targets: the default, or every linear
+    # LoRA's --lora-targets: the default (every linear layer), or the HF blog's q_proj,v_proj
+    "targets": ("all-linear", "q,v"),
     "resume": (False, True),  # 1 step and a checkpoint, then --resume for the second
     "workers": (0, 2),  # --num-workers
     # --report-to: the default, or every tracker (MLflow to a file store, W&B offline)
@@ -84,8 +85,8 @@ REFUSED: dict[tuple[tuple[str, object], tuple[str, object]], tuple[str, ...]] = 
 }
 # Pairs that mean nothing (no flag to refuse): --lora-targets only matters with --mode lora.
 MEANINGLESS = {
-    (("targets", "all-linear"), ("mode", "full")),
-    (("targets", "all-linear"), ("mode", "freeze-encoder")),
+    (("targets", "q,v"), ("mode", "full")),
+    (("targets", "q,v"), ("mode", "freeze-encoder")),
 }
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 
@@ -197,7 +198,7 @@ def row_id(row: dict) -> str:
     parts += {"off": [], "on": ["pack"], "per-clip": ["perclip"]}[row["packing"]]
     parts += [row["data"]] * (row["data"] != "whole")
     parts += ["fsdp"] * row["fsdp"] + ["cache"] * row["cache"] + [row["precision"]]
-    parts += ["all-linear"] * (row["targets"] == "all-linear") + ["resume"] * row["resume"]
+    parts += ["qv"] * (row["targets"] == "q,v") + ["resume"] * row["resume"]
     parts += [f"w{row['workers']}"] * bool(row["workers"]) + ["yaml"] * (row["options"] == "yaml")
     parts += ["trackers"] * (row["trackers"] != "tensorboard")
     parts += ["prompts"] * bool(row.get("prompts"))
@@ -411,8 +412,8 @@ def row_settings(row: dict) -> dict[str, object]:
         settings["nproc"] = row["nproc"]
     if row["fsdp"]:
         settings["fsdp"] = True
-    if row["targets"] == "all-linear":
-        settings["lora_targets"] = list(ALL_LINEAR)
+    if row["targets"] == "q,v":
+        settings["lora_targets"] = ["q_proj", "v_proj"]
     return settings
 
 

@@ -369,4 +369,4 @@ def test_lora_on_cached_encoder_outputs_trains_every_trainable_parameter():
     assert [n for n, g in grads.items() if g is None or not g.abs().sum() > 0] == []
     # Without the cache, the adapters go on the encoder too.
     uncached = RunConfig.from_flat({"mode": "lora"}).lora_settings()
-    assert uncached.decoder_only is False and uncached.targets == ("q_proj", "v_proj")
+    assert uncached.decoder_only is False and uncached.targets == LoraSettings().targets

@@ -56,7 +56,7 @@ def add_parser(subparsers) -> None:
         "--learning-rate",
         type=float,
         default=None,
-        help="Peak learning rate (default: train's for the mode: 3e-4 for lora, 3e-5 for "
+        help="Peak learning rate (default: train's for the mode: 1.5e-4 for lora, 3e-5 for "
         "freeze-encoder, 3e-5 for full on tiny, lower for wider models).",
     )
     parser.add_argument(

@@ -3,14 +3,16 @@ Seq2SeqTrainer recipe, on the same data, model, batch memory and learning rate.
 
     .venv/bin/python bench/time_to_quality.py [--target synth|real] [--mode full|lora]
         [--model tiny.en] [--learning-rate LR] [--trainer-learning-rates LR ...]
-        [--seeds 0 1] [--batch-size 8] [--budget-factor 1.5] [--points 5]
+        [--trainer-every-linear] [--seeds 0 1] [--batch-size 8] [--budget-factor 1.5] [--points 5]
         [--variant "packed=--packing on --batch-size 1" ...] [--work-dir DIR] [--smoke]
 
 Systems, each its own process, each starting from the same model folder (--model saved once):
   trainer        the blog recipe (bench/throughput.py's): features per clip with the processor
                  beforehand (their seconds reported, not counted), the blog's collator, linear
                  schedule, no warm-up, batch --batch-size clips; bf16 and non-reentrant
-                 checkpointing on CUDA, fp32 and none on a CPU (whisper-train's defaults there).
+                 checkpointing on CUDA, fp32 and none on a CPU (whisper-train's defaults there);
+                 --mode lora: peft's LoRA r 32, alpha 64, dropout 0.05 on q_proj,v_proj (the
+                 HF PEFT blog's), or on every linear layer with --trainer-every-linear.
   whisper-train  `whisper-train train` (its CLI, in-process) with its shipped defaults plus
                  --learning-rate, --batch-size, --seed, --max-steps, --only-train (nothing
                  scored while timed) and each --variant's own flags (after the others: they
@@ -226,7 +228,8 @@ def trainer_worker(spec: dict) -> dict:
     if spec["mode"] == "lora":
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(**LORA))
+        targets = spec.get("lora_targets") or LORA["target_modules"]
+        model = get_peft_model(model, LoraConfig(**{**LORA, "target_modules": targets}))
     started = clock()
     dataset = blog_dataset(processor, examples_of(spec["train"], spec["train_clips"]))
     features_seconds = clock() - started
@@ -346,9 +349,11 @@ def run_trainer(args, sets, model_dir: Path) -> list[dict]:
                 "batch_size": args.batch_size, "learning_rate": lr, "seed": seed, "steps": steps,
                 "marks": sorted({*evenly(steps, args.points), epoch_step}),
                 "epoch_step": epoch_step, "out": str(args.work_dir / name),
+                "lora_targets": args.trainer_lora_targets,
             }  # fmt: skip
             result = launch(spec, args.work_dir / name)
-            runs.append({"system": "trainer", "variant": "blog", "lr": lr, "seed": seed, **result})
+            variant = "blog" if args.trainer_lora_targets is None else "blog, every linear"
+            runs.append({"system": "trainer", "variant": variant, "lr": lr, "seed": seed, **result})
             print(f"  {name}: {progress(result)}", flush=True)
     return runs
 
@@ -609,6 +614,10 @@ def parse_args() -> argparse.Namespace:
     add("--mode", choices=("full", "lora"), default="full")
     add("--learning-rate", type=float, help="every system's (default: the mode's default)")
     add("--trainer-learning-rates", type=float, nargs="+", help="the Trainer's sweep")
+    add("--trainer-every-linear", dest="trainer_lora_targets", action="store_const",
+        const=["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"],
+        help="--mode lora: the Trainer's adapters on every linear layer (whisper-train's "
+        "default), not the blog's q_proj,v_proj")  # fmt: skip
     add("--seeds", type=int, nargs="+", default=[0, 1])
     add("--batch-size", type=int, default=8, help="clips a step (a variant may change its own)")
     example = "'packed=--packing on --batch-size 1'"

@@ -9,8 +9,8 @@ transcribed with `--format srt` by the base model and by models fine-tuned the d
    of silence until it lasts `--seconds`; each join's time (the middle of its pause) is known.
 2. Fine-tuning: `whisper-train demo`'s training set (demo.prepare_demo_data: espeak-ng sentences
    in the training voices and words), text-only labels (no --timestamps, packing off; `--labels
-   default` packs per clip, the default now), the demo's run settings (batch 8, 10 warm-up steps, default learning rate of each
-   mode), one epoch per mode. No evaluation during training: the recording is the evaluation.
+   default` packs per clip, the default now), the demo's run settings (batch 8, 10 warm-up
+   steps, default learning rate of each mode), one epoch per mode. No evaluation during training: the recording is the evaluation.
    `--labels` adds packed runs (LABELS): the clips packed into 30 s windows, one window a step,
    with or without each clip's span as time tokens in the labels.
 3. `transcribe --format srt` of the recording (transcribe.transcribe_paths, the transformers

@@ -246,9 +246,10 @@ class TrainConfig:
     gradient_accumulation: int = _help("Micro-batches per optimizer step.", default=1)
     learning_rate: float | None = _help(
         "Peak learning rate: default 1.5e-4 for lora (on every linear layer it kept real speech "
-        "no run trained on at tiny.en's WER, 3e-4 cost 1.6 points), 3e-5 for freeze-encoder; for full 3e-5 on tiny (a "
-        "third fewer held-out errors than 1e-5 after one epoch; 1e-4 broke real speech), "
-        "lower for wider models (small 1.25e-5, large 4.4e-6); BENCHMARKS.md 'Learning rates'.",
+        "no run trained on at tiny.en's WER, 3e-4 cost 1.6 points), 3e-5 for freeze-encoder; "
+        "for full 3e-5 on tiny (a third fewer held-out errors than 1e-5 after one epoch; 1e-4 "
+        "broke real speech), lower for wider models (small 1.25e-5, large 4.4e-6); "
+        "BENCHMARKS.md 'Learning rates'.",
         default=None,
     )
     lr_scheduler: str = _help(

@@ -73,6 +73,7 @@ REPO = Path(__file__).resolve().parents[1]
 # whisper-train's default rates (config/options.py), read from the checkout being measured
 sys.path.insert(0, str(REPO / "src"))
 from whisper_train.config import DEFAULT_LEARNING_RATES as DEFAULT_LR  # noqa: E402
+from whisper_train.config.options import LORA_TARGETS  # noqa: E402
 
 # whisper-train's LoRA defaults (--lora-r, --lora-alpha, --lora-dropout, --lora-targets)
 LORA = {"r": 32, "lora_alpha": 64, "lora_dropout": 0.05, "target_modules": ["q_proj", "v_proj"]}
@@ -615,7 +616,7 @@ def parse_args() -> argparse.Namespace:
     add("--learning-rate", type=float, help="every system's (default: the mode's default)")
     add("--trainer-learning-rates", type=float, nargs="+", help="the Trainer's sweep")
     add("--trainer-every-linear", dest="trainer_lora_targets", action="store_const",
-        const=["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"],
+        const=list(LORA_TARGETS),
         help="--mode lora: the Trainer's adapters on every linear layer (whisper-train's "
         "default), not the blog's q_proj,v_proj")  # fmt: skip
     add("--seeds", type=int, nargs="+", default=[0, 1])

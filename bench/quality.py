@@ -172,11 +172,11 @@ def real_sets(folder: Path) -> dict[str, Path]:
     return sets
 
 
-def synth_sets(folder: Path) -> dict[str, Path]:
+def synth_sets(folder: Path, train_utterances: int = 128) -> dict[str, Path]:
     from whisper_train.demo import prepare_demo_data
 
     dirs = prepare_demo_data(
-        folder, train_utterances=128, eval_utterances=32, guard_utterances=32, seed=0
+        folder, train_utterances=train_utterances, eval_utterances=32, guard_utterances=32, seed=0
     )
     return {"train": dirs["train"], "target": dirs["held-out"], "guard": dirs["guard"]}
 

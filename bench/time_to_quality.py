@@ -39,9 +39,10 @@ reference is the rate with the lower final held-out WER (mean over seeds).
 
 Targets (bench/quality.py's sets): real = AN4 train (30 clips) / AN4 test / LJ Speech guard
 (../shared/realspeech, or $WHISPER_TRAIN_REALSPEECH); synth = the demo's espeak-ng sets, 128
-training sentences, 32 held-out (other voices and words), 32 guard. --smoke: 8 training clips,
-4 clips a scored set, batches of 4, a 2-step Trainer run: checks the script in minutes. A
-point's model folder is deleted once scored (--keep-models keeps them).
+training sentences (--train-sentences N: more, where 128 run out before the budget does), 32
+held-out (other voices and words), 32 guard. --smoke: 8 training clips, 4 clips a scored set,
+batches of 4, a 2-step Trainer run: checks the script in minutes. A point's model folder is
+deleted once scored (--keep-models keeps them).
 
 On a lent GPU machine (CUDA: bf16, checkpointing, wall time synchronised) the same command runs
 where the model and the sets are there: --model a model folder (tiny.en's weights are not in
@@ -101,7 +102,7 @@ def clock() -> float:
 # -- data and models ------------------------------------------------------------------------------
 
 
-def make_sets(target: str, folder: Path, smoke: bool) -> dict[str, Path]:
+def make_sets(target: str, folder: Path, smoke: bool, train_sentences: int) -> dict[str, Path]:
     """{"train", "target", "guard"}: bench/quality.py's sets (the synth ones smaller in smoke)."""
     sys.path.insert(0, str(REPO / "bench"))
     import quality
@@ -113,7 +114,7 @@ def make_sets(target: str, folder: Path, smoke: bool) -> dict[str, Path]:
             raise SystemExit(f"--target real needs {quality.REALSPEECH}; use --target synth")
         return quality.real_sets(folder)
     if not smoke:
-        return quality.synth_sets(folder)
+        return quality.synth_sets(folder, train_sentences)
     from whisper_train.demo import prepare_demo_data
 
     dirs = prepare_demo_data(
@@ -619,6 +620,8 @@ def parse_args() -> argparse.Namespace:
         const=list(LORA_TARGETS),
         help="--mode lora: the Trainer's adapters on every linear layer (whisper-train's "
         "default), not the blog's q_proj,v_proj")  # fmt: skip
+    add("--train-sentences", type=int, default=128,
+        help="--target synth: training sentences (the held-out and guard sets stay 32 each)")  # fmt: skip
     add("--seeds", type=int, nargs="+", default=[0, 1])
     add("--batch-size", type=int, default=8, help="clips a step (a variant may change its own)")
     example = "'packed=--packing on --batch-size 1'"
@@ -663,7 +666,9 @@ def main() -> None:
     variants = [("default", [], {})] + [variant_of(text) for text in args.variant]
     smoke = "-smoke" if args.smoke else ""
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    sets = make_sets(args.target, args.work_dir / f"data-{args.target}{smoke}", args.smoke)
+    size = f"-{args.train_sentences}" if args.train_sentences != 128 else ""
+    folder = args.work_dir / f"data-{args.target}{size}{smoke}"
+    sets = make_sets(args.target, folder, args.smoke, args.train_sentences)
     model_dir = save_base_model(args.model, args.work_dir / f"model-{Path(args.model).name}")
     on_cuda = torch.cuda.is_available()
     device = torch.cuda.get_device_name() if on_cuda else f"CPU, {os.cpu_count()} cores"

@@ -16,6 +16,8 @@ Rows:
   small, full fine-tune, full, adamw8bit            goal < 4 GB (a GTX 980's memory)
   large-v3, LoRA r=64 alpha 128 on q_proj,v_proj,
     full checkpointing, adamw                        goal < 10 GB (Unsloth's T4 notebook: 10.35)
+  large-v3, whisper-train's LoRA default (r 32,
+    alpha 64, every linear layer), full, adamw       the same goal, for the shipped default
 
 Without CUDA the rows print the estimate only (a dry run of the code on the CPU, small sizes).
 """
@@ -44,7 +46,9 @@ GIB = 2**30
 LARGE_V3_LORA = LoraSettings(r=64, alpha=128, dropout=0.0, targets=("q_proj", "v_proj"))
 
 
-def build(size: str, device: str, *, mode: str, policy: str) -> torch.nn.Module:
+def build(
+    size: str, device: str, *, mode: str, policy: str, lora: LoraSettings = LARGE_V3_LORA
+) -> torch.nn.Module:
     """Random weights of `size` on `device` (no per-module initialisation: shapes matter); on
     the meta device, shapes only."""
     with torch.device("meta"):
@@ -55,7 +59,7 @@ def build(size: str, device: str, *, mode: str, policy: str) -> torch.nn.Module:
         with torch.no_grad():
             for parameter in model.parameters():
                 parameter.normal_(0.0, 0.02)
-    lora = LARGE_V3_LORA if mode == "lora" else None
+    lora = lora if mode == "lora" else None
     return memory.prepare_model(model, mode=mode, checkpointing=policy, lora=lora).train()
 
 
@@ -89,10 +93,21 @@ def measured_peak(model, device: str, optimizer_name: str, label_tokens: int) ->
     return peak
 
 
-def row(size, device, *, mode, policy, optimizer, label_tokens, goal_gib=None) -> None:
+def row(
+    size,
+    device,
+    *,
+    mode,
+    policy,
+    optimizer,
+    label_tokens,
+    goal_gib=None,
+    lora=LARGE_V3_LORA,
+    note="",
+) -> None:
     start = time.perf_counter()
     on = device if device == "cuda" or size in ("tiny", "base") else "meta"
-    model = build(size, on, mode=mode, policy=policy)
+    model = build(size, on, mode=mode, policy=policy, lora=lora)
     estimate = planner.estimate_memory(
         model, policy=policy, label_tokens=label_tokens, precision="bf16", optimizer=optimizer
     )
@@ -107,7 +122,8 @@ def row(size, device, *, mode, policy, optimizer, label_tokens, goal_gib=None) -
     if goal_gib is not None:
         verdict = "-" if peak is None else ("met" if peak < goal_gib * GIB else "MISSED")
         line += f"   goal < {goal_gib} GB: {verdict}"
-    print(f"{line}   ({time.perf_counter() - start:.0f} s)", flush=True)
+    note = f"; {note}" if note else ""
+    print(f"{line}   ({time.perf_counter() - start:.0f} s{note})", flush=True)
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -158,6 +174,17 @@ def main() -> None:
             optimizer="adamw",
             label_tokens=args.label_tokens,
             goal_gib=10,
+        )
+        row(
+            "large-v3",
+            device,
+            mode="lora",
+            policy="full",
+            optimizer="adamw",
+            label_tokens=args.label_tokens,
+            goal_gib=10,
+            lora=LoraSettings(),
+            note="whisper-train's default LoRA: r 32 on every linear layer",
         )
 
 

@@ -4,6 +4,7 @@ Seq2SeqTrainer recipe, on the same data, model, batch memory and learning rate.
     .venv/bin/python bench/time_to_quality.py [--target synth|real] [--mode full|lora]
         [--model tiny.en] [--learning-rate LR] [--trainer-learning-rates LR ...]
         [--trainer-every-linear] [--seeds 0 1] [--batch-size 8] [--budget-factor 1.5] [--points 5]
+        [--own-length] [--train-sentences 128]
         [--variant "packed=--packing on --batch-size 1" ...] [--work-dir DIR] [--smoke]
 
 Systems, each its own process, each starting from the same model folder (--model saved once):
@@ -21,7 +22,9 @@ Systems, each its own process, each starting from the same model folder (--model
 
 The Trainer runs first, for --budget-factor epochs; its training seconds are the budget. Each
 whisper-train variant is timed for a few steps (a calibration run), then trained for the steps
-that fill the budget (its linear schedule ends there, as the Trainer's does). Both save the
+that fill the budget (its linear schedule ends there, as the Trainer's does). --own-length:
+each trains for its own length instead (3 epochs, or a variant's --epochs; no calibration), and
+a run that ends before a time the tables ask about counts its final WER there. Both save the
 model (LoRA merged) at --points evenly spaced steps (the Trainer also at its one-epoch step);
 training seconds are wall seconds of the training loop (CUDA synchronised) up to each save,
 less the saves (whisper-train's --save-steps checkpoints hold the trained tensors and the
@@ -294,6 +297,8 @@ def whisper_train_worker(spec: dict) -> dict:
     train, after_step = FineTuneRecipe.train, FineTuneRecipe._after_step
 
     def timed_train(recipe):
+        if spec.get("points"):  # --own-length: marks spread over the run's own steps
+            marks.steps = set(evenly(recipe.total_steps, spec["points"]))
         marks.start()  # the loop's own clock starts here too, after the setup
         return train(recipe)
 
@@ -374,24 +379,29 @@ def variant_of(text: str) -> tuple[str, list[str], dict[str, str]]:
 
 def whisper_train_spec(args, sets, model_dir, variant, seed, steps, marks, out) -> dict:
     """A whisper-train worker's run: the variant's flags last (they win); saves at `marks`
-    unless `out` is a calibration run's folder."""
+    unless `out` is a calibration run's folder. `steps` None: the run's own length, `marks`
+    an int: that many points spread over it."""
     argv = [
         "--model", str(model_dir), "--data", str(sets["train"]), "--mode", args.mode,
         "--learning-rate", str(args.learning_rate), "--batch-size", str(args.batch_size),
-        "--seed", str(seed), "--max-steps", str(steps), "--only-train",
+        "--seed", str(seed), *(["--max-steps", str(steps)] if steps else []), "--only-train",
         "--output-dir", str(out / "run"), "--overwrite",
         *(["--train-subset", str(args.train_clips)] if args.train_clips else []),
         *variant[1],
     ]  # fmt: skip
     save = not out.name.endswith("-calibration")
+    points = marks if isinstance(marks, int) else None
     return {"system": "whisper-train", "model_dir": str(model_dir), "argv": argv,
-            "marks": marks, "save": save, "out": str(out), "env": variant[2]}  # fmt: skip
+            "marks": [] if points else marks, "points": points, "save": save, "out": str(out),
+            "env": variant[2]}  # fmt: skip
 
 
 def run_whisper_train(args, sets, model_dir: Path, variant, budget: float) -> list[dict]:
     """A calibration run (seconds a step, first seed), then per seed the steps that fill
-    `budget` (the Trainer's training seconds)."""
+    `budget` (the Trainer's training seconds); --own-length: per seed its own length."""
     (label, flags, _), runs = variant, []
+    if args.own_length:
+        return [own_length_run(args, sets, model_dir, variant, seed) for seed in args.seeds]
     steps, out = args.calibration_steps, args.work_dir / f"wt-{label}-calibration"
     marks = list(range(1, steps + 1))
     spec = whisper_train_spec(args, sets, model_dir, variant, args.seeds[0], steps, marks, out)
@@ -404,7 +414,6 @@ def run_whisper_train(args, sets, model_dir: Path, variant, budget: float) -> li
     per_step = (seconds[-1] - seconds[cold - 1]) / max(1, len(seconds) - cold) or seconds[0]
     steps = max(args.points, cold + round((budget - seconds[cold - 1]) / per_step))
     steps = min(steps, 3) if args.smoke else steps
-    lr = float(flags[flags.index("--learning-rate") + 1]) if "--learning-rate" in flags else None
     for seed in args.seeds:
         out = args.work_dir / f"wt-{label}-seed{seed}"
         marks = evenly(steps, args.points)
@@ -413,10 +422,32 @@ def run_whisper_train(args, sets, model_dir: Path, variant, budget: float) -> li
         if not args.keep_models:
             shutil.rmtree(out / "run" / "final", ignore_errors=True)
         runs.append({"system": "whisper-train", "variant": label, "flags": flags,
-                     "lr": lr or args.learning_rate, "seed": seed,
+                     "lr": rate_of(flags, args.learning_rate), "seed": seed,
                      "calibrated_s_per_step": per_step, **result})  # fmt: skip
         print(f"  {out.name}: {per_step:.2f} s/step calibrated; {progress(result)}", flush=True)
     return runs
+
+
+def own_length_run(args, sets, model_dir: Path, variant, seed: int) -> dict:
+    """whisper-train for its own length (--epochs 3 unless the variant's flags say otherwise),
+    its schedule ending there: what a user running it gets, whatever the budget."""
+    label, flags, _ = variant
+    out = args.work_dir / f"wt-{label}-own-length-seed{seed}"
+    spec = whisper_train_spec(args, sets, model_dir, variant, seed, None, args.points, out)
+    result = launch(spec, out)
+    if not args.keep_models:
+        shutil.rmtree(out / "run" / "final", ignore_errors=True)
+    print(f"  {out.name}: {progress(result)}", flush=True)
+    return {"system": "whisper-train", "variant": f"{label}, own length", "flags": flags,
+            "lr": rate_of(flags, args.learning_rate), "seed": seed, "own_length": True,
+            **result}  # fmt: skip
+
+
+def rate_of(flags: list[str], default: float) -> float:
+    """A variant's --learning-rate, else every system's."""
+    return (
+        float(flags[flags.index("--learning-rate") + 1]) if "--learning-rate" in flags else default
+    )
 
 
 def progress(result: dict) -> str:
@@ -499,7 +530,10 @@ def summarise(runs: list[dict], base: dict) -> tuple[list[dict], dict]:
         groups.setdefault((run["system"], run["variant"], run["lr"]), []).append(run)
 
     def curve(run, key):
-        return [(0.0, base[key])] + [(p["seconds"], p[key]) for p in run["points"]]
+        points = [(0.0, base[key])] + [(p["seconds"], p[key]) for p in run["points"]]
+        if run.get("own_length"):  # finished early: its user has the final model from then on
+            points.append((float("inf"), points[-1][1]))
+        return points
 
     def mean(values):  # None when any seed's curve does not get there
         values = list(values)
@@ -629,6 +663,9 @@ def parse_args() -> argparse.Namespace:
         help=f"whisper-train with these flags too, e.g. {example}; leading VAR=VALUE words "
         "set the worker's environment")  # fmt: skip
     add("--budget-factor", type=float, default=1.5, help="the Trainer's epochs: the budget")
+    add("--own-length", action="store_true",
+        help="whisper-train trains for its own length (its default 3 epochs, or a variant's "
+        "--epochs), not the steps that fill the budget: what a user running it gets")  # fmt: skip
     add("--points", type=int, default=5, help="saved points a run")
     add("--calibration-steps", type=int,
         help="steps timed before each variant's runs (default: 8 on a CPU, 24 on CUDA, whose "

@@ -46,9 +46,7 @@ GIB = 2**30
 LARGE_V3_LORA = LoraSettings(r=64, alpha=128, dropout=0.0, targets=("q_proj", "v_proj"))
 
 
-def build(
-    size: str, device: str, *, mode: str, policy: str, lora: LoraSettings = LARGE_V3_LORA
-) -> torch.nn.Module:
+def build(size: str, device: str, *, mode: str, policy: str, lora: LoraSettings) -> torch.nn.Module:
     """Random weights of `size` on `device` (no per-module initialisation: shapes matter); on
     the meta device, shapes only."""
     with torch.device("meta"):

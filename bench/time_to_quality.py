@@ -284,8 +284,9 @@ def trainer_worker(spec: dict) -> dict:
 
 def whisper_train_worker(spec: dict) -> dict:
     """`whisper-train train` (its CLI) in this process, its loop timed by wrapping
-    FineTuneRecipe.train and ._after_step, the model saved at spec["marks"] (spec["save"]
-    False: only timed, the calibration run)."""
+    FineTuneRecipe.train and ._after_step, the model saved at spec["marks"] (steps, or a
+    count spread over the run's own steps; spec["save"] False: only timed, the calibration
+    run)."""
     from transformers import WhisperProcessor
 
     from whisper_train.cli import main as whisper_train_main
@@ -293,12 +294,13 @@ def whisper_train_worker(spec: dict) -> dict:
     from whisper_train.training.recipe import FineTuneRecipe
 
     processor = WhisperProcessor.from_pretrained(spec["model_dir"])
-    marks = Marks(spec["marks"], spec["out"] if spec["save"] else None, processor)
+    spread = spec["marks"] if isinstance(spec["marks"], int) else None  # --own-length
+    marks = Marks([] if spread else spec["marks"], spec["out"] if spec["save"] else None, processor)
     train, after_step = FineTuneRecipe.train, FineTuneRecipe._after_step
 
     def timed_train(recipe):
-        if spec.get("points"):  # --own-length: marks spread over the run's own steps
-            marks.steps = set(evenly(recipe.total_steps, spec["points"]))
+        if spread:  # that many marks spread over the run's own steps
+            marks.steps = set(evenly(recipe.total_steps, spread))
         marks.start()  # the loop's own clock starts here too, after the setup
         return train(recipe)
 
@@ -390,10 +392,8 @@ def whisper_train_spec(args, sets, model_dir, variant, seed, steps, marks, out) 
         *variant[1],
     ]  # fmt: skip
     save = not out.name.endswith("-calibration")
-    points = marks if isinstance(marks, int) else None
     return {"system": "whisper-train", "model_dir": str(model_dir), "argv": argv,
-            "marks": [] if points else marks, "points": points, "save": save, "out": str(out),
-            "env": variant[2]}  # fmt: skip
+            "marks": marks, "save": save, "out": str(out), "env": variant[2]}  # fmt: skip
 
 
 def run_whisper_train(args, sets, model_dir: Path, variant, budget: float) -> list[dict]:

@@ -4,7 +4,7 @@ Seq2SeqTrainer recipe, on the same data, model, batch memory and learning rate.
     .venv/bin/python bench/time_to_quality.py [--target synth|real] [--mode full|lora]
         [--model tiny.en] [--learning-rate LR] [--trainer-learning-rates LR ...]
         [--trainer-every-linear] [--seeds 0 1] [--batch-size 8] [--budget-factor 1.5] [--points 5]
-        [--own-length] [--train-sentences 128]
+        [--own-length] [--train-sentences 128] [--held-out-sentences 32]
         [--variant "packed=--packing on --batch-size 1" ...] [--work-dir DIR] [--smoke]
 
 Systems, each its own process, each starting from the same model folder (--model saved once):
@@ -43,7 +43,7 @@ reference is the rate with the lower final held-out WER (mean over seeds).
 Targets (bench/quality.py's sets): real = AN4 train (30 clips) / AN4 test / LJ Speech guard
 (../shared/realspeech, or $WHISPER_TRAIN_REALSPEECH); synth = the demo's espeak-ng sets, 128
 training sentences (--train-sentences N: more, where 128 run out before the budget does), 32
-held-out (other voices and words), 32 guard. --smoke: 8 training clips, 4 clips a scored set,
+held-out (other voices and words; --held-out-sentences N: more, less noise), 32 guard. --smoke: 8 training clips, 4 clips a scored set,
 batches of 4, a 2-step Trainer run: checks the script in minutes. A point's model folder is
 deleted once scored (--keep-models keeps them).
 
@@ -105,7 +105,9 @@ def clock() -> float:
 # -- data and models ------------------------------------------------------------------------------
 
 
-def make_sets(target: str, folder: Path, smoke: bool, train_sentences: int) -> dict[str, Path]:
+def make_sets(
+    target: str, folder: Path, smoke: bool, train_sentences: int, held_out_sentences: int
+) -> dict[str, Path]:
     """{"train", "target", "guard"}: bench/quality.py's sets (the synth ones smaller in smoke)."""
     sys.path.insert(0, str(REPO / "bench"))
     import quality
@@ -117,7 +119,7 @@ def make_sets(target: str, folder: Path, smoke: bool, train_sentences: int) -> d
             raise SystemExit(f"--target real needs {quality.REALSPEECH}; use --target synth")
         return quality.real_sets(folder)
     if not smoke:
-        return quality.synth_sets(folder, train_sentences)
+        return quality.synth_sets(folder, train_sentences, held_out_sentences)
     from whisper_train.demo import prepare_demo_data
 
     dirs = prepare_demo_data(
@@ -655,7 +657,9 @@ def parse_args() -> argparse.Namespace:
         help="--mode lora: the Trainer's adapters on every linear layer (whisper-train's "
         "default), not the blog's q_proj,v_proj")  # fmt: skip
     add("--train-sentences", type=int, default=128,
-        help="--target synth: training sentences (the held-out and guard sets stay 32 each)")  # fmt: skip
+        help="--target synth: training sentences (the guard set stays 32)")  # fmt: skip
+    add("--held-out-sentences", type=int, default=32,
+        help="--target synth: held-out sentences (the first 32 are the default set's)")  # fmt: skip
     add("--seeds", type=int, nargs="+", default=[0, 1])
     add("--batch-size", type=int, default=8, help="clips a step (a variant may change its own)")
     example = "'packed=--packing on --batch-size 1'"
@@ -704,8 +708,9 @@ def main() -> None:
     smoke = "-smoke" if args.smoke else ""
     args.work_dir.mkdir(parents=True, exist_ok=True)
     size = f"-{args.train_sentences}" if args.train_sentences != 128 else ""
+    size += f"-h{args.held_out_sentences}" if args.held_out_sentences != 32 else ""
     folder = args.work_dir / f"data-{args.target}{size}{smoke}"
-    sets = make_sets(args.target, folder, args.smoke, args.train_sentences)
+    sets = make_sets(args.target, folder, args.smoke, args.train_sentences, args.held_out_sentences)
     model_dir = save_base_model(args.model, args.work_dir / f"model-{Path(args.model).name}")
     on_cuda = torch.cuda.is_available()
     device = torch.cuda.get_device_name() if on_cuda else f"CPU, {os.cpu_count()} cores"

@@ -175,8 +175,8 @@ def real_sets(folder: Path) -> dict[str, Path]:
 def synth_sets(
     folder: Path, train_utterances: int = 128, held_out_utterances: int = 32
 ) -> dict[str, Path]:
-    """The demo's sets; more held-out sentences (the first 32 are the same) halve the noise a
-    32-sentence set puts on a WER (2-3 points between seeds there)."""
+    """The demo's sets; more held-out sentences (the first 32 are the same) cut the scoring
+    noise a 32-sentence set puts on a WER (1 point is ~3 of its 289 words)."""
     from whisper_train.demo import prepare_demo_data
 
     dirs = prepare_demo_data(

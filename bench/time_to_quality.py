@@ -43,8 +43,9 @@ reference is the rate with the lower final held-out WER (mean over seeds).
 Targets (bench/quality.py's sets): real = AN4 train (30 clips) / AN4 test / LJ Speech guard
 (../shared/realspeech, or $WHISPER_TRAIN_REALSPEECH); synth = the demo's espeak-ng sets, 128
 training sentences (--train-sentences N: more, where 128 run out before the budget does), 32
-held-out (other voices and words; --held-out-sentences N: more, less noise), 32 guard. --smoke: 8 training clips, 4 clips a scored set,
-batches of 4, a 2-step Trainer run: checks the script in minutes. A point's model folder is
+held-out (other voices and words; --held-out-sentences N: more, less noise), 32 guard.
+--smoke: 8 training clips, 4 clips a scored set, batches of 4, a 2-step Trainer run: checks
+the script in minutes. A point's model folder is
 deleted once scored (--keep-models keeps them).
 
 On a lent GPU machine (CUDA: bf16, checkpointing, wall time synchronised) the same command runs

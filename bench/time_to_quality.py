@@ -47,6 +47,8 @@ held-out (other voices and words; --held-out-sentences N: more, less noise), 32 
 --smoke: 8 training clips, 4 clips a scored set, batches of 4, a 2-step Trainer run: checks
 the script in minutes. A point's model folder is
 deleted once scored (--keep-models keeps them).
+--combine A.json B.json trains nothing: it summarises the runs of earlier outputs together
+(seeds run at different times, on the same model and sets).
 
 On a lent GPU machine (CUDA: bf16, checkpointing, wall time synchronised) the same command runs
 where the model and the sets are there: --model a model folder (tiny.en's weights are not in
@@ -642,6 +644,28 @@ def write_png(runs: list[dict], base: dict, reference: dict, path: Path) -> None
     plt.close(figure)
 
 
+def combine(paths: list[Path], work_dir: Path) -> None:
+    """One summary over the runs of several outputs, e.g. seeds run at different times: the
+    same sets and starting model, so the same starting WERs."""
+    outputs = [json.loads(path.read_text()) for path in paths]
+    base = outputs[0]["base"]
+    for path, output in zip(paths, outputs, strict=True):
+        if output["base"] != base:
+            raise SystemExit(f"{path}: another starting model or sets ({output['base']}); "
+                             f"combine only outputs of one model and one set of sets")  # fmt: skip
+    runs = [run for output in outputs for run in output["runs"]]
+    rows, reference = summarise(runs, base)
+    print_tables(runs, base, rows, reference)
+    stem = work_dir / "time_to_quality-combined"
+    work_dir.mkdir(parents=True, exist_ok=True)
+    commands = [output["command"] for output in outputs]
+    stem.with_suffix(".json").write_text(json.dumps({
+        "commands": commands, "base": base, "reference": reference, "summary": rows,
+        "runs": runs}, indent=1))  # fmt: skip
+    write_png(runs, base, reference, stem.with_suffix(".png"))
+    print(f"\nwrote {stem}.json and .png")
+
+
 # -- main ---------------------------------------------------------------------------------------
 
 
@@ -678,6 +702,9 @@ def parse_args() -> argparse.Namespace:
     add("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "wt-time-to-quality")
     add("--keep-models", action="store_true", help="keep every point's model folder")
     add("--smoke", action="store_true", help="tiny budgets: checks the script")
+    add("--combine", type=Path, nargs="+", metavar="JSON",
+        help="trains nothing: the runs of these earlier outputs (the same sets and model, "
+        "other seeds) summarised together; writes WORK/time_to_quality-combined.json, .png")  # fmt: skip
     add("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.learning_rate = args.learning_rate or DEFAULT_LR[args.mode]
@@ -703,6 +730,8 @@ def main() -> None:
         result = worker(spec)
         (Path(args.worker).parent / "result.json").write_text(json.dumps(result, indent=1))
         return
+    if args.combine:
+        return combine(args.combine, args.work_dir)
     import torch
 
     variants = [("default", [], {})] + [variant_of(text) for text in args.variant]

@@ -647,7 +647,19 @@ def write_png(runs: list[dict], base: dict, reference: dict, path: Path) -> None
 def combine(paths: list[Path], work_dir: Path) -> None:
     """One summary over the runs of several outputs, e.g. seeds run at different times: the
     same sets and starting model, so the same starting WERs."""
-    outputs = [json.loads(path.read_text()) for path in paths]
+    outputs = []
+    for path in paths:
+        try:
+            outputs.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError) as error:
+            raise SystemExit(
+                f"{path}: not readable as this script's JSON output ({error})"
+            ) from None
+        if (
+            not isinstance(outputs[-1], dict)
+            or not {"base", "runs", "command"} <= outputs[-1].keys()
+        ):
+            raise SystemExit(f"{path}: not a time_to_quality output (no base, runs, command)")
     base = outputs[0]["base"]
     for path, output in zip(paths, outputs, strict=True):
         if output["base"] != base:

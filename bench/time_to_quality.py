@@ -45,10 +45,9 @@ Targets (bench/quality.py's sets): real = AN4 train (30 clips) / AN4 test / LJ S
 training sentences (--train-sentences N: more, where 128 run out before the budget does), 32
 held-out (other voices and words; --held-out-sentences N: more, less noise), 32 guard.
 --smoke: 8 training clips, 4 clips a scored set, batches of 4, a 2-step Trainer run: checks
-the script in minutes. A point's model folder is
-deleted once scored (--keep-models keeps them).
---combine A.json B.json trains nothing: it summarises the runs of earlier outputs together
-(seeds run at different times, on the same model and sets).
+the script in minutes. A point's model folder is deleted once scored (--keep-models keeps
+them). --combine A.json B.json trains nothing: it summarises the runs of earlier outputs
+together (seeds run at different times, on the same model and sets).
 
 On a lent GPU machine (CUDA: bf16, checkpointing, wall time synchronised) the same command runs
 where the model and the sets are there: --model a model folder (tiny.en's weights are not in
@@ -650,21 +649,16 @@ def combine(paths: list[Path], work_dir: Path) -> None:
     outputs = []
     for path in paths:
         try:
-            outputs.append(json.loads(path.read_text()))
+            output = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as error:
-            raise SystemExit(
-                f"{path}: not readable as this script's JSON output ({error})"
-            ) from None
-        if (
-            not isinstance(outputs[-1], dict)
-            or not {"base", "runs", "command"} <= outputs[-1].keys()
-        ):
+            raise SystemExit(f"{path}: not readable as JSON ({error})") from None
+        if not isinstance(output, dict) or not {"base", "runs", "command"} <= output.keys():
             raise SystemExit(f"{path}: not a time_to_quality output (no base, runs, command)")
-    base = outputs[0]["base"]
-    for path, output in zip(paths, outputs, strict=True):
-        if output["base"] != base:
+        if outputs and output["base"] != outputs[0]["base"]:
             raise SystemExit(f"{path}: another starting model or sets ({output['base']}); "
                              f"combine only outputs of one model and one set of sets")  # fmt: skip
+        outputs.append(output)
+    base = outputs[0]["base"]
     runs = [run for output in outputs for run in output["runs"]]
     rows, reference = summarise(runs, base)
     print_tables(runs, base, rows, reference)

@@ -181,6 +181,30 @@ def test_optimizer_skips_frozen_weights_and_decays_only_matrices():
     assert len(optimised) == sum(p.requires_grad for p in model.parameters())
 
 
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_the_encoder_steps_at_its_own_rate(mode):
+    # AdamW's first step moves each weight by lr |g| / (|g| + eps) (no decay here): lr itself
+    # wherever a gradient is far above eps = 1e-8, so the largest move in each part is its rate,
+    # to float32 rounding of weights below ~10 (1e-6 of a 1e-3 move: rel 1e-3 is ample).
+    # Wrapped by peft (LoRA) the encoder's names gain a prefix; its adapters step at its rate.
+    model = prepare_model(fresh_short_whisper(), mode=mode, lora=SMALL_LORA).train()
+    optimizer = build_optimizer(model, lr=1e-3, encoder_lr_scale=2.5)
+    encoder = {id(p) for p in model.get_encoder().parameters() if p.requires_grad}
+    for group in optimizer.param_groups:
+        in_encoder = {id(p) in encoder for p in group["params"]}
+        assert in_encoder == {group["lr"] == 2.5e-3}, group["lr"]
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    training_loss(model, tiny_batch()).backward()
+    optimizer.step()
+    moved = {"encoder": 0.0, "rest": 0.0}
+    for name, p in model.named_parameters():
+        if name in before:
+            part = "encoder" if id(p) in encoder else "rest"
+            moved[part] = max(moved[part], (p.detach() - before[name]).abs().max().item())
+    assert moved["encoder"] == pytest.approx(2.5e-3, rel=1e-3)
+    assert moved["rest"] == pytest.approx(1e-3, rel=1e-3)
+
+
 @pytest.mark.parametrize("name", ["adamw", "adamw-fused", "adamw8bit"])
 def test_every_optimizer_trains(name):
     model = fresh_short_whisper()

@@ -168,6 +168,9 @@ def test_the_card_reads_final_steps_rows_and_step_0_as_before(tmp_path):
     assert "50.00% → 20.00%" in card.text and "90.00% → 95.00%" in card.text
     assert "random 0.1 split of the training data" in card.text
     assert "- precision: bf16" in card.text and "- training data: 360 clips" in card.text
+    # Full fine-tuning's encoder steps at its own rate (--encoder-lr-scale): the card says both.
+    config.update({"mode": "full", "learning_rate": 1e-5})
+    assert "- learning rate: 1e-05, the encoder's 2.5e-05 (" in run_card(config, result, "bf16")
 
 
 def test_a_card_that_cannot_be_made_costs_the_run_nothing(tiny_run_config, monkeypatch, caplog):

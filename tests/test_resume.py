@@ -215,6 +215,17 @@ def test_a_new_learning_rate_applies_from_the_resume_point(tmp_path, tiny_run_co
     assert lrs == pytest.approx([1e-3, 1e-3, 2.5e-4, 2.5e-4], rel=1e-9)
 
 
+def test_a_checkpoint_of_one_rate_resumes_only_with_one_rate(tmp_path, tiny_run_config):
+    """Full fine-tuning gives the encoder its own learning rate (groups of its own in the
+    optimizer); a checkpoint whose run gave the whole model one rate (--encoder-lr-scale 1, or
+    a full run before that default) resumes with that, and the other way refuses in one line."""
+    train(tiny_run_config(max_steps=2, save_steps=2, encoder_lr_scale=1.0))
+    with pytest.raises(UserError, match=r"--encoder-lr-scale it trained with \(1\)$"):
+        train(tiny_run_config(max_steps=4, resume="latest"))
+    train(tiny_run_config(max_steps=4, save_steps=4, encoder_lr_scale=1.0, resume="latest"))
+    assert [row["step"] for row in metric_rows(tmp_path / "out")] == [1, 2, 3, 4]
+
+
 def test_a_half_written_last_metrics_line_is_dropped_on_resume(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n{"step": 3, "lo')

@@ -57,7 +57,8 @@ def add_parser(subparsers) -> None:
         type=float,
         default=None,
         help="Peak learning rate (default: train's for the mode: 1.5e-4 for lora, 3e-5 for "
-        "freeze-encoder, 3e-5 for full on tiny, lower for wider models).",
+        "freeze-encoder, 2e-5 for full on tiny with the encoder at 2.5x, lower for wider "
+        "models).",
     )
     parser.add_argument(
         "--mode",

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from whisper_train.config.options import (
+    ENCODER_LR_SCALES,
     GROUPS,
     MODES,
     OPTIMIZERS,
@@ -166,6 +167,11 @@ class RunConfig:
             raise UserError(
                 "--offload-activations needs gradient checkpointing: add --gradient-checkpointing full"
             )
+        if t.encoder_lr_scale not in (None, 1) and m.mode == "freeze-encoder":
+            raise UserError(
+                "--encoder-lr-scale sets the encoder's learning rate and --mode freeze-encoder "
+                "trains no encoder weights: drop --encoder-lr-scale"
+            )
         if mem.cache_encoder and m.mode == "full":
             raise UserError(
                 "--cache-encoder needs a frozen encoder: use --mode freeze-encoder, or drop --cache-encoder"
@@ -250,6 +256,12 @@ class RunConfig:
         probability = lambda v: 0 <= v <= 1  # noqa: E731
         for flag, value, in_range, accepted in (
             ("--learning-rate", t.learning_rate, above_0, "a finite number above 0 (e.g. 1e-5)"),
+            (
+                "--encoder-lr-scale",
+                t.encoder_lr_scale,
+                above_0,
+                "a finite multiple of --learning-rate above 0 (1: one rate for the whole model)",
+            ),
             ("--weight-decay", t.weight_decay, at_least_0, "a finite number of 0 or more"),
             (
                 "--max-grad-norm",
@@ -272,6 +284,13 @@ class RunConfig:
         ):
             if value is not None and not (math.isfinite(value) and in_range(value)):
                 raise UserError(f"{flag} {value:g}: expected {accepted}")
+        if t.learning_rate is not None and not math.isfinite(
+            t.learning_rate * self.encoder_lr_scale
+        ):
+            raise UserError(
+                f"--learning-rate {t.learning_rate:g} x --encoder-lr-scale "
+                f"{self.encoder_lr_scale:g}: the encoder's rate is past float range; lower one"
+            )
         for flag, value in (("--warmup-steps", t.warmup_steps), ("--num-workers", t.num_workers)):
             if value is not None and value < 0:
                 raise UserError(f"{flag} {value}: expected 0 or more")
@@ -451,6 +470,13 @@ class RunConfig:
         if self.train.learning_rate is not None:
             return self.train.learning_rate
         return self.default_learning_rate
+
+    @property
+    def encoder_lr_scale(self) -> float:
+        """The encoder's learning rate over `learning_rate` (the rest of the model's)."""
+        if self.train.encoder_lr_scale is not None:
+            return self.train.encoder_lr_scale
+        return ENCODER_LR_SCALES[self.model.mode]
 
     @property
     def default_learning_rate(self) -> float:

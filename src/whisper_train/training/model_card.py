@@ -314,7 +314,13 @@ def _training_section(
         )
     lines = [
         f"- mode: {mode}",
-        f"- learning rate: {config.learning_rate:g} ({t.lr_scheduler} schedule, "
+        f"- learning rate: {config.learning_rate:g}"
+        + (
+            f", the encoder's {config.learning_rate * config.encoder_lr_scale:g}"
+            if config.encoder_lr_scale != 1
+            else ""
+        )
+        + f" ({t.lr_scheduler} schedule, "
         f"{t.warmup_steps} warm-up steps), weight decay {t.weight_decay:g}, optimizer {mem.optim}",
         f"- batch size: {t.batch_size} clips per process, gradient accumulation "
         f"{t.gradient_accumulation}, {t.nproc} process(es): "

@@ -250,6 +250,21 @@ def _same_path(a: str, b: str) -> bool:
     return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
+def _check_rate_groups(folder: Path, saved: int, new_base_lrs: list[float]) -> None:
+    """The checkpoint's optimizer must hold this run's parameter groups: the encoder has groups
+    of its own where --encoder-lr-scale is not 1 (full fine-tuning's default), one rate shares
+    them (a full run's default before, LoRA's now)."""
+    if saved == len(new_base_lrs):
+        return
+    raise UserError(
+        f"--resume {folder}: the checkpoint's optimizer has {saved} learning-rate groups and "
+        f"this run's {len(new_base_lrs)}: it gave the encoder "
+        f"{'one rate with the rest' if saved < len(new_base_lrs) else 'a rate of its own'}; "
+        "resume with the --encoder-lr-scale it trained with "
+        f"({'1' if saved < len(new_base_lrs) else 'not 1'})"
+    )
+
+
 def _apply_new_learning_rate(optimizer, scheduler, new_base_lrs: list[float]) -> None:
     """After loading, the scheduler holds the checkpoint's base learning rates; a --resume with
     another --learning-rate scales each group from this step on: the schedule keeps its shape
@@ -284,6 +299,9 @@ def load_checkpoint(folder: Path, *, accelerator, model, optimizer, scheduler) -
     # This run's base learning rates (its --learning-rate), before the checkpoint's replace
     # them: a changed one applies from the resume point.
     new_base_lrs = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
+    with _loading(folder / "scheduler.pt"):
+        saved_schedule = _load_pt(folder / "scheduler.pt")
+    _check_rate_groups(folder, len(saved_schedule.get("base_lrs", new_base_lrs)), new_base_lrs)
     if _sharded(model):
         _load_shards(folder, model, optimizer)
     else:
@@ -291,7 +309,7 @@ def load_checkpoint(folder: Path, *, accelerator, model, optimizer, scheduler) -
         with _loading(folder / "optimizer.pt"):
             optimizer.load_state_dict(_load_pt(folder / "optimizer.pt"))
     with _loading(folder / "scheduler.pt"):
-        scheduler.load_state_dict(_load_pt(folder / "scheduler.pt"))
+        scheduler.load_state_dict(saved_schedule)
     _apply_new_learning_rate(optimizer, scheduler, new_base_lrs)
     if accelerator.scaler is not None and (folder / "scaler.pt").is_file():
         with _loading(folder / "scaler.pt"):

@@ -346,7 +346,11 @@ def setup_optimisation(
         # Sharded before the optimizer is built: sharding replaces the parameters.
         model = memory.shard_model(model, accelerator.device)
     optimizer = memory.build_optimizer(
-        model, name=c.memory.optim, lr=c.learning_rate, weight_decay=t.weight_decay
+        model,
+        name=c.memory.optim,
+        lr=c.learning_rate,
+        weight_decay=t.weight_decay,
+        encoder_lr_scale=c.encoder_lr_scale,
     )
     if t.fsdp:
         # Mixed precision only: `prepare` would wrap the sharded model in DDP (accelerate

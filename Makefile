@@ -9,7 +9,7 @@ COMPAT_STAMP := $(COMPAT)/.setup-stamp
 # CUDA build on a GPU box; an unpinned torch would pull several GB of CUDA onto a CPU machine.
 TORCH  := torch==2.13.0
 
-.PHONY: setup demo test test-gpu test-compat lint clean
+.PHONY: setup demo test test-speech test-gpu test-compat lint clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest
+
+# The tests marked `speech` (they synthesise with espeak-ng) on their own: CI runs them again
+# with the other engine than `make test` used (WHISPER_TRAIN_ESPEAK=program or library).
+test-speech: setup
+	$(PY) -m pytest -m 'speech and not slow and not gpu'
 
 # The CUDA tests (tests/test_gpu.py), on a machine with a GPU; docs/gpu-session.md for a lent one.
 test-gpu: setup

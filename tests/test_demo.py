@@ -10,6 +10,8 @@ from dataclasses import astuple
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from whisper_train.cli import build_parser
 from whisper_train.data import synth
 from whisper_train.demo import DemoResult, prepare_demo_data, print_comparison, run_demo
@@ -20,6 +22,7 @@ def _rows(folder: Path) -> list[dict]:
         return list(csv.DictReader(stream))
 
 
+@pytest.mark.speech
 def test_demo_data_holds_out_speakers_and_words(tmp_path):
     dirs = prepare_demo_data(
         tmp_path, train_utterances=4, eval_utterances=3, guard_utterances=2, seed=5
@@ -46,6 +49,7 @@ def test_demo_data_holds_out_speakers_and_words(tmp_path):
     assert not guard_texts & {row["transcription"] for row in rows["train"]}
 
 
+@pytest.mark.speech
 def test_spanish_demo_data_holds_out_voices_and_words_and_states_its_language(tmp_path):
     dirs = prepare_demo_data(
         tmp_path,
@@ -69,6 +73,7 @@ def test_spanish_demo_data_holds_out_voices_and_words_and_states_its_language(tm
     assert dirs["guard"] == tmp_path / "guard"  # the English guard is shared with the en demo
 
 
+@pytest.mark.speech
 def test_demo_data_is_reused_only_for_the_same_plan(tmp_path):
     dirs = prepare_demo_data(
         tmp_path, train_utterances=2, eval_utterances=1, guard_utterances=1, seed=0

@@ -81,6 +81,7 @@ def source_side(tiny_en, check_set):
     return score_source(model, processor, check_set, None)
 
 
+@pytest.mark.speech
 @pytest.mark.parametrize(
     ("format", "quantization"),
     [
@@ -472,6 +473,7 @@ def _ct2_80_mel_bins(model, processor, output):  # a preprocessor_config.json fo
     path.write_text(json.dumps(config), encoding="utf-8")
 
 
+@pytest.mark.speech
 @pytest.mark.parametrize(
     ("format", "quantization", "breakage", "finding"),
     [

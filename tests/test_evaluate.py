@@ -181,6 +181,7 @@ def test_when_no_clip_reads_the_error_names_the_first_clip_and_why(tiny_whisper,
     assert f"{tmp_path / 'gone0.wav'}: file not found" in message
 
 
+@pytest.mark.speech
 def test_evaluate_command_with_baseline_writes_comparison(tiny_whisper_dir, tmp_path):
     from whisper_train.data.synth import synthesize
 

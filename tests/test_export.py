@@ -93,6 +93,7 @@ def test_hf_to_ct2_round_trip_keeps_the_weights(tiny_whisper_dir, tmp_path):
         torch.testing.assert_close(loaded_state[name], tensor, atol=1e-6, rtol=0, msg=name)
 
 
+@pytest.mark.speech
 def test_an_exact_export_passes_though_the_runtimes_greedy_transcripts_differ(
     tiny_whisper_dir, tmp_path, monkeypatch
 ):
@@ -177,6 +178,7 @@ def test_the_tolerance_follows_the_runtimes_arithmetic_not_the_file_alone():
     assert scoring_arithmetic("ct2", "int8_float16") == "int8"
 
 
+@pytest.mark.speech
 def test_export_command_ct2_int8_with_parity_check(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     export_command.add_parser(parser.add_subparsers())

@@ -184,6 +184,7 @@ def test_previous_text_conditioning_reaches_generate_only_when_asked(tiny_en, mo
 # -- evaluate, as users run it ------------------------------------------------------------
 
 
+@pytest.mark.speech
 def test_evaluate_scores_a_long_set_as_transcribe_decodes_it(spoken_recording, tiny_en, tmp_path):
     """`evaluate --data talks:long=DIR --baseline`: exit 0; the JSON says one recording was
     decoded long-form; its transcript is `transcribe`'s, word for word (the same decoding);
@@ -216,6 +217,7 @@ def test_evaluate_scores_a_long_set_as_transcribe_decodes_it(spoken_recording, t
 # -- during training: a long-form set as the guard ----------------------------------------
 
 
+@pytest.mark.speech
 def test_a_long_form_set_guards_a_training_run(spoken_recording, tmp_path):
     """`--eval-data talks:long=DIR --guard talks`: the recording is scored whole at the start
     and at the end (clips 1, no validation loss), beside an ordinary set, and final/ is chosen
@@ -252,6 +254,7 @@ def test_a_long_form_set_guards_a_training_run(spoken_recording, tmp_path):
     assert result.final_step == 1
 
 
+@pytest.mark.speech
 def test_two_processes_score_a_long_form_guard_as_one_when_one_has_no_recording(
     spoken_recording, tmp_path
 ):

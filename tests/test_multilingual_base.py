@@ -118,6 +118,7 @@ def test_a_damaged_half_is_refused_and_nothing_is_left_under_the_model_name(monk
     assert left == set(packaged.BASE_SIDE_FILES)
 
 
+@pytest.mark.speech
 def test_detection_picks_english_for_english_and_spanish_for_spanish(without_language):
     assert [item.detected_language for item in without_language] == ["en", "en", "es", "es"]
     # Decoded in the detected language, as openai-whisper does with no language.
@@ -125,6 +126,7 @@ def test_detection_picks_english_for_english_and_spanish_for_spanish(without_lan
     assert all(item.detected_probability > 0.5 for item in without_language)
 
 
+@pytest.mark.speech
 def test_no_language_given_transcribes_without_loops(without_language):
     for language, references, decoded in (
         ("en", ENGLISH, without_language[:2]),
@@ -147,6 +149,7 @@ def _english_not_spanish(text: str) -> bool:
     return len(words & ENGLISH_WORDS) >= 2 and not words & SPANISH_WORDS
 
 
+@pytest.mark.speech
 def test_translate_writes_english_from_spanish_speech(base, clips):
     model, processor = base
     model.generation_config.task = "translate"
@@ -164,12 +167,14 @@ def test_translate_writes_english_from_spanish_speech(base, clips):
     assert all(_english_not_spanish(item.text) for item in decoded), [d.text for d in decoded]
 
 
+@pytest.mark.speech
 def test_transcribe_command_translates_spanish_speech_to_english(clips, capsys):
     assert main(["transcribe", "--model", "base", "--task", "translate", str(clips["es"][0])]) == 0
     text = capsys.readouterr().out
     assert _english_not_spanish(text), text
 
 
+@pytest.mark.speech
 def test_an_english_guard_is_scored_in_english_while_training_on_spanish(clips, tmp_path):
     """Issue 24's run, shrunk: Spanish training with --language es, a Spanish set and an
     English guard (one clip: each evaluation decodes every set). The guard is decoded in

@@ -69,6 +69,7 @@ def test_stored_notebook_has_no_outputs():
             assert cell.outputs == [] and cell.execution_count is None, cell.source[:80]
 
 
+@pytest.mark.speech
 @pytest.mark.timeout(2 * CELL_TIMEOUT_S)
 def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     notebook = nbformat.read(NOTEBOOK, as_version=4)

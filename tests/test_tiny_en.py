@@ -20,6 +20,8 @@ from whisper_train.audio import SAMPLE_RATE
 from whisper_train.data.synth import synthesize
 from whisper_train.formats.ct2 import load_ct2_whisper
 
+pytestmark = pytest.mark.speech
+
 SENTENCES = (
     "The weather is nice today, so we will walk to the park.",
     "Please bring me a cup of coffee and two slices of bread.",

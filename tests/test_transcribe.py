@@ -86,6 +86,7 @@ def _backend(name, tiny_en_ct2_dir, tiny_en_transformers, **options):
     return TransformersBackend(*tiny_en_transformers, **options)
 
 
+@pytest.mark.speech
 @pytest.mark.parametrize("backend", ["faster-whisper", "transformers"])
 def test_long_form_covers_the_whole_recording(
     backend, tiny_en_ct2_dir, tiny_en_transformers, long_recording
@@ -105,6 +106,7 @@ def test_long_form_covers_the_whole_recording(
     assert score([reference], [text]).wer < 0.25
 
 
+@pytest.mark.speech
 def test_faster_whisper_gets_the_fallback_options_and_stays_offline(tiny_en_ct2_dir, monkeypatch):
     """The CTranslate2 backend is faster-whisper, run offline (its tokenizer.json read from the
     folder, nothing fetched), with our temperatures and thresholds."""
@@ -150,6 +152,7 @@ def test_a_ct2_folder_without_its_tokenizer_is_refused(tiny_en_ct2_dir, tmp_path
         CTranslate2Backend(folder)
 
 
+@pytest.mark.speech
 def test_transformers_long_form_checks_the_text_compression_ratio(tiny_en_transformers):
     """transformers' own long-form fallback is pointed at openai-whisper's text compression
     ratio for the call (not its token-byte ratio), and given back afterwards."""

@@ -3,13 +3,18 @@
 With word timestamps, JSON gives each segment its `words` ([{word, start, end, probability?}]),
 and SRT/WebVTT underline each word while it is spoken (openai-whisper's `--highlight_words`);
 without them every file is as it always was.
+
+Times are in milliseconds, the precision SRT and WebVTT carry: a `Segment` rounds its own times
+and its words' once, where it is made, and keeps its words ordered inside it. Every backend of
+`transcribe` builds its segments through it, so a word never starts before its segment by a
+float's rounding (4.6 against 4.6000000000000005) in any file.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from whisper_train.word_timestamps import Word, highlighted_cues
 
@@ -18,10 +23,35 @@ FORMATS = ("txt", "srt", "vtt", "json")
 
 @dataclass(frozen=True)
 class Segment:
+    """One timed piece of a transcript. Made with any times, it holds them rounded to the
+    millisecond, `end` no earlier than `start`, and its words each inside [start, end], in
+    order, none starting before the previous one ends (word_timestamps.fit_into_segment's rule,
+    which the transformers backend's words already follow)."""
+
     start: float  # seconds from the start of the recording
     end: float
     text: str
     words: tuple[Word, ...] | None = None  # with --word-timestamps only
+
+    def __post_init__(self) -> None:
+        start = _milliseconds(self.start)
+        end = max(_milliseconds(self.end), start)
+        object.__setattr__(self, "start", start)
+        object.__setattr__(self, "end", end)
+        if self.words is None:
+            return
+        words, previous_end = [], start
+        for word in self.words:
+            word_start = min(max(_milliseconds(word.start), previous_end), end)
+            word_end = min(max(_milliseconds(word.end), word_start), end)
+            words.append(replace(word, start=word_start, end=word_end))
+            previous_end = word_end
+        object.__setattr__(self, "words", tuple(words))
+
+
+def _milliseconds(seconds: float) -> float:
+    """`seconds` rounded to the millisecond, as a Python float (a runtime may give numpy's)."""
+    return round(float(seconds), 3)
 
 
 @dataclass

@@ -178,21 +178,27 @@ def words_from_token_times(
 
 def fit_into_segment(words: list[Word], start: float, end: float) -> list[Word]:
     """Words ordered, inside [start, end], the first and last no longer than twice the
-    segment's median word (openai-whisper's rule for the silence the DTW path crosses)."""
+    segment's median word (openai-whisper's rule for the silence the DTW path crosses).
+
+    Times are rounded to the millisecond before they are compared, as transcripts.Segment
+    rounds the segment's own: a word never starts before its segment by a float's rounding."""
     if not words:
         return []
     durations = [w.end - w.start for w in words if w.end > w.start]
     longest = 2 * min(MEDIAN_WORD_CAP_S, float(np.median(durations))) if durations else 0.0
+    start = round(float(start), 3)
+    end = max(round(float(end), 3), start)
     fitted, previous_end = [], start
     for i, word in enumerate(words):
-        word_start = min(max(word.start, previous_end), end)
-        word_end = min(max(word.end, word_start), end)
+        word_start = min(max(round(float(word.start), 3), previous_end), end)
+        word_end = min(max(round(float(word.end), 3), word_start), end)
         if longest and word_end - word_start > longest:
+            # Still inside [word_start, word_end] once rounded: both ends are whole milliseconds.
             if i == 0:
-                word_start = word_end - longest
+                word_start = round(word_end - longest, 3)
             elif i == len(words) - 1:
-                word_end = word_start + longest
-        fitted.append(Word(word.word, round(word_start, 3), round(word_end, 3), word.probability))
+                word_end = round(word_start + longest, 3)
+        fitted.append(Word(word.word, word_start, word_end, word.probability))
         previous_end = word_end
     return fitted
 

@@ -2,7 +2,10 @@
 
 Two ways to reach the same engine: the `espeak-ng` program when it is on PATH (Debian's
 package), else the `libespeak-ng` that the PyPI package `espeakng-loader` ships, driven through
-ctypes. Both give 22.05 kHz speech, resampled here to Whisper's 16 kHz.
+ctypes; the environment variable WHISPER_TRAIN_ESPEAK (auto, program or library) chooses one.
+Both give 22.05 kHz speech, resampled here to Whisper's 16 kHz, and each leaves its own silence
+after the speech (the program 1.51 about 0.35 s, the library a few ms): it is cut to at most
+15 ms, what the library leaves, so that both give clips of the same shape.
 
 `synthesize` speaks one text. The voices here are the disjoint training, held-out and guard sets
 the demo draws from, in English and in Spanish. What the voices say is `synth_sentences`'s;
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import shutil
 import subprocess
 import tempfile
@@ -54,6 +58,24 @@ SPANISH_TRAIN_ACCENTS, SPANISH_HELD_OUT_ACCENTS = ("es",), ("es-419",)
 _INSTALL_HINT = (
     "install espeak-ng (apt-get install espeak-ng) or pip install 'whisper-train[synth]'"
 )
+# Which engine `synthesize(engine="auto")` uses: auto (the program if on PATH, else the
+# library), program or library. CI runs the tests marked `speech` with each.
+ENGINE_VARIABLE = "WHISPER_TRAIN_ESPEAK"
+ENGINE_CHOICES = ("auto", "program", "library")
+# The trailing silence: what follows the last sample within 60 dB of the clip's peak is cut to
+# at most 15 ms. Measured at 16 kHz, after that sample: the program 1.51 leaves 281 ms (median
+# of 81 clips: en-us, 50 TRAIN_VOICES, the 12 HELD_OUT_VOICES, 16 Spanish; 140-220 words a
+# minute; 9-431 ms, longer at slower speeds), the library 7.6 ms (median of 320 clips as the
+# demo plans them; at most 14 ms over those and the 81, 15.4 ms seen once). So the cut leaves
+# the library's clips as they were (or a rare one short of under a millisecond below -60 dB)
+# and gives the program's the library's ending: in the voices without an echo (51 of
+# the 81 clips) the two engines' clips then differ in length by 8 ms (median; at most 21 ms,
+# with the jitter) instead of 0.34 s. The variants with an echo (f2-f5, m2, announcer) or the
+# Klatt 6 source (adam, benjamin, caleb, david) still differ at the end: the program speaks the
+# decay of their last sound into its end pause, which the library cuts off (108 ms longer,
+# median; at most 263 ms).
+TRIM_BELOW_PEAK_DB = 60.0
+TAIL_S = 0.015
 
 
 def synthesize(
@@ -64,22 +86,49 @@ def synthesize(
     pitch: int = DEFAULT_PITCH,
     engine: str = "auto",
 ) -> np.ndarray:
-    """Speak `text`; returns float32 mono samples at 16 kHz, shape [n_samples], in [-1, 1].
+    """Speak `text`; returns float32 mono samples at 16 kHz, shape [n_samples], in [-1, 1],
+    ending at most TAIL_S after the last sample within TRIM_BELOW_PEAK_DB of the peak.
 
     `voice` is an espeak-ng voice, optionally with a variant (`en-us+f3`). `engine` is `auto`
-    (the program if on PATH, else the library), `program` or `library`.
+    (what WHISPER_TRAIN_ESPEAK says; by default the program if on PATH, else the library),
+    `program` or `library`.
     """
     if not text.strip():
         raise UserError("nothing to synthesise: the text is empty")
-    if engine == "auto":
-        engine = "program" if shutil.which("espeak-ng") else "library"
+    engine = resolve_engine(engine)
     if engine == "program":
         samples, rate = _speak_with_program(text, voice, speed_wpm, pitch)
-    elif engine == "library":
-        samples, rate = _LIBRARY.speak(text, voice, speed_wpm, pitch)
     else:
+        samples, rate = _LIBRARY.speak(text, voice, speed_wpm, pitch)
+    return trim_trailing_silence(soxr.resample(samples, rate, SAMPLE_RATE).astype(np.float32))
+
+
+def resolve_engine(engine: str = "auto") -> str:
+    """`program` or `library`: `engine` itself, or for `auto` what WHISPER_TRAIN_ESPEAK names
+    (unset, empty or auto: the program if on PATH, else the library)."""
+    if engine == "auto":
+        chosen = os.environ.get(ENGINE_VARIABLE, "").strip().lower() or "auto"
+        if chosen not in ENGINE_CHOICES:
+            raise UserError(
+                f"{ENGINE_VARIABLE}={os.environ[ENGINE_VARIABLE]!r}: use "
+                f"{', '.join(ENGINE_CHOICES[:-1])} or {ENGINE_CHOICES[-1]}"
+            )
+        engine = chosen
+    if engine == "auto":
+        return "program" if shutil.which("espeak-ng") else "library"
+    if engine not in ENGINE_CHOICES:
         raise ValueError(f"engine must be auto, program or library, not {engine!r}")
-    return soxr.resample(samples, rate, SAMPLE_RATE).astype(np.float32)
+    return engine
+
+
+def trim_trailing_silence(samples: np.ndarray, *, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
+    """`samples` up to at most TAIL_S after the last one within TRIM_BELOW_PEAK_DB of the peak
+    (a clip that ends sooner is kept whole): the same end whichever engine spoke."""
+    level = np.abs(samples)
+    peak = float(level.max()) if len(samples) else 0.0
+    audible = np.flatnonzero(level > peak * 10 ** (-TRIM_BELOW_PEAK_DB / 20))
+    end = (int(audible[-1]) + 1 if len(audible) else 0) + round(TAIL_S * sample_rate)
+    return samples[:end]
 
 
 def _speak_with_program(

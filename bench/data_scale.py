@@ -169,10 +169,8 @@ def startup_worker(manifest: str, model: str, output_dir: str, mode: str) -> dic
     import torch
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
+    import whisper_train.training.recipe as recipe_module
     from whisper_train.config import RunConfig
-    from whisper_train.training import retention
-    from whisper_train.training import setup_phases as phases_module
-    from whisper_train.training.launch import ddp_settings
     from whisper_train.training.recipe import FineTuneRecipe
 
     config = RunConfig()
@@ -192,58 +190,27 @@ def startup_worker(manifest: str, model: str, output_dir: str, mode: str) -> dic
     phases = {}
     start = time.perf_counter()
 
-    def timed(phase, build, *args, **kwargs):
-        began = time.perf_counter()
-        built = build(*args, **kwargs)
-        phases[phase] = time.perf_counter() - began
-        return built
+    def timed(phase, build):
+        def run(*args, **kwargs):
+            began = time.perf_counter()
+            built = build(*args, **kwargs)
+            phases[phase] = time.perf_counter() - began
+            return built
 
-    # The recipe's setup phases up to the loaders, in `FineTuneRecipe.setup`'s order.
-    model, recipe.processor, recipe.label_encoder = timed(
-        "model_and_labels", phases_module.setup_model_and_labels, config
-    )
-    recipe.precision, recipe.accelerator = timed(
-        "accelerator", phases_module.setup_accelerator, config, ddp_settings(model)
-    )
-    recipe.datasets = timed("data", phases_module.setup_data, config, model, recipe.label_encoder)
-    model, _, _ = timed(
-        "memory",
-        phases_module.setup_memory,
-        config,
-        model,
-        ddp_settings(model),
-        accelerator=recipe.accelerator,
-        precision=recipe.precision,
-        datasets=recipe.datasets,
-        label_encoder=recipe.label_encoder,
-    )
-    disk_needed = retention.check_room_for_run(
-        model,
-        config.train,
-        evaluating=recipe.evaluating,
-        output_dir=recipe.output_dir,
-        resume_from=recipe.resume_from,
-    )
-    recipe.encoder_cache, recipe.frozen_encoder = phases_module.setup_encoder_cache(
-        config,
-        model,
-        processor=recipe.processor,
-        precision=recipe.precision,
-        datasets=recipe.datasets,
-        accelerator=recipe.accelerator,
-        reserve_bytes=disk_needed,
-    )
-    recipe.data, _, _ = timed(
-        "loaders",
-        phases_module.setup_loaders,
-        config,
-        model,
-        processor=recipe.processor,
-        label_encoder=recipe.label_encoder,
-        datasets=recipe.datasets,
-        encoder_cache=recipe.encoder_cache,
-        accelerator=recipe.accelerator,
-    )
+        return run
+
+    # The recipe's set-up, each phase timed where `FineTuneRecipe.setup` calls it.
+    for phase in (
+        "load_model_and_labels",
+        "prepare_data",
+        "plan_data",
+        "resolve_run",
+        "setup_accelerator",
+        "setup_memory",
+        "setup_loaders",
+    ):
+        setattr(recipe_module, phase, timed(phase, getattr(recipe_module, phase)))
+    recipe.setup()
     seconds = time.perf_counter() - start
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {

@@ -5,8 +5,8 @@ original weights, export time and file size.
 
 For every format (hf, ct2 float32 / int8, ggml f16, openai f16) the model is exported with
 `whisper_train.deploy.export.save_export` (timed), then every clip is decoded by the format's own
-runtime the export-check way (runtimes.py: greedy, no timestamps, no previous text, the same
-suppression) and scored with Whisper's English normaliser. "original" is the same runtime on
+runtime the export-check way (its row's `greedy`, formats/runtimes.py: no timestamps, no
+previous text, the same suppression) and scored with Whisper's English normaliser. "original" is the same runtime on
 the original weights where they exist in that runtime's format (the tiny.en package is
 CTranslate2, so faster-whisper); for the others the source row is transformers on the same
 weights, decoded the same way. Prints a markdown table.
@@ -22,8 +22,9 @@ from pathlib import Path
 from whisper_train.audio import load_audio
 from whisper_train.data.layouts import load_examples
 from whisper_train.deploy.export import save_export
-from whisper_train.deploy.runtimes import RUNTIME_NAMES, runtime_greedy, transformers_greedy
 from whisper_train.evaluation.evaluate import score
+from whisper_train.formats.registry import export_format
+from whisper_train.formats.runtimes import transformers_greedy
 from whisper_train.models import load_model, resolve_alias
 
 EXPORTS = (
@@ -63,7 +64,7 @@ def main() -> None:
     print(f"source decoded in {time.perf_counter() - started:.0f} s", flush=True)
     original = Path(resolve_alias(args.model))
     if (original / "model.bin").is_file():
-        texts = runtime_greedy("ct2", original, audio, language)
+        texts = export_format("ct2").greedy(original, audio, language)
         rows.append(("faster-whisper (original package)", "float16", f"{wer(texts):.2f}", "-"))
         rows[-1] += ("-", "-")
     with tempfile.TemporaryDirectory(prefix="bench-deploy-") as tmp:
@@ -72,11 +73,12 @@ def main() -> None:
             started = time.perf_counter()
             save_export(model, processor, output, format=format, quantization=quantization)
             seconds = time.perf_counter() - started
-            texts = runtime_greedy(format, output, audio, language)
+            exported = export_format(format)
+            texts = exported.greedy(exported.runtime_input(output), audio, language)
             differing = sum(a != b for a, b in zip(texts, source, strict=True))
             rows.append(
                 (
-                    f"{RUNTIME_NAMES[format]} (export --format {format})",
+                    f"{exported.runtime} (export --format {format})",
                     quantization,
                     f"{wer(texts):.2f}",
                     f"{seconds:.1f}",

@@ -29,13 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from whisper_train.deploy.export import (
-    check_clips,
-    check_export,
-    check_language,
-    save_export,
-    score_source,
-)
+from whisper_train.deploy.export import save_export
+from whisper_train.deploy.parity import check_clips, check_export, check_language, score_source
 from whisper_train.models import load_model
 
 EXPORTS = (

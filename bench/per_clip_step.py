@@ -23,7 +23,6 @@ import argparse
 import statistics
 import tempfile
 import time
-import types
 from pathlib import Path
 
 
@@ -42,6 +41,7 @@ def main() -> None:
     from whisper_train.demo import prepare_demo_data
     from whisper_train.memory import clip_attention, loss_terms
     from whisper_train.memory.wrappers import whisper_of
+    from whisper_train.training.checkpoints import TrainerState
     from whisper_train.training.recipe import FineTuneRecipe
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="per-clip-step-"))
@@ -66,8 +66,7 @@ def main() -> None:
     config.validate()
     recipe = FineTuneRecipe(config)
     recipe.setup()
-    state = types.SimpleNamespace(epoch=0, batches_in_epoch=0)
-    steps = recipe.data.steps(state)
+    steps = recipe.data.steps(TrainerState())
     batches = [next(steps)[0] for _ in range(args.batches + 1)]
     model = recipe.model
     model.train()

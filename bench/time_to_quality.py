@@ -138,7 +138,8 @@ def examples_of(path: Path | str, limit: int | None = None) -> list:
 
 def save_base_model(spec: str, folder: Path) -> Path:
     """The model both systems start from, as one transformers folder."""
-    from whisper_train.models import load_model, save_model_folder
+    from whisper_train.formats.hf import save_model_folder
+    from whisper_train.models import load_model
 
     if not (folder / "config.json").is_file():
         model, processor = load_model(spec)
@@ -149,7 +150,7 @@ def save_base_model(spec: str, folder: Path) -> Path:
 def save_point(model, processor, folder: Path) -> None:
     """The weights as they are now, as a model folder (a copy: LoRA merged into it), for the
     scoring afterwards. The same writer for both systems."""
-    from whisper_train.models import save_model_folder
+    from whisper_train.formats.hf import save_model_folder
 
     whole = copy.deepcopy(model)
     if hasattr(whole, "merge_and_unload"):
@@ -467,9 +468,9 @@ def score_all(runs: list[dict], sets, model_dir: Path, eval_clips: int | None, k
     import torch
     from transformers.utils import logging as transformers_logging
 
-    from whisper_train.decoding import DecodingOptions
     from whisper_train.evaluation.evaluate import evaluate_examples
     from whisper_train.models import load_model
+    from whisper_train.transcription.decoding import DecodingOptions
 
     transformers_logging.disable_progress_bar()
     scored = {name: examples_of(sets[key], eval_clips) for name, key in

@@ -161,7 +161,7 @@ def fine_tune(
 
 
 def transcribe_srt(model: str | Path, recording: Recording, output_dir: Path):
-    from whisper_train.transcribe import transcribe_paths
+    from whisper_train.transcription.transcribe import transcribe_paths
 
     (transcript,) = transcribe_paths(
         str(model), [recording.path], format="srt", output_dir=output_dir, progress=False

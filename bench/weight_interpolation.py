@@ -21,9 +21,9 @@ import torch
 from transformers.utils import logging as transformers_logging
 
 from whisper_train.data.layouts import load_examples
-from whisper_train.decoding import DecodingOptions
 from whisper_train.evaluation.evaluate import evaluate_examples
 from whisper_train.models import load_model
+from whisper_train.transcription.decoding import DecodingOptions
 
 
 def main() -> None:

@@ -82,8 +82,8 @@ def build_recording(folder: Path, *, seconds: float, pause: float) -> Recording:
 
 def transcribe_words(model, path: Path):
     """[(normalised word, start)] and the text, through transcribe's transformers backend."""
-    from whisper_train.decoding import NO_FALLBACK
-    from whisper_train.transcribe import transcribe_paths
+    from whisper_train.transcription.decoding import NO_FALLBACK
+    from whisper_train.transcription.transcribe import transcribe_paths
 
     (transcript,) = transcribe_paths(
         model, [path], word_timestamps=True, progress=False, decoding=NO_FALLBACK
@@ -125,9 +125,9 @@ def onset_errors(words, recording: Recording) -> tuple[np.ndarray, int]:
 
 def base_examples(base_model, processor, clips) -> list:
     """The base model's word times on each training clip, as find_alignment_heads' reference."""
-    from whisper_train.decoding import NO_FALLBACK
-    from whisper_train.transcribe import TransformersBackend
-    from whisper_train.word_timestamps import AlignmentExample
+    from whisper_train.transcription.backends import TransformersBackend
+    from whisper_train.transcription.decoding import NO_FALLBACK
+    from whisper_train.transcription.word_timestamps import AlignmentExample
 
     backend = TransformersBackend(base_model, processor, word_timestamps=True, decoding=NO_FALLBACK)
     examples = []
@@ -164,7 +164,10 @@ def main() -> None:
     from whisper_train.data.layouts import load_examples
     from whisper_train.demo import prepare_demo_data
     from whisper_train.models import load_model
-    from whisper_train.word_timestamps import default_alignment_heads, find_alignment_heads
+    from whisper_train.transcription.word_timestamps import (
+        default_alignment_heads,
+        find_alignment_heads,
+    )
 
     work = args.work_dir
     work.mkdir(parents=True, exist_ok=True)

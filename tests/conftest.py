@@ -33,6 +33,9 @@ from whisper_train.config import RunConfig  # noqa: E402
 # the noise (~150 float32 ulps at 11, the worst-case rounding of a ~100-term mean) and ~65x
 # below the smallest real change.
 SAME_RUN_LOSS_ATOL = 1e-4
+# What a run says before its first step: the data screened, the notes of its record (where it
+# does other than asked: --packing auto's choice), the model and the data.
+START_LINES = ("screening:", "packing auto ->", "model:", "data:")
 
 
 # One `whisper-train train` in its own process (--nproc launches, streams): two imports of torch
@@ -228,6 +231,48 @@ def tiny_run_config(tmp_path, tone_dataset, tiny_whisper_dir):
     return build
 
 
+def record_of(config: RunConfig, *, width: int = 384, device: str = "cpu", **facts):
+    """The run's record `config` resolves to, the model, device and data plan stated (`facts`
+    override DataFacts: packing, streamed, steps_per_epoch, ...); nothing is loaded."""
+    import torch
+
+    from whisper_train.config.resolve import DataFacts, choose_packing, resolve_run
+
+    packing, note = choose_packing(config)
+    data = {
+        "packing": packing,
+        "packing_note": note,
+        "streamed": config.stream_source() is not None,
+        "items_per_micro_batch": config.train.batch_size,
+        "steps_per_epoch": 10,
+        **facts,
+    }
+    return resolve_run(
+        config,
+        width=width,
+        multilingual=False,
+        device=torch.device(device),
+        processes=config.train.nproc,
+        data=DataFacts(**data),
+    )
+
+
+def lora_on_the_decoder_only(monkeypatch) -> None:
+    """Runs in this process put LoRA's adapters on the decoder alone, as the encoder cache
+    does, without the cache: the twin that computes the cached run's math uncached."""
+    import dataclasses
+
+    from whisper_train.config.record import ModelRecord
+
+    real = ModelRecord.lora.fget
+
+    def decoder_only(self):
+        settings = real(self)
+        return None if settings is None else dataclasses.replace(settings, decoder_only=True)
+
+    monkeypatch.setattr(ModelRecord, "lora", property(decoder_only))
+
+
 def train_argv(data, model, output_dir, *flags: str) -> list[str]:
     """`whisper-train train` arguments for a tiny run: data, model and output folder, then
     `flags` (each test names the steps, batch and evaluation it is about)."""
@@ -282,5 +327,5 @@ def tiny_en_fine_tuned_on_text(tmp_path_factory) -> Path:
         }
     )
     config.validate()
-    assert not config.data.timestamps and config.data.packing == "per-clip"  # the defaults
+    assert not config.data.timestamps and config.data.packing == "auto"  # the defaults
     return train(config).final_dir

@@ -25,7 +25,6 @@ Twins are shared by the rows that have the same one.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import itertools
@@ -37,13 +36,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import SAME_RUN_LOSS_ATOL, metric_rows, train_in_subprocess, write_tone_dataset
+from conftest import (
+    SAME_RUN_LOSS_ATOL,
+    lora_on_the_decoder_only,
+    metric_rows,
+    train_in_subprocess,
+    write_tone_dataset,
+)
 from safetensors.torch import load_file
 from test_lhotse import write_cut_windows
 from test_streaming import write_shards
 from test_trackers import assert_trackers_hold_the_metrics, tracker_env
 
 from whisper_train.cli import main
+from whisper_train.config.resolve import choose_packing
 
 FACTORS: dict[str, tuple] = {
     "mode": ("full", "lora", "freeze-encoder"),
@@ -476,14 +482,7 @@ def run_row(row: dict, data: dict, workdir: Path, monkeypatch) -> Path:
     if row["nproc"] == 1:
         install_gradient_observer(str(grads), patch=monkeypatch.setattr)
         if row.get("decoder_adapters"):  # a cached LoRA row's twin: its adapters, uncached
-            from whisper_train.config import RunConfig
-
-            settings = RunConfig.lora_settings
-            monkeypatch.setattr(
-                RunConfig,
-                "lora_settings",
-                lambda self: dataclasses.replace(settings(self), decoder_only=True),
-            )
+            lora_on_the_decoder_only(monkeypatch)
         for extra in invocations:
             assert main(["train", *flags, *extra]) == 0
         return out
@@ -609,7 +608,9 @@ def test_packing_auto_is_per_clip_wherever_the_matrix_trains_per_clip(
         flags = ["--packing=auto" if f.startswith("--packing=") else f for f in flags]
     config = config_from_args(build_parser().parse_args(["train", *flags])).validate()
     per_clip_allowed = _consistent({**row, "packing": "per-clip"})
-    assert config.data.packing == ("per-clip" if per_clip_allowed else "off")
+    packing, note = choose_packing(config)
+    assert packing == ("per-clip" if per_clip_allowed else "off")
+    assert note.startswith(f"packing auto -> {packing}: ")  # the start line says which, and why
 
 
 def refused_row(pair) -> dict:

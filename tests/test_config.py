@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import record_of
 
 from whisper_train.cli import build_parser, config_from_args, main
 from whisper_train.config import RunConfig
 from whisper_train.errors import UserError
 from whisper_train.memory import LoraSettings
+from whisper_train.training.train import train
 from whisper_train.units import parse_bytes
 
 PRESETS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
@@ -29,7 +31,7 @@ def test_the_lora_preset_has_the_measured_rate_and_takes_only_train(tmp_path):
     lora = Path(__file__).parents[1] / "configs" / "lora.yaml"
     args = build_parser().parse_args(["train", "--config", str(lora), "--only-train"])
     config = config_from_args(args).validate()
-    assert config.learning_rate == 1.5e-4 and config.train.only_train
+    assert record_of(config).training.learning_rate == 1.5e-4 and config.train.only_train
 
 
 def test_presets_exist():
@@ -56,7 +58,7 @@ def test_flags_override_yaml_and_types_are_coerced(tmp_path):
     config = config_from_args(args)
     assert config.model.lora_r == 16 and config.train.batch_size == 4
     assert config.model.lora_targets == ["q_proj", "k_proj", "v_proj"]
-    assert config.data.strict is True and config.learning_rate == 2e-4
+    assert config.data.strict is True and config.train.learning_rate == 2e-4
 
 
 def test_resolved_config_round_trips_through_yaml(tmp_path):
@@ -74,19 +76,24 @@ def test_unknown_yaml_key_names_the_key(tmp_path):
         RunConfig.from_yaml(bad)
 
 
+def rates(values: dict, width: int = 384) -> tuple[float, float]:
+    """(learning rate, the encoder's) the run's record holds for these options."""
+    training = record_of(RunConfig.from_flat(values), width=width).training
+    return training.learning_rate, training.encoder_learning_rate
+
+
 def test_mode_dependent_defaults():
-    assert RunConfig.from_flat({"mode": "lora"}).learning_rate == 1.5e-4
-    assert RunConfig.from_flat({"mode": "full"}).learning_rate == 2e-5
+    assert rates({"mode": "lora"})[0] == 1.5e-4
+    assert rates({"mode": "full"})[0] == 2e-5
 
 
 def test_full_fine_tuning_steps_the_encoder_faster_by_default():
     """Full: the encoder at 2.5x the decoder's rate (measured on tiny.en); LoRA one rate; a
     frozen encoder has no rate, and a scale given for it is refused in one line."""
-    assert RunConfig.from_flat({"mode": "full"}).encoder_lr_scale == 2.5
-    assert RunConfig.from_flat({"mode": "lora"}).encoder_lr_scale == 1
-    assert RunConfig.from_flat({"mode": "freeze-encoder"}).encoder_lr_scale == 1
-    given = RunConfig.from_flat({"mode": "full", "encoder_lr_scale": 1.0}).validate()
-    assert given.encoder_lr_scale == 1
+    assert rates({"mode": "full"}) == pytest.approx((2e-5, 5e-5))
+    assert rates({"mode": "lora"}) == (1.5e-4, 1.5e-4)
+    assert rates({"mode": "freeze-encoder"}) == (3e-5, 3e-5)
+    assert rates({"mode": "full", "encoder_lr_scale": 1.0}) == (2e-5, 2e-5)
     with pytest.raises(UserError, match="^--encoder-lr-scale sets .* drop --encoder-lr-scale$"):
         RunConfig.from_flat({"mode": "freeze-encoder", "encoder_lr_scale": 2.0}).validate()
     # Each rate finite alone, the encoder's (2.5e308) past float range: refused before a step
@@ -99,7 +106,7 @@ def test_lora_defaults_put_adapters_on_every_linear_layer():
     """The CLI's default targets and the library's (`LoraSettings()`) are one choice, written
     twice only because config stays torch-free above memory."""
     every_linear = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
-    settings = RunConfig.from_flat({"mode": "lora"}).lora_settings()
+    settings = record_of(RunConfig.from_flat({"mode": "lora"})).model.lora
     assert settings.targets == every_linear == LoraSettings().targets
 
 
@@ -112,25 +119,22 @@ def test_lora_defaults_put_adapters_on_every_linear_layer():
      (1024, 4.2e-6), (1280, 2.9e-6), (2048, 2.9e-6)],
 )  # fmt: skip
 def test_full_fine_tuning_defaults_to_a_lower_rate_for_a_wider_model(width, rate):
-    config = RunConfig.from_flat({"mode": "full"})
-    config.model_width = width
-    assert config.learning_rate == rate
+    from whisper_train.config.options import default_learning_rate
+
+    assert default_learning_rate("full", width) == rate
+    if width is not None:
+        assert rates({"mode": "full"}, width)[0] == rate
     for mode, own in (("lora", 1.5e-4), ("freeze-encoder", 3e-5)):  # adapters: not by width
-        other = RunConfig.from_flat({"mode": mode})
-        other.model_width = width
-        assert other.learning_rate == own
-    given = RunConfig.from_flat({"mode": "full", "learning_rate": 7e-6})
-    given.model_width = width
-    assert given.learning_rate == 7e-6  # the user's rate wins
+        assert default_learning_rate(mode, width) == own
+    assert rates({"mode": "full", "learning_rate": 7e-6}, width or 384)[0] == 7e-6  # the user's
 
 
-def test_a_run_takes_its_models_width_for_the_default_rate(tiny_whisper_dir):
-    from whisper_train.training.setup_phases import setup_model_and_labels
-
-    config = RunConfig.from_flat({"model": str(tiny_whisper_dir), "mode": "full"}).validate()
-    model, _, _ = setup_model_and_labels(config)
-    assert config.model_width == model.config.d_model
-    assert "model_width" not in config.to_yaml()  # not an option: the saved yaml keeps none
+def test_a_run_takes_its_models_width_for_the_default_rate(tiny_run_config, tiny_whisper):
+    result = train(tiny_run_config(max_steps=1, mode="full"))
+    record = yaml.safe_load((result.output_dir / "whisper-train.yaml").read_text())["record"]
+    assert record["model"]["width"] == tiny_whisper[0].config.d_model == 64
+    assert record["training"]["learning_rate"] == 1e-3  # tiny_run_config's, as given
+    assert "model_width" not in result.output_dir.joinpath("whisper-train.yaml").read_text()
     assert RunConfig.from_flat({"mode": "freeze-encoder"}).cache_encoder is True
     assert (
         RunConfig.from_flat({"mode": "freeze-encoder", "audio_augment": True}).cache_encoder
@@ -191,9 +195,11 @@ def test_the_readme_spellings_validate(tmp_path):
         "memory: {gradient_checkpointing: off}\n"
         "train: {compression_ratio_threshold: off, only_train: yes}\n",
     ).validate()
-    assert config.data.language == "no" and config.packing_on and not config.packing_timestamps_on
-    assert config.memory.gradient_checkpointing == "off" and config.train.only_train is True
-    assert config.decoding_options().compression_ratio_threshold is None
+    record = record_of(config)
+    assert config.data.language == "no" and record.data.packing == "on"
+    assert not record.data.packing_timestamps
+    assert record.memory.checkpointing == "off" and config.train.only_train is True
+    assert record.evaluation.compression_ratio_threshold is None
     from whisper_train.data.labels import language_code
 
     assert language_code(config.data.language) == "no"  # Norwegian, as the user meant
@@ -213,14 +219,15 @@ def test_a_saved_config_reads_back_the_same_words(tmp_path):
         }
     )
     saved = tmp_path / "whisper-train.yaml"
-    saved.write_text(config.to_saved_yaml())
-    assert RunConfig.from_yaml(saved).to_dict() == config.to_dict()
+    saved.write_text(record_of(config).to_yaml())  # the options as asked, then the record
+    assert RunConfig.from_yaml(saved).to_dict() == config.run_options()
     # The file also reads the same with a YAML 1.1 reader (PyYAML's safe_load, which resume's
     # option check and export use): the words that are booleans there are written quoted.
     read_by_1_1 = yaml.safe_load(saved.read_text())
     assert {group: read_by_1_1[group] for group in ("data", "model", "memory")} == {
         group: config.to_dict()[group] for group in ("data", "model", "memory")
     }
+    assert read_by_1_1["record"]["data"]["language"] == "no"
 
 
 # -- numbers out of range (issue 33): one line naming the flag and what it accepts, exit 2, before
@@ -294,13 +301,16 @@ def test_a_non_finite_learning_rate_stops_the_real_process_in_one_line(
 
 
 def test_resume_reads_the_saved_config_as_the_config_file_is_read(tmp_path):
-    """A checkpoint's whisper-train.yaml written by hand (or by another YAML tool) with a plain
-    `packing: on`: the resume check reads `on`, as --config would, not YAML 1.1's True."""
+    """A checkpoint's whisper-train.yaml written by hand (or by another YAML tool, or by a
+    version that kept no record) with a plain `packing: on`: the resume check reads `on`, as
+    --config would, not YAML 1.1's True."""
     from whisper_train.training import resume
 
     (tmp_path / resume.CONFIG_FILE).write_text("data: {packing: on, language: no}\n")
+    record, options = resume.saved_record(tmp_path)
+    assert record is None and options["data"]["packing"] == "on"
     config = RunConfig.from_flat({"packing": "on", "language": "no"}).validate()
-    resume.check_resume_options(tmp_path, config)  # the same options: no refusal
+    resume.check_recordless_options(tmp_path, options, config)  # the same options: no refusal
     config.data.packing = "off"
     with pytest.raises(UserError, match="--packing off differs from the checkpoint's on"):
-        resume.check_resume_options(tmp_path, config)
+        resume.check_recordless_options(tmp_path, options, config)

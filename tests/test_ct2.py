@@ -27,12 +27,8 @@ from transformers import (
 from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
 from whisper_train.errors import UserError
-from whisper_train.formats.ct2 import (
-    is_ct2_model_dir,
-    load_ct2_whisper,
-    read_ct2_variables,
-    save_ct2,
-)
+from whisper_train.formats.ct2 import is_ct2_model_dir, load_ct2_whisper, read_ct2_variables
+from whisper_train.formats.ct2_convert import save_ct2
 
 # float16 keeps 11 significant bits: rounding moves a value by at most half a unit in the last
 # place, 2**-11 relative; below the normal range (6.1e-5) the step is 2**-24 absolute.

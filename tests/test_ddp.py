@@ -31,9 +31,8 @@ def test_two_processes_equal_one_and_resume_exactly(tmp_path, tiny_whisper_dir):
         "lr_scheduler": "constant_with_warmup",
         "generation_max_length": 4,
         "temperatures": "0",  # decode once: a random model would take the whole fallback
-        # Clips one by one: batches of whole windows cannot split 4 clips into 2 x 1 x 2 (the
-        # matrix's full-np2-acc2-every-2-perclip row trains the packed default that way).
-        "packing": "off",
+        # The default packing: a step of 4 clips is planned whole, then split over the
+        # processes and micro-batches (data.step_plan).
     }
     config = RunConfig()
     config.update({**common, "output_dir": str(tmp_path / "one"), "max_steps": 5, "batch_size": 4})

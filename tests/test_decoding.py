@@ -1,5 +1,5 @@
 """Loop-proof decoding: the compression ratio and mean log-prob tests, and the temperature
-fallback that re-decodes only the utterances that fail them (whisper_train.decoding)."""
+fallback that re-decodes only the utterances that fail them (whisper_train.transcription.decoding)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from transformers.generation.utils import GenerateEncoderDecoderOutput
 from whisper_train.commands import evaluate as evaluate_command
 from whisper_train.data.examples import Example
 from whisper_train.data.features import LogMel
-from whisper_train.decoding import (
+from whisper_train.errors import UserError
+from whisper_train.evaluation.evaluate import evaluate_examples, generate_texts, write_report_json
+from whisper_train.transcription.decoding import (
     NO_FALLBACK,
     Decoded,
     DecodingOptions,
@@ -26,8 +28,6 @@ from whisper_train.decoding import (
     parse_temperatures,
     parse_threshold,
 )
-from whisper_train.errors import UserError
-from whisper_train.evaluation.evaluate import evaluate_examples, generate_texts, write_report_json
 
 CLEAN = "The weather today is cold and windy with a chance of rain in the afternoon."
 LOOP = "nod " * 50

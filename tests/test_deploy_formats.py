@@ -24,7 +24,8 @@ from transformers import (
     WhisperProcessor,
 )
 
-from whisper_train.deploy.export import check_clips, check_export, save_export, score_source
+from whisper_train.deploy.export import save_export
+from whisper_train.deploy.parity import check_clips, check_export, score_source
 from whisper_train.formats import ggml
 from whisper_train.formats import openai as openai_whisper
 
@@ -116,7 +117,7 @@ def test_real_tiny_en_passes_the_check_in_each_runtime(
         return  # test_transcribe.py covers the transformers and faster-whisper backends
     # `transcribe` runs the export in the same runtime, with that runtime's own fallback.
     from whisper_train.evaluation.evaluate import score
-    from whisper_train.transcribe import load_backend
+    from whisper_train.transcription.transcribe import load_backend
 
     backend = load_backend(str(tmp_path))
     assert type(backend).__name__ == BACKENDS[format]
@@ -350,7 +351,7 @@ def test_missing_client_is_one_line_naming_the_extra_and_no_check_still_exports(
 ):
     from whisper_train.deploy.export import export_model
     from whisper_train.errors import UserError
-    from whisper_train.models import save_model_folder
+    from whisper_train.formats.hf import save_model_folder
 
     model, processor = _shaped_like(**SHAPES["large-v3"])
     save_model_folder(model, processor, tmp_path / "source")
@@ -366,17 +367,18 @@ def test_missing_client_is_one_line_naming_the_extra_and_no_check_still_exports(
 
 
 def test_missing_openai_whisper_names_its_extra(monkeypatch):
-    from whisper_train.deploy.runtimes import MissingRuntimeError, require_client
+    from whisper_train.formats.registry import export_format
+    from whisper_train.formats.runtimes import MissingRuntimeError
 
     monkeypatch.setitem(sys.modules, "whisper", None)
     with pytest.raises(MissingRuntimeError, match=r"whisper-train\[openai\]"):
-        require_client("openai")
+        export_format("openai").require_client()
 
 
 def test_a_float32_ggml_export_needs_no_check_because_whisper_cpp_aborts_on_it(tmp_path):
     from whisper_train.deploy.export import export_model
     from whisper_train.errors import UserError
-    from whisper_train.models import save_model_folder
+    from whisper_train.formats.hf import save_model_folder
 
     model, processor = _shaped_like(**SHAPES["large-v3"])
     save_model_folder(model, processor, tmp_path / "source")

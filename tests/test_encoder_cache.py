@@ -3,7 +3,6 @@ size limit and the free space, safe with several writers, and managed by `whispe
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shutil
@@ -19,6 +18,7 @@ import torch
 import transformers
 from conftest import (
     SAME_RUN_LOSS_ATOL,
+    lora_on_the_decoder_only,
     losses_and_evaluations,
     train_in_subprocess,
     write_tone_dataset,
@@ -26,6 +26,7 @@ from conftest import (
 from safetensors.torch import save as save_safetensors
 from transformers.models.whisper import modeling_whisper
 
+from whisper_train import runfolder
 from whisper_train.cli import main
 from whisper_train.config import RunConfig
 from whisper_train.data.examples import Example
@@ -297,10 +298,10 @@ def test_cache_command_user_errors_are_one_line(tmp_path, capsys, argv):
 def test_default_folder_is_the_user_cache(monkeypatch, tmp_path):
     monkeypatch.delenv("WHISPER_TRAIN_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert encoder_cache.cache_dir(None) == tmp_path / "whisper-train" / "encoder"
-    assert encoder_cache.cache_dir(str(tmp_path / "x")) == tmp_path / "x"
+    assert runfolder.encoder_cache_dir(None) == tmp_path / "whisper-train" / "encoder"
+    assert runfolder.encoder_cache_dir(str(tmp_path / "x")) == tmp_path / "x"
     monkeypatch.setenv("WHISPER_TRAIN_CACHE", os.fspath(tmp_path / "wt"))
-    assert encoder_cache.default_cache_dir() == tmp_path / "wt" / "encoder"
+    assert runfolder.encoder_cache_dir(None) == tmp_path / "wt" / "encoder"
 
 
 def test_the_memory_plan_sizes_the_cache_and_names_its_folder(tiny_whisper):
@@ -391,12 +392,7 @@ def test_lora_with_the_cache_adapts_the_decoder_only(
 
     # The same math computed without the cache: decoder-only adapters, the encoder run on every
     # clip every step. Equal up to the cache's float16 storage (as for freeze-encoder).
-    real_settings = RunConfig.lora_settings
-    monkeypatch.setattr(
-        RunConfig,
-        "lora_settings",
-        lambda self: dataclasses.replace(real_settings(self), decoder_only=True),
-    )
+    lora_on_the_decoder_only(monkeypatch)
     encoded_rows.clear()
     uncached, _ = _lora_run(tiny_run_config, tmp_path, "uncached", cache_encoder=False)
     assert sum(encoded_rows) == 2 * N_TRAIN[True]

@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
-from conftest import metric_rows, write_tone_dataset
+from conftest import metric_rows, record_of, write_tone_dataset
 from safetensors.torch import load_file
 
 import whisper_train.training.final as final_module
-import whisper_train.training.recipe as recipe_module
+import whisper_train.training.judge as judge_module
 from whisper_train.cli import build_parser
 from whisper_train.commands.flags import config_from_args
 from whisper_train.errors import UserError
@@ -52,7 +52,8 @@ def test_final_never_picks_the_untrained_start_and_prefers_the_later_step_on_a_t
 def test_when_every_step_breaks_the_guard_final_is_the_last_and_says_why():
     rows = _rows({"target": {0: 0.9, 2: 0.5, 4: 0.4}, "guard": {0: 0.1, 2: 0.2, 4: 0.3}})
     choice = choose_final_step(rows, primary_set="target", guard="guard", max_regression=2.0)
-    assert choice.step == 4 and "every evaluation lost more than 2 points" in choice.reason
+    assert choice.step == 4
+    assert "no evaluation stayed within 2 points of guard WER at its start" in choice.reason
     assert choose_final_step([], primary_set="eval", guard=None, max_regression=None).step is None
 
 
@@ -66,10 +67,10 @@ def _config(*flags: str):
 def test_eval_data_is_repeatable_with_names_and_a_bare_path_is_eval():
     config = _config("--eval-data", "target=t/", "--eval-data", "general=g/")
     assert config.eval_sets() == {"target": "t/", "general": "g/"}
-    assert config.primary_eval_set == "target"
+    assert record_of(config).evaluation.primary == "target"
     assert _config("--eval-data", "held/").eval_sets() == {"eval": "held/"}
     guarded = _config("--eval-data", "general=g/", "--eval-data", "t=t/", "--guard", "general")
-    assert guarded.primary_eval_set == "t"  # the first set that is not the guard
+    assert record_of(guarded).evaluation.primary == "t"  # the first set that is not the guard
 
 
 @pytest.mark.parametrize(
@@ -153,7 +154,7 @@ def test_the_guard_stops_a_run_and_final_holds_the_best_allowed_step(
         wer = (guard if name == "general" else target)[step]
         return {"step": step, "eval_loss": 1.0, "wer": wer}
 
-    monkeypatch.setattr(recipe_module, "run_evaluation", scripted)
+    monkeypatch.setattr(judge_module, "run_evaluation", scripted)
     result = train(
         tiny_run_config(
             only_train=False,
@@ -167,7 +168,7 @@ def test_the_guard_stops_a_run_and_final_holds_the_best_allowed_step(
     )
     out = capsys.readouterr().out
     assert result.steps == 4, "stopped at the evaluation past the guard's limit"
-    assert "guard general: WER +30.0 points over the start at step 4" in out
+    assert "guard general: WER +30.0 points over its start (step 0) at step 4" in out
     assert result.final_step == 2 and result.final_wer == 0.6
     saved = json.loads((result.output_dir / "result.json").read_text())
     assert (
@@ -187,6 +188,7 @@ def test_an_evaluation_set_in_another_layout_than_a_forced_data_format_is_read(
 ):
     from tiny_models import english_tokenizer
 
+    from whisper_train.config.resolve import evaluation_sets
     from whisper_train.data.labels import LabelEncoder
     from whisper_train.training.datasets import prepare_datasets
 
@@ -195,7 +197,7 @@ def test_an_evaluation_set_in_another_layout_than_a_forced_data_format_is_read(
     config.update({"eval_data": [str(manifest)]})
     encoder = LabelEncoder(english_tokenizer(), language=None, multilingual=False)
 
-    datasets = prepare_datasets(config, encoder, max_label_tokens=448)
+    datasets = prepare_datasets(config, evaluation_sets(config), encoder, max_label_tokens=448)
 
     assert len(datasets.eval["eval"]) == 3
 
@@ -229,11 +231,11 @@ def test_the_baseline_comparison_holds_one_model_at_a_time(
         tiny_whisper_dir,
         examples,
         tmp_path,
-        language=config.eval_set_language("english"),
+        language=None,
         task="transcribe",
         batch_size=config.train.batch_size,
         max_length=4,
-        decoding=config.decoding_options(),
+        decoding=record_of(config).evaluation.decoding,
         attn_implementation="sdpa",
     )
 

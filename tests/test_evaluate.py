@@ -13,7 +13,6 @@ import torch
 from whisper_train.commands import evaluate as evaluate_command
 from whisper_train.data.examples import Example
 from whisper_train.data.features import LogMel
-from whisper_train.decoding import NO_FALLBACK
 from whisper_train.errors import UserError
 from whisper_train.evaluation.evaluate import (
     evaluate_examples,
@@ -24,6 +23,7 @@ from whisper_train.evaluation.evaluate import (
     write_report_json,
 )
 from whisper_train.evaluation.report import write_curves_png
+from whisper_train.transcription.decoding import NO_FALLBACK
 
 # -- scoring --------------------------------------------------------------------------------
 

@@ -11,10 +11,10 @@ import torch
 from transformers import WhisperForConditionalGeneration
 
 from whisper_train.commands import export as export_command
-from whisper_train.deploy.export import (
+from whisper_train.deploy.export import export_model
+from whisper_train.deploy.parity import (
     ClipComparison,
     ParityCheck,
-    export_model,
     logprob_tolerance,
     parity_failure,
 )
@@ -100,17 +100,20 @@ def test_an_exact_export_passes_though_the_runtimes_greedy_transcripts_differ(
     """Issue 33: base exported to ct2 float16, bitwise equal to Systran's conversion, failed the
     check because faster-whisper's greedy decoder tipped 7 near-tied words. The verdict now
     rests on the runtime scoring the source's own tokens; the transcripts are only reported."""
-    import whisper_train.deploy.runtimes as runtimes
+    from dataclasses import replace
 
-    real_greedy = runtimes.runtime_greedy
+    from whisper_train.formats import registry
 
-    def tipped(format, output, clips, language):  # another runtime's arithmetic, near ties
-        return [
-            f"{text} and also some other words"
-            for text in real_greedy(format, output, clips, language)
-        ]
+    def tipped(greedy):
+        def decode(model_input, clips, language):  # another runtime's arithmetic, near ties
+            return [
+                f"{text} and also some other words" for text in greedy(model_input, clips, language)
+            ]
 
-    monkeypatch.setattr(runtimes, "runtime_greedy", tipped)
+        return decode
+
+    tipping = [replace(fmt, greedy=tipped(fmt.greedy)) for fmt in registry.EXPORT_FORMATS]
+    monkeypatch.setattr(registry, "EXPORT_FORMATS", tuple(tipping))
     model = WhisperForConditionalGeneration.from_pretrained(tiny_whisper_dir)
     model.generation_config.max_length = 12  # a random model's transcript: keep it short
     model.save_pretrained(tmp_path / "source")
@@ -169,7 +172,7 @@ def test_the_failure_names_the_clips_and_what_differs():
 
 
 def test_the_tolerance_follows_the_runtimes_arithmetic_not_the_file_alone():
-    from whisper_train.deploy.export import scoring_arithmetic
+    from whisper_train.deploy.parity import scoring_arithmetic
 
     assert logprob_tolerance("float32") < logprob_tolerance("float16") < logprob_tolerance("int8")
     # whisper.cpp multiplies float16 matrices; openai-whisper holds float16 weights in float32.

@@ -15,7 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import metric_rows, start_whisper_train, train_argv, write_tone_dataset
+from conftest import (
+    START_LINES,
+    metric_rows,
+    start_whisper_train,
+    train_argv,
+    write_tone_dataset,
+)
 from safetensors.torch import load_file
 
 import whisper_train.data.features as features_module
@@ -350,7 +356,8 @@ def test_two_processes_evaluate_with_an_unusable_share_and_stop_together_on_a_fa
     assert any("(process 1: disk full: RuntimeError: " in line for line in lines), lines
     assert all("file write failed" in line and "checkpoint-1 is intact" in line for line in lines)
     assert "Traceback" not in result.stderr
-    assert "a training process failed" in result.stderr.splitlines()[-1]
+    # The processes' lines say why; the launching process adds none of its own.
+    assert "could not write checkpoint" in result.stderr.splitlines()[-1]
     assert [p.name for p in checkpoints_module.list_checkpoints(out)] == ["checkpoint-1"]
     assert not list(out.glob("*.tmp"))
 
@@ -360,16 +367,14 @@ def test_sigterm_is_honoured_before_an_evaluation_that_is_due(
 ):
     # SIGTERM arrives during step 2, when an evaluation is due (--eval-steps 2): the run saves
     # and exits first, inside the grace period, instead of evaluating and then being killed.
-    real = recipe_module.loss_terms
-    calls = {"n": 0}
+    real = recipe_module.FineTuneRecipe._train_step
 
-    def terminated_in_step_2(model, batch, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:
+    def terminated_in_step_2(recipe, micro_batches):
+        if recipe.state.step == 1:
             os.kill(os.getpid(), signal.SIGTERM)
-        return real(model, batch, **kwargs)
+        return real(recipe, micro_batches)
 
-    monkeypatch.setattr(recipe_module, "loss_terms", terminated_in_step_2)
+    monkeypatch.setattr(recipe_module.FineTuneRecipe, "_train_step", terminated_in_step_2)
     with pytest.raises(SystemExit) as stopped:
         train(tiny_run_config(max_steps=4, eval_steps=2, only_train=False))
 
@@ -746,7 +751,7 @@ def test_ctrl_c_on_a_two_process_run_saves_and_prints_only_the_resume_command(
     assert [row["step"] for row in metric_rows(out)] == list(range(1, step + 1))
     lines = [line for line in output.splitlines() if line.strip()]
     stop = next(i for i, line in enumerate(lines) if line.startswith("SIGINT: saving a checkpoint"))
-    assert all(line.startswith(("screening:", "model:", "data:")) for line in lines[:stop]), lines
+    assert all(line.startswith(START_LINES) for line in lines[:stop]), lines
     config = out / "whisper-train.yaml"
     assert lines[stop + 1 :] == [
         f"interrupted: saved {checkpoint}",
@@ -789,7 +794,7 @@ def test_a_killed_process_stops_the_other_and_the_launcher_with_one_line_each(
     lines = [line for line in output.splitlines() if line.strip()]
     assert "Traceback" not in output, output[-3000:]
     # Before the kill: the start-up lines and the checkpoints; after it, one line a process.
-    said = [line for line in lines if not line.startswith(("screening:", "model:", "data:"))]
+    said = [line for line in lines if not line.startswith(START_LINES)]
     said = [line for line in said if not line.startswith("checkpoint: saved ")]
     assert len(said) == 2, said
     assert said[0].startswith("error: process 0: another process of this run stopped or was")
@@ -961,6 +966,27 @@ def test_a_learning_rate_that_overflows_the_weights_stops_at_step_1_without_fina
     code, line = _train_cli(*_advised_command(line))
     assert code == 0, line
     assert _all_finite(out / "final" / "model.safetensors")
+
+
+def test_the_advice_after_blown_weights_skips_a_checkpoint_it_cannot_read(tmp_path):
+    """The advice reads each kept checkpoint's step: a damaged trainer_state.json there is not
+    named (a traceback instead of the one line, before), an intact earlier one is."""
+    from conftest import record_of
+
+    from whisper_train.config import RunConfig
+    from whisper_train.training.step import lower_learning_rate_advice
+
+    record = record_of(RunConfig.from_flat({"mode": "full", "learning_rate": 1e-3}))
+    for step in (1, 2):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        checkpoints_module.TrainerState(step=step).write(folder)
+    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text('{"step": ')  # cut short
+    advice = lower_learning_rate_advice(record, tmp_path, suspect_step=3)
+    assert "Continue from checkpoint-1" in advice and "--learning-rate 2e-05" in advice
+    (tmp_path / "checkpoint-1" / "trainer_state.json").write_text("")
+    advice = lower_learning_rate_advice(record, tmp_path, suspect_step=3)
+    assert advice.startswith("No checkpoint from before step 3 is kept")
 
 
 def test_weights_that_blow_up_later_stop_there_and_the_advice_resumes_from_before(

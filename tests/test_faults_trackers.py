@@ -67,6 +67,29 @@ def _wandb_steps(path) -> tuple[str, list[int]]:
     return name, steps
 
 
+def test_a_failure_while_final_is_written_leaves_no_tracker_run_open(
+    tmp_path, tiny_run_config, monkeypatch
+):
+    """The run's end can stop it (final/ refused for a NaN weight, a full disk at final/):
+    MLflow's run is ended all the same, not left RUNNING for ever in the tracking server."""
+    import whisper_train.training.finish as finish_module
+    import whisper_train.training.recipe as recipe_module
+    from whisper_train.errors import UserError
+
+    uri = tracker_env(monkeypatch, tmp_path)
+
+    def refused(*args, **kwargs):
+        raise UserError("the model of step 1 has 3 of 30 tensors NaN or infinite")
+
+    for module, name in ((recipe_module, "refuse_nonfinite_final"), (finish_module, "save_final")):
+        with monkeypatch.context() as patch:
+            patch.setattr(module, name, refused)
+            out = tmp_path / name
+            with pytest.raises(UserError, match="NaN or infinite"):
+                train(tiny_run_config(max_steps=1, report_to=["mlflow"], output_dir=str(out)))
+    assert [run.info.status for run, _ in _mlflow_runs(uri)] == ["FINISHED", "FINISHED"]
+
+
 # == 1. A destination the tracker cannot write, met at start ==================================
 
 

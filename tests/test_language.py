@@ -16,14 +16,14 @@ from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
 from whisper_train.config import named_sets
-from whisper_train.decoding import (
+from whisper_train.errors import UserError
+from whisper_train.evaluation.evaluate import detected_counts, language_id, normalizer_for
+from whisper_train.transcription.decoding import (
     Decoded,
     DecodingOptions,
     detect_languages,
     generate_decoded,
 )
-from whisper_train.errors import UserError
-from whisper_train.evaluation.evaluate import detected_counts, language_id, normalizer_for
 
 CHUNK_SECONDS = 2  # a 2 s window: 200 mel frames, 100 encoder positions
 
@@ -235,8 +235,8 @@ def test_check_data_says_a_multilingual_model_needs_the_clips_language(
 
 def test_evaluate_says_how_far_it_got_where_no_bar_is_drawn(tiny_whisper, tone_dataset, capsys):
     from whisper_train.data.layouts import load_examples
-    from whisper_train.decoding import NO_FALLBACK
     from whisper_train.evaluation.evaluate import evaluate_examples
+    from whisper_train.transcription.decoding import NO_FALLBACK
 
     model, processor = tiny_whisper
     examples = load_examples(tone_dataset)

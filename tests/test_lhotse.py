@@ -236,10 +236,11 @@ def _stream_items(source, label_encoder, *, rank=0, world_size=1, workers=0):
         seed=0,
         shuffle_buffer=4,
         max_label_tokens=448,
+        batch_size=2,
     )
     stream.set_epoch(0)
     loader = torch.utils.data.DataLoader(
-        stream, batch_size=2, num_workers=workers, collate_fn=lambda triples: triples
+        stream, batch_size=None, num_workers=workers, collate_fn=lambda triples: triples
     )
     return [item for batch in loader for _, _, item in batch]
 

@@ -17,11 +17,12 @@ from whisper_train.config import RunConfig, long_form_sets, named_sets
 from whisper_train.data.examples import Example
 from whisper_train.data.layouts import load_examples
 from whisper_train.data.recordings import load_recordings
-from whisper_train.decoding import NO_FALLBACK
 from whisper_train.errors import UserError
 from whisper_train.evaluation import longform
 from whisper_train.evaluation.evaluate import evaluate_examples
 from whisper_train.evaluation.scoring import get_normalizer
+from whisper_train.transcription.decoding import NO_FALLBACK
+from whisper_train.transcription.longform import transcribe_long_form
 
 RATE = 16_000
 # espeak-ng sentences with 2 s pauses: about 47 s, so two windows at least.
@@ -173,8 +174,8 @@ def test_previous_text_conditioning_reaches_generate_only_when_asked(tiny_en, mo
 
     monkeypatch.setattr(model, "generate", fake_generate)
     audio = np.zeros(40 * RATE, dtype=np.float32)
-    longform.transcribe_long_form(model, processor, audio)
-    longform.transcribe_long_form(model, processor, audio, condition_on_previous_text=True)
+    transcribe_long_form(model, processor, audio)
+    transcribe_long_form(model, processor, audio, condition_on_previous_text=True)
     assert "condition_on_prev_tokens" not in seen[0]  # transformers' default: off
     assert seen[1]["condition_on_prev_tokens"] is True
     # Both are the long-form path: every frame of the 40 s, with timestamps.
@@ -190,7 +191,7 @@ def test_evaluate_scores_a_long_set_as_transcribe_decodes_it(spoken_recording, t
     decoded long-form; its transcript is `transcribe`'s, word for word (the same decoding);
     it covers the speech after 30 s; report.md compares deletion rates."""
     from whisper_train.cli import main
-    from whisper_train.transcribe import transcribe_paths
+    from whisper_train.transcription.transcribe import transcribe_paths
 
     folder, reference, ends = spoken_recording
     out = tmp_path / "report"

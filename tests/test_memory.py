@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from conftest import record_of
 from tiny_models import (
     LORA,
     fresh_short_whisper,
@@ -376,7 +377,7 @@ def test_lora_on_cached_encoder_outputs_trains_every_trainable_parameter():
     from whisper_train.config import RunConfig
 
     config = RunConfig.from_flat({"mode": "lora", "cache_encoder": True, "lora_dropout": 0.0})
-    lora = dataclasses.replace(config.lora_settings(), r=4, alpha=8)
+    lora = dataclasses.replace(record_of(config).model.lora, r=4, alpha=8)
     model = nonzero_lora_b(prepare_model(fresh_short_whisper(), mode="lora", lora=lora))
     names = trainable(model)
     assert names and not any(".encoder." in f".{n}" for n in names)
@@ -392,5 +393,5 @@ def test_lora_on_cached_encoder_outputs_trains_every_trainable_parameter():
     grads = trainable_gradients(model)
     assert [n for n, g in grads.items() if g is None or not g.abs().sum() > 0] == []
     # Without the cache, the adapters go on the encoder too.
-    uncached = RunConfig.from_flat({"mode": "lora"}).lora_settings()
+    uncached = record_of(RunConfig.from_flat({"mode": "lora"})).model.lora
     assert uncached.decoder_only is False and uncached.targets == LoraSettings().targets

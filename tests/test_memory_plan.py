@@ -200,22 +200,23 @@ def test_a_steps_micro_batches_stay_in_host_memory_until_run(tmp_path):
     from whisper_train.data.features import SpeechDataset
     from whisper_train.data.layouts import load_examples
     from whisper_train.data.source import WholeData
+    from whisper_train.data.step_plan import WholePlan
+    from whisper_train.training.checkpoints import TrainerState
 
     examples = load_examples(write_tone_dataset(tmp_path / "data", n=6))
     dataset = SpeechDataset(examples, label_encoder_for(english_tokenizer()))
     # A device the test can tell from host memory: a micro-batch moved there has meta tensors.
     accelerator = SimpleNamespace(device=torch.device("meta"), process_index=0, num_processes=1)
+    plan = WholePlan(len(dataset), batch_size=2, accumulation=3, processes=1, seed=0)
     data = WholeData(
+        plan,
         dataset,
         SpeechCollator(50256),
         accelerator=accelerator,
-        batch_size=2,
-        accumulation=3,
-        seed=0,
         num_workers=0,
         data_spec="tones",
     )
-    step = next(data.steps(SimpleNamespace(epoch=0, batches_in_epoch=0)))
+    step = next(data.steps(TrainerState()))
 
     assert len(step) == 3
     assert {batch["labels"].device.type for batch in step} == {"cpu"}

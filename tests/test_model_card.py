@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from conftest import write_tone_dataset
+from conftest import record_of, write_tone_dataset
 from huggingface_hub import ModelCard
 
 from whisper_train.cli import main
@@ -104,7 +104,7 @@ def test_final_card_holds_the_runs_own_wer_per_set_and_no_local_path(
     assert main(argv) == 0
     remade = _card(again)
     assert _wers(remade) == wers
-    assert "- precision: auto (which one it resolved to is not recorded)" in remade.text
+    assert "- precision: fp32" in remade.text  # the run's record says what it resolved
 
 
 def test_a_run_without_evaluation_has_a_card_without_results(tiny_run_config):
@@ -153,6 +153,7 @@ def test_the_card_reads_final_steps_rows_and_step_0_as_before(tmp_path):
 
     config = RunConfig()
     config.update({"model": "openai/whisper-small", "language": "german", "output_dir": "run1"})
+    config.update({"precision": "bf16"})
     row = {"clips": 40, "repeated_ngram_rate": 0.0, "insertion_rate": 0.01}
     evaluations = [
         {**row, "step": 0, "set": "eval", "wer": 0.5, "language_id_accuracy": 0.9},
@@ -162,15 +163,18 @@ def test_the_card_reads_final_steps_rows_and_step_0_as_before(tmp_path):
     result = TrainResult(
         tmp_path, None, 8, 360, 40, 0, evaluations, final_step=4, final_reason="the lowest"
     )
-    card = ModelCard(run_card(config, result, "bf16"))
+    card = ModelCard(run_card(record_of(config, width=768), result))
     assert _wers(card) == {"eval": 20.0}  # step 4's, not the last step's 30%
     assert card.data.base_model == "openai/whisper-small" and card.data.language == ["de"]
     assert "50.00% → 20.00%" in card.text and "90.00% → 95.00%" in card.text
     assert "random 0.1 split of the training data" in card.text
     assert "- precision: bf16" in card.text and "- training data: 360 clips" in card.text
-    # Full fine-tuning's encoder steps at its own rate (--encoder-lr-scale): the card says both.
+    # Full fine-tuning's encoder steps at its own rate (--encoder-lr-scale): the card says both,
+    # and what a step trained.
     config.update({"mode": "full", "learning_rate": 1e-5})
-    assert "- learning rate: 1e-05, the encoder's 2.5e-05 (" in run_card(config, result, "bf16")
+    card = run_card(record_of(config, width=768), result)
+    assert "- learning rate: 1e-05, the encoder's 2.5e-05 (" in card
+    assert "- batch: 8 clips per optimizer step (--batch-size 8 x --gradient-accumulation 1" in card
 
 
 def test_a_card_that_cannot_be_made_costs_the_run_nothing(tiny_run_config, monkeypatch, caplog):

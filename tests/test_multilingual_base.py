@@ -26,10 +26,10 @@ from whisper_train.audio import SAMPLE_RATE
 from whisper_train.cli import main
 from whisper_train.data.features import LogMel
 from whisper_train.data.synth import synthesize
-from whisper_train.decoding import DecodingOptions, generate_decoded
 from whisper_train.errors import UserError
 from whisper_train.evaluation.evaluate import score
 from whisper_train.models import load_model, resolve_alias
+from whisper_train.transcription.decoding import DecodingOptions, generate_decoded
 
 ENGLISH = (
     "Please bring me a cup of coffee and two slices of bread.",

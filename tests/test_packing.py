@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import random
+import re
 import types
 
 import numpy as np
@@ -24,10 +25,12 @@ from conftest import (
 )
 from tiny_models import english_tokenizer
 
+from whisper_train.config.resolve import choose_packing
 from whisper_train.data.augment import WaveformAugmenter
 from whisper_train.data.features import SpeechDataset
 from whisper_train.data.labels import LabelEncoder
 from whisper_train.data.layouts import load_examples
+from whisper_train.data.loaders import shard_batches
 from whisper_train.data.packing import (
     OWNPAD,
     OWNPAD_GAP,
@@ -40,8 +43,10 @@ from whisper_train.data.packing import (
     plan_windows,
     window_seconds,
 )
-from whisper_train.data.source import WholeData, group_steps, shard_batches
+from whisper_train.data.source import WholeData
+from whisper_train.data.step_plan import WholePlan, group_steps
 from whisper_train.errors import UserError
+from whisper_train.training.checkpoints import TrainerState
 from whisper_train.training.recipe import FineTuneRecipe
 from whisper_train.training.train import train
 
@@ -227,17 +232,16 @@ def test_augmentation_is_drawn_per_clip_epoch_and_the_same_with_workers(packed_d
 
     def audio_of_epochs(num_workers):
         dataset = build(augmenter=WaveformAugmenter(seed=0, p=1.0))
+        plan = WholePlan(len(dataset), batch_size=2, accumulation=1, processes=1, seed=0)
         data = WholeData(
+            plan,
             dataset,
             lambda items: {"audio": [x["audio"] for x in items], "size": len(items), "skipped": []},
             accelerator=accelerator,
-            batch_size=2,
-            accumulation=1,
-            seed=0,
             num_workers=num_workers,
             data_spec="tones",
         )
-        state = types.SimpleNamespace(epoch=0, batches_in_epoch=0)
+        state = TrainerState()
         steps = data.steps(state)
         epochs = []
         for _ in range(2):
@@ -263,7 +267,7 @@ def test_packed_run_resumes_mid_epoch_with_the_uninterrupted_losses(
     packing, tmp_path, tiny_run_config, monkeypatch
 ):
     data = _many_tones(tmp_path)
-    common = {"data": str(data), "packing": packing, "batch_size": 1, "eval_split": 0.0}
+    common = {"data": str(data), "packing": packing, "batch_size": 8, "eval_split": 0.0}
     reference = train(tiny_run_config(output_dir=str(tmp_path / "ref"), max_steps=10, **common))
     reference_losses, _ = losses_and_evaluations(reference.output_dir)
     config = tiny_run_config(max_steps=10, save_steps=1, save_total_limit=1, **common)
@@ -275,8 +279,8 @@ def test_packed_run_resumes_mid_epoch_with_the_uninterrupted_losses(
     train(config)
     losses, _ = losses_and_evaluations(tmp_path / "out")
     np.testing.assert_allclose(losses, reference_losses, rtol=0, atol=SAME_RUN_LOSS_ATOL)
-    # 36 clips of 1.2 s in windows of <= 30 s (per-clip: 6 a window, each with its own
-    # padding, 8 windows): the 10 steps crossed an epoch boundary.
+    # 48 clips of 1.2 s, 8 a step (in windows of at most 8 clips; per-clip: ~6 a window, each
+    # with its own padding): ~6 steps an epoch, so the 10 steps crossed an epoch boundary.
     epochs = [row["epoch"] for row in metric_rows(tmp_path / "out") if "loss" in row]
     assert epochs[-1] > 1.0
 
@@ -290,11 +294,11 @@ def test_packed_training_trains_on_windows_and_evaluates_single_clips(tmp_path, 
     config.validate()
     recipe = FineTuneRecipe(config)
     recipe.setup()
-    state = types.SimpleNamespace(epoch=0, batches_in_epoch=0)
+    state = TrainerState()
     first = next(recipe.data.steps(state))[0]
     assert first["size"] == 2
     assert all(len(text.split()) > 3 for text in first["texts"])  # several 3-word clips each
-    evaluated = [text for batch in recipe.eval_loaders["eval"] for text in batch["texts"]]
+    evaluated = [text for batch in recipe.judge.loaders["eval"] for text in batch["texts"]]
     assert sorted(evaluated) == sorted(e.text for e in recipe.datasets.eval["eval"])
     assert all(len(text.split()) == 3 for text in evaluated)
 
@@ -307,7 +311,7 @@ def _first_per_clip_batch(tmp_path, tiny_run_config):
     config = tiny_run_config(data=str(data), packing="per-clip", batch_size=12, eval_split=0.0)
     recipe = FineTuneRecipe(config.validate())
     recipe.setup()
-    batch = next(recipe.data.steps(types.SimpleNamespace(epoch=0, batches_in_epoch=0)))[0]
+    batch = next(recipe.data.steps(TrainerState()))[0]
     return config, recipe, batch
 
 
@@ -411,17 +415,22 @@ def test_packing_is_refused_with_the_encoder_cache_and_reads_yaml_booleans(tiny_
 def test_packing_auto_packs_per_clip_unless_an_option_cannot_meet_it(tiny_run_config):
     """The default: per-clip; off with what per-clip is refused with (the matrix covers
     streams and the encoder cache, `test_packing_auto_is_per_clip_wherever_the_matrix_...`)
-    and with what any packing is, never an error of its own."""
-    assert tiny_run_config().validate().data.packing == "per-clip"
-    for options in (
-        {"preserve_base": 0.5},
-        {"compile": True},
-        {"group_by_length": True},
-        {"mode": "freeze-encoder"},  # its encoder cache, on by default
+    and with what any packing is, never an error of its own; the line the run prints says
+    which and why."""
+    packing, note = choose_packing(tiny_run_config().validate())
+    assert packing == "per-clip" and note.startswith("packing auto -> per-clip")
+    for options, why in (
+        ({"preserve_base": 0.5}, "--preserve-base"),
+        ({"compile": True}, "--compile"),
+        ({"group_by_length": True}, "--group-by-length"),
+        ({"mode": "freeze-encoder"}, "encoder's cache"),  # its encoder cache, on by default
     ):
-        assert tiny_run_config(**options).validate().data.packing == "off", options
+        packing, note = choose_packing(tiny_run_config(**options).validate())
+        assert packing == "off" and note.startswith("packing auto -> off") and why in note
     uncached = tiny_run_config(mode="freeze-encoder", cache_encoder=False)
-    assert uncached.validate().data.packing == "per-clip"
+    assert choose_packing(uncached.validate())[0] == "per-clip"
+    # The asked options keep what was asked: auto.
+    assert tiny_run_config().validate().data.packing == "auto"
     # Asked for by name, per-clip with such an option is refused, not turned off.
     with pytest.raises(UserError, match="--packing per-clip is not supported with --compile"):
         tiny_run_config(packing="per-clip", compile=True).validate()
@@ -435,10 +444,10 @@ def test_packing_timestamps_is_a_flag_and_a_yaml_key_and_needs_packing(tiny_run_
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
     args = parser.parse_args(["--packing", "on", "--packing-timestamps", "on"])
-    config = config_from_args(args)
-    assert config.packing_timestamps_on
-    assert not config_from_args(parser.parse_args(["--packing", "on"])).packing_timestamps_on
-    assert tiny_run_config(packing=True, packing_timestamps=True).validate().packing_timestamps_on
+    assert config_from_args(args).data.packing_timestamps == "on"
+    assert config_from_args(parser.parse_args(["--packing", "on"])).data.packing_timestamps == "off"
+    yaml_true = tiny_run_config(packing=True, packing_timestamps=True).validate()
+    assert yaml_true.data.packing_timestamps == "on"
     with pytest.raises(
         UserError, match="--packing-timestamps on labels joined packed windows: add"
     ):
@@ -480,15 +489,16 @@ def test_accumulation_is_the_token_mean_of_the_step(tmp_path, tiny_run_config):
     )
 
 
-# --batch-size counts clips: (clips for 2 windows a micro-batch, for 1), from the plan's 67
-# clips in 5 windows (on) or 12 (per-clip).
+# The same global batch (--batch-size counts clips): one process at 2b, two at b; 66 clips of
+# 1.2 s and one missing, in windows of at most 2b clips (on: ~20 a window by their seconds;
+# per-clip: ~6, each clip with 3.6 s of its own padding), the missing one alone in one more.
 @pytest.mark.parametrize(
-    "packing, sharding, windows, batch_sizes",
-    [("on", [], 5, (27, 13)), ("per-clip", ["--fsdp"], 12, (11, 6))],
+    "packing, sharding, windows, batch",
+    [("on", [], 5, 13), ("per-clip", ["--fsdp"], 12, 6)],
     ids=["on", "per-clip-fsdp"],
 )
 def test_two_processes_packed_with_an_empty_share_equal_one(
-    packing, sharding, windows, batch_sizes, tmp_path, tiny_whisper_dir
+    packing, sharding, windows, batch, tmp_path, tiny_whisper_dir
 ):
     """Per-clip under --fsdp: its silence windows' encoder forward all-gathers every encoder
     layer once more, so the process with nothing to read must run it too (a routed
@@ -508,31 +518,32 @@ def test_two_processes_packed_with_an_empty_share_equal_one(
         "--only-train",
         "--lr-scheduler=constant_with_warmup",
         f"--packing={packing}",
-        f"--max-steps={windows // 2}",  # the whole epoch: the window that holds nothing too
+        "--epochs=1",  # the whole epoch: the window that holds nothing too
     ]
-    two_windows, one_window = batch_sizes
     alone = train_in_subprocess(
-        [*common, f"--batch-size={two_windows}", f"--output-dir={tmp_path / 'one'}"]
+        [*common, f"--batch-size={2 * batch}", f"--output-dir={tmp_path / 'one'}"]
     )
-    train_in_subprocess(
+    two_processes = train_in_subprocess(
         [
             *common,
             *sharding,
             "--nproc=2",
-            f"--batch-size={one_window}",
+            f"--batch-size={batch}",
             f"--output-dir={tmp_path / 'two'}",
         ]
     )
     one = [row["loss"] for row in metric_rows(tmp_path / "one") if "loss" in row]
     two = [row["loss"] for row in metric_rows(tmp_path / "two") if "loss" in row]
-    assert len(one) == windows // 2
+    steps = int(re.search(r"(\d+) steps an epoch", alone.stdout).group(1))
+    assert len(one) == steps > 1
     np.testing.assert_allclose(two, one, rtol=0, atol=SAME_RUN_LOSS_ATOL)
     assert "missing.wav" in alone.stdout  # named at the end of the epoch it was met in
-    # 66 clips of 1.2 s in 4 windows (per-clip: 11 of 6, each clip with 3.6 s of its own
-    # padding), the missing one alone in one more: 2 processes x batch 1 share them, one
-    # process's micro-batch holding nothing usable, which must not hang or weigh.
-    assert f"packed into {windows} windows" in alone.stdout
-    assert "2 a micro-batch" in alone.stdout
+    # The same windows, 2 a micro-batch on one process, 1 on each of two: a process's
+    # micro-batch holding nothing usable must not hang or weigh.
+    for run in (alone, two_processes):
+        assert f"packed into {windows} windows" in run.stdout
+    assert "2 windows a micro-batch" in alone.stdout
+    assert "1 window a micro-batch" in two_processes.stdout
 
 
 def test_a_clip_whose_encoder_output_is_cached_is_not_decoded_again(
@@ -557,7 +568,11 @@ def test_a_clip_whose_encoder_output_is_cached_is_not_decoded_again(
     assert len(decoded) == 12 and len(set(decoded)) == 12
 
 
-def _packed_stream(folder, label_encoder, *, max_label_tokens=24, packing_timestamps=False):
+def _packed_stream(
+    folder, label_encoder, *, max_label_tokens=24, packing_timestamps=False, batch_size=100
+):
+    """A packed stream whose windows are bound by their labels' tokens, not by the clips a
+    micro-batch asks for (`batch_size` clips, 100 by default)."""
     from whisper_train.data import streaming
 
     return streaming.training_stream(
@@ -568,6 +583,7 @@ def _packed_stream(folder, label_encoder, *, max_label_tokens=24, packing_timest
         seed=0,
         shuffle_buffer=4,
         max_label_tokens=max_label_tokens,
+        batch_size=batch_size,
         packing=True,
         packing_timestamps=packing_timestamps,
     )
@@ -583,22 +599,32 @@ def test_streamed_shards_pack_every_sample_once_and_resume_at_a_window(tmp_path)
     tokenizer = english_tokenizer()
     encoder = label_encoder_for(tokenizer)
     written = write_shards(tmp_path / "wds", "webdataset", [5, 4])
-    # A budget of 24 decoder positions holds 2-3 of these "sample N word word" labels.
-    stream = _packed_stream(tmp_path / "wds", encoder)
+    # A budget of 24 decoder positions holds 2-3 of these "sample N word word" labels; a
+    # micro-batch asks for 3 clips: one or two windows (each of at most 3 clips).
+    stream = _packed_stream(tmp_path / "wds", encoder, batch_size=3)
     collate = streaming.StreamCollator(SpeechCollator(tokenizer.pad_token_id))
-    batches = [collate(b) for b in torch.utils.data.DataLoader(stream, 1, collate_fn=list)]
+
+    def micro_batches():
+        loader = torch.utils.data.DataLoader(stream, batch_size=None, collate_fn=collate)
+        return list(loader)
+
+    batches = micro_batches()
     texts = [text for batch in batches for text in batch["texts"]]
     assert 1 < len(texts) < len(written)  # windows, not clips
     assert sorted(t for window in texts for t in _split_samples(window)) == sorted(written)
     for batch in batches:
-        labels = batch["labels"][0]
-        decoded = tokenizer.decode(labels[labels >= 0], skip_special_tokens=True).strip()
-        assert decoded == batch["texts"][0]
-        assert (labels >= 0).sum() <= 24
-    # A resumed worker replays the rows of the windows already trained on, then hands out the
-    # remaining windows exactly as the uninterrupted pass did.
+        clips = [len(_split_samples(text)) for text in batch["texts"]]
+        assert max(clips) <= 3 and abs(sum(clips) - 3) <= max(clips) / 2 or batch is batches[-1]
+        for labels, text in zip(batch["labels"], batch["texts"], strict=True):
+            decoded = tokenizer.decode(labels[labels >= 0], skip_special_tokens=True).strip()
+            assert decoded == text
+            assert (labels >= 0).sum() <= 24
+    # A resumed worker replays the rows of the micro-batches already trained on, then hands
+    # out the remaining ones exactly as the uninterrupted pass did.
     stream.replay_rows = dict(batches[1]["stream_rows"])
-    resumed = [collate(b) for b in torch.utils.data.DataLoader(stream, 1, collate_fn=list)]
+    stream.replay_batches = {0: 2}
+    resumed = micro_batches()
+    assert sum(1 for batch in resumed if batch.get("replayed")) == 2
     rest = [batch["texts"] for batch in resumed if not batch.get("replayed")]
     assert rest == [batch["texts"] for batch in batches[2:]]
 
@@ -613,7 +639,7 @@ def test_a_packed_stream_labels_windows_with_their_clips_times(tmp_path):
     written = write_shards(tmp_path / "wds", "webdataset", [5, 4])
     # 36 positions: 2-3 "sample N word word" clips with their time tokens
     stream = _packed_stream(tmp_path / "wds", encoder, max_label_tokens=36, packing_timestamps=True)
-    windows = [item for _, _, item in stream]
+    windows = [item for micro_batch in stream for _, _, item in micro_batch]
     assert any(len(_split_samples(window["text"])) > 1 for window in windows)
     seen = []
     for window in windows:
@@ -644,15 +670,16 @@ def test_a_packed_stream_resumes_mid_pass_with_the_uninterrupted_losses(
 ):
     from test_streaming import write_shards
 
-    # 2 shards of 40 clips of 0.6 s, one a worker: each worker's pass is 2 windows (33 clips
-    # fill 30 s with their gaps), so a pass is 4 micro-batches of 1 window, and the crash in
-    # step 3 leaves checkpoint-2 in the middle of the first pass.
+    # 2 shards of 40 clips of 0.6 s, one a worker: a micro-batch asks for 33 clips, which fill
+    # one window of 30 s with their gaps, so each worker's pass is 2 micro-batches of a window
+    # (33 clips, then 7), a pass is 4, and the crash in step 3 leaves checkpoint-2 in the
+    # middle of the first pass.
     data = tmp_path / "wds"
     write_shards(data, "webdataset", [40, 40])
     common = {
         "data": str(data),
         "packing": "on",
-        "batch_size": 1,
+        "batch_size": 33,
         "num_workers": 2,
         "shuffle_buffer": 8,
         "max_steps": 5,

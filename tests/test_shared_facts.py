@@ -21,7 +21,7 @@ import soundfile
 from multilingual import make_tiny_multilingual_whisper
 
 import whisper_train
-from whisper_train import audio, runfolder, transcribe
+from whisper_train import audio, runfolder
 from whisper_train.checkdata import check_data, label_encoder_for
 from whisper_train.config import RunConfig
 from whisper_train.data import labels, layouts, screening
@@ -32,6 +32,7 @@ from whisper_train.memory import plan
 from whisper_train.models import is_multilingual, load_model, model_folder
 from whisper_train.training import setup_phases
 from whisper_train.training.recipe import FineTuneRecipe
+from whisper_train.transcription import transcribe
 
 PACKAGE = Path(whisper_train.__file__).parent
 
@@ -173,10 +174,10 @@ def _skipped_by_train(tmp_path: Path, data_path: Path, model: str, **options) ->
     )
     recipe = FineTuneRecipe(config)
     # The sets need the model's labels, not the accelerator.
-    model, _, label_encoder = setup_phases.setup_model_and_labels(recipe.config)
+    model, _, label_encoder = setup_phases.load_model_and_labels(recipe.asked)
     kept = {
         example.origin
-        for example in setup_phases.setup_data(recipe.config, model, label_encoder).train
+        for example in setup_phases.prepare_data(recipe.asked, model, label_encoder).train
     }
     return {example.origin for example in layouts.load_examples(data_path)} - kept
 

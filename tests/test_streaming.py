@@ -117,10 +117,11 @@ def _stream_items(source, label_encoder, *, rank=0, world_size=1, workers=0, epo
         seed=0,
         shuffle_buffer=4,
         max_label_tokens=448,
+        batch_size=2,
     )
     stream.set_epoch(epoch)
     loader = torch.utils.data.DataLoader(
-        stream, batch_size=2, num_workers=workers, collate_fn=lambda triples: triples
+        stream, batch_size=None, num_workers=workers, collate_fn=lambda triples: triples
     )
     return [item for batch in loader for _, _, item in batch]
 
@@ -222,12 +223,17 @@ def test_a_resumed_worker_replays_its_rows_without_decoding(tmp_path, label_enco
         seed=0,
         shuffle_buffer=4,
         max_label_tokens=448,
+        batch_size=2,
     )
     collate = streaming.StreamCollator(SpeechCollator(50256))
-    full = [collate(b) for b in torch.utils.data.DataLoader(stream, 2, collate_fn=list)]
-    stream.replay_rows = {0: 2}
-    resumed = [collate(b) for b in torch.utils.data.DataLoader(stream, 2, collate_fn=list)]
-    assert resumed[0] == {"replayed": True, "stream_rows": {0: 2}, "stream_items": {}}
+
+    def one_pass():
+        return list(torch.utils.data.DataLoader(stream, batch_size=None, collate_fn=collate))
+
+    full = one_pass()
+    stream.replay_rows, stream.replay_batches = {0: 2}, {0: 1}
+    resumed = one_pass()
+    assert resumed[0] == {"replayed": True, "stream_rows": {0: 2}, "stream_batches": {}}
     # Then the rest of the pass as an uninterrupted one has it, and nothing more.
     assert len(full) == len(resumed) == 2
     assert resumed[1]["texts"] == full[1]["texts"]
@@ -238,7 +244,8 @@ def test_a_resumed_packed_stream_with_two_workers_hands_out_the_uninterrupted_ba
     tmp_path, label_encoder, interrupted_after
 ):
     # 22 clips in 4 shards, 2 workers (2 shards each); a label budget of 16 positions packs 2
-    # clips a window, so a worker's rows and the windows it handed out differ in number.
+    # clips a window and a micro-batch asks for 4 clips, so a worker's rows and the
+    # micro-batches it handed out differ in number.
     write_shards(tmp_path / "wds", "webdataset", [6, 5, 6, 5])
     stream = streaming.training_stream(
         streaming.stream_source(tmp_path / "wds"),
@@ -248,22 +255,27 @@ def test_a_resumed_packed_stream_with_two_workers_hands_out_the_uninterrupted_ba
         seed=0,
         shuffle_buffer=4,
         max_label_tokens=16,
+        batch_size=4,
         packing=True,
     )
     collate = streaming.StreamCollator(SpeechCollator(50256))
 
     def one_pass() -> list[dict]:
-        loader = torch.utils.data.DataLoader(stream, 2, num_workers=2, collate_fn=collate)
+        loader = torch.utils.data.DataLoader(
+            stream, batch_size=None, num_workers=2, collate_fn=collate
+        )
         return list(loader)
 
     full = one_pass()
     assert len(full) > interrupted_after + 1 and any(len(b["texts"][0].split()) > 4 for b in full)
     position = streaming.StreamPosition()  # as the training loop keeps it, then saves it
     for batch in full[:interrupted_after]:
-        position.advance(batch["stream_rows"], batch["stream_items"])
-    assert position.rows != position.items  # packed: more rows than windows handed out
-    saved = streaming.StreamPosition.from_dict(json.loads(json.dumps(position.to_dict())))
-    stream.replay_rows, stream.replay_items = saved.rows, saved.items
+        position.advance(batch["stream_rows"], batch["stream_batches"])
+    assert position.rows != position.batches  # packed: more rows than micro-batches
+    saved = streaming.StreamPosition.from_dict(
+        json.loads(json.dumps(position.to_dict())), folder=tmp_path
+    )
+    stream.replay_rows, stream.replay_batches = saved.rows, saved.batches
 
     resumed = [batch for batch in one_pass() if not batch.get("replayed")]
 
@@ -325,9 +337,9 @@ def test_streamed_run_resumes_with_the_uninterrupted_losses(tmp_path, tiny_run_c
 def test_a_packed_stream_with_two_workers_resumes_with_the_uninterrupted_losses(
     tmp_path, tiny_run_config, monkeypatch
 ):
-    # 14 clips of 12 s in 4 shards: two fill a 30 s window, so each of the 2 workers hands out
-    # 4 windows a pass from its 7 rows, in batches of 2: 4 micro-batches a pass. The crash in
-    # step 2 leaves checkpoint-1 after one batch of worker 0: 4 rows, 2 windows.
+    # 14 clips of 12 s in 4 shards: two fill a 30 s window, and a micro-batch asks for 2
+    # clips, so each of the 2 workers hands out 4 micro-batches of a window a pass from its 7
+    # rows. The crash in step 2 leaves checkpoint-1 after one micro-batch of worker 0: 2 rows.
     rng = np.random.default_rng(3)
     long_clips = {
         n: (_encoded(_clip(rng, 16000, seconds=12.0), 16000, "FLAC"), f"long {n} {WORDS[n % 8]}")
@@ -345,7 +357,7 @@ def test_a_packed_stream_with_two_workers_resumes_with_the_uninterrupted_losses(
         with pytest.raises(RuntimeError, match="simulated crash"):
             train(config)
     saved = json.loads((out / "checkpoint-1" / "stream-0.json").read_text())
-    assert saved["rows"] == {"0": 4} and saved["items"] == {"0": 2}
+    assert saved["rows"] == {"0": 2} and saved["batches"] == {"0": 1}
     config.update({"resume": "latest"})
     resumed = train(config)
 

@@ -102,7 +102,7 @@ def test_clean_speech_needs_no_fallback_and_its_logprob_is_the_generate_scores(t
     the mean log-prob `generate_decoded` reports is openai-whisper's, from these very scores:
     sum of log-softmax over the chosen tokens and <|endoftext|>, / (tokens + 1). Beam search
     (scores re-indexed to the kept beam) gives the same figure for the same tokens."""
-    from whisper_train.decoding import generate_decoded
+    from whisper_train.transcription.decoding import generate_decoded
 
     features, token_ids, step_scores, processor = transcribed
     model, _ = load_ct2_whisper(tiny_en_dir())

@@ -10,18 +10,11 @@ import pytest
 import soundfile
 
 from whisper_train.commands import transcribe as transcribe_command
-from whisper_train.decoding import NO_FALLBACK, DecodingOptions
 from whisper_train.errors import UserError
-from whisper_train.transcribe import (
-    CTranslate2Backend,
-    Segment,
-    Transcript,
-    TransformersBackend,
-    to_json,
-    to_srt,
-    to_vtt,
-    transcribe_paths,
-)
+from whisper_train.transcription.backends import CTranslate2Backend, TransformersBackend
+from whisper_train.transcription.decoding import NO_FALLBACK, DecodingOptions
+from whisper_train.transcription.transcribe import transcribe_paths
+from whisper_train.transcription.transcripts import Segment, Transcript, to_json, to_srt, to_vtt
 
 SEGMENTS = [Segment(0.0, 2.5, "Hello there."), Segment(3661.5, 3662.02, "An hour later.")]
 
@@ -113,7 +106,7 @@ def test_faster_whisper_gets_the_fallback_options_and_stays_offline(tiny_en_ct2_
     import socket
 
     from whisper_train.data.synth import synthesize
-    from whisper_train.decoding import NO_FALLBACK
+    from whisper_train.transcription.decoding import NO_FALLBACK
 
     def no_network(*args, **kwargs):
         raise AssertionError(f"network access: {args}")
@@ -159,7 +152,7 @@ def test_transformers_long_form_checks_the_text_compression_ratio(tiny_en_transf
     from unittest import mock
 
     from whisper_train.data.synth import synthesize
-    from whisper_train.evaluation import longform  # where transcribe's generate is called
+    from whisper_train.transcription import longform  # where transcribe's generate is called
 
     backend = TransformersBackend(*tiny_en_transformers)
     model = backend.model

@@ -22,18 +22,14 @@ from tiny_models import make_tiny_whisper, tiny_en_dir
 from whisper_train import cli
 from whisper_train.audio import SAMPLE_RATE
 from whisper_train.data import synth
-from whisper_train.decoding import NO_FALLBACK
 from whisper_train.errors import UserError
 from whisper_train.formats.ct2 import load_ct2_whisper
 from whisper_train.models import load_model
-from whisper_train.transcribe import (
-    Segment,
-    Transcript,
-    TransformersBackend,
-    render,
-    transcribe_paths,
-)
-from whisper_train.word_timestamps import (
+from whisper_train.transcription.backends import TransformersBackend
+from whisper_train.transcription.decoding import NO_FALLBACK
+from whisper_train.transcription.transcribe import transcribe_paths
+from whisper_train.transcription.transcripts import Segment, Transcript, render
+from whisper_train.transcription.word_timestamps import (
     AlignmentExample,
     Word,
     find_alignment_heads,
@@ -278,7 +274,7 @@ def test_every_export_carries_the_alignment_heads(tmp_path):
         PLANTED_HEADS
     )
     pytest.importorskip("whisper")
-    from whisper_train.transcribe import OpenAIWhisperBackend
+    from whisper_train.transcription.backends import OpenAIWhisperBackend
 
     backend = OpenAIWhisperBackend(tmp_path / "openai" / "model.pt")
     assert backend.model.alignment_heads.to_dense().nonzero().tolist() == PLANTED_HEADS

@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from types import ModuleType
 
 from whisper_train import __version__
 from whisper_train.commands import COMMANDS
 from whisper_train.commands.flags import add_config_arguments, config_from_args, metavar
-from whisper_train.errors import UserError
+from whisper_train.errors import AlreadySaid, RunRefused, UserError
 
 # The flag helpers stay importable from here, where callers have always found them.
 __all__ = ["add_config_arguments", "build_parser", "config_from_args", "main"]
@@ -85,8 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries(args.verbose)
     try:
         return int(args.handler(args) or 0)
+    except AlreadySaid:
+        return EXIT_USER_ERROR
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if not (isinstance(exc, RunRefused) and os.environ.get("RANK", "0") != "0"):
+            print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

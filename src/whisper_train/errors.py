@@ -12,6 +12,11 @@ class UserError(Exception):
     """A mistake in the user's input (path, data, flag combination) with a remedy in the text."""
 
 
+class RunRefused(UserError):
+    """A refusal every process of a multi-process run reaches alike (a --resume whose record
+    differs): the first process says it, the others stop without repeating it."""
+
+
 class AudioError(UserError):
     """One clip could not be used. Training skips it (and counts it) unless `--strict`."""
 
@@ -19,3 +24,8 @@ class AudioError(UserError):
         self.path = path
         self.reason = reason
         super().__init__(f"{path}: {reason}")
+
+
+class AlreadySaid(UserError):
+    """A user error a process of the run has printed already (its one line): the launching
+    process adds none of its own, and exits as that process did."""

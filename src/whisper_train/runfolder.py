@@ -66,6 +66,12 @@ def user_cache_dir(name: str) -> Path:
     return Path(root) / name
 
 
+def encoder_cache_dir(flag_value: str | None) -> Path:
+    """The frozen encoder's cache: `--encoder-cache-dir` when given, else `encoder` in the
+    user's whisper-train cache (`user_cache_dir`)."""
+    return Path(flag_value).expanduser() if flag_value else user_cache_dir("encoder")
+
+
 # Complete checkpoints, the leftovers of an interrupted write or replacement, and the later
 # checkpoints a resume set aside.
 _CHECKPOINT_ENTRY = re.compile(

@@ -59,6 +59,10 @@ class TrainResult:
     final_step: int | None = None  # the evaluated step final/ holds
     final_reason: str = ""  # why that step: best WER, within the guard's limit, or the last
     primary_set: str = "eval"  # the evaluation set whose WER picked it
+    # The guard set and the step its WER was held against ({"set", "step"}; None: no guard).
+    guard_start: dict | None = None
+    # The run's record (`config.record.RunRecord.to_dict`): every decision it acted on.
+    record: dict = field(default_factory=dict)
 
     def wer_at(self, step: int | None, eval_set: str | None = None) -> float | None:
         """The WER of `eval_set` (default: the primary set) at `step`, if it was evaluated."""

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import argparse
 
+from whisper_train.errors import UserError
+from whisper_train.runfolder import encoder_cache_dir
+from whisper_train.units import format_bytes
+
 DIR_HELP = (
     "The encoder cache folder, as given to `train --encoder-cache-dir`. Default: "
     "$WHISPER_TRAIN_CACHE/encoder, else $XDG_CACHE_HOME/whisper-train/encoder, else "
@@ -39,10 +43,9 @@ def add_parser(subparsers) -> None:
 
 
 def run_ls(args: argparse.Namespace) -> int:
-    from whisper_train.training.encoder_cache import cache_dir, list_cache
-    from whisper_train.units import format_bytes
+    from whisper_train.training.encoder_cache import list_cache
 
-    root = _existing_root(args.encoder_cache_dir, cache_dir)
+    root = _existing_root(args.encoder_cache_dir)
     entries = list_cache(root)
     print(f"encoder cache: {root}")
     if not entries:
@@ -59,10 +62,9 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def run_clear(args: argparse.Namespace) -> int:
-    from whisper_train.training.encoder_cache import cache_dir, clear_cache
-    from whisper_train.units import format_bytes
+    from whisper_train.training.encoder_cache import clear_cache
 
-    root = _existing_root(args.encoder_cache_dir, cache_dir)
+    root = _existing_root(args.encoder_cache_dir)
     removed = clear_cache(root, key=args.model_key, everything=args.all)
     freed = sum(e.bytes for e in removed)
     keys = ", ".join(e.key for e in removed) or "nothing (the cache is empty)"
@@ -70,12 +72,10 @@ def run_clear(args: argparse.Namespace) -> int:
     return 0
 
 
-def _existing_root(flag_value, cache_dir):
+def _existing_root(flag_value):
     """The cache folder; a --encoder-cache-dir that does not exist is a typo, not an empty
     cache (the default folder may simply not exist yet)."""
-    from whisper_train.errors import UserError
-
-    root = cache_dir(flag_value)
+    root = encoder_cache_dir(flag_value)
     if flag_value and not root.is_dir():
         raise UserError(
             f"--encoder-cache-dir {flag_value}: no such folder; pass the folder given to train"

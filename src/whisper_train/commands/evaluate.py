@@ -1,14 +1,18 @@
 """`whisper-train evaluate`: WER/CER of a model on held-out data, optionally against a baseline
-model (evaluate.py)."""
+model (evaluation.evaluate)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from whisper_train.config import long_form_sets, named_sets
-from whisper_train.evaluation.evaluate import EvalReport, detected_counts, report_paths
 from whisper_train.evaluation.scoring import NORMALIZERS
+from whisper_train.transcription import decoding
+
+if TYPE_CHECKING:
+    from whisper_train.evaluation.evaluate import EvalReport
 
 
 def add_parser(subparsers) -> None:
@@ -92,8 +96,6 @@ def add_parser(subparsers) -> None:
 
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     """--temperatures, --compression-ratio-threshold, --logprob-threshold (evaluate, transcribe)."""
-    from whisper_train import decoding
-
     temperatures = ",".join("0" if t == 0 else str(t) for t in decoding.DEFAULT_TEMPERATURES)
     parser.add_argument(
         "--temperatures",
@@ -115,27 +117,22 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
 
 def decoding_from_args(args: argparse.Namespace):
     """The DecodingOptions the decoding flags ask for (UserError if malformed)."""
-    from whisper_train.decoding import (
-        DecodingOptions,
-        parse_temperatures,
-        parse_threshold,
-    )
-
-    return DecodingOptions(
-        temperatures=parse_temperatures(args.temperatures),
-        compression_ratio_threshold=parse_threshold(
+    return decoding.DecodingOptions(
+        temperatures=decoding.parse_temperatures(args.temperatures),
+        compression_ratio_threshold=decoding.parse_threshold(
             args.compression_ratio_threshold, "--compression-ratio-threshold"
         ),
-        logprob_threshold=parse_threshold(args.logprob_threshold, "--logprob-threshold"),
+        logprob_threshold=decoding.parse_threshold(args.logprob_threshold, "--logprob-threshold"),
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """Prints WER/CER (the model's as soon as it is scored, then the baseline's) and where the
     reports went; `evaluate` writes report.json (+ .md/.png with --baseline)."""
-    from whisper_train.evaluation.evaluate import evaluate
+    # The library, imported when the command runs: --help need not load matplotlib and more.
+    from whisper_train.evaluation.evaluate import evaluate, report_paths
 
-    decoding = decoding_from_args(args)
+    decoding_options = decoding_from_args(args)
 
     def show(role: str, report: EvalReport) -> None:
         if role == "baseline":
@@ -172,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
             beam_size=args.beam_size,
             max_length=args.max_length,
             on_report=show,
-            decoding=decoding,
+            decoding=decoding_options,
             long_form=name in long_form,
             condition_on_previous_text=args.condition_on_previous_text,
         )
@@ -190,7 +187,7 @@ def _print_scores(name: str, report: EvalReport) -> None:
         f"(orthographic WER {100 * s.orthographic_wer:.2f}%, n={s.n}, "
         f"normalizer {report.normalizer})"
     )
-    if counts := detected_counts(report.decoded):
+    if counts := report.detected_languages:
         detected = ", ".join(f"{code} {n}" for code, n in counts.items())
         identified = report.language_id
         accuracy = (

@@ -1,17 +1,13 @@
 """`whisper-train export`: merge LoRA, save for transformers, faster-whisper, whisper.cpp or
-openai-whisper, and prove it transcribes as its source does in that runtime (export.py)."""
+openai-whisper, and prove it transcribes as its source does in that runtime (deploy.export)."""
 
 from __future__ import annotations
 
 import argparse
 
-from whisper_train.deploy.export import (
-    ALIGNMENT_CLIPS,
-    CHECK_CLIPS,
-    DEVICES,
-    EXPORT_QUANTIZATIONS,
-    FORMATS,
-)
+from whisper_train.deploy.parity import CHECK_CLIPS, ExportParityError
+from whisper_train.formats.registry import DEFAULT_FORMAT, DEVICES, EXPORT_QUANTIZATIONS, FORMATS
+from whisper_train.transcription.word_timestamps import ALIGNMENT_CLIPS
 
 
 def add_parser(subparsers) -> None:
@@ -26,7 +22,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--format",
         choices=FORMATS,
-        default="hf",
+        default=DEFAULT_FORMAT,
         help="hf (transformers), ct2 (CTranslate2 / faster-whisper), ggml (whisper.cpp "
         "ggml-model.bin) or openai (openai-whisper model.pt) [default: hf].",
     )
@@ -89,7 +85,7 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     """0: exported and checked; 1: exported but the check failed; 2: a usage error (a missing
     runtime client included)."""
-    from whisper_train.deploy.export import ExportParityError, export_model
+    from whisper_train.deploy.export import export_model  # here: --help need not load peft
 
     try:
         result = export_model(

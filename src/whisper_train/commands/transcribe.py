@@ -1,5 +1,5 @@
 """`whisper-train transcribe`: recordings of any length to txt, srt, vtt or json
-(transcribe.py)."""
+(transcription.transcribe)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from whisper_train.commands.evaluate import add_decoding_arguments, decoding_from_args
-from whisper_train.transcribe import FORMATS
+from whisper_train.transcription.transcripts import FORMATS, render
 
 
 def add_parser(subparsers) -> None:
@@ -58,7 +58,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """0: all transcribed; 1: some recordings failed; 2: none could be transcribed."""
-    from whisper_train.transcribe import render, transcribe_paths
+    from whisper_train.transcription.transcribe import transcribe_paths  # loads every runtime
 
     results = transcribe_paths(
         args.model,

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-MODES = ("full", "lora", "freeze-encoder")
+from whisper_train.choices import MODES, OPTIMIZERS, PACKING_AUTO, TASKS  # noqa: F401
+
 # Each mode's learning rate when --learning-rate is not given, from sweeps on tiny.en scored on
 # held-out voices and on real speech no run trained on (BENCHMARKS.md "Learning rates"). Full:
 # 2e-5 for the decoder and 5e-5 for the encoder (`ENCODER_LR_SCALES`), not the HF blog's 1e-5
@@ -41,12 +42,9 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 SCHEDULERS = ("linear", "constant_with_warmup")
-OPTIMIZERS = ("adamw", "adamw-fused", "adamw8bit")
-TASKS = ("transcribe", "translate")
-# --packing per-clip: packed windows whose clips are decoded one by one; auto (the default):
-# per-clip wherever it can run, else off (`RunConfig.validate` decides).
-PER_CLIP = "per-clip"
-PACKING_AUTO = "auto"
+# Points of guard-set WER a chosen step may lose against the start, when --guard is given and
+# --max-regression is not: a default picked by judgement, not measured.
+DEFAULT_MAX_REGRESSION = 2.0
 # --report-to: where the metrics rows go besides metrics.jsonl (whisper_train.trackers).
 TRACKERS = ("tensorboard", "mlflow", "wandb", "none")
 
@@ -235,8 +233,9 @@ class MemoryConfig:
     )
     compile: bool | None = _help(
         "torch.compile the model (default: on a CUDA GPU for runs of 2,000 optimizer steps or "
-        "more, where its ~35 s of compiling pays back; BENCHMARKS.md 'Compiled, and data "
-        "workers').",
+        "more, where its ~35 s of compiling pays back, BENCHMARKS.md 'Compiled, and data "
+        "workers'; not with per-clip packing, the default, nor --fsdp or activation offload, "
+        "which it has not been run with: the start line says when it stays off).",
         default=None,
     )
 
@@ -249,11 +248,17 @@ class TrainConfig:
     epochs: float | None = _help("Passes over the training data (default 3).", default=None)
     max_steps: int | None = _help("Optimizer steps; overrides --epochs.", default=None)
     batch_size: int = _help(
-        "Clips per micro-batch (per process). Packed read-whole data takes as many 30 s "
-        "windows as hold about this many clips (at least one); a packed stream counts windows.",
+        "Clips per micro-batch (per process): an optimizer step trains --batch-size x "
+        "--gradient-accumulation x processes clips, packed or not. Packed, a micro-batch is "
+        "the whole windows that hold about this many clips (at least one), and no window holds "
+        "more clips than a step; the start line says how a step is split.",
         default=8,
     )
-    gradient_accumulation: int = _help("Micro-batches per optimizer step.", default=1)
+    gradient_accumulation: int = _help(
+        "Micro-batches per optimizer step (packed: the step's clips are as asked, its "
+        "micro-batches as many as its windows need).",
+        default=1,
+    )
     learning_rate: float | None = _help(
         "Peak learning rate: default 1.5e-4 for lora (on every linear layer it kept real speech "
         "no run trained on at tiny.en's WER, 3e-4 cost 1.6 points), 3e-5 for freeze-encoder; "

@@ -13,13 +13,13 @@ from typing import Any
 
 import yaml
 
+from whisper_train.choices import PER_CLIP
 from whisper_train.config.options import (
     ENCODER_LR_SCALES,
     GROUPS,
     MODES,
     OPTIMIZERS,
     PACKING_AUTO,
-    PER_CLIP,
     PRECISIONS,
     SCHEDULERS,
     TASKS,
@@ -28,14 +28,11 @@ from whisper_train.config.options import (
     MemoryConfig,
     ModelConfig,
     TrainConfig,
-    default_learning_rate,
     field_owners,
 )
 from whisper_train.config.values import (
     coerce,
-    long_form_sets,
     named_paths,
-    named_sets,
     on_off,
     one_of,
     read_yaml,
@@ -43,6 +40,10 @@ from whisper_train.config.values import (
 )
 from whisper_train.errors import UserError
 from whisper_train.units import parse_bytes
+
+# The section of whisper-train.yaml that holds what the run did (`config.record`), beside the
+# options it was asked: read back on --resume, skipped when the file is given as --config.
+RECORD_KEY = "record"
 
 
 def is_checkpoint_policy(policy: str) -> bool:
@@ -61,12 +62,6 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    # Not an option: the trained model's width (d_model), set by the recipe once the model is
-    # loaded, on which full fine-tuning's default learning rate depends (`learning_rate`).
-    model_width: int | None = None
-    # Not an option: whether `validate` chose --packing from auto (the default), so that a
-    # --resume may take the checkpoint's packing instead (`training.resume`).
-    packing_auto: bool = False
 
     # -- building -------------------------------------------------------------------------
     @classmethod
@@ -81,6 +76,8 @@ class RunConfig:
         owners = field_owners()
         for key, value in values.items():
             key = key.replace("-", "_")
+            if key == RECORD_KEY:  # what a run did (whisper-train.yaml): not an option
+                continue
             if key in GROUPS and isinstance(value, dict):
                 group = getattr(self, key)
                 for sub, sub_value in value.items():
@@ -125,14 +122,14 @@ class RunConfig:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
-    def to_saved_yaml(self) -> str:
-        """The run's record (OUTPUT/whisper-train.yaml, each checkpoint's copy): `to_yaml` less
-        the one-shot actions --resume and --overwrite, which describe how this invocation
-        began, not the run. The resume command the tool prints (`--config` that file plus
-        `--resume`) then works whatever flags the first invocation had."""
+    def run_options(self) -> dict[str, dict[str, Any]]:
+        """The options of the run, as asked: `to_dict` less the one-shot actions --resume and
+        --overwrite, which describe how this invocation began, not the run. Written at the top
+        of whisper-train.yaml (`RunRecord.to_yaml`), so the resume command the tool prints
+        (`--config` that file plus `--resume`) works whatever flags the first invocation had."""
         values = self.to_dict()
         values["train"].update(resume=None, overwrite=False)
-        return yaml.safe_dump(values, sort_keys=False)
+        return values
 
     # -- the one place that validates -----------------------------------------------------
     def validate(self) -> RunConfig:
@@ -200,23 +197,20 @@ class RunConfig:
         ):
             require_positive(flag, value)
         d.packing = on_off("--packing", d.packing, PER_CLIP, PACKING_AUTO)
-        if d.packing == PACKING_AUTO:
-            self.packing_auto = True
-            d.packing = PER_CLIP if self.packing_refusal(PER_CLIP) is None else "off"
         d.packing_timestamps = on_off("--packing-timestamps", d.packing_timestamps)
         if d.packing_timestamps == "on" and d.packing != "on":
             raise UserError(
                 "--packing-timestamps on labels joined packed windows: add --packing on, or drop "
                 "--packing-timestamps"
             )
-        if self.packing_on and t.group_by_length:
+        if d.packing in ("on", PER_CLIP) and t.group_by_length:
             raise UserError(
                 f"--group-by-length with --packing {d.packing}: packed windows are batched as "
                 "they are planned; drop one of them"
             )
         self._validate_per_clip()
         self._validate_stream()
-        if self.packing_on and self.cache_encoder:
+        if d.packing in ("on", PER_CLIP) and self.cache_encoder:
             raise UserError(
                 f"--packing {d.packing} with the frozen encoder's cache: the cache keeps each clip's "
                 "encoder output, and packed windows are drawn anew every epoch, so none would "
@@ -244,7 +238,7 @@ class RunConfig:
         if not m.lora_targets:
             raise UserError("--lora-targets: name at least one module, e.g. q_proj,v_proj")
         self._validate_eval_sets()
-        self.decoding_options()  # malformed --temperatures or thresholds: one line, now
+        _validate_decoding(t)
         return self
 
     def _validate_numbers(self) -> None:
@@ -284,12 +278,11 @@ class RunConfig:
         ):
             if value is not None and not (math.isfinite(value) and in_range(value)):
                 raise UserError(f"{flag} {value:g}: expected {accepted}")
-        if t.learning_rate is not None and not math.isfinite(
-            t.learning_rate * self.encoder_lr_scale
-        ):
+        scale = t.encoder_lr_scale if t.encoder_lr_scale is not None else ENCODER_LR_SCALES[m.mode]
+        if t.learning_rate is not None and not math.isfinite(t.learning_rate * scale):
             raise UserError(
                 f"--learning-rate {t.learning_rate:g} x --encoder-lr-scale "
-                f"{self.encoder_lr_scale:g}: the encoder's rate is past float range; lower one"
+                f"{scale:g}: the encoder's rate is past float range; lower one"
             )
         for flag, value in (("--warmup-steps", t.warmup_steps), ("--num-workers", t.num_workers)):
             if value is not None and value < 0:
@@ -400,35 +393,28 @@ class RunConfig:
         d = self.data
         return stream_source(d.data, data_format=d.data_format, streaming=d.streaming)
 
-    def decoding_options(self):
-        """The `decoding.DecodingOptions` of evaluation during training."""
-        # Imported here: decoding needs torch, and `import whisper_train.config` stays light.
-        from whisper_train.decoding import (
-            DecodingOptions,
-            parse_temperatures,
-            parse_threshold,
-        )
-
-        t = self.train
-        return DecodingOptions(
-            temperatures=parse_temperatures(t.temperatures),
-            compression_ratio_threshold=parse_threshold(
-                t.compression_ratio_threshold, "--compression-ratio-threshold"
-            ),
-            logprob_threshold=parse_threshold(t.logprob_threshold, "--logprob-threshold"),
-        )
-
     def _validate_eval_sets(self) -> None:
-        t = self.train
-        names = list(self.eval_sets()) or ["eval"]  # a split of --data is named "eval"
-        for flag, name in (("--metric-for-best", t.metric_for_best), ("--guard", t.guard)):
-            if name is not None and name not in names:
+        d, t = self.data, self.train
+        if t.guard is not None and t.only_train:
+            raise UserError("--guard needs evaluation: drop --only-train")
+        names = list(self.eval_sets())
+        if not names and not t.only_train and d.eval_split > 0:
+            names = ["eval"]  # a split of --data is named "eval"
+        for flag, name in (
+            ("--metric-for-best", t.metric_for_best),
+            ("--guard", t.guard),
+            ("--compare-baseline", "a set" if t.compare_baseline else None),
+        ):
+            if name is not None and not names:
+                raise UserError(
+                    f"{flag} needs an evaluation set, and this run has none: add --eval-data "
+                    "NAME=PATH" + (" (or an --eval-split above 0)" if d.eval_split == 0 else "")
+                )
+            if name is not None and flag != "--compare-baseline" and name not in names:
                 raise UserError(
                     f"{flag} {name}: no evaluation set of that name; the sets are "
                     f"{', '.join(names)} (name them with --eval-data NAME=PATH)"
                 )
-        if t.guard is not None and t.only_train:
-            raise UserError("--guard needs evaluation: drop --only-train")
         if t.guard is not None and len(names) < 2:
             raise UserError(
                 f"--guard {t.guard}: it needs another set to pick the best step by; add "
@@ -443,81 +429,6 @@ class RunConfig:
         """{name: path} of --eval-data, in the order given (empty: split --data instead)."""
         return named_paths(self.data.eval_data or [], "--eval-data")
 
-    def eval_set_language(self, name: str) -> str | None:
-        """The language evaluation set `name` is decoded in where its rows state none: its
-        NAME:LANG, else --language for the split of --data (the training speech), else None
-        (detected per clip)."""
-        sets = named_sets(self.data.eval_data or [], "--eval-data")
-        if name in sets:
-            return sets[name][1]
-        return self.data.language
-
-    def eval_set_long_form(self, name: str) -> bool:
-        """Whether evaluation set `name` is long recordings (NAME:long=PATH), decoded whole."""
-        return name in long_form_sets(self.data.eval_data or [], "--eval-data")
-
-    @property
-    def primary_eval_set(self) -> str:
-        """The set whose WER picks the best step (and is the run's reported WER)."""
-        if self.train.metric_for_best:
-            return self.train.metric_for_best
-        names = [n for n in self.eval_sets() if n != self.train.guard]
-        return names[0] if names else "eval"
-
-    # -- resolved defaults ---------------------------------------------------------------
-    @property
-    def learning_rate(self) -> float:
-        if self.train.learning_rate is not None:
-            return self.train.learning_rate
-        return self.default_learning_rate
-
-    @property
-    def encoder_lr_scale(self) -> float:
-        """The encoder's learning rate over `learning_rate` (the rest of the model's)."""
-        if self.train.encoder_lr_scale is not None:
-            return self.train.encoder_lr_scale
-        return ENCODER_LR_SCALES[self.model.mode]
-
-    @property
-    def default_learning_rate(self) -> float:
-        """The mode's rate when --learning-rate is not given (for full fine-tuning, the
-        model's width's once `model_width` is known)."""
-        return default_learning_rate(self.model.mode, self.model_width)
-
-    def lora_settings(self):
-        """The adapters of --mode lora (`memory.LoraSettings`), None for the other modes. With
-        the encoder's outputs cached they go on the decoder only: the cache computes each clip's
-        encoder output once, without gradient, so adapters inside the encoder would never train
-        (trainable parameters that never get a gradient: under --nproc, DDP stopped at step 2)."""
-        # Imported here: checkpointing needs torch, and `import whisper_train.config` stays light.
-        from whisper_train.memory.checkpointing import LoraSettings
-
-        m = self.model
-        if m.mode != "lora":
-            return None
-        return LoraSettings(
-            r=m.lora_r,
-            alpha=m.lora_alpha,
-            dropout=m.lora_dropout,
-            targets=tuple(m.lora_targets),
-            decoder_only=self.cache_encoder,
-        )
-
-    @property
-    def packing_on(self) -> bool:
-        """Whether training clips are packed into 30 s windows (`packing` on or per-clip)."""
-        return self.data.packing in ("on", PER_CLIP)
-
-    @property
-    def packing_per_clip(self) -> bool:
-        """Whether a packed window's clips are decoded one by one (`memory.clip_attention`)."""
-        return self.data.packing == PER_CLIP
-
-    @property
-    def packing_timestamps_on(self) -> bool:
-        """Whether packed windows of 2+ clips always carry timestamps (`packing_timestamps`)."""
-        return self.packing_on and self.data.packing_timestamps == "on"
-
     @property
     def cache_encoder(self) -> bool:
         if self.memory.cache_encoder is not None:
@@ -528,3 +439,12 @@ class RunConfig:
             and not (self.data.audio_augment or self.data.spec_augment)
             and self.stream_source() is None
         )
+
+
+def _validate_decoding(t: TrainConfig) -> None:
+    """Malformed --temperatures or thresholds: one line, before anything loads."""
+    from whisper_train.transcription.decoding import parse_temperatures, parse_threshold
+
+    parse_temperatures(t.temperatures)
+    parse_threshold(t.compression_ratio_threshold, "--compression-ratio-threshold")
+    parse_threshold(t.logprob_threshold, "--logprob-threshold")

@@ -24,12 +24,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from whisper_train.audio import CHUNK_LENGTH
+from whisper_train.choices import TASKS
 from whisper_train.errors import UserError
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-TASKS = ("transcribe", "translate")
 # Whisper's time tokens step in 20 ms (one encoder position is 2 mel frames of 10 ms) and
 # cover one 30 s window (`audio.CHUNK_LENGTH`): <|0.00|> ... <|30.00|>, 1501 tokens.
 TIME_PRECISION = 0.02

@@ -225,8 +225,8 @@ LAYOUTS: dict[str, Layout] = {
     )
 }
 
-# A hub id: `name` or `owner/name`, optionally `:config` and `:split`.
-_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?(:[\w.-]*){0,2}$")
+# A hub dataset id: `name` or `owner/name`, optionally `:config` and `:split`.
+HUB_DATASET_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?(:[\w.-]*){0,2}$")
 
 
 def _split_suffix(path: str) -> tuple[Path, str | None]:
@@ -254,7 +254,7 @@ def load_examples(path: str | os.PathLike, *, data_format: str | None = None) ->
         text = str(path)
         if (
             data_format in (None, "hf")
-            and _HUB_ID.match(text)
+            and HUB_DATASET_ID.match(text)
             and not text.endswith((".jsonl", ".jsonl.gz", ".json", ".csv", ".tsv"))
         ):
             return _non_empty(text, read_hf_hub(text))

@@ -91,6 +91,7 @@ def plan_windows(
     gap_seconds: float = DEFAULT_GAP_SECONDS,
     timestamp_tokens: int = 0,
     padding_stride: int = 0,
+    max_clips: int | None = None,
 ) -> list[tuple[int, ...]]:
     """The windows of one epoch: tuples of clip indices (in their order in the window).
 
@@ -99,7 +100,9 @@ def plan_windows(
     positions (`labels.label_positions`); its audio, the clips plus a gap between each two, at
     most `max_seconds`; with a `padding_stride`, each clip's own padding after it counts too
     (`own_padding_seconds`). A clip too long for either alone still gets a window of its own
-    (screening has already dropped clips over 30 s and labels over the limit).
+    (screening has already dropped clips over 30 s and labels over the limit). With
+    `max_clips`, no window holds more clips than that: the clips a step asks for
+    (`step_plan`), so that a step of few clips is not one window of many.
     Every clip is in exactly one window; windows are returned in a seeded random order.
     """
     rng = random.Random(f"{seed}:{epoch}:packing")
@@ -112,7 +115,7 @@ def plan_windows(
         clip = clips[index]
         body = clip.text_tokens + timestamp_tokens
         footprint = clip.seconds + own_padding_seconds(clip.seconds, padding_stride)
-        if clip.whole:
+        if clip.whole or max_clips == 1:
             windows.append([index])
             continue
         candidates = open_windows.setdefault(clip.language, [])
@@ -125,6 +128,9 @@ def plan_windows(
                 members.append(index)
                 window[1] = seconds + gap_seconds + footprint
                 window[2] = used + body
+                if max_clips is not None and len(members) >= max_clips:  # full: closed now
+                    windows.append(members)
+                    candidates.remove(window)
                 break
         else:
             candidates.append([[index], footprint, body])

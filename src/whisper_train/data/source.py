@@ -1,67 +1,54 @@
 """The training data, whatever its layout: one interface for the recipe's step loop.
 
-    data = build_training_data(...)      # WholeData (read whole, packed or not) or StreamData
-    data.batches_per_epoch               # micro-batches of an epoch on each process (None: unknown)
+    plan = plan_training_data(...)       # WholePlan (read whole) or StreamPlan: every epoch's
+                                         #   steps, made before the run's record
+    data = open_training_data(plan, ...) # WholeData or StreamData: their loader
+    data.steps_per_epoch                 # None: a stream not counted yet
     for micro_batches in data.steps(state):   # one optimizer step's micro-batches, in host memory
         ...
-    data.restore(folder, state, reader)  # after --resume: continue exactly where the run was
+    data.restore(state, ...)             # after --resume: continue exactly where the run was
     data.saved_position()                # what a checkpoint keeps beside TrainerState
 
 Equal micro-batches on every process is owned here: a multi-process step all-reduces the loss's
 token count and DDP all-reduces the gradients, so every process must run the same number of
 micro-batches per step and per epoch, whatever its share of the data (and evaluation splits its
-sets the same way, `evaluation_loader`). `shard_batches` gives each
-process every N-th global batch and pads the shorter shares with empty micro-batches, which the
-step loop runs with zero weight (`stand_in_batch`): nothing is read twice to even the shares out,
-and every clip is seen exactly once per epoch.
+sets the same way, `evaluation_loader`). Data read whole is planned step by step for all the
+processes at once (`step_plan`): each takes its micro-batches of every step, the shorter shares
+padded with empty ones, which the step loop runs with zero weight (`stand_in_batch`): nothing is
+read twice to even the shares out, and every clip is seen exactly once per epoch. A stream has
+no plan of the whole: each worker of each process makes its own micro-batches of about
+--batch-size clips, and a step takes --gradient-accumulation of them on every process.
 
-Items are built one way (`features.SpeechDataset`); the batch plan of an epoch (shuffled order,
-length groups, or packed windows) is a pure function of (seed, epoch), computed in the main
-process, and each index handed to a loader worker carries its epoch: augmentation and timestamp
-draws are a function of (seed, epoch, clip) with 0 or N workers, persistent or not, and after a
-resume.
+Items are built one way (`features.SpeechDataset`); an epoch's plan (shuffled order, length
+groups, or packed windows) is a pure function of (seed, epoch, the clips a step asks for),
+computed in the main process, and each index handed to a loader worker carries its epoch:
+augmentation and timestamp draws are a function of (seed, epoch, clip) with 0 or N workers,
+persistent or not, and after a resume.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
+from accelerate.utils import reduce
 from torch.utils.data import DataLoader, Sampler
 
+from whisper_train.choices import PER_CLIP
 from whisper_train.data import packing as packing_module
 from whisper_train.data import prompts, streaming
 from whisper_train.data.collate import IGNORE_INDEX
 from whisper_train.data.examples import Example, Skip
 from whisper_train.data.features import SpeechDataset
-from whisper_train.data.labels import MAX_DECODER_TOKENS, body_length
-
-# Re-exported: how the data is split over processes and reaches the device (`data.loaders`).
-from whisper_train.data.loaders import (  # noqa: F401
-    CUDA_DATA_WORKERS,
-    default_num_workers,
-    evaluation_loader,
-    pins_memory,
-    shard_batches,
-)
+from whisper_train.data.labels import body_length
+from whisper_train.data.loaders import pins_memory
 from whisper_train.data.screening import read_audio_seconds, summarize_skips
+from whisper_train.data.step_plan import Packing, WholePlan, decode_clips, encode_clips
+from whisper_train.data.streaming import StreamData, StreamPlan
 from whisper_train.errors import AudioError, UserError
 from whisper_train.runlog import say
-
-
-def group_steps(micro_batches: Iterable[dict], accumulation: int) -> Iterator[list[dict]]:
-    """Consecutive micro-batches in groups of `accumulation` (the last one may be shorter)."""
-    step: list[dict] = []
-    for batch in micro_batches:
-        step.append(batch)
-        if len(step) == accumulation:
-            yield step
-            step = []
-    if step:
-        yield step
 
 
 def stand_in_batch(
@@ -92,9 +79,9 @@ def stand_in_batch(
 
 
 class _PlannedBatches(Sampler[list]):
-    """The batch sampler of the training loader: the current epoch's micro-batches of this
-    process, set by `WholeData` before each pass (in the main process, so workers never hold
-    a stale plan)."""
+    """The batch sampler of the training loader: this process's micro-batches of the steps
+    left in the current epoch, set by `WholeData` before each pass (in the main process, so
+    workers never hold a stale plan)."""
 
     def __init__(self):
         self.batches: list[list] = []
@@ -107,40 +94,25 @@ class _PlannedBatches(Sampler[list]):
 
 
 class WholeData:
-    """Training data read whole (`data.load_examples` layouts): shuffled by (seed + epoch),
-    grouped by label length, or packed into 30 s windows (`packing`), sharded by
-    `shard_batches`."""
+    """Training data read whole (`data.load_examples` layouts), its steps planned by a
+    `step_plan.WholePlan`: this process's micro-batches of each step, read by one loader."""
 
     def __init__(
         self,
+        plan: WholePlan,
         dataset: SpeechDataset,
         collate: Callable,
         *,
         accelerator,
-        batch_size: int,
-        accumulation: int,
-        seed: int,
         num_workers: int,
         data_spec: str,
-        label_lengths: Sequence[int] | None = None,
-        clip_sizes: Sequence[packing_module.ClipSize] | None = None,
-        prefix_tokens: int = 0,
-        timestamp_tokens: int = 0,
-        max_tokens: int = MAX_DECODER_TOKENS,
         strict: bool = False,
     ):
+        self.plan = plan
         self.dataset = dataset
         self.strict = strict
         self.accelerator = accelerator
-        self.batch_size = batch_size
-        self.accumulation = accumulation
-        self.seed = seed
         self.data_spec = data_spec
-        self.label_lengths = label_lengths  # --group-by-length
-        self.clip_sizes = clip_sizes  # --packing on
-        self.prefix_tokens = prefix_tokens
-        self.timestamp_tokens = timestamp_tokens
-        self.max_tokens = max_tokens
         self.sampler = _PlannedBatches()
         self.loader = DataLoader(
             dataset,
@@ -151,7 +123,7 @@ class WholeData:
             # global RNG, whose state a checkpoint restores for dropout (a resumed run must
             # draw what the uninterrupted one drew). Every random draw of an item is seeded by
             # (seed, epoch, clip) anyway.
-            generator=torch.Generator().manual_seed(seed),
+            generator=torch.Generator().manual_seed(plan.seed),
             persistent_workers=num_workers > 0,
             prefetch_factor=4 if num_workers > 0 else None,
             pin_memory=pins_memory(accelerator),
@@ -160,92 +132,49 @@ class WholeData:
         # they were first met in, and at the end of the run.
         self.clip_skips: dict[str, Skip] = {}
         self.reported_skips = 0
-        # Packed, --batch-size counts clips: a micro-batch takes the windows that hold about
-        # that many (from the first epoch's plan, fixed for the run: every epoch's steps carry
-        # the clips a step of the recipe was measured with, whatever the clips' lengths).
-        self.windows_per_batch = batch_size
-        if clip_sizes is not None:
-            self.windows_per_batch = packing_module.windows_per_batch(batch_size, self.windows(0))
-        self.batches_per_epoch = len(self.process_batches(0))
-
-    # -- the plan of an epoch -------------------------------------------------------------
-    def windows(self, epoch: int) -> list[tuple[int, ...]]:
-        """The packed windows of `epoch` (clip indices), the same on every process."""
-        return packing_module.plan_windows(
-            self.clip_sizes,
-            seed=self.seed,
-            epoch=epoch,
-            prefix_tokens=self.prefix_tokens,
-            max_tokens=self.max_tokens,
-            gap_seconds=self.dataset.gap_seconds,
-            timestamp_tokens=self.timestamp_tokens,
-            padding_stride=self.dataset.padding_stride,
-        )
-
-    def global_batches(self, epoch: int) -> list[list]:
-        """Every micro-batch of `epoch` across the processes, in order; an item is
-        (epoch, clip index) or (epoch, window of clip indices)."""
-        size = self.batch_size
-        if self.clip_sizes is not None:
-            size = self.windows_per_batch
-            items: list = self.windows(epoch)
-        elif self.label_lengths is not None:
-            from whisper_train.data.sampling import LengthGroupedBatchSampler
-
-            grouped = LengthGroupedBatchSampler(self.label_lengths, size, seed=self.seed)
-            grouped.set_epoch(epoch)
-            return [[(epoch, i) for i in batch] for batch in grouped]
-        else:
-            # The order of any epoch is known without replaying the ones before it: that of a
-            # shuffling DataLoader whose generator is seeded (seed + epoch), which draws its
-            # workers' base seed from it first, as whisper-train's orders always were.
-            generator = torch.Generator().manual_seed(self.seed + epoch)
-            torch.empty((), dtype=torch.int64).random_(generator=generator)
-            items = torch.randperm(len(self.dataset), generator=generator).tolist()
-        return [[(epoch, item) for item in items[i : i + size]] for i in range(0, len(items), size)]
-
-    def process_batches(self, epoch: int) -> list[list]:
-        a = self.accelerator
-        return shard_batches(self.global_batches(epoch), a.process_index, a.num_processes)
+        self.steps_per_epoch = plan.steps_per_epoch
 
     # -- the loop ---------------------------------------------------------------------------
     def steps(self, state) -> Iterator[list[dict]]:
-        """Optimizer steps without end: each a list of up to `accumulation` micro-batches in
-        host memory, from `state`'s place (epoch, micro-batches into it). `state` is kept
+        """Optimizer steps without end, each this process's micro-batches in host memory, from
+        `state`'s place (epoch, steps into it, clips a re-plan left out of it), which is kept
         current. The step loop moves each micro-batch to the device as it runs it, so one
-        micro-batch's inputs are on the device at a time whatever the accumulation (the memory
-        plan counts one)."""
-        epoch = state.epoch
-        skip = state.batches_in_epoch
+        micro-batch's inputs are on the device at a time (the memory plan counts one)."""
         while True:
-            yield from group_steps(self._epoch_batches(epoch, skip, state), self.accumulation)
-            epoch, skip = epoch + 1, 0
+            yield from self._epoch_steps(state)
+            state.epoch, state.steps_in_epoch, state.trained_before_replan = state.epoch + 1, 0, ""
 
-    def _epoch_batches(self, epoch: int, skip: int, state) -> Iterator[dict]:
+    def _epoch_steps(self, state) -> Iterator[list[dict]]:
         accelerator = self.accelerator
-        state.epoch, state.batches_in_epoch = epoch, skip
-        self.sampler.batches = self.process_batches(epoch)[skip:]
-        usable = 0
-        for batch in self.loader:
-            state.batches_in_epoch += 1
-            usable += batch["size"]
-            for item in batch["skipped"]:
-                self.clip_skips.setdefault(item.origin, item)
-            yield batch
-        # Every process ends its epoch here (equal micro-batches): one verdict for all of them.
+        rank = accelerator.process_index
+        steps = self.plan.steps(state.epoch, exclude=decode_clips(state.trained_before_replan))
+        left = [step[rank] for step in steps[state.steps_in_epoch :]]
+        # Each item carries its epoch to the loader workers (`SpeechDataset.__getitem__`).
+        epoch = state.epoch
+        self.sampler.batches = [
+            [(epoch, item) for item in batch] for share in left for batch in share
+        ]
+        batches, usable = iter(self.loader), 0
+        for share in left:
+            micro_batches = [next(batches) for _ in share]
+            for batch in micro_batches:
+                usable += batch["size"]
+                for item in batch["skipped"]:
+                    self.clip_skips.setdefault(item.origin, item)
+            state.steps_in_epoch += 1
+            yield micro_batches
+        # Every process ends its epoch here (the same steps): one verdict for all of them.
         if accelerator.num_processes > 1:
             total = torch.tensor([usable], device=accelerator.device)
-            usable = int(accelerator.reduce(total, reduction="sum").item())
-        if usable == 0 and not skip:
-            where = (
-                f" on process {accelerator.process_index}" if accelerator.num_processes > 1 else ""
-            )
+            usable = int(reduce(total, reduction="sum").item())
+        if usable == 0 and len(left) == len(steps):
+            where = f" on process {rank}" if accelerator.num_processes > 1 else ""
             raise UserError(
                 f"--data {self.data_spec}: no usable training utterances in a whole epoch "
                 f"({len(self.clip_skips)} skipped{where}: {self._skip_reasons()}); run "
                 "`whisper-train check-data` on it"
             )
-        self.report_skips(f"epoch {epoch}")
+        self.report_skips(f"epoch {state.epoch}")
 
     def _skip_reasons(self) -> str:
         counts = Counter(item.reason for item in self.clip_skips.values())
@@ -265,184 +194,45 @@ class WholeData:
 
     # -- checkpoints ------------------------------------------------------------------------
     def saved_position(self) -> dict | None:
-        return None  # (epoch, micro-batches into it) is in the TrainerState
+        return None  # (epoch, steps into it, clips left out) is in the TrainerState
 
-    def restore(self, folder, state, read_stream_position: Callable[[Path, int], dict]) -> str:
-        """Continue where `state` says (a stream's saved place is not needed here)."""
-        return f"epoch {state.epoch}, {state.batches_in_epoch} batches into it"
-
-    def describe(self) -> str:
-        text = f"{len(self.dataset)} training utterances"
-        if self.clip_sizes is not None:
-            windows = self.windows(0)
-            fill = packing_module.fill_ratio(self.clip_sizes, windows)
-            decoded = "each clip decoded on its own, " if self.dataset.per_clip else ""
-            per_batch = self.windows_per_batch
-            clips = per_batch * sum(len(window) for window in windows) / len(windows)
-            text += (
-                f", packed into {len(windows)} windows of <= 30 s (speech "
-                f"{100 * fill:.0f}% of the encoder's input; {decoded}{per_batch} a micro-batch, "
-                f"~{clips:.1f} clips; --packing off trains them one by one)"
-            )
-        if not self.strict:
-            text += (
-                " (training audio is checked as each clip is read; `whisper-train check-data` "
-                "checks it all first)"
-            )
-        return text
-
-
-class StreamData:
-    """This process's share of a streamed --data (`streaming`), decoded in the loader workers.
-
-    A stream's pass ends on each process at its own micro-batch; the next pass follows at once,
-    so steps group micro-batches across passes and every process runs the same number of
-    micro-batches per optimizer step. Its position (pass, rows each worker handed out) is
-    saved beside the TrainerState and replayed without decoding on --resume.
-    """
-
-    def __init__(
+    def restore(
         self,
-        source: streaming.StreamSource,
-        label_encoder,
-        collate: Callable,
+        state,
         *,
-        accelerator,
-        config,
-        max_label_tokens: int,
-        augmenter=None,
-    ):
-        c, t = config, config.train
-        self.source = source
-        self.accelerator = accelerator
-        self.config = config
-        self.accumulation = t.gradient_accumulation
-        self.stream_samples: int | None = None  # samples in one pass, when counted
-        if t.max_steps is None:
-            rows, self.count_seconds = streaming.timed_count(
-                source, rank=accelerator.process_index, world_size=accelerator.num_processes
-            )
-            total = torch.tensor([rows], device=accelerator.device)
-            self.stream_samples = int(accelerator.reduce(total, reduction="sum").item())
-        self.dataset = streaming.training_stream(
-            source,
-            label_encoder,
-            rank=accelerator.process_index,
-            world_size=accelerator.num_processes,
-            seed=t.seed,
-            shuffle_buffer=c.data.shuffle_buffer,
-            max_label_tokens=max_label_tokens,
-            augmenter=augmenter,
-            packing=config.packing_on,
-            packing_timestamps=config.packing_timestamps_on,
+        replan: bool,
+        saved_clips_per_step: int | None,
+        saved_group_by_length: bool,
+        **_,
+    ) -> str:
+        """Continue where `state` says; with `replan` (a resume with other clips a step, or
+        --group-by-length changed) the rest of the epoch is planned anew from the clips that
+        its first steps, as the checkpoint planned them (`saved_*`), have not trained."""
+        if not replan:
+            return f"epoch {state.epoch}, {state.steps_in_epoch} steps into it"
+        left_out = decode_clips(state.trained_before_replan)
+        trained = self.plan.consumed(
+            state.epoch,
+            state.steps_in_epoch,
+            clips_per_step=saved_clips_per_step,
+            group_by_length=saved_group_by_length,
+            exclude=left_out,
         )
-        # What decides which rows a worker's first n are: a resume must match all of them.
-        self.position = streaming.StreamPosition(
-            settings={
-                "seed": t.seed,
-                "shuffle_buffer": c.data.shuffle_buffer,
-                "batch_size": t.batch_size,
-                "num_workers": t.num_workers,
-                "packing": c.data.packing,
-                # it sets the windows' token budget, so where a window ends
-                "packing_timestamps": c.data.packing_timestamps,
-            }
-        )
-        # Not persistent: the workers are started afresh each pass, with that pass's epoch and
-        # rows to replay.
-        self.loader = DataLoader(
-            self.dataset,
-            batch_size=t.batch_size,
-            collate_fn=streaming.StreamCollator(collate),
-            num_workers=t.num_workers,
-            prefetch_factor=4 if t.num_workers > 0 else None,
-            pin_memory=pins_memory(accelerator),
-        )
-        if self.stream_samples is None:  # --max-steps: the run's length stands in for it
-            self.batches_per_epoch = t.max_steps * t.gradient_accumulation
-        else:
-            per_process = math.ceil(self.stream_samples / accelerator.num_processes)
-            self.batches_per_epoch = math.ceil(per_process / t.batch_size)
-
-    def steps(self, state) -> Iterator[list[dict]]:
-        def passes():
-            while True:
-                yield from self._pass(state)
-
-        yield from group_steps(passes(), self.accumulation)
-
-    def _pass(self, state) -> Iterator[dict]:
-        """This process's next pass over its stream, from its saved place after a resume: the
-        micro-batches not yet trained on, in host memory (see `WholeData.steps`)."""
-        position, accelerator = self.position, self.accelerator
-        self.dataset.set_epoch(position.epoch)
-        self.dataset.replay_rows = dict(position.rows)
-        # Each worker hands out as many REPLAYED items as it had handed out (None: a checkpoint
-        # that did not count them; one a row then, exact only without --packing).
-        self.dataset.replay_items = {} if position.items is None else dict(position.items)
-        state.epoch = position.epoch
-        replayed, usable = sum(position.rows.values()), 0
-        for batch in streaming.in_one_line(self.loader):
-            position.advance(batch.pop("stream_rows"), batch.pop("stream_items"))
-            if batch.get("replayed"):
-                continue
-            position.count_skips(batch["skipped"])
-            usable += batch["size"]
-            state.batches_in_epoch += 1
-            yield batch
-        skipped = position.skipped
-        rows = position.finish_epoch()
-        state.batches_in_epoch = 0
-        self.dataset.replay_rows, self.dataset.replay_items = {}, {}
-        where = f"--data {self.source.spec}"
-        if rows == 0:
-            raise UserError(
-                f"{where}: process {accelerator.process_index} got no samples in a pass: the "
-                f"stream has fewer shards or samples than processes x workers; use fewer "
-                "--nproc or --num-workers, or more shards"
-            )
-        if usable == 0 and replayed == 0:
-            raise UserError(
-                f"{where}: no usable clip in a whole pass ({rows} samples, "
-                f"{streaming.skip_summary(skipped)}); run `whisper-train check-data` on it"
-            )
-        if self.stream_samples is None and position.epoch == 1:  # now the length of a pass
-            t = self.config.train
-            self.batches_per_epoch = max(1, math.ceil(rows / t.batch_size))
-        say(
-            accelerator,
-            f"stream pass {position.epoch - 1} ended on process 0: {rows} samples, "
-            f"{streaming.skip_summary(skipped)}",
-        )
-
-    def report_skips(self, when: str) -> None:
-        pass  # each pass reports its own at its end
-
-    def saved_position(self) -> dict | None:
-        return self.position.to_dict()
-
-    def restore(self, folder, state, read_stream_position: Callable[[Path, int], dict]) -> str:
-        """Continue at this process's saved place in the stream, read from checkpoint `folder`
-        by `read_stream_position` (`training.checkpoints` owns what a checkpoint holds)."""
-        saved = read_stream_position(folder, self.accelerator.process_index)
-        position = streaming.StreamPosition.from_dict(saved)
-        position.check_resumable(self.position.settings, folder)
-        self.position = position
+        state.trained_before_replan = encode_clips(trained, self.plan.n_clips)
+        state.steps_in_epoch = 0
+        left = self.plan.n_clips - len(trained)
         return (
-            f"stream pass {position.epoch}, {sum(position.rows.values())} samples into it on "
-            "this process: read again, not decoded"
+            f"epoch {state.epoch}: its other {left} clips planned anew, "
+            f"{len(self.plan.steps(state.epoch, exclude=trained))} steps of "
+            f"{self.plan.shape.clips} clips"
         )
 
     def describe(self) -> str:
-        counted = ""
-        if self.stream_samples is not None:
-            counted = (
-                f", {self.stream_samples} samples a pass (counted in {self.count_seconds:.1f} s; "
-                "--max-steps skips the count)"
-            )
-        return (
-            f"streaming {self.source.describe()}{counted}; shuffle buffer "
-            f"{self.config.data.shuffle_buffer}"
+        return self.plan.describe() + (
+            ""
+            if self.strict
+            else " (training audio is checked as each clip is read; `whisper-train check-data` "
+            "checks it all first)"
         )
 
 
@@ -498,92 +288,149 @@ def packing_budget(
     return prefix, 2 if label_encoder.timestamps or packing_timestamps else 0
 
 
-def _prompter(config, examples, label_encoder, accelerator, max_label_tokens: int):
+def _prompter(probability, examples, label_encoder, process, *, seed, max_label_tokens):
     """--prompt-probability's `prompts.Prompter`, None when it is 0 (labels as they were)."""
-    probability = config.data.prompt_probability
     if not probability:
         return None
-    say(accelerator, prompts.describe_prompting(examples, probability))
+    say(process, prompts.describe_prompting(examples, probability))
     return prompts.Prompter(
-        label_encoder, probability, seed=config.train.seed, max_target_positions=max_label_tokens
+        label_encoder, probability, seed=seed, max_target_positions=max_label_tokens
     )
 
 
+TrainingPlan = WholePlan | StreamPlan
 TrainingData = WholeData | StreamData
 
 
-def build_training_data(
-    config,
+def plan_training_data(
+    datasets,
+    label_encoder,
+    *,
+    stream: streaming.StreamSource | None,
+    packing: str,
+    packing_timestamps: bool,
+    batch_size: int,
+    accumulation: int,
+    group_by_length: bool,
+    seed: int,
+    audio_augment: bool,
+    shuffle_buffer: int,
+    max_label_tokens: int,
+    counted: bool,
+    process,
+) -> TrainingPlan:
+    """What every epoch of the training data trains (`step_plan`): a stream's share (counted
+    unless not `counted`), else the examples `datasets.train` read whole, shuffled, grouped by
+    label length or packed (`packing`: off, on or per-clip) into steps of the clips asked."""
+    augmenter = None
+    if audio_augment:
+        from whisper_train.data.augment import WaveformAugmenter
+
+        augmenter = WaveformAugmenter(seed=seed)
+    if stream is not None:
+        return StreamPlan(
+            stream,
+            process=process,
+            batch_size=batch_size,
+            accumulation=accumulation,
+            seed=seed,
+            shuffle_buffer=shuffle_buffer,
+            packing=packing != "off",
+            packing_timestamps=packing_timestamps,
+            counted=counted,
+            augmenter=augmenter,
+        )
+    examples = datasets.train
+    packed = None
+    if packing != "off":
+        per_clip = packing == PER_CLIP
+        # Speed perturbation may slow a clip down: plan for its longest form.
+        stretch = 1.0 / augmenter.speed[0] if augmenter is not None else 1.0
+        prefix, per_clip_tokens = packing_budget(
+            label_encoder, examples, packing_timestamps=packing_timestamps
+        )
+        packed = Packing(
+            clip_sizes(
+                examples, datasets.label_lengths(label_encoder), label_encoder, stretch=stretch
+            ),
+            prefix_tokens=prefix,
+            timestamp_tokens=per_clip_tokens,
+            max_tokens=max_label_tokens,
+            gap_seconds=(
+                packing_module.per_clip_gap_seconds()
+                if per_clip
+                else packing_module.DEFAULT_GAP_SECONDS
+            ),
+            padding_stride=packing_module.per_clip_padding_stride() if per_clip else 0,
+            per_clip=per_clip,
+        )
+    plan = WholePlan(
+        len(examples),
+        batch_size=batch_size,
+        accumulation=accumulation,
+        processes=process.num_processes,
+        seed=seed,
+        packing=packed,
+        group_by_length=group_by_length,
+        label_lengths=datasets.label_lengths(label_encoder) if group_by_length else None,
+    )
+    plan.augmenter = augmenter
+    return plan
+
+
+def open_training_data(
+    plan: TrainingPlan,
     datasets,
     label_encoder,
     collator: Callable[[Sequence], Callable],
     *,
     accelerator,
+    num_workers: int,
+    data_spec: str,
+    strict: bool,
+    prompt_probability: float,
+    packing_timestamps: bool,
     max_label_tokens: int,
     cached: Callable | None = None,
 ) -> TrainingData:
-    """The run's training data source: a stream when --data names one, else the examples
-    `datasets.train` read whole (packed with --packing on). `collator(examples)` gives the
-    training collate function for those examples (it may look clips up by index); `cached`
-    tells which clips need no decoding (their frozen encoder outputs are on disk)."""
-    c, t = config, config.train
-    augmenter = None
-    if c.data.audio_augment:
-        from whisper_train.data.augment import WaveformAugmenter
-
-        augmenter = WaveformAugmenter(seed=t.seed)
-    source = config.stream_source()
-    if source is not None:
+    """The loader of `plan`: `collator(examples)` gives the training collate function for those
+    examples (it may look clips up by index); `cached` tells which clips need no decoding
+    (their frozen encoder outputs are on disk)."""
+    if isinstance(plan, StreamPlan):
         return StreamData(
-            source,
+            plan,
             label_encoder,
             collator(()),
             accelerator=accelerator,
-            config=config,
+            num_workers=num_workers,
             max_label_tokens=max_label_tokens,
-            augmenter=augmenter,
         )
+    packed = plan.packing
     dataset = SpeechDataset(
         datasets.train,
         label_encoder,
-        augmenter=augmenter,
-        seed=t.seed,
-        gap_seconds=(
-            packing_module.per_clip_gap_seconds()
-            if config.packing_per_clip
-            else packing_module.DEFAULT_GAP_SECONDS
-        ),
-        padding_stride=packing_module.per_clip_padding_stride() if config.packing_per_clip else 0,
+        augmenter=plan.augmenter,
+        seed=plan.seed,
+        gap_seconds=packed.gap_seconds if packed else packing_module.DEFAULT_GAP_SECONDS,
+        padding_stride=packed.padding_stride if packed else 0,
         cached=cached,
-        packing_timestamps=config.packing_timestamps_on,
-        per_clip=config.packing_per_clip,
-        prompter=_prompter(config, datasets.train, label_encoder, accelerator, max_label_tokens),
+        packing_timestamps=packing_timestamps,
+        per_clip=bool(packed and packed.per_clip),
+        prompter=_prompter(
+            prompt_probability,
+            datasets.train,
+            label_encoder,
+            accelerator,
+            seed=plan.seed,
+            max_label_tokens=max_label_tokens,
+        ),
     )
-    sizes, prefix, per_clip = None, 0, 0
-    if config.packing_on:
-        # Speed perturbation may slow a clip down: plan for its longest form.
-        stretch = 1.0 / augmenter.speed[0] if augmenter is not None else 1.0
-        sizes = clip_sizes(
-            dataset.examples, datasets.label_lengths(label_encoder), label_encoder, stretch=stretch
-        )
-        prefix, per_clip = packing_budget(
-            label_encoder, dataset.examples, packing_timestamps=config.packing_timestamps_on
-        )
     return WholeData(
+        plan,
         dataset,
         collator(dataset.examples),
         accelerator=accelerator,
-        batch_size=t.batch_size,
-        accumulation=t.gradient_accumulation,
-        seed=t.seed,
-        num_workers=t.num_workers,
-        data_spec=str(c.data.data),
-        label_lengths=(
-            datasets.label_lengths(label_encoder) if t.group_by_length and sizes is None else None
-        ),
-        clip_sizes=sizes,
-        prefix_tokens=prefix,
-        timestamp_tokens=per_clip,
-        max_tokens=max_label_tokens,
-        strict=c.data.strict,
+        num_workers=num_workers,
+        data_spec=data_spec,
+        strict=strict,
     )

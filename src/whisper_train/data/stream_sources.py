@@ -33,6 +33,7 @@ from whisper_train.audio import AUDIO_SUFFIXES, AudioHeader, load_audio, read_he
 from whisper_train.data.layouts import (
     AUDIO_COLUMNS,
     DATASETS_EXTRA,
+    HUB_DATASET_ID,
     LANGUAGE_COLUMNS,
     LAYOUTS,
     TEXT_COLUMNS,
@@ -53,8 +54,6 @@ WEBDATASET_AUDIO = tuple(suffix.lstrip(".") for suffix in AUDIO_SUFFIXES)
 # The audio column as raw bytes and path. `datasets` 5 types audio as `Audio`, whose every
 # encode imports torchcodec (even with decode=False); a plain struct needs nothing.
 RAW_AUDIO = {"bytes": "binary", "path": "string"}
-# A hub id: `name` or `owner/name`, optionally `:config` and `:split`.
-_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?(:[\w.-]*){0,2}$")
 _BRACE = re.compile(r"\{([^{}]*)\}")
 
 
@@ -129,7 +128,7 @@ def stream_source(
         )
     if not streaming:
         return None
-    if not os.path.exists(text) and _HUB_ID.match(text):
+    if not os.path.exists(text) and HUB_DATASET_ID.match(text):
         return StreamSource(text, "hub")
     raise UserError(
         f"--data {text} --streaming: only WebDataset or Parquet shards, lhotse cuts and hub ids "

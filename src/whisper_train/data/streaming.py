@@ -29,15 +29,20 @@ bytes again, not decoding them.
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
+from accelerate.utils import reduce
+from torch.utils.data import DataLoader
 
 from whisper_train.audio import CHUNK_LENGTH, SAMPLE_RATE
 from whisper_train.data.examples import Example, Skip, decode_skip
 from whisper_train.data.labels import body_length, decoder_positions, label_positions
+from whisper_train.data.loaders import pins_memory
 from whisper_train.data.packing import PackedWindow
+from whisper_train.data.step_plan import group_steps
 from whisper_train.data.stream_position import StreamPosition, skip_summary
 from whisper_train.data.stream_sources import (
     RAW_AUDIO,
@@ -57,6 +62,7 @@ from whisper_train.data.stream_sources import (
     timed_count,
 )
 from whisper_train.errors import AudioError, UserError
+from whisper_train.runlog import say
 
 # -- the training stream --------------------------------------------------------------------
 # A row a resumed worker reads again without decoding: the loop already trained on it.
@@ -64,14 +70,15 @@ REPLAYED = None
 
 
 class SpeechStream(torch.utils.data.IterableDataset):
-    """This process's share of the shuffled stream → (worker, row, item) triples, where item is
-    what `SpeechDataset` gives ({"audio", "tokens", ...} or a `Skip`) or REPLAYED.
+    """This process's share of the shuffled stream → micro-batches of about `batch_size` clips,
+    each a list of (worker, row, item) triples, where item is what `SpeechDataset` gives
+    ({"audio", "tokens", ...} or a `Skip`; packed, a window of clips) or REPLAYED. Each worker
+    makes its own micro-batches of its own rows.
 
     Made by `training_stream`. `set_epoch(e)` selects the pass (each pass is shuffled anew);
     `replay_rows` {worker: n} makes each worker re-read its first n rows of that pass without
-    decoding them, and `replay_items` {worker: m} hand out m REPLAYED items for them, the items
-    (clips or packed windows) it had handed out from those rows (a resumed run). Without
-    `replay_items` (a checkpoint from before it was saved) a worker hands out one a row.
+    decoding them, and `replay_batches` {worker: m} hand out m REPLAYED micro-batches for them,
+    as many as it had handed out from those rows (a resumed run).
     """
 
     def __init__(
@@ -82,6 +89,7 @@ class SpeechStream(torch.utils.data.IterableDataset):
         *,
         max_label_tokens: int,
         seed: int,
+        batch_size: int = 1,
         augmenter=None,
         packing: bool = False,
         gap_seconds: float = 0.3,
@@ -95,7 +103,8 @@ class SpeechStream(torch.utils.data.IterableDataset):
         self.augmenter = augmenter
         self.epoch = 0
         self.replay_rows: dict[int, int] = {}
-        self.replay_items: dict[int, int] = {}
+        self.replay_batches: dict[int, int] = {}
+        self.batch_size = batch_size
         self.packing = packing
         self.gap_seconds = gap_seconds
         self.packing_timestamps = packing_timestamps
@@ -104,19 +113,41 @@ class SpeechStream(torch.utils.data.IterableDataset):
         self.epoch = epoch
         self.dataset.set_epoch(epoch)
 
-    def __iter__(self) -> Iterator[tuple[int, int, dict | Skip | None]]:
+    def __iter__(self) -> Iterator[list[tuple[int, int, dict | Skip | None]]]:
         info = torch.utils.data.get_worker_info()
         worker = info.id if info is not None else 0
         replay = self.replay_rows.get(worker, 0)
         # Iterated inside a DataLoader worker, `datasets` gives this worker its own shards.
         rows = self._rows(worker, replay)
-        handed_out = self.replay_items.get(worker)
+        handed_out = self.replay_batches.get(worker)
         if handed_out is not None:
-            # As many REPLAYED items as were handed out, so the worker's batches fill as they
-            # did; the rows they came from are read through (never decoded) before the rest.
-            yield from ((worker, replay - 1, REPLAYED) for _ in range(handed_out))
+            # As many REPLAYED micro-batches as were handed out, so the DataLoader's turns
+            # among the workers continue as they were; the rows they came from are read
+            # through (never decoded) before the rest.
+            yield from ([(worker, replay - 1, REPLAYED)] for _ in range(handed_out))
             rows = (row for row in rows if row[2] is not REPLAYED)
-        yield from self._packed(rows) if self.packing else rows
+        yield from self._micro_batches(self._packed(rows) if self.packing else rows)
+
+    def _micro_batches(self, items) -> Iterator[list]:
+        """This worker's items as micro-batches of about `batch_size` clips: unpacked, that
+        many items; packed, whole windows (each of at most `batch_size` clips) until the next
+        would overshoot the clips asked more than stopping short of them (`step_plan`'s rule,
+        one window ahead). An item that holds no clip (only skips, or REPLAYED) counts none."""
+        batch: list = []
+        clips = 0
+        for item in items:
+            count = _clips_of(item[2]) if self.packing else 1
+            overshoot = clips + count - self.batch_size
+            if self.packing and batch and overshoot > 0 and overshoot > self.batch_size - clips:
+                yield batch  # this window starts the next micro-batch
+                batch, clips = [], 0
+            batch.append(item)
+            clips += count
+            if clips >= self.batch_size:
+                yield batch
+                batch, clips = [], 0
+        if batch:
+            yield batch
 
     def _rows(self, worker: int, replay: int):
         for index, row in enumerate(self.dataset):
@@ -146,7 +177,8 @@ class SpeechStream(torch.utils.data.IterableDataset):
                 continue
             clip_body = body_length(len(item["tokens"]), item["n_prefix"]) + per_clip
             if len(window) and (
-                not window.fits(item["audio"])
+                len(window) >= self.batch_size  # a window holds at most a micro-batch's clips
+                or not window.fits(item["audio"])
                 or label_positions(n_prefix, body + clip_body) > self.max_label_tokens
                 or item.get("language") != language
             ):
@@ -172,7 +204,7 @@ class SpeechStream(torch.utils.data.IterableDataset):
     ) -> tuple[int, int, dict]:
         """(worker, last row, window item) of a closed window; one that holds no clip carries
         only the skips."""
-        item: dict = {"skipped": skipped}
+        item: dict = {"skipped": skipped, "clip_count": len(window)}
         if len(window):
             rng = random.Random(f"{self.seed}:{self.epoch}:{worker}:{first_row}:window")
             item.update(
@@ -227,28 +259,30 @@ class SpeechStream(torch.utils.data.IterableDataset):
         }
 
 
+def _clips_of(item) -> int:
+    """Clips a packed stream's item holds (a window's count; none for REPLAYED or a skip)."""
+    return item.get("clip_count", 1) if isinstance(item, dict) else 0
+
+
 class StreamCollator:
-    """(worker, row, item) triples → the inner collator's batch of the items, plus
-    `stream_rows` {worker: rows it has handed out so far} and `stream_items` {worker: items
-    (not REPLAYED) of this batch}; a batch of only REPLAYED rows is {"replayed": True,
-    "stream_rows": ..., "stream_items": {}}."""
+    """One worker's micro-batch of (worker, row, item) triples → the inner collator's batch of
+    the items, plus `stream_rows` {worker: rows it has handed out so far} and `stream_batches`
+    {worker: 1 when this micro-batch is new, not REPLAYED}; a micro-batch of only REPLAYED
+    rows is {"replayed": True, "stream_rows": ..., "stream_batches": {}}."""
 
     def __init__(self, collator):
         self.collator = collator
 
     def __call__(self, triples) -> dict:
         rows: dict[int, int] = {}
-        handed_out: dict[int, int] = {}
-        for worker, index, item in triples:
+        for worker, index, _ in triples:
             rows[worker] = max(rows.get(worker, 0), index + 1)
-            if item is not REPLAYED:
-                handed_out[worker] = handed_out.get(worker, 0) + 1
         items = [item for _, _, item in triples if item is not REPLAYED]
         if not items:
-            return {"replayed": True, "stream_rows": rows, "stream_items": handed_out}
+            return {"replayed": True, "stream_rows": rows, "stream_batches": {}}
         batch = self.collator(items)
         batch["stream_rows"] = rows
-        batch["stream_items"] = handed_out
+        batch["stream_batches"] = {triples[0][0]: 1}
         return batch
 
 
@@ -274,6 +308,7 @@ def training_stream(
     seed: int,
     shuffle_buffer: int,
     max_label_tokens: int,
+    batch_size: int,
     augmenter=None,
     packing: bool = False,
     packing_timestamps: bool = False,
@@ -292,13 +327,197 @@ def training_stream(
         label_encoder,
         max_label_tokens=max_label_tokens,
         seed=seed,
+        batch_size=batch_size,
         augmenter=augmenter,
         packing=packing,
         packing_timestamps=packing_timestamps,
     )
 
 
+# -- the training data source of a stream --------------------------------------------------
+
+
+class StreamPlan:
+    """A streamed --data's share of each process, counted before step 1 (one pass of reading,
+    without decoding) unless --max-steps makes the count unneeded. A micro-batch is about
+    --batch-size clips of one loader worker (packed: whole windows), so a step is about
+    --batch-size x --gradient-accumulation x processes clips; which clips depends on how the
+    stream's shards fall to the processes and workers (no plan of the whole stream exists)."""
+
+    def __init__(
+        self,
+        source: StreamSource,
+        *,
+        process,
+        batch_size: int,
+        accumulation: int,
+        seed: int,
+        shuffle_buffer: int,
+        packing: bool,
+        packing_timestamps: bool,
+        counted: bool,
+        augmenter=None,
+    ):
+        self.source = source
+        self.batch_size, self.accumulation, self.seed = batch_size, accumulation, seed
+        self.shuffle_buffer = shuffle_buffer
+        self.packing, self.packing_timestamps = packing, packing_timestamps
+        self.augmenter = augmenter
+        self.processes = process.num_processes
+        self.samples: int | None = None  # samples in one pass, when counted
+        self.count_seconds = 0.0
+        if counted:
+            rows, self.count_seconds = timed_count(
+                source, rank=process.process_index, world_size=process.num_processes
+            )
+            total = torch.tensor([rows], device=process.device)
+            self.samples = int(reduce(total, reduction="sum").item())
+
+    @property
+    def steps_per_epoch(self) -> int | None:
+        if self.samples is None:
+            return None
+        per_process = math.ceil(self.samples / self.processes)
+        return max(1, math.ceil(math.ceil(per_process / self.batch_size) / self.accumulation))
+
+    def describe(self) -> str:
+        counted = ""
+        if self.samples is not None:
+            counted = (
+                f", {self.samples} samples a pass (counted in {self.count_seconds:.1f} s; "
+                "--max-steps skips the count)"
+            )
+        packed = ", packed per worker" if self.packing else ""
+        return (
+            f"streaming {self.source.describe()}{counted}; shuffle buffer "
+            f"{self.shuffle_buffer}{packed}; a micro-batch is one loader worker's, so which "
+            "clips a step holds depends on --num-workers and --nproc"
+        )
+
+
+class StreamData:
+    """This process's share of a streamed --data (`streaming`), decoded in the loader workers.
+
+    A stream's pass ends on each process at its own micro-batch; the next pass follows at once,
+    so steps group micro-batches across passes and every process runs the same number of
+    micro-batches per optimizer step. Its position (pass, rows and micro-batches each worker
+    handed out) is saved beside the TrainerState and replayed without decoding on --resume.
+    """
+
+    def __init__(
+        self,
+        plan: StreamPlan,
+        label_encoder,
+        collate: Callable,
+        *,
+        accelerator,
+        num_workers: int,
+        max_label_tokens: int,
+    ):
+        self.plan = plan
+        self.source = plan.source
+        self.accelerator = accelerator
+        self.stream_samples = plan.samples
+        self.dataset = training_stream(
+            plan.source,
+            label_encoder,
+            rank=accelerator.process_index,
+            world_size=accelerator.num_processes,
+            seed=plan.seed,
+            shuffle_buffer=plan.shuffle_buffer,
+            max_label_tokens=max_label_tokens,
+            batch_size=plan.batch_size,
+            augmenter=plan.augmenter,
+            packing=plan.packing,
+            packing_timestamps=plan.packing_timestamps,
+        )
+        self.position = StreamPosition()
+        # Each worker makes its own micro-batches (`SpeechStream`). Not persistent: the workers
+        # are started afresh each pass, with that pass's epoch and rows to replay.
+        self.loader = DataLoader(
+            self.dataset,
+            batch_size=None,
+            collate_fn=StreamCollator(collate),
+            num_workers=num_workers,
+            prefetch_factor=4 if num_workers > 0 else None,
+            pin_memory=pins_memory(accelerator),
+        )
+        # --max-steps without a count: the run's length stands in until a pass is read.
+        self.steps_per_epoch = plan.steps_per_epoch
+
+    def steps(self, state) -> Iterator[list[dict]]:
+        def passes():
+            while True:
+                yield from self._pass(state)
+
+        yield from group_steps(passes(), self.plan.accumulation)
+
+    def _pass(self, state) -> Iterator[dict]:
+        """This process's next pass over its stream, from its saved place after a resume: the
+        micro-batches not yet trained on, in host memory (see `WholeData.steps`)."""
+        position, accelerator = self.position, self.accelerator
+        self.dataset.set_epoch(position.epoch)
+        self.dataset.replay_rows = dict(position.rows)
+        # Each worker hands out as many REPLAYED micro-batches as it had handed out.
+        self.dataset.replay_batches = dict(position.batches)
+        state.epoch = position.epoch
+        replayed, usable, micro_batches = sum(position.rows.values()), 0, 0
+        for batch in in_one_line(self.loader):
+            position.advance(batch.pop("stream_rows"), batch.pop("stream_batches"))
+            if batch.get("replayed"):
+                continue
+            position.count_skips(batch["skipped"])
+            usable += batch["size"]
+            micro_batches += 1
+            yield batch
+        skipped = position.skipped
+        rows = position.finish_epoch()
+        self.dataset.replay_rows, self.dataset.replay_batches = {}, {}
+        where = f"--data {self.source.spec}"
+        if rows == 0:
+            raise UserError(
+                f"{where}: process {accelerator.process_index} got no samples in a pass: the "
+                f"stream has fewer shards or samples than processes x workers; use fewer "
+                "--nproc or --num-workers, or more shards"
+            )
+        if usable == 0 and replayed == 0:
+            raise UserError(
+                f"{where}: no usable clip in a whole pass ({rows} samples, "
+                f"{skip_summary(skipped)}); run `whisper-train check-data` on it"
+            )
+        if self.steps_per_epoch is None and replayed == 0:  # now the length of a pass
+            self.steps_per_epoch = max(1, math.ceil(micro_batches / self.plan.accumulation))
+        say(
+            accelerator,
+            f"stream pass {position.epoch - 1} ended on process 0: {rows} samples, "
+            f"{skip_summary(skipped)}",
+        )
+
+    def report_skips(self, when: str) -> None:
+        pass  # each pass reports its own at its end
+
+    def saved_position(self) -> dict | None:
+        return self.position.to_dict()
+
+    def restore(self, state, *, folder, read_stream_position, replan: bool = False, **_) -> str:
+        """Continue at this process's saved place in the stream, read from checkpoint `folder`
+        by `read_stream_position` (`training.checkpoints` owns what a checkpoint holds). What
+        decides which rows those are was compared with the checkpoint's record: a stream has
+        no plan to redo (`replan` is refused there)."""
+        saved = read_stream_position(folder, self.accelerator.process_index)
+        self.position = StreamPosition.from_dict(saved, folder=folder)
+        return (
+            f"stream pass {self.position.epoch}, {sum(self.position.rows.values())} samples "
+            "into it on this process: read again, not decoded"
+        )
+
+    def describe(self) -> str:
+        return self.plan.describe()
+
+
 __all__ = [
+    "StreamData",
+    "StreamPlan",
     "RAW_AUDIO",
     "SHARD_SUFFIXES",
     "STREAM_FORMATS",

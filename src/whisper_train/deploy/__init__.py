@@ -3,5 +3,7 @@
 export     `whisper-train export`: merges a LoRA adapter, writes a format, then checks it
 parity     the check that an export transcribes as its source: the export's runtime scores the
            source's transcripts (`check_export`, `ParityCheck`)
-runtimes   running a model in transformers, faster-whisper, whisper.cpp or openai-whisper
+
+What differs between formats (writers, readers, runtimes) is each format's row of
+`formats.registry`.
 """

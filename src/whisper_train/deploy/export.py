@@ -7,11 +7,11 @@ as its source does, in that runtime.
    LoRA adapter (`adapter_config.json`) is loaded onto its base model in float32 and merged
    with peft's `merge_and_unload`. Merging happens in float weights only: merging into int8 /
    4-bit weights rounds the adapter away (a frequent complaint with other tools).
-2. Save, by `--format`:
+2. Save, by `--format`, with the format's own writer (its row of `formats.registry`):
      hf      safetensors + tokenizer + preprocessor + generation config (transformers);
      ct2     CTranslate2 (faster-whisper), with tokenizer.json and preprocessor_config.json;
-     ggml    whisper.cpp's ggml-model.bin, written here (ggml.py);
-     openai  openai-whisper's model.pt (openai_whisper.py).
+     ggml    whisper.cpp's ggml-model.bin, written by whisper-train itself (formats.ggml);
+     openai  openai-whisper's model.pt (formats.openai).
 3. Check (parity.py), like with like: the source (transformers) transcribes the check clips
    greedily, and the export's own runtime scores exactly those tokens, teacher forced, from its
    own log-mel of the same audio. The export fails (`ExportParityError`, after it is written)
@@ -23,62 +23,45 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import yaml
+from peft import PeftModel
+from transformers import GenerationConfig, WhisperProcessor
 
+from whisper_train.audio import N_SAMPLES, load_audio
 from whisper_train.config import require_positive
+from whisper_train.data.layouts import load_examples
 from whisper_train.deploy.parity import (
     CHECK_CLIPS,
-    CHECK_SENTENCES,
-    LOGPROB_TOLERANCE,
-    ClipComparison,
-    ExportParityError,
     ParityCheck,
-    SourceSide,
     check_clips,
     check_export,
     check_language,
-    compare,
-    language_code,
-    logprob_tolerance,
     parity_failure,
     score_source,
-    scoring_arithmetic,
 )
 from whisper_train.errors import UserError
-from whisper_train.models import (
-    HUB_ID,
-    load_model,
-    model_folder,
-    resolve_alias,
-    save_model_folder,
+from whisper_train.files import write_atomically
+from whisper_train.formats.registry import (
+    DEFAULT_FORMAT,
+    DEVICES,
+    EXPORT_FORMATS,
+    EXPORT_QUANTIZATIONS,
+    export_format,
 )
+from whisper_train.models import HUB_ID, load_model, model_folder, resolve_alias
 from whisper_train.runfolder import CONFIG_FILE, aside_path
 from whisper_train.training.model_card import CARD_FILE, export_card
-from whisper_train.word_timestamps import HeadSearch
+from whisper_train.transcription.word_timestamps import (
+    ALIGNMENT_CLIPS,
+    HeadSearch,
+    find_alignment_heads_against,
+)
 
 log = logging.getLogger(__name__)
-
-FORMATS = ("hf", "ct2", "ggml", "openai")
-EXPORT_QUANTIZATIONS = ("float32", "float16", "int8", "int8_float16")
-# Weight precisions each format can hold (int8 is CTranslate2's).
-FORMAT_QUANTIZATIONS = {
-    "hf": ("float32", "float16"),
-    "ct2": EXPORT_QUANTIZATIONS,
-    "ggml": ("float32", "float16"),
-    "openai": ("float32", "float16"),
-}
-# The file each runtime format's folder holds (an earlier export, for --overwrite).
-EXPORT_MARKERS = ("config.json", "ggml-model.bin", "model.pt")
-DEVICES = ("cpu", "cuda")
-# Clips of --find-alignment-heads DATA the head search uses: tiny.en's 24 heads take about a
-# CPU second a clip, and 24 clips of the demo's sentences gave 244 words to hold heads against.
-ALIGNMENT_CLIPS = 24
 
 
 @dataclass
@@ -95,28 +78,6 @@ class ExportResult:
 def default_device() -> str:
     """Where the export will run when --device is not given: this machine."""
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def default_quantization(format: str, device: str) -> tuple[str, str]:
-    """(quantization, why) when --quantization is not given.
-
-    ggml and openai: float16, what whisper.cpp and OpenAI ship (float32 on request).
-    hf: float32, the precision transformers loads by default. ct2 on cuda: float16, half the
-    size at no measurable WER cost. ct2 on cpu: float32. CTranslate2 has no fast float16 on
-    CPUs, so a float16 model is converted to float32 (with a warning) on every load anyway.
-    int8 is faster-whisper's usual CPU choice and smaller still, but it changes the weights;
-    the default stays exact (the parity check then holds it to 1 point) and int8 is one flag.
-    """
-    if format == "hf":
-        return "float32", "the default for --format hf"
-    if format in ("ggml", "openai"):
-        return "float16", f"the default for --format {format}, as its runtime's own models"
-    if device == "cuda":
-        return "float16", "the default for --device cuda"
-    return "float32", (
-        "the default for --device cpu, where CTranslate2 would convert float16 to float32 on "
-        "every load; --quantization int8 is smaller and faster on a CPU"
-    )
 
 
 # -- loading and merging --------------------------------------------------------------------
@@ -142,9 +103,6 @@ def _base_model_spec(adapter_dir: Path) -> str:
 
 def merge_lora(adapter_dir: str | Path):
     """A LoRA adapter folder → (merged WhisperForConditionalGeneration in float32, processor)."""
-    from peft import PeftModel
-    from transformers import GenerationConfig, WhisperProcessor
-
     adapter_dir = Path(adapter_dir)
     base, processor = load_model(_base_model_spec(adapter_dir))
     quantised = [name for name, p in base.named_parameters() if not p.is_floating_point()]
@@ -182,7 +140,7 @@ def load_for_export(model_spec: str):
 def export_model(
     model_spec: str,
     *,
-    format: str = "hf",
+    format: str = DEFAULT_FORMAT,
     output: str | Path,
     quantization: str | None = None,
     check_data: str | None = None,
@@ -196,48 +154,47 @@ def export_model(
     """Merge (LoRA), save as `format` into `output`, then check it in its own runtime.
 
     `quantization` None picks one from `format` and `device` (where the export will run; None
-    means this machine): see `default_quantization`. An `output` that is not empty is refused
-    unless `overwrite`, which moves it aside to `<output>.old-<date>-<time>` (an earlier export
-    only). Raises ExportParityError (after writing the export) when the check fails, and
-    runtimes.MissingRuntimeError before writing anything when the check's runtime client is
-    not installed. `alignment_data` (clips): find the model's alignment heads there against
+    means this machine): its format's `default_quantization`. An `output` that is not empty is
+    refused unless `overwrite`, which moves it aside to `<output>.old-<date>-<time>` (an earlier
+    export only). Raises ExportParityError (after writing the export) when the check fails, and
+    formats.runtimes.MissingRuntimeError before writing anything when the check's runtime client
+    is not installed. `alignment_data` (clips): find the model's alignment heads there against
     `alignment_reference`'s word times (default: the run's base model) and export them.
     """
-    from whisper_train.deploy.runtimes import require_client
-
-    if format not in FORMATS:
-        raise UserError(f"--format {format}: expected one of {', '.join(FORMATS)}")
+    exported = export_format(format)
     device = device or default_device()
     if device not in DEVICES:
         raise UserError(f"--device {device}: expected one of {', '.join(DEVICES)}")
+    default, why = exported.default_quantization(device)
     if quantization is None:
-        quantization, why = default_quantization(format, device)
+        quantization = default
         log.info("quantization %s: %s (pass --quantization to choose)", quantization, why)
     if quantization not in EXPORT_QUANTIZATIONS:
         raise UserError(
             f"--quantization {quantization}: expected one of {', '.join(EXPORT_QUANTIZATIONS)}"
         )
-    if quantization not in FORMAT_QUANTIZATIONS[format]:
+    if quantization not in exported.quantizations:
+        holders = [fmt.name for fmt in EXPORT_FORMATS if quantization in fmt.quantizations]
         raise UserError(
-            f"--quantization {quantization} needs --format ct2; --format {format} takes "
-            f"{' or '.join(FORMAT_QUANTIZATIONS[format])}"
+            f"--quantization {quantization} needs --format {_either(holders)}; --format "
+            f"{format} takes {_either(exported.quantizations)}"
         )
     if check:
         require_positive("--check-clips", n_check_clips, alternative="use --no-check")
-        require_client(format)  # before the work: one line naming the extra
-        if format == "ggml" and quantization == "float32":
-            # Measured with pywhispercpp 1.5.1: its CPU convolution asserts float16 kernels
-            # (ggml-cpu ops.cpp GGML_ASSERT) and aborts the whole process on a float32 file.
+        exported.require_client()  # before the work: one line naming the extra
+        if quantization in exported.unchecked:
             raise UserError(
-                "--format ggml --quantization float32: whisper.cpp's CPU build (pywhispercpp "
-                "1.5.1) aborts on float32 convolution kernels, so this export cannot be checked; "
-                "add --no-check to write it anyway (it reads back into whisper-train exactly), "
-                "or keep the float16 default"
+                f"--format {format} --quantization {quantization}: "
+                f"{exported.unchecked[quantization]}, so this export cannot be checked; add "
+                "--no-check to write it anyway (it reads back into whisper-train exactly), or "
+                f"keep the {default} default"
             )
-    if alignment_data is not None and format == "ggml":
+    if alignment_data is not None and not exported.carries_alignment_heads:
+        carriers = [fmt.name for fmt in EXPORT_FORMATS if fmt.carries_alignment_heads]
         raise UserError(
-            "--find-alignment-heads with --format ggml: a ggml file has no place for alignment "
-            "heads (whisper.cpp takes them at load); export as ct2, openai or hf"
+            f"--find-alignment-heads with --format {format}: a {format} file has no place for "
+            f"alignment heads ({exported.runtime} takes them at load); export as "
+            f"{_either(carriers)}"
         )
     output = Path(output)
     if overwrite:  # moving --output aside must not take the model to export with it
@@ -262,8 +219,8 @@ def export_model(
         # Score the clips before saving: saving in float16 converts `model` in place.
         clips = check_clips(check_data, n_check_clips)
         source = score_source(model, processor, clips, check_language(model, processor, clips))
-    card = None  # an hf folder's README.md: the source run's model card, or the base's
-    if format == "hf":
+    card = None  # README.md: the source run's model card, or the base's
+    if exported.model_card:
         card = export_card(model_spec, output=output, quantization=quantization, merged_lora=merged)
     save_export(model, processor, output, format=format, quantization=quantization, card=card)
     log.info("saved %s export to %s", format, output)
@@ -278,10 +235,6 @@ def export_model(
 def find_export_heads(model, processor, model_spec: str, data: str, reference: str | None):
     """The model's alignment heads on the clips of `data` (up to ALIGNMENT_CLIPS of at most
     30 s), against `reference`'s word times; `reference` None: the run's base model."""
-    from whisper_train.audio import N_SAMPLES, load_audio
-    from whisper_train.data.layouts import load_examples
-    from whisper_train.word_timestamps import find_alignment_heads_against
-
     reference = reference or _run_base_model(model_spec)
     clips = []
     for example in load_examples(data):
@@ -325,31 +278,17 @@ def _run_base_model(model_spec: str) -> str:
 def save_export(
     model, processor, output: Path, *, format: str, quantization: str, card: str | None = None
 ) -> None:
-    """Write `model` into `output` as `format` in `quantization` (no check); `card`: an hf
-    folder's model card (README.md)."""
-    if format == "hf":
-        dtype = torch.float16 if quantization == "float16" else torch.float32
-        readme = {CARD_FILE: card} if card is not None else None
-        save_model_folder(model, processor, output, dtype=dtype, extra_files=readme)
-    elif format == "ggml":
-        from whisper_train.formats.ggml import save_ggml
+    """Write `model` into `output` as `format` in `quantization` (no check), with its format's
+    own writer; `card`: the folder's model card (README.md)."""
+    export_format(format).write(model, processor, output, quantization=quantization)
+    if card is not None:
+        write_atomically(output / CARD_FILE, card)
 
-        save_ggml(model, processor, output, quantization=quantization)
-    elif format == "openai":
-        from whisper_train.formats.openai import save_openai
 
-        dtype = torch.float16 if quantization == "float16" else torch.float32
-        save_openai(model, processor, output, dtype=dtype)
-    else:
-        from whisper_train.formats.ct2 import save_ct2
-
-        with tempfile.TemporaryDirectory(prefix="whisper-train-export-") as hf_dir:
-            save_model_folder(model, processor, Path(hf_dir))
-            save_ct2(hf_dir, output, quantization=quantization, overwrite=True)
-            # Keep the generation config (language/task) beside the CTranslate2 weights.
-            shutil.copyfile(
-                Path(hf_dir) / "generation_config.json", output / "generation_config.json"
-            )
+def _either(names) -> str:
+    """`a`, `a or b`, `a, b or c`."""
+    names = list(names)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def _clear_output(output: Path, *, overwrite: bool) -> Path | None:
@@ -364,10 +303,10 @@ def _clear_output(output: Path, *, overwrite: bool) -> Path | None:
             f"--output {output} is not empty: add --overwrite to move it aside to "
             f"{output.name}.old-<date>-<time>, or choose a new folder"
         )
-    if not any((output / marker).is_file() for marker in EXPORT_MARKERS):
+    if not any(fmt.holds(output) for fmt in EXPORT_FORMATS):
+        markers = ", ".join(" + ".join(fmt.markers) for fmt in EXPORT_FORMATS)
         raise UserError(
-            f"--output {output}: --overwrite replaces only an earlier export "
-            f"({', '.join(EXPORT_MARKERS)}), and "
+            f"--output {output}: --overwrite replaces only an earlier export ({markers}), and "
             "this folder holds other files; choose a new folder"
         )
 
@@ -381,36 +320,3 @@ def _clear_output(output: Path, *, overwrite: bool) -> Path | None:
         ) from None
     log.info("--overwrite: moved the earlier export %s to %s", output, aside)
     return aside
-
-
-# The check's names import from here too, as they did before parity.py held them.
-__all__ = [
-    "CHECK_CLIPS",
-    "CHECK_SENTENCES",
-    "DEVICES",
-    "EXPORT_MARKERS",
-    "EXPORT_QUANTIZATIONS",
-    "FORMATS",
-    "FORMAT_QUANTIZATIONS",
-    "LOGPROB_TOLERANCE",
-    "ClipComparison",
-    "ExportParityError",
-    "ExportResult",
-    "ParityCheck",
-    "SourceSide",
-    "check_clips",
-    "check_export",
-    "check_language",
-    "compare",
-    "default_device",
-    "default_quantization",
-    "export_model",
-    "language_code",
-    "load_for_export",
-    "logprob_tolerance",
-    "merge_lora",
-    "parity_failure",
-    "save_export",
-    "score_source",
-    "scoring_arithmetic",
-]

@@ -3,7 +3,8 @@
 Like with like: the source (transformers) transcribes the check clips greedily (`score_source`:
 `--check-data`'s first clips, or synthesised English, `check_clips`), and the export's own
 runtime (faster-whisper's CTranslate2, whisper.cpp, openai-whisper, transformers) scores exactly
-those tokens, teacher forced, from its own log-mel of the same audio (runtimes.py). The check
+those tokens, teacher forced, from its own log-mel of the same audio (the format's row of
+`formats.registry`: its `scores`, from `formats.runtimes`). The check
 (`check_export`, a `ParityCheck` of one `ClipComparison` per clip) fails when the mean
 |Δ log p| per token exceeds what the runtime's arithmetic explains (`logprob_tolerance`), when
 its vocabulary spells a transcript differently, or when the runtime cannot run it
@@ -21,9 +22,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
 
-from whisper_train.deploy.runtimes import MissingRuntimeError
+from whisper_train.audio import load_audio
+from whisper_train.data.layouts import load_examples
+from whisper_train.data.synth import synthesize
 from whisper_train.errors import UserError
+from whisper_train.evaluation.scoring import get_normalizer, score, word_counts
+from whisper_train.formats.registry import export_format
+from whisper_train.formats.runtimes import (
+    MissingRuntimeError,
+    detect_language,
+    prompt_ids,
+    transformers_greedy_tokens,
+    transformers_scores,
+)
 from whisper_train.models import is_multilingual
 
 log = logging.getLogger(__name__)
@@ -143,18 +156,13 @@ class ParityCheck:
 
 def scoring_arithmetic(format: str, quantization: str) -> str:
     """The precision the export's runtime computes in when the check scores it: what bounds the
-    difference from the source. float16 weights alone change nothing measurable (CTranslate2
-    converts them to float32 on a CPU; openai-whisper's model holds float32); float16
-    arithmetic does (whisper.cpp always, CTranslate2 on a GPU)."""
+    difference from the source. int8 weights are int8 arithmetic in every runtime that holds
+    them; float16 weights alone change nothing measurable (CTranslate2 converts them to float32
+    on a CPU; openai-whisper's model holds float32); float16 arithmetic does (whisper.cpp
+    always, CTranslate2 on a GPU): each format's row says (`ExportFormat.arithmetic`)."""
     if quantization.startswith("int8"):
         return "int8"
-    if format == "ggml":
-        return "float16"
-    if format == "ct2" and quantization == "float16":
-        import ctranslate2
-
-        return "float16" if ctranslate2.get_cuda_device_count() > 0 else "float32"
-    return "float32"
+    return export_format(format).arithmetic(quantization)
 
 
 def logprob_tolerance(arithmetic: str) -> float:
@@ -177,11 +185,7 @@ def check_clips(
 ) -> list[tuple[str, np.ndarray, str, str | None]]:
     """(name, audio, reference, language) of the first `n_clips` of `check_data`, or of
     synthesised English speech."""
-    from whisper_train.audio import load_audio
-
     if check_data is not None:
-        from whisper_train.data.layouts import load_examples
-
         examples = load_examples(check_data)[:n_clips]
         return [
             (
@@ -192,8 +196,6 @@ def check_clips(
             )
             for e in examples
         ]
-    from whisper_train.data.synth import synthesize
-
     return [
         (f"synthesised #{i + 1}", synthesize(text), text, "en")
         for i, text in enumerate(CHECK_SENTENCES[:n_clips])
@@ -204,8 +206,6 @@ def check_language(model, processor, clips) -> str | None:
     """The one language both sides are forced to: None for English-only models; else the
     language the check data states, or the one the model was fine-tuned for (its generation
     config), or English for the synthesised clips, or the source's detection on the first clip."""
-    from whisper_train.deploy.runtimes import detect_language
-
     if not is_multilingual(model):
         return None
     synthesised = clips[0][0].startswith("synthesised")
@@ -224,8 +224,6 @@ def check_language(model, processor, clips) -> str | None:
 
 def language_code(language: str) -> str:
     """`<|de|>`, `german` or `de` -> `de`."""
-    from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
-
     language = language.strip("<|>").lower()
     return TO_LANGUAGE_CODE.get(language, language)
 
@@ -240,18 +238,12 @@ class SourceSide:
     prompt: list[int]
     texts: list[str]
     tokens: list[list[int]]
-    scores: list  # runtimes.TokenScores per clip
+    scores: list  # formats.runtimes.TokenScores per clip
 
 
 def score_source(model, processor, clips, language: str | None) -> SourceSide:
     """The source's greedy transcripts of `clips` and its scores of their tokens (before the
     export is written: saving in float16 converts `model` in place)."""
-    from whisper_train.deploy.runtimes import (
-        prompt_ids,
-        transformers_greedy_tokens,
-        transformers_scores,
-    )
-
     audio = [clip[1] for clip in clips]
     texts, tokens = transformers_greedy_tokens(model, processor, audio, language)
     prompt = prompt_ids(processor.tokenizer, is_multilingual(model), language)
@@ -271,15 +263,16 @@ def check_export(
     only: a near-tied word tipped by another runtime's arithmetic is not a defect of the file
     (issue 33).
     """
-    from whisper_train.deploy.runtimes import RUNTIME_NAMES, runtime_greedy, runtime_scores
-
+    exported_format = export_format(format)
     audio = [clip[1] for clip in source.clips]
-    runtime = RUNTIME_NAMES[format]
+    runtime = exported_format.runtime
     arithmetic = scoring_arithmetic(format, quantization)
+    model_input = exported_format.runtime_input(output)  # the folder, or the file it loads
     try:
-        scores = runtime_scores(format, output, audio, source.prompt, source.tokens)
+        exported_format.require_client()
+        scores = exported_format.scores(model_input, audio, source.prompt, source.tokens)
         exported = (
-            runtime_greedy(format, output, audio, source.language) if greedy else source.texts
+            exported_format.greedy(model_input, audio, source.language) if greedy else source.texts
         )
     except UserError as exc:
         if isinstance(exc, MissingRuntimeError):
@@ -320,8 +313,6 @@ def compare(
 ) -> ParityCheck:
     """Per clip: the token log-probabilities' differences, the spelling, and (informative) the
     word differences between the greedy transcripts."""
-    from whisper_train.evaluation.scoring import get_normalizer, score, word_counts
-
     normalize = get_normalizer(None, source.language)
     rows = []
     for (name, _, reference, _), text, theirs, ours, exp in zip(

@@ -8,19 +8,27 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from accelerate.utils import gather_object
+from tqdm.auto import tqdm
 
+from whisper_train.audio import N_SAMPLES, load_audio
 from whisper_train.config import require_positive
 from whisper_train.data.collate import IGNORE_INDEX
-from whisper_train.decoding import Decoded, DecodingOptions
+from whisper_train.data.features import LogMel
+from whisper_train.data.labels import language_code
+from whisper_train.data.layouts import load_examples
+from whisper_train.data.recordings import load_recordings
 from whisper_train.errors import AudioError, UserError
 from whisper_train.evaluation.generation import generate_texts
 from whisper_train.evaluation.longform import decode_recordings
+from whisper_train.evaluation.report import write_comparison
 from whisper_train.evaluation.scoring import (
     Normalizer,
     Scores,
@@ -29,7 +37,10 @@ from whisper_train.evaluation.scoring import (
     score,
 )
 from whisper_train.memory import training_loss
+from whisper_train.models import load_model, resolve_alias
+from whisper_train.runfolder import EVALUATION_DIR, REPORT_FILES, run_folder_of
 from whisper_train.runlog import progress_bars_wanted
+from whisper_train.transcription.decoding import Decoded, DecodingOptions
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +74,11 @@ class EvalReport:
     @property
     def long_form_recordings(self) -> int:
         return sum(self.long_form)
+
+    @property
+    def detected_languages(self) -> dict[str, int]:
+        """{language code: clips detected in it}, most frequent first (`detected_counts`)."""
+        return detected_counts(self.decoded)
 
     @property
     def language_id(self) -> LanguageId | None:
@@ -126,8 +142,6 @@ def detected_counts(decoded: Iterable[Decoded]) -> dict[str, int]:
 def row_languages(examples: Iterable, default: str | None) -> list[str | None]:
     """The language each example is decoded in on a multilingual model: its own `language`
     (the data's column), else `default` (the set's), else None: detected from its audio."""
-    from whisper_train.data.labels import language_code
-
     default = language_code(default)
     return [language_code(example.language) or default for example in examples]
 
@@ -144,9 +158,6 @@ def _feature_batches(
     """Examples → batches {"input_features": (batch, n_mels, 3000), "texts", "languages"}
     (`row_languages`); bad clips skipped; clips over 30 s appended to `longer` (to be decoded
     long-form: the log-mel of one window would silently keep only their first 30 s)."""
-    from whisper_train.audio import N_SAMPLES, load_audio
-    from whisper_train.data.features import LogMel
-
     log_mel = LogMel(processor.feature_extractor)
     for first in range(0, len(examples), batch_size):
         clips, texts = [], []
@@ -198,8 +209,6 @@ def run_evaluation(
     `loader` holds this process's share of the set (`data.loaders.evaluation_loader`: each clip
     on one process, every process the same number of batches, some empty); the shares are
     brought together once, at the end, so every clip is scored once (`clips` in the row)."""
-    from accelerate.utils import gather_object
-
     was_training = model.training
     model.eval()
     loss_and_tokens = torch.zeros(2, device=accelerator.device)  # summed token losses, tokens
@@ -286,10 +295,6 @@ def evaluate_examples(
     (`evaluation.longform`: 30 s windows with timestamps, with the previous windows' text when
     `condition_on_previous_text`) and scored over their whole reference; their rows come after
     the others'."""
-    from tqdm.auto import tqdm
-
-    from whisper_train.data.labels import language_code
-
     decoding = DecodingOptions() if decoding is None else decoding
 
     started = time.perf_counter()
@@ -360,8 +365,6 @@ def evaluate_examples(
 def _progress_lines(batches, total: int, clips: int, started: float):
     """The batches, with a line on stderr after about every tenth of them: where no bar is
     drawn (a log file, a pipe), a long evaluation still says how far it got."""
-    import sys
-
     every = max(1, total // 10)
     done = 0
     for number, batch in enumerate(batches, start=1):
@@ -449,9 +452,6 @@ def report_paths(
     (`baseline`) goes into the run folder of `model` when it is one (RUN/evaluation/, beside
     the model it describes), else into the current folder; a lone evaluation writes nothing.
     """
-    from whisper_train.models import resolve_alias
-    from whisper_train.runfolder import EVALUATION_DIR, REPORT_FILES, run_folder_of
-
     if output:
         path = Path(output)
         if path.is_dir() or str(output).endswith(("/", "\\")):
@@ -498,10 +498,6 @@ def evaluate(
     both models (None: on, with openai-whisper's defaults). `long_form`: `data` is long
     recordings, read whole (`data.recordings`) and decoded long-form; clips over 30 s are
     decoded long-form in any case (`evaluate_examples`)."""
-    from whisper_train.data.layouts import load_examples
-    from whisper_train.data.recordings import load_recordings
-    from whisper_train.models import load_model
-
     require_positive("--batch-size", batch_size)
     require_positive("--beam-size", beam_size)
     require_positive("--max-length", max_length)
@@ -554,8 +550,6 @@ def evaluate(
         return result
     write_report_json(result.report, paths[0])
     if baseline:
-        from whisper_train.evaluation.report import write_comparison
-
         result.baseline = run(baseline, "baseline")
         _, baseline_json, markdown, png = paths
         write_report_json(result.baseline, baseline_json)

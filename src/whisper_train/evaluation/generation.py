@@ -1,5 +1,5 @@
 """Transcripts from `model.generate` for batches of features, with the language and task set
-per set (`decoding` owns the fallbacks); what every evaluation scores."""
+per set (`transcription.decoding` owns the fallbacks); what every evaluation scores."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import logging
 from collections.abc import Iterable
 
 import torch
+from transformers.modeling_outputs import BaseModelOutput
 
-from whisper_train.decoding import Decoded, DecodingOptions, generate_decoded
+from whisper_train.data.features import LogMel
+from whisper_train.transcription.decoding import Decoded, DecodingOptions, generate_decoded
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +37,10 @@ def _generate_batch(
         inputs = {"input_features": batch["input_features"].to(weight.device, weight.dtype)}
     elif "audio" in batch:
         # A collator without a LogMel hands over waveforms: compute features where the model is.
-        from whisper_train.data.features import LogMel
-
         features = LogMel(processor.feature_extractor, device=weight.device)(batch["audio"])
         inputs = {"input_features": features.to(weight.dtype)}
     else:
         # A batch from the encoder cache: the encoder already ran, skip it.
-        from transformers.modeling_outputs import BaseModelOutput
-
         hidden = batch["encoder_hidden_states"].to(weight.device, weight.dtype)
         inputs = {"encoder_outputs": BaseModelOutput(last_hidden_state=hidden)}
     return generate_decoded(
@@ -76,9 +74,9 @@ def generate_texts(
     peft-wrapped models. The model is put in eval mode
     (dropout off) and its training mode is restored afterwards.
 
-    `decoding`: the temperature fallback (whisper_train.decoding); None is the default one
-    (greedy or beam search, then 0.2 ... 1.0 for outputs that loop or are unlikely),
-    `NO_FALLBACK` one plain generate call. `details`, when given, receives one `Decoded` per
+    `decoding`: the temperature fallback (whisper_train.transcription.decoding); None is the
+    default one (greedy or beam search, then 0.2 ... 1.0 for outputs that loop or are
+    unlikely), `NO_FALLBACK` one plain generate call. `details`, when given, receives one `Decoded` per
     text (temperature, mean log-prob, compression ratio, whether it needed the fallback).
     """
     was_training = model.training
@@ -102,18 +100,3 @@ def generate_texts(
     finally:
         model.train(was_training)
     return texts
-
-
-def set_language(model, language: str | None, task: str | None = None) -> None:
-    """Point `generation_config` at `language`/`task` on multilingual models; None keeps the
-    checkpoint's own setting (or language detection when it has none).
-
-    English-only checkpoints take no language or task tokens (transformers refuses them).
-    """
-    config = model.generation_config
-    if not getattr(config, "is_multilingual", False):
-        return
-    if language is not None:
-        config.language = language
-    if task is not None:
-        config.task = task

@@ -1,13 +1,6 @@
-"""Long-form decoding and evaluation: recordings longer than Whisper's 30 s window, decoded as
-users decode them and scored whole.
-
-Decoding is transformers' sequential long-form `generate` (what `whisper-train transcribe`
-runs on a transformers model: `transcribe.TransformersBackend` calls `generate_long_form`):
-the un-truncated log-mel features with their attention mask, 30 s windows with timestamps,
-each window starting where the previous one's last closed timestamp ended, and the temperature
-fallback window by window with openai-whisper's text compression ratio. Optionally each window
-is conditioned on the previous windows' text (`condition_on_previous_text`, openai-whisper's
-and faster-whisper's name; off by default, as `transcribe` decodes).
+"""Long-form evaluation: recordings longer than Whisper's 30 s window, decoded as users decode
+them (`transcription.longform`, the decoding `whisper-train transcribe` runs on a transformers
+model) and scored whole.
 
 Scoring: a recording is one utterance whose reference is its whole transcript, so its row's
 WER is the WER over the whole recording, and the corpus figures of `scoring.score` add up the
@@ -23,140 +16,23 @@ decoder's 448 positions).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
+from accelerate.utils import gather_object
 
-from whisper_train.audio import N_SAMPLES, SAMPLE_RATE, load_audio
-from whisper_train.decoding import Decoded, DecodingOptions, compression_ratio, seeded
+from whisper_train.audio import SAMPLE_RATE, load_audio
 from whisper_train.errors import AudioError
 from whisper_train.evaluation.scoring import Normalizer, get_normalizer, normalizer_for, score
+from whisper_train.transcription.decoding import Decoded, DecodingOptions, compression_ratio
+from whisper_train.transcription.longform import transcribe_long_form
 
 # A long-form set is decoded one recording at a time (a recording is many windows already).
 RECORDINGS_PER_BATCH = 1
-
-
-# -- decoding -------------------------------------------------------------------------------
-
-
-def _fallback_arguments(options: DecodingOptions) -> dict:
-    """generate's own window-by-window fallback, set from `options`. When every temperature
-    fails, transformers keeps the last try (as openai-whisper does), not the most likely one
-    (`decoding.choose`, faster-whisper's rule)."""
-    sampling = {"top_k": 0}  # the whole distribution, as openai-whisper samples
-    if not options.fallback:
-        first = options.temperatures[0]
-        return {"temperature": first, **sampling} if first > 0 else {}
-    return {
-        "temperature": options.temperatures,
-        "compression_ratio_threshold": options.compression_ratio_threshold,
-        "logprob_threshold": options.logprob_threshold,
-        **sampling,
-    }
-
-
-@contextlib.contextmanager
-def _text_compression_ratio(model, tokenizer):
-    """transformers' long-form fallback computes the compression ratio of the token ids'
-    bytes (a scale where 1.35 is its suggested threshold); for the duration of one call, make
-    it openai-whisper's ratio of the decoded text, so 2.4 means what it means there."""
-
-    def text_ratio(tokens, vocab_size):
-        ids = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
-        return compression_ratio(tokenizer.decode(ids, skip_special_tokens=True).strip())
-
-    model._retrieve_compression_ratio = text_ratio  # shadows the static method
-    try:
-        yield
-    finally:
-        del model._retrieve_compression_ratio
-
-
-@torch.inference_mode()
-def generate_long_form(
-    model,
-    processor,
-    audio: np.ndarray,
-    *,
-    beam_size: int = 1,
-    decoding: DecodingOptions | None = None,
-    condition_on_previous_text: bool = False,
-    language: str | None = None,
-    word_timestamps: bool = False,
-) -> dict:
-    """(n_samples,) float32 16 kHz audio of any length → `generate`'s output with timestamps
-    and `segments` (one list per recording: {"start", "end", "tokens", ...}).
-
-    `language`: a code for a multilingual model (None: its generation config's, else detected);
-    ignored by English-only models, which take no language token."""
-    decoding = DecodingOptions() if decoding is None else decoding
-    weight = next(p for p in model.parameters() if p.is_floating_point())
-    # Un-truncated features + attention mask switch generate into sequential long-form
-    # decoding for recordings over 30 s; shorter ones are padded to the 30 s window.
-    inputs = processor.feature_extractor(
-        audio,
-        sampling_rate=SAMPLE_RATE,
-        return_tensors="pt",
-        truncation=False,
-        padding="longest" if len(audio) > N_SAMPLES else "max_length",
-        return_attention_mask=True,
-    )
-    options = _fallback_arguments(decoding)
-    if condition_on_previous_text:  # passed only when asked: a 30 s clip warns otherwise
-        options["condition_on_prev_tokens"] = True
-    if word_timestamps:  # each token's end time, from the alignment heads' cross-attention
-        options["return_token_timestamps"] = True
-    if language is not None and getattr(model.generation_config, "is_multilingual", False):
-        options["language"] = language
-    with seeded(decoding.seed, weight.device), _text_compression_ratio(model, processor.tokenizer):
-        return model.generate(
-            input_features=inputs.input_features.to(weight.device, weight.dtype),
-            attention_mask=inputs.attention_mask.to(weight.device),
-            return_timestamps=True,
-            return_segments=True,
-            num_beams=beam_size,
-            **options,
-        )
-
-
-@dataclass(frozen=True)
-class DecodedSegment:
-    """One non-empty segment of a long-form decoding: its times (s), text and tokens, and with
-    word timestamps asked for, each token's end time (s: transformers' DTW over the alignment
-    heads; `word_timestamps.words_from_token_times` makes words of them)."""
-
-    start: float
-    end: float
-    text: str
-    tokens: list[int]
-    token_ends: list[float] | None = None
-
-
-def decoded_segments(output: dict, tokenizer) -> list[DecodedSegment]:
-    """The non-empty segments of the first recording of `generate_long_form`'s `output`."""
-    found = []
-    for raw in output["segments"][0]:
-        tokens = raw["tokens"].tolist()
-        text = tokenizer.decode([t for t in tokens if t < tokenizer.eos_token_id]).strip()
-        if text:
-            ends = raw["token_timestamps"].tolist() if "token_timestamps" in raw else None
-            found.append(DecodedSegment(float(raw["start"]), float(raw["end"]), text, tokens, ends))
-    return found
-
-
-def transcribe_long_form(model, processor, audio: np.ndarray, **options) -> str:
-    """The text of a recording decoded long-form (`generate_long_form`'s options)."""
-    output = generate_long_form(model, processor, audio, **options)
-    return " ".join(segment.text for segment in decoded_segments(output, processor.tokenizer))
-
-
-# -- evaluating recordings ------------------------------------------------------------------
 
 
 @dataclass
@@ -261,8 +137,6 @@ def run_long_form_evaluation(
     `data.source.evaluation_loader`: every process the same number of batches, some empty).
     Whatever its share, every process joins the one gather at the end, and only it: decoding
     runs on the unwrapped model, whose forwards hold no collective."""
-    from accelerate.utils import gather_object
-
     unwrapped = accelerator.unwrap_model(model)
     references, hypotheses, decoded = [], [], []
     for batch in loader:
@@ -307,9 +181,5 @@ __all__ = [
     "Recordings",
     "collate_recordings",
     "decode_recordings",
-    "generate_long_form",
     "run_long_form_evaluation",
-    "decoded_segments",
-    "DecodedSegment",
-    "transcribe_long_form",
 ]

@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import jiwer
+from whisper_normalizer.basic import BasicTextNormalizer
+from whisper_normalizer.english import EnglishTextNormalizer
 
 from whisper_train.errors import UserError
 
@@ -59,13 +61,9 @@ def get_normalizer(name: str | None = None, language: str | None = None) -> Norm
     if name is None:
         name = "english" if language in (None, "en", "english") else "basic"
     if name == "english":
-        from whisper_normalizer.english import EnglishTextNormalizer
-
         english = EnglishTextNormalizer()
         return lambda text: _collapse_whitespace(english(text))
     if name == "basic":
-        from whisper_normalizer.basic import BasicTextNormalizer
-
         basic = BasicTextNormalizer()
         return lambda text: _collapse_whitespace(basic(text))
     if name == "none":

@@ -2,9 +2,7 @@
 
 Reading: `load_ct2_whisper(folder)` parses `model.bin` itself (CTranslate2 binary format
 version 6, spec `WhisperSpec`) and rebuilds a Hugging Face `WhisperForConditionalGeneration`,
-so a faster-whisper folder can be fine-tuned without the model hub. Writing: `save_ct2(hf_folder,
-out)` runs CTranslate2's own converter and adds the files faster-whisper reads besides
-`model.bin`.
+so a faster-whisper folder can be fine-tuned without the model hub. Writing is `ct2_convert`'s.
 
 `model.bin` layout (little-endian): u32 version; string spec name; u32 spec revision; u32 number
 of variables, then per variable: string name, u8 rank, u32 dims[rank], u8 dtype id, u32 byte
@@ -19,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 import struct
 from pathlib import Path
 from typing import BinaryIO
@@ -532,61 +529,3 @@ def _whisper_from_variables(model_dir, variables, ct2_config, dtype, attn_implem
         feature_extractor=_feature_extractor(model_dir, n_mels), tokenizer=tokenizer
     )
     return model.eval(), processor
-
-
-def save_ct2(
-    model_dir_hf: str | Path,
-    output_dir: str | Path,
-    *,
-    quantization: str = "float16",
-    overwrite: bool = False,
-) -> Path:
-    """Convert a saved HF Whisper folder into a faster-whisper folder; returns `output_dir`.
-
-    Writes model.bin, config.json and vocabulary.json (CTranslate2's converter, offline for a
-    local folder) plus the tokenizer.json and preprocessor_config.json faster-whisper loads,
-    and fills config.json's `lang_ids` for multilingual models when the converter could not.
-    """
-    from ctranslate2.converters import TransformersConverter
-
-    model_dir_hf, output_dir = Path(model_dir_hf), Path(output_dir)
-    if quantization not in QUANTIZATIONS:
-        raise UserError(
-            f"unknown quantization {quantization!r}: use one of {', '.join(QUANTIZATIONS)}"
-        )
-    hf_config_file = model_dir_hf / CONFIG_FILE
-    if not hf_config_file.is_file():
-        raise UserError(f"{model_dir_hf} has no {CONFIG_FILE}: pass a saved Whisper model folder")
-    hf_config = json.loads(hf_config_file.read_text())
-    if hf_config.get("model_type") != "whisper":
-        raise UserError(f"{hf_config_file} is not a Whisper model's config")
-    if output_dir.exists() and any(output_dir.iterdir()) and not overwrite:
-        raise UserError(f"{output_dir} is not empty: choose a new folder or delete it")
-
-    TransformersConverter(str(model_dir_hf)).convert(
-        str(output_dir), quantization=quantization, force=True
-    )
-
-    tokenizer = WhisperTokenizerFast.from_pretrained(str(model_dir_hf))
-    if (model_dir_hf / TOKENIZER_FILE).is_file():
-        shutil.copyfile(model_dir_hf / TOKENIZER_FILE, output_dir / TOKENIZER_FILE)
-    else:
-        tokenizer.backend_tokenizer.save(str(output_dir / TOKENIZER_FILE))
-
-    try:
-        extractor = WhisperFeatureExtractor.from_pretrained(str(model_dir_hf))
-    except OSError:  # saved without a processor: Whisper's defaults for this mel count
-        extractor = WhisperFeatureExtractor(feature_size=hf_config["num_mel_bins"])
-    extractor.to_json_file(str(output_dir / PREPROCESSOR_FILE))
-
-    # The converter writes null for suppress lists the generation config lacks, and takes
-    # lang_ids (which language detection needs) from the generation config or the tokenizer's
-    # special-token list, which transformers 5 renamed: fill in what is missing.
-    ct2_config_file = output_dir / CONFIG_FILE
-    ct2_config = json.loads(ct2_config_file.read_text())
-    for key in ("suppress_ids", "suppress_ids_begin"):
-        ct2_config[key] = ct2_config.get(key) or []
-    if hf_config["vocab_size"] >= MULTILINGUAL_MIN_VOCAB and not ct2_config.get("lang_ids"):
-        ct2_config["lang_ids"] = language_token_ids(tokenizer)
-    ct2_config_file.write_text(json.dumps(ct2_config, indent=2))
-    return output_dir

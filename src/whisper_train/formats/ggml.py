@@ -221,16 +221,21 @@ def read_ggml(path: str | Path) -> tuple[dict[str, int], np.ndarray, dict[str, t
     return hparams, filters, tensors
 
 
-def load_ggml(path: str | Path):
+def load_ggml(path: str | Path, *, attn_implementation: str = "sdpa"):
     """`ggml-model.bin` (or its folder) -> (WhisperForConditionalGeneration in float32, processor)."""
     model_file = Path(path)
     if model_file.is_dir():
         model_file = model_file / MODEL_FILE
+    if not (is_ggml_file(model_file) or model_file.name.startswith("ggml")):
+        raise UserError(
+            f"--model {model_file}: not a whisper.cpp model file (it does not start with 'ggml'); "
+            "pass a ggml-model.bin, or the folder of a CTranslate2 model.bin"
+        )
     hparams, _, tensors = read_ggml(model_file)
     if hparams["n_audio_state"] != hparams["n_text_state"]:
         raise UserError(f"--model {model_file}: audio and text widths differ; not Whisper")
     dims = {key: hparams[key] for key in DIMS}
-    return model_from_openai_weights(model_file, dims, tensors)
+    return model_from_openai_weights(model_file, dims, tensors, attn_implementation)
 
 
 def is_ggml_file(path: Path) -> bool:

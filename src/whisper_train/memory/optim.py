@@ -16,9 +16,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from whisper_train.choices import OPTIMIZERS
 from whisper_train.errors import UserError
-
-OPTIMIZERS = ("adamw", "adamw-fused", "adamw8bit")
 
 
 def build_optimizer(

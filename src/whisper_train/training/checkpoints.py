@@ -14,9 +14,10 @@ A checkpoint holds everything needed to continue a run exactly where it stopped:
     rng-<rank>.pt          Python, NumPy and torch random states of each process
     stream-<rank>.json     a streamed --data only: each process's place in its stream (epoch,
                            rows each data-loader worker handed out; `streaming.StreamPosition`)
-    trainer_state.json     step, epoch, batches consumed in the epoch, bad-step counters,
-                           evaluations so far, world size
-    whisper-train.yaml     the resolved configuration of the run
+    trainer_state.json     step, epoch, steps trained in the epoch, bad-step counters,
+                           evaluations so far, the guard's start, world size
+    whisper-train.yaml     the options of the run and its record (`config.record`), which a
+                           --resume compares with its own
     manifest.json          written last: every file's size, so that a truncated or missing
                            file is found before anything is loaded (`resume.find_damage`)
 
@@ -73,7 +74,16 @@ class TrainerState:
 
     step: int = 0  # optimizer steps taken, skipped (bad) steps included
     epoch: int = 0  # the epoch in progress
-    batches_in_epoch: int = 0  # micro-batches of this epoch already consumed (per process)
+    steps_in_epoch: int = 0  # steps of this epoch's plan already trained (data read whole)
+    # The clips this epoch trained before its plan was redone on a resume with other clips a
+    # step (`step_plan.encode_clips`; empty: never redone): the plan leaves them out.
+    trained_before_replan: str = ""
+    # Saved before steps were planned (checkpoints of earlier versions): micro-batches of the
+    # epoch each process had consumed. Read only, to convert (`resume.convert_position`).
+    batches_in_epoch: int = 0
+    # The guard set and the step whose WER of it later ones are held against: step 0, or the
+    # step a --resume first gave that guard at ({"set", "step"}; None: no guard yet).
+    guard_start: dict | None = None
     bad_steps_in_a_row: int = 0  # consecutive steps with a NaN/infinite loss or gradient
     skipped_steps: int = 0  # all bad steps of the run
     skipped_clips: int = 0  # clips that could not be decoded

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from whisper_train.config import RunConfig
+from whisper_train.config.record import EvalSet
 from whisper_train.data import streaming
 from whisper_train.data.examples import Example, PackedExamples
 from whisper_train.data.labels import LabelEncoder, label_length, with_language
@@ -48,41 +49,41 @@ class Datasets:
 
 
 def prepare_datasets(
-    config: RunConfig, label_encoder: LabelEncoder, *, max_label_tokens: int
+    config: RunConfig,
+    sets: Sequence[EvalSet],
+    label_encoder: LabelEncoder,
+    *,
+    max_label_tokens: int,
 ) -> Datasets:
-    """Read, split, subset and screen the data; report what was skipped and why."""
+    """Read, split, subset and screen the data and the evaluation `sets` (`config.resolve.
+    evaluation_sets`); report what was skipped and why."""
     d = config.data
     # A streamed --data is opened by its training data source (`data.source.StreamData`), never
     # read here; its evaluation sets are read whole like any other.
     streamed = config.stream_source() is not None
     examples = [] if streamed else load_examples(d.data, data_format=d.data_format)
-    eval_paths = config.eval_sets()
-    for path in eval_paths.values():
-        if not config.train.only_train and streaming.stream_source(path) is not None:
+    for eval_set in sets:
+        if streaming.stream_source(eval_set.path) is not None and d.eval_data:
             raise UserError(
-                f"--eval-data {path}: evaluation sets are read whole, not streamed; "
+                f"--eval-data {eval_set.path}: evaluation sets are read whole, not streamed; "
                 "give a manifest or folder layout (see `whisper-train check-data`)"
             )
-    if config.train.only_train:
-        train_examples, eval_sets = examples, {}
-    elif eval_paths:
+    if sets and sets[0].split:  # a seeded split of --data
+        train_examples, held_out = split_examples(examples, d.eval_split, config.train.seed)
+        eval_sets = {sets[0].name: held_out}
+    else:
         train_examples = examples
         # --data-format names --data's layout; each evaluation set's is detected on its own
         # (as on the streamed path: an evaluation set often comes from elsewhere). A set's stated
         # language (NAME:LANG=PATH) is its rows' label prefix too. A long-form set
         # (NAME:long=PATH) is read as whole recordings.
         eval_sets = {
-            name: with_language(
-                (load_recordings if config.eval_set_long_form(name) else load_examples)(path),
-                config.eval_set_language(name),
+            s.name: with_language(
+                (load_recordings if s.long_form else load_examples)(s.path), s.language
             )
-            for name, path in eval_paths.items()
+            for s in sets
         }
-    elif d.eval_split == 0:
-        train_examples, eval_sets = examples, {}
-    else:
-        train_examples, held_out = split_examples(examples, d.eval_split, config.train.seed)
-        eval_sets = {"eval": held_out}
+    long_form = {s.name: s.long_form for s in sets}
     if d.train_subset:
         train_examples = train_examples[: d.train_subset]
     if d.eval_subset:
@@ -103,14 +104,13 @@ def prepare_datasets(
     for name, subset in eval_sets.items():
         # A long-form set's recordings are decoded whole: no 30 s or label-length limit (its
         # audio is still checked: missing or undecodable files are skipped and said).
-        long_form = config.eval_set_long_form(name)
         screening = _screen_set(
             subset,
             label_encoder,
-            sys.maxsize if long_form else max_label_tokens,
+            sys.maxsize if long_form[name] else max_label_tokens,
             d.strict,
             read_headers=True,
-            max_seconds=math.inf if long_form else None,
+            max_seconds=math.inf if long_form[name] else None,
         )
         kept_eval[name] = [subset[index] for index in screening.kept]
         skipped += screening.skips

@@ -8,7 +8,7 @@ With the encoder frozen and the audio not augmented, the encoder maps each clip 
 Layout: ROOT/<model key>/<2 hex digits>/<clip key>.safetensors, one float16 tensor a clip
 (tiny 1.15 MB ... large-v3 3.84 MB), and ROOT/<model key>/info.json (what `cache ls` shows).
 
-- ROOT: `--encoder-cache-dir`, default `default_cache_dir()` (a user cache folder).
+- ROOT: `--encoder-cache-dir`, default `runfolder.encoder_cache_dir` (a user cache folder).
 - model key: a hash of the encoder's weights, the log-mel settings, the compute precision and
   `FORMAT_VERSION`: another model, fine-tuned encoder or precision never reads these outputs.
 - clip key: a hash of the audio file's path, size and modification time and the window
@@ -54,7 +54,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from whisper_train import runfolder
 from whisper_train.data.collate import SpeechCollator
 from whisper_train.errors import UserError
 from whisper_train.files import write_atomically
@@ -69,16 +68,6 @@ INFO_FILE = "info.json"
 TENSOR_NAME = "encoder_hidden_states"
 MODEL_KEY_PATTERN = re.compile(r"[0-9a-f]{16}")
 FILE_SUFFIX = ".safetensors"
-
-
-def default_cache_dir() -> Path:
-    """`encoder` in the user's whisper-train cache (runfolder.user_cache_dir)."""
-    return runfolder.user_cache_dir("encoder")
-
-
-def cache_dir(flag_value: str | None) -> Path:
-    """`--encoder-cache-dir` when given, else `default_cache_dir()`."""
-    return Path(flag_value).expanduser() if flag_value else default_cache_dir()
 
 
 def clip_key(example) -> str | None:
@@ -439,10 +428,8 @@ __all__ = [
     "CacheEntry",
     "EncoderCache",
     "EncoderCacheCollator",
-    "cache_dir",
     "clear_cache",
     "clip_key",
-    "default_cache_dir",
     "format_bytes",
     "list_cache",
     "model_key",

@@ -15,11 +15,12 @@ from tqdm.auto import tqdm
 from whisper_train import runfolder
 from whisper_train.data.examples import Example
 from whisper_train.data.labels import configure_generation
-from whisper_train.decoding import DecodingOptions
 from whisper_train.evaluation.evaluate import evaluate_examples, write_report_json
 from whisper_train.evaluation.report import write_comparison
-from whisper_train.models import is_multilingual, load_model, save_model_folder
+from whisper_train.formats.hf import save_model_folder
+from whisper_train.models import is_multilingual, load_model
 from whisper_train.training.model_card import CARD_FILE
+from whisper_train.transcription.decoding import DecodingOptions
 
 
 @dataclass
@@ -30,25 +31,33 @@ class FinalChoice:
     reason: str
 
 
-def guard_regression(evaluations: list[dict], guard: str | None, step: int) -> float | None:
-    """Points (percent) of WER the guard set lost at `step` against step 0; None without a
-    guard or its two evaluations."""
+def guard_regression(
+    evaluations: list[dict], guard: str | None, step: int, start: int = 0
+) -> float | None:
+    """Points (percent) of WER the guard set lost at `step` against its `start` (step 0, or
+    the step a --resume first gave the guard at); None without a guard or its two
+    evaluations."""
     if guard is None:
         return None
     wer = {row["step"]: row["wer"] for row in evaluations if row.get("set") == guard}
-    if 0 not in wer or step not in wer or not math.isfinite(wer[step]):
+    if start not in wer or step not in wer or not math.isfinite(wer[step]):
         return None
-    return 100 * (wer[step] - wer[0])
+    return 100 * (wer[step] - wer[start])
 
 
 def choose_final_step(
-    evaluations: list[dict], *, primary_set: str, guard: str | None, max_regression: float | None
+    evaluations: list[dict],
+    *,
+    primary_set: str,
+    guard: str | None,
+    max_regression: float | None,
+    guard_start: int = 0,
 ) -> FinalChoice:
     """The evaluated step whose model final/ holds, as `load_best_model_at_end` users expect:
-    the lowest WER on `primary_set` among trained steps (not step 0) whose guard WER stayed
-    within `max_regression` points of the start; the later step on a tie. Without evaluations:
-    the last step. If no step stays within the guard's limit: the last one, and the reason says
-    so."""
+    the lowest WER on `primary_set` among trained steps (not step 0) whose guard WER was
+    measured and stayed within `max_regression` points of its start (`guard_start`); the later
+    step on a tie. Without evaluations: the last step. If no step stays within the guard's
+    limit: the last one, and the reason says so."""
     scored = {
         row["step"]: row["wer"]
         for row in evaluations
@@ -61,20 +70,26 @@ def choose_final_step(
     allowed = {
         step: wer
         for step, wer in scored.items()
-        if (regression := guard_regression(evaluations, guard, step)) is None
-        or regression <= max_regression
+        if guard is None
+        or (
+            (regression := guard_regression(evaluations, guard, step, guard_start)) is not None
+            and regression <= max_regression
+        )
     }
     if not allowed:
         return FinalChoice(
             max(scored),
-            f"the last evaluated step: every evaluation lost more than {max_regression:g} "
-            f"points of {guard} WER",
+            f"the last evaluated step: no evaluation stayed within {max_regression:g} points "
+            f"of {guard} WER at its start (step {guard_start})",
         )
     best = min(allowed, key=lambda step: (allowed[step], -step))
     reason = f"the lowest {primary_set} WER ({100 * allowed[best]:.2f}%) of {len(scored)} evaluated"
     reason += " steps" if len(scored) > 1 else " step"
     if guard is not None:
-        reason += f", guard set {guard!r} within {max_regression:g} points of its start"
+        reason += (
+            f", guard set {guard!r} within {max_regression:g} points of its start "
+            f"(step {guard_start})"
+        )
     return FinalChoice(best, reason)
 
 

@@ -10,8 +10,7 @@ from pathlib import Path
 import torch
 
 from whisper_train import memory, runfolder
-from whisper_train.config import RunConfig
-from whisper_train.decoding import DecodingOptions
+from whisper_train.config.record import ModelRecord, RunRecord
 from whisper_train.errors import UserError
 from whisper_train.evaluation.report import write_curves_png
 from whisper_train.memory.wrappers import unwrapped
@@ -68,7 +67,7 @@ def encoder_cache_counts(cache: EncoderCache, accelerator) -> str:
 
 
 def refuse_nonfinite_final(
-    model: torch.nn.Module, accelerator, final_step: int, config: RunConfig, output_dir: Path
+    model: torch.nn.Module, accelerator, final_step: int, record: RunRecord, output_dir: Path
 ) -> None:
     """final/ is what `--model OUTPUT`, pipelines and exports take as the result: a model
     with a NaN or infinite weight is not written there, nor called fine-tuned (every
@@ -82,11 +81,11 @@ def refuse_nonfinite_final(
     raise UserError(
         f"the model of step {final_step} has {blown} of {len(parameters)} tensors NaN or "
         f"infinite; {runfolder.FINAL_DIR}/ was not written. "
-        f"{lower_learning_rate_advice(config, output_dir, final_step)}"
+        f"{lower_learning_rate_advice(record, output_dir, final_step)}"
     )
 
 
-def whole_model(model: torch.nn.Module, config: RunConfig, accelerator):
+def whole_model(model: torch.nn.Module, model_record: ModelRecord, accelerator):
     """The trained `model`, unwrapped, for final/: on the main process (None on the others
     under --fsdp, where every process must call this: the weights are gathered)."""
     if not memory.is_sharded(model):
@@ -96,11 +95,9 @@ def whole_model(model: torch.nn.Module, config: RunConfig, accelerator):
         return None
     # A fresh model as setup made it (LoRA included), unsharded, with the trained weights
     # and the trained model's configuration (generation settings, SpecAugment's).
-    c = config
-    fresh, _ = load_model(c.model.model, attn_implementation=c.model.attn_implementation)
-    fresh = memory.prepare_model(
-        fresh, mode=c.model.mode, checkpointing="off", lora=c.lora_settings()
-    )
+    m = model_record
+    fresh, _ = load_model(m.model, attn_implementation=m.attn_implementation)
+    fresh = memory.prepare_model(fresh, mode=m.mode, checkpointing="off", lora=m.lora)
     fresh.load_state_dict(weights)
     whole, trained = memory.whisper_of(fresh), memory.whisper_of(unwrapped(model))
     whole.config, whole.generation_config = trained.config, trained.generation_config
@@ -111,39 +108,38 @@ def write_run_outputs(
     final_model,
     result: TrainResult,
     *,
-    config: RunConfig,
+    record: RunRecord,
     processor,
-    precision: str,
     datasets: Datasets,
-    primary_set: str,
-    decoding: DecodingOptions,
     accelerator,
 ) -> None:
     """OUTPUT/final/ (with its model card), result.json, curves.png and, with
-    --compare-baseline, the before/after report: the main process's alone."""
-    c, output_dir = config, result.output_dir
+    --compare-baseline, the before/after report: the main process's alone. Each says what the
+    run's record says."""
+    output_dir, evaluation = result.output_dir, record.evaluation
     result.final_dir = save_final(
         final_model,
         processor,
         output_dir / runfolder.FINAL_DIR,
-        pin_language=c.data.pin_language,
-        config_yaml=c.to_saved_yaml(),
-        card=model_card.run_card(c, result, precision, datasets.train),
+        pin_language=record.data.pin_language,
+        config_yaml=record.to_yaml(),
+        card=model_card.run_card(record, result, datasets.train),
     )
     write_result(result)
     write_curves_png(output_dir / runfolder.METRICS_FILE, output_dir / runfolder.CURVES_FILE)
     say(accelerator, f"fine-tuned model: {result.final_dir}")
-    primary_examples = datasets.eval.get(primary_set)
-    if c.train.compare_baseline and primary_examples:
+    primary = evaluation.set_named(evaluation.primary)
+    primary_examples = datasets.eval.get(evaluation.primary)
+    if evaluation.compare_baseline and primary_examples:
         compare_with_baseline(
-            c.model.model,
+            record.model.model,
             result.final_dir,
             primary_examples,
             output_dir,
-            language=c.eval_set_language(primary_set),
-            task=c.data.task,
-            batch_size=c.train.batch_size,
-            max_length=c.train.generation_max_length,
-            decoding=decoding,
-            attn_implementation=c.model.attn_implementation,
+            language=primary.language,
+            task=record.data.task,
+            batch_size=record.data.clips_per_micro_batch,
+            max_length=evaluation.max_length,
+            decoding=evaluation.decoding,
+            attn_implementation=record.model.attn_implementation,
         )

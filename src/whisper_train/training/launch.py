@@ -18,7 +18,7 @@ from accelerate.utils import DistributedDataParallelKwargs
 
 from whisper_train import runfolder
 from whisper_train.config import RunConfig
-from whisper_train.errors import UserError
+from whisper_train.errors import AlreadySaid, UserError
 from whisper_train.runlog import StopRequest, TrainingInterrupted, TrainResult, read_result
 from whisper_train.training import checkpoints
 
@@ -27,6 +27,8 @@ from whisper_train.training import checkpoints
 CLAIMED_ENV = "WHISPER_TRAIN_CLAIMED_OUTPUT_DIR"
 # Exit codes of a run stopped by SIGINT / SIGTERM after a checkpoint (`TrainingInterrupted`).
 STOPPED_CODES = tuple(128 + signum for signum in StopRequest.SIGNALS)
+# The exit code of a process that stopped on a user error, its one line printed (`cli.main`).
+USER_ERROR_CODE = 2
 
 
 def inside_launcher() -> bool:
@@ -108,6 +110,8 @@ def launch_data_parallel(config: RunConfig, lock: runfolder.RunLock | None = Non
             f"--nproc {n}: a training process was killed by {_signal_name(code - 128)} (the "
             f"out-of-memory killer sends SIGKILL) and the run stopped; {then}"
         )
+    if code == USER_ERROR_CODE:  # a process printed the one line that says why
+        raise AlreadySaid(f"--nproc {n}: a training process stopped with the error printed above")
     if code != 0:
         raise UserError(
             f"--nproc {n}: a training process failed (exit code {code}); its error is printed above"
@@ -146,6 +150,8 @@ def _torchrun(argv: list[str]) -> int:
         _, first = exc.get_first_failure()  # the cause; torchrun then stopped the others
         if first.exitcode < 0:  # -N: killed by signal N
             return 128 - first.exitcode
+        if first.exitcode == USER_ERROR_CODE:  # it printed its one line
+            return USER_ERROR_CODE
         codes = {failure.exitcode for failure in exc.failures.values()}
         return codes.pop() if len(codes) == 1 and codes <= set(STOPPED_CODES) else 1
     return 0

@@ -20,7 +20,7 @@ import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from whisper_train import runfolder
-from whisper_train.config import RunConfig, read_yaml
+from whisper_train.config.record import RunRecord
 from whisper_train.data.examples import Example
 from whisper_train.errors import UserError
 from whisper_train.formats import packaged
@@ -104,12 +104,12 @@ def language_code(language: str) -> str:
 
 
 def training_languages(
-    config: RunConfig, multilingual: bool | None, train_examples: Iterable[Example] = ()
+    record: RunRecord, multilingual: bool | None, train_examples: Iterable[Example] = ()
 ) -> list[str]:
     """--language, else the languages the training rows state, else English for an
     English-only model; empty when not known."""
-    if config.data.language:
-        return [language_code(config.data.language)]
+    if record.data.language:
+        return [language_code(record.data.language)]
     stated = sorted({language_code(e.language) for e in train_examples if e.language})
     if stated:
         return stated
@@ -120,52 +120,50 @@ def training_languages(
 
 
 def run_card(
-    config: RunConfig,
+    record: RunRecord,
     result: TrainResult | None,
-    precision: str | None = None,
     train_examples: Iterable[Example] = (),
     *,
     note: str = "",
 ) -> str | None:
-    """README.md of a run's final/: `config` is the run's (its options are what the card
-    describes), `result` what it measured (None: not known, so no results), `precision` the
-    one it resolved (None: the configured one), `train_examples` the rows it trained on (their
-    languages), `note` a closing paragraph. None, said in a warning, if the card cannot be
-    made: a card is no reason to lose the model a run trained."""
+    """README.md of a run's final/: `record` is the run's (its decisions are what the card
+    describes), `result` what it measured (None: not known, so no results), `train_examples`
+    the rows it trained on (their languages), `note` a closing paragraph. None, said in a
+    warning, if the card cannot be made: a card is no reason to lose the model a run
+    trained."""
     try:
-        return _run_card(config, result, precision, train_examples, note)
+        return _run_card(record, result, train_examples, note)
     except Exception as exc:  # anything: final/ is written without its card
         log.warning("the model card was not written (%s: %s)", type(exc).__name__, exc)
         return None
 
 
 def _run_card(
-    config: RunConfig,
+    record: RunRecord,
     result: TrainResult | None,
-    precision: str | None,
     train_examples: Iterable[Example],
     note: str,
 ) -> str:
-    spec = config.model.model
-    name = Path(config.train.output_dir).name or "whisper-train-model"
+    spec = record.model.model
+    name = Path(record.output.output_dir).name or "whisper-train-model"
     rows = _final_rows(result)
-    languages = training_languages(config, base_is_multilingual(spec), train_examples)
+    languages = training_languages(record, base_is_multilingual(spec), train_examples)
     data = ModelCardData(
         base_model=base_model_id(spec),
         language=languages or None,
         license=base_license(spec),
         library_name="transformers",
         pipeline_tag=TASK,
-        tags=["whisper", "whisper-train", config.model.mode],
+        tags=["whisper", "whisper-train", record.model.mode],
         model_name=name if rows else None,
-        eval_results=[_eval_result(config, set_name, row) for set_name, row in rows.items()]
+        eval_results=[_eval_result(record, set_name, row) for set_name, row in rows.items()]
         or None,
     )
     body = [
         f"# {name}",
-        f"A fine-tune of {_describe_base(spec)} with whisper-train (mode `{config.model.mode}`).",
-        *_results_section(config, result, rows),
-        *_training_section(config, result, precision, languages),
+        f"A fine-tune of {_describe_base(spec)} with whisper-train (mode `{record.model.mode}`).",
+        *_results_section(record, result, rows),
+        *_training_section(record, result, languages),
     ]
     if note:
         body.append(note)
@@ -183,8 +181,9 @@ def _final_rows(result: TrainResult | None) -> dict[str, dict]:
     }
 
 
-def _eval_result(config: RunConfig, set_name: str, row: dict) -> EvalResult:
-    path = config.eval_sets().get(set_name, "")
+def _eval_result(record: RunRecord, set_name: str, row: dict) -> EvalResult:
+    eval_set = record.evaluation.set_named(set_name)
+    path = eval_set.path if eval_set is not None else ""
     hub_dataset = path if could_be_hub_id(path) and not Path(path).exists() else None
     return EvalResult(
         task_type=TASK,
@@ -205,14 +204,14 @@ def _before_after(before: dict | None, after: dict, key: str) -> str:
     return f"{then} → {_percent(after.get(key))}"
 
 
-def _role(config: RunConfig, result: TrainResult, set_name: str) -> str:
-    if set_name == config.train.guard:
+def _role(record: RunRecord, result: TrainResult, set_name: str) -> str:
+    if set_name == record.evaluation.guard:
         return "guard"
     return "picks final/" if set_name == result.primary_set else "evaluation"
 
 
 def _results_section(
-    config: RunConfig, result: TrainResult | None, rows: dict[str, dict]
+    record: RunRecord, result: TrainResult | None, rows: dict[str, dict]
 ) -> list[str]:
     if result is None:
         return ["## Results", "No result.json was found for this model: this card has no results."]
@@ -237,7 +236,7 @@ def _results_section(
     table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for set_name, row in rows.items():
         before = start.get(set_name)
-        cells = [f"`{set_name}`", _role(config, result, set_name), str(row.get("clips", "–"))]
+        cells = [f"`{set_name}`", _role(record, result, set_name), str(row.get("clips", "–"))]
         cells += [
             _before_after(before, row, key)
             for key in ("wer", "repeated_ngram_rate", "insertion_rate")
@@ -258,35 +257,37 @@ def _results_section(
         f"{before}step {step} (this model). WER: word error rate after text normalisation; "
         "loops: repeated word 3-grams among all 3-grams of the transcripts; insertions: "
         "inserted words per reference word (words the model made up).",
-        *_what_figures_rest_on(config, result, rows),
+        *_what_figures_rest_on(record, result, rows),
     ]
 
 
 def _what_figures_rest_on(
-    config: RunConfig, result: TrainResult, rows: dict[str, dict]
+    record: RunRecord, result: TrainResult, rows: dict[str, dict]
 ) -> list[str]:
     lines = [
         f"- `{name}`: {row.get('clips', 'an unknown number of')} clips"
         for name, row in rows.items()
     ]
-    named = config.eval_sets()
-    if "eval" in rows and "eval" not in named:
+    split = [s.name for s in record.evaluation.sets if s.split and s.name in rows]
+    if split:
         lines.append(
-            f"- `eval` is a seeded random {config.data.eval_split:g} split of the training "
-            "data: the same speakers, recording conditions and often words as training, so "
-            "its WER says little about speech this model has not heard."
+            f"- `{split[0]}` is a seeded random {record.data.eval_split:g} split of the "
+            "training data: the same speakers, recording conditions and often words as "
+            "training, so its WER says little about speech this model has not heard."
         )
-    if any(name in named for name in rows):
+    else:
         lines.append(
             "- whisper-train cannot tell who speaks in a set: a WER on data drawn like the "
             "training data proves little unless the set's speakers (and words) were held out "
             "from training."
         )
-    if config.train.guard in rows:
+    guard = record.evaluation.guard
+    if guard in rows:
+        start = (result.guard_start or {}).get("step", 0)
         lines.append(
-            f"- `{config.train.guard}` is the guard set: what the model must keep knowing; "
-            "final/ holds no step whose guard WER rose more than --max-regression points over "
-            "step 0."
+            f"- `{guard}` is the guard set: what the model must keep knowing; final/ holds no "
+            f"step whose guard WER rose more than {record.evaluation.max_regression:g} points "
+            f"over its start (step {start})."
         )
     return ["### What these figures rest on", "\n".join(lines)]
 
@@ -295,42 +296,37 @@ def _what_figures_rest_on(
 
 
 def _training_section(
-    config: RunConfig, result: TrainResult | None, precision: str | None, languages: list[str]
+    record: RunRecord, result: TrainResult | None, languages: list[str]
 ) -> list[str]:
-    d, m, mem, t = config.data, config.model, config.memory, config.train
+    m, d, mem, training = record.model, record.data, record.memory, record.training
     mode = f"`{m.mode}`"
-    if m.mode == "lora":
+    if m.lora_r is not None:
         mode += (
             f" (r {m.lora_r}, alpha {m.lora_alpha}, dropout {m.lora_dropout:g}, on "
             f"{', '.join(m.lora_targets)}; merged into full weights here)"
         )
-    if t.max_steps:
-        length = f"--max-steps {t.max_steps}"
-    else:
-        length = f"--epochs {t.epochs if t.epochs is not None else 3:g}"
-    if precision is None:
-        precision = mem.precision + (
-            " (which one it resolved to is not recorded)" if mem.precision == "auto" else ""
-        )
+    rate = f"- learning rate: {training.learning_rate:g}"
+    if training.encoder_learning_rate != training.learning_rate:
+        rate += f", the encoder's {training.encoder_learning_rate:g}"
+    rate += (
+        f" ({training.lr_scheduler} schedule, {training.warmup_steps} warm-up steps), weight "
+        f"decay {training.weight_decay:g}, optimizer {mem.optim}"
+    )
+    step = (
+        f"- batch: {d.clips_per_step} clips per optimizer step (--batch-size "
+        f"{d.clips_per_micro_batch} x --gradient-accumulation {d.accumulation} x "
+        f"{d.processes} process(es)); packing {d.packing}"
+    )
     lines = [
         f"- mode: {mode}",
-        f"- learning rate: {config.learning_rate:g}"
-        + (
-            f", the encoder's {config.learning_rate * config.encoder_lr_scale:g}"
-            if config.encoder_lr_scale != 1
-            else ""
-        )
-        + f" ({t.lr_scheduler} schedule, "
-        f"{t.warmup_steps} warm-up steps), weight decay {t.weight_decay:g}, optimizer {mem.optim}",
-        f"- batch size: {t.batch_size} clips per process, gradient accumulation "
-        f"{t.gradient_accumulation}, {t.nproc} process(es): "
-        f"{t.batch_size * t.gradient_accumulation * t.nproc} clips per optimizer step",
-        f"- length: {length}"
-        + (f"; {result.steps} optimizer steps done" if result is not None else ""),
-        f"- precision: {precision}",
+        rate,
+        step,
+        f"- length: {training.total_steps} optimizer steps planned"
+        + (f", {result.steps} done" if result is not None else ""),
+        f"- precision: {mem.precision}; gradient checkpointing: {mem.checkpointing}",
         f"- task: {d.task}; training language: {', '.join(languages) or 'not stated'}"
         + (" (--pin-language: saved in the model)" if d.pin_language else ""),
-        f"- seed: {t.seed}",
+        f"- seed: {training.seed}",
     ]
     if result is not None:
         clips = f"- training data: {result.train_examples} clips"
@@ -339,6 +335,7 @@ def _training_section(
         lines.append(clips)
         if result.skipped_steps:
             lines.append(f"- {result.skipped_steps} optimizer steps skipped (NaN or infinite)")
+    lines += [f"- {note}" for note in record.notes]
     return ["## Training", "\n".join(lines)]
 
 
@@ -371,12 +368,11 @@ def export_card(
     config_file = folder / runfolder.CONFIG_FILE
     if config_file.is_file():
         try:
-            config = RunConfig()
-            config.update(read_yaml(config_file.read_text(encoding="utf-8")) or {})
-        except (UserError, ValueError, AttributeError, yaml.YAMLError):
-            config = None
-        if config is not None:
-            return run_card(config, _run_result(folder), note=note)
+            record = RunRecord.from_yaml(config_file.read_text(encoding="utf-8"))
+        except (ValueError, TypeError, AttributeError, yaml.YAMLError):
+            record = None
+        if record is not None:
+            return run_card(record, _run_result(folder), note=note)
     return _plain_export_card(model_spec, folder, output, quantization, merged_lora)
 
 

@@ -14,14 +14,25 @@ import json
 import random
 import zipfile
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 from safetensors.torch import load_file
 
-from whisper_train.config import read_yaml
+from whisper_train.config import field_owners, read_yaml
+from whisper_train.config.options import PACKING_AUTO
+from whisper_train.config.record import (
+    MUST_EQUAL,
+    REPLANS,
+    SLICES,
+    RunRecord,
+    flag_of,
+    options_recorded,
+    same_path,
+)
 from whisper_train.errors import UserError
 from whisper_train.runfolder import ABANDONED_PREFIX, CONFIG_FILE, METRICS_FILE
 from whisper_train.training.checkpoints import (
@@ -185,47 +196,46 @@ def _safetensors_damage(path: Path) -> str | None:
 
 # -- loading -------------------------------------------------------------------------------
 
-# Options an exact resume depends on: they fix which clips make each batch and in what order
-# (the data-order state in the checkpoint counts batches of them), so a resume that changed one
-# would silently train on other data than the run it continues. Refused on --resume, naming the
-# checkpoint's value. The learning rate and its schedule (--learning-rate, --lr-scheduler,
-# --warmup-steps, --max-steps, --epochs) are instead applied from the resume point: see
-# `load_checkpoint`.
-FIXED_ON_RESUME = (
-    # First: another mode makes other options differ too (--packing auto's choice).
-    ("model", "mode", "--mode"),
-    ("train", "batch_size", "--batch-size"),
-    ("train", "gradient_accumulation", "--gradient-accumulation"),
-    ("train", "seed", "--seed"),
-    ("train", "group_by_length", "--group-by-length"),
-    ("train", "fsdp", "--fsdp"),  # sharded/ or trainable.safetensors: one or the other
-    ("data", "data", "--data"),
-    ("data", "data_format", "--data-format"),
-    ("data", "train_subset", "--train-subset"),
-    ("data", "eval_split", "--eval-split"),
-    ("data", "packing", "--packing"),  # windows, not clips, are what the data order counts
-    ("data", "packing_timestamps", "--packing-timestamps"),  # where windows end
-)
+
+# -- the checkpoint's record -----------------------------------------------------------------
 
 
-def check_resume_options(folder: Path, config) -> None:
-    """Refuse (UserError, one line) a --resume whose FIXED_ON_RESUME options differ from those
-    `folder` was saved with; the first difference is named with the checkpoint's value."""
+def saved_record(folder: Path) -> tuple[RunRecord | None, dict]:
+    """(the record checkpoint `folder` was saved with, its options as asked): the record is None
+    for a checkpoint of a whisper-train that kept none (its options then stand in for it)."""
     saved_file = folder / CONFIG_FILE
     if not saved_file.is_file():
-        return  # a checkpoint of an older version: nothing to compare with
-    # Read as --config reads it (YAML 1.2 booleans): a plain `packing: on` is "on", not True.
-    saved = read_yaml(saved_file.read_text(encoding="utf-8")) or {}
-    for group, name, flag in FIXED_ON_RESUME:
-        if name not in saved.get(group, {}):
+        return None, {}
+    text = saved_file.read_text(encoding="utf-8")
+    try:
+        record = RunRecord.from_yaml(text)
+        # Read as --config reads it (YAML 1.2 booleans): a plain `packing: on` is "on".
+        options = read_yaml(text) or {}
+    except (ValueError, TypeError, yaml.YAMLError) as exc:
+        raise UserError(
+            f"--resume {folder}: its {CONFIG_FILE} is damaged ({exc}); {_earlier_advice(folder)}"
+        ) from None
+    return record, options if isinstance(options, dict) else {}
+
+
+def check_recordless_options(folder: Path, options: dict, config) -> None:
+    """A checkpoint saved before runs kept records: the options whose record fields an exact
+    resume depends on (`MUST_EQUAL`, and `REPLANS`, which needs the checkpoint's plan) must
+    equal its saved ones; the first that differs is refused in one line."""
+    classes = {f.name: f.metadata["resume"] for kind in SLICES.values() for f in fields(kind)}
+    for option, recorded in options_recorded().items():
+        if not any(classes[name.split(".")[1]] in (MUST_EQUAL, REPLANS) for name in recorded):
             continue
-        before, now = saved[group][name], getattr(getattr(config, group), name)
-        if name == "data" and before and now and _same_path(before, now):
+        group = field_owners()[option]
+        if option not in options.get(group, {}):
             continue
-        if name == "packing" and config.packing_auto and before != now:
-            _resume_packing(folder, config, before)
+        before, now = options[group][option], getattr(getattr(config, group), option)
+        if option == "data" and before and now and same_path(before, now):
             continue
+        if option == "packing" and now == PACKING_AUTO:
+            continue  # auto takes the checkpoint's (`config.resolve.choose_packing`)
         if before != now:
+            flag = flag_of(option)
             raise UserError(
                 f"--resume {folder}: {flag} {now} differs from the checkpoint's {before}, and "
                 f"an exact resume depends on it; resume with {flag} {before}, or start a new run "
@@ -233,27 +243,32 @@ def check_resume_options(folder: Path, config) -> None:
             )
 
 
-def _resume_packing(folder: Path, config, saved: str) -> None:
-    """--packing auto (the default) continues a run with the checkpoint's packing (a run of an
-    earlier default, or of options that chose otherwise), unless the options now refuse it."""
-    why = config.packing_refusal(saved)
-    if why is not None:
+def recordless_packing(options: dict) -> str | None:
+    """The packing a record-less checkpoint trained with (its saved --packing; that version
+    wrote auto's choice there), None when it says none."""
+    packing = options.get("data", {}).get("packing")
+    return None if packing in (None, PACKING_AUTO) else str(packing)
+
+
+def convert_position(state: TrainerState, folder: Path) -> None:
+    """A record-less checkpoint's place in its epoch, in micro-batches consumed, as steps: its
+    run planned unpacked steps as this version does (--gradient-accumulation micro-batches of
+    --batch-size clips), so steps = micro-batches / accumulation; a packed run planned its
+    steps otherwise, and is refused (`saved_record`'s options say which)."""
+    _, options = saved_record(folder)
+    train = options.get("train", {})
+    if options.get("data", {}).get("packing", "off") not in ("off", False):
         raise UserError(
-            f"--resume {folder}: the checkpoint trained with --packing {saved}, which is not "
-            f"supported with {why}; resume without that option, or start a new run (a new "
-            "--output-dir) to change it"
+            f"--resume {folder}: it was saved by an earlier whisper-train, which planned a "
+            "packed run's steps otherwise; resume it with that version, or start a new run"
         )
-    config.data.packing = saved
-
-
-def _same_path(a: str, b: str) -> bool:
-    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+    accumulation = max(1, int(train.get("gradient_accumulation", 1)))
+    state.steps_in_epoch = state.batches_in_epoch // accumulation
 
 
 def _check_rate_groups(folder: Path, saved: int, new_base_lrs: list[float]) -> None:
-    """The checkpoint's optimizer must hold this run's parameter groups: the encoder has groups
-    of its own where --encoder-lr-scale is not 1 (full fine-tuning's default), one rate shares
-    them (a full run's default before, LoRA's now)."""
+    """The checkpoint's optimizer must hold this run's parameter groups (its record's learning
+    rates say so first: `config.record`); a record-less checkpoint's are counted here."""
     if saved == len(new_base_lrs):
         return
     raise UserError(
@@ -282,8 +297,15 @@ def _apply_new_learning_rate(optimizer, scheduler, new_base_lrs: list[float]) ->
     inner._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
-def load_checkpoint(folder: Path, *, accelerator, model, optimizer, scheduler) -> TrainerState:
+def load_checkpoint(
+    folder: Path, *, accelerator, model, optimizer, scheduler, training=None
+) -> TrainerState:
     """Restore weights, optimiser, scheduler, scaler and this process's random state.
+
+    What the run's record lets change takes effect from here: the optimizer's groups keep this
+    run's weight decay (`optimizer.load_state_dict` would restore the checkpoint's) and the
+    schedule this run's base learning rates (`_apply_new_learning_rate`); `training` (the
+    record's slice) is what they came from.
 
     Call after `accelerator.prepare` and after all other set-up, right before the loop: the
     random state is restored last, so set-up that draws random numbers (LoRA initialisation)
@@ -296,9 +318,10 @@ def load_checkpoint(folder: Path, *, accelerator, model, optimizer, scheduler) -
             f"--resume {folder}: saved by {state.world_size} process(es), this run has "
             f"{accelerator.num_processes}; resume with --nproc {state.world_size}"
         )
-    # This run's base learning rates (its --learning-rate), before the checkpoint's replace
-    # them: a changed one applies from the resume point.
+    # This run's base learning rates (its --learning-rate) and weight decay, before the
+    # checkpoint's replace them: a changed one applies from the resume point.
     new_base_lrs = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
+    new_decay = [g["weight_decay"] for g in optimizer.param_groups]
     with _loading(folder / "scheduler.pt"):
         saved_schedule = _load_pt(folder / "scheduler.pt")
     _check_rate_groups(folder, len(saved_schedule.get("base_lrs", new_base_lrs)), new_base_lrs)
@@ -311,6 +334,8 @@ def load_checkpoint(folder: Path, *, accelerator, model, optimizer, scheduler) -
     with _loading(folder / "scheduler.pt"):
         scheduler.load_state_dict(saved_schedule)
     _apply_new_learning_rate(optimizer, scheduler, new_base_lrs)
+    for group, decay in zip(optimizer.param_groups, new_decay, strict=True):
+        group["weight_decay"] = decay
     if accelerator.scaler is not None and (folder / "scaler.pt").is_file():
         with _loading(folder / "scaler.pt"):
             accelerator.scaler.load_state_dict(_load_pt(folder / "scaler.pt"))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from whisper_train.config import TrainConfig
+from whisper_train.config.record import RunRecord
 from whisper_train.errors import UserError
 from whisper_train.training.checkpoints import (
     MANIFEST_FILE,
@@ -81,35 +81,33 @@ def check_free_space(output_dir: Path, needed: int, *, what: str) -> None:
 
 def check_room_for_run(
     model: torch.nn.Module,
-    train: TrainConfig,
+    record: RunRecord,
     *,
-    evaluating: bool,
     output_dir: Path,
     resume_from: Path | None,
 ) -> int:
     """Refuse now, not after hours of training, a run whose kept checkpoints and final model
     would not fit in `output_dir`; returns the bytes they need (the encoder cache leaves them
     that room)."""
-    needed = disk_needed_bytes(
-        model, train, evaluating=evaluating, output_dir=output_dir, resume_from=resume_from
-    )
-    check_free_space(output_dir, needed, what=disk_needed_text(train, evaluating=evaluating))
+    needed = disk_needed_bytes(model, record, output_dir=output_dir, resume_from=resume_from)
+    check_free_space(output_dir, needed, what=disk_needed_text(record))
     return needed
 
 
-def checkpoints_kept(train: TrainConfig, *, evaluating: bool) -> int:
+def checkpoints_kept(record: RunRecord) -> int:
     """How many checkpoints rotation keeps: --save-total-limit, plus the best one when
     evaluations during the run can make an older step the best; none when nothing but a
     stop saves one (the run ends there, before final/ is written)."""
-    evaluating_during = bool(evaluating and train.eval_steps)
-    if not (train.save_steps or evaluating_during):
+    evaluation, output = record.evaluation, record.output
+    evaluating_during = bool(evaluation.evaluating and evaluation.eval_steps)
+    if not (output.save_steps or evaluating_during):
         return 0
-    return train.save_total_limit + (1 if evaluating_during else 0)
+    return output.save_total_limit + (1 if evaluating_during else 0)
 
 
-def disk_needed_text(train: TrainConfig, *, evaluating: bool) -> str:
+def disk_needed_text(record: RunRecord) -> str:
     """What `disk_needed_bytes` counts, for the line that refuses too little space."""
-    kept, limit = checkpoints_kept(train, evaluating=evaluating), train.save_total_limit
+    kept, limit = checkpoints_kept(record), record.output.save_total_limit
     if kept == 0:
         return "the final model (or a checkpoint, when the run is stopped)"
     best = " + the best" if kept > limit else ""
@@ -120,12 +118,7 @@ def disk_needed_text(train: TrainConfig, *, evaluating: bool) -> str:
 
 
 def disk_needed_bytes(
-    model: torch.nn.Module,
-    train: TrainConfig,
-    *,
-    evaluating: bool,
-    output_dir: Path,
-    resume_from: Path | None,
+    model: torch.nn.Module, record: RunRecord, *, output_dir: Path, resume_from: Path | None
 ) -> int:
     """Disk the checkpoints and final/ of `model` take at their peak, beyond the resumed
     run's checkpoints already there (`peak_disk_bytes`)."""
@@ -138,7 +131,7 @@ def disk_needed_bytes(
             for p in list_checkpoints(output_dir)
             if step is not None and checkpoint_step(p) <= step
         )
-    kept = checkpoints_kept(train, evaluating=evaluating)
+    kept = checkpoints_kept(record)
     return peak_disk_bytes(
         model,
         checkpoints_kept=kept,

@@ -1,14 +1,22 @@
 """The fine-tuning recipe's setup, everything before step 1, in phases that `FineTuneRecipe.setup`
 calls in order: each takes what it needs and returns what it builds, so the order of the calls
-is the order in which they depend on one another."""
+is the order in which they depend on one another.
+
+The first phases gather the facts the run's decisions rest on, reading what was asked: the
+model (`load_model_and_labels`), the data (`prepare_data`) and its plan (`plan_data`). Then
+`config.resolve.resolve_run` makes every decision into the frozen `RunRecord`, and the later
+phases read only that: the accelerator, memory, the encoder cache, the loaders, the optimizer,
+the restore of a checkpoint and the run log.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, set_seed
 from torch.utils.data import DataLoader
@@ -17,12 +25,20 @@ from transformers import WhisperProcessor, get_scheduler
 
 from whisper_train import doctor, memory, runfolder
 from whisper_train.config import RunConfig
+from whisper_train.config.record import RunRecord
+from whisper_train.config.resolve import DataFacts, choose_packing, evaluation_sets
 from whisper_train.data.augment import spec_augment_overrides
 from whisper_train.data.collate import SpeechCollator
 from whisper_train.data.features import LogMel, SpeechDataset
 from whisper_train.data.labels import LabelEncoder, configure_generation
+from whisper_train.data.loaders import evaluation_loader
 from whisper_train.data.prompts import longest_prompted_label
-from whisper_train.data.source import TrainingData, build_training_data, evaluation_loader
+from whisper_train.data.source import (
+    TrainingData,
+    TrainingPlan,
+    open_training_data,
+    plan_training_data,
+)
 from whisper_train.errors import UserError
 from whisper_train.evaluation.evaluate import row_languages
 from whisper_train.evaluation.longform import RECORDINGS_PER_BATCH, collate_recordings
@@ -34,17 +50,105 @@ from whisper_train.trackers import Trackers, accelerate_trackers
 from whisper_train.training import checkpoints, resume
 from whisper_train.training.datasets import Datasets, prepare_datasets
 from whisper_train.training.encoder_cache import CachedClip, EncoderCache, EncoderCacheCollator
-from whisper_train.training.encoder_cache import cache_dir as encoder_cache_dir
 from whisper_train.training.launch import inside_launcher
 from whisper_train.units import parse_bytes
 
+# -- the facts: model, data, its plan ------------------------------------------------------------
+
+
+def join_processes() -> PartialState:
+    """This process's place in the run (rank, world, device), the process group joined."""
+    # Without a GPU, processes started by a launcher talk through gloo on the CPU; accelerate
+    # does that only when told the run is on the CPU.
+    return PartialState(cpu=inside_launcher() and not torch.cuda.is_available())
+
+
+def load_model_and_labels(
+    config: RunConfig,
+) -> tuple[torch.nn.Module, WhisperProcessor, LabelEncoder]:
+    """The model to train and its processor, with its generation settings (language, task)
+    and SpecAugment; the encoder of the labels it learns."""
+    d, m = config.data, config.model
+    model, processor = load_model(m.model, attn_implementation=m.attn_implementation)
+    multilingual = is_multilingual(model)
+    label_encoder = LabelEncoder(
+        processor.tokenizer,
+        language=d.language,
+        task=d.task,
+        timestamps=d.timestamps,
+        multilingual=multilingual,
+    )
+    configure_generation(
+        model.generation_config, language=d.language, task=d.task, multilingual=multilingual
+    )
+    if d.spec_augment:
+        for key, value in spec_augment_overrides().items():
+            setattr(model.config, key, value)
+    return model, processor, label_encoder
+
+
+def prepare_data(config: RunConfig, model, label_encoder: LabelEncoder) -> Datasets:
+    """The evaluation sets, and the training set when it is read whole (a stream is opened
+    by the training data source, `setup_loaders`)."""
+    return prepare_datasets(
+        config,
+        evaluation_sets(config),
+        label_encoder,
+        max_label_tokens=model.config.max_target_positions,
+    )
+
+
+def plan_data(
+    config: RunConfig,
+    model,
+    *,
+    datasets: Datasets,
+    label_encoder: LabelEncoder,
+    process: PartialState,
+    saved_packing: str | None,
+) -> tuple[TrainingPlan, DataFacts]:
+    """What every epoch trains (`data.source.plan_training_data`), with --packing auto
+    resolved (on --resume, to the checkpoint's packing, `saved_packing`), and the facts of it
+    the record keeps."""
+    d, t = config.data, config.train
+    packing, packing_note = choose_packing(config, saved_packing)
+    stream = config.stream_source()
+    plan = plan_training_data(
+        datasets,
+        label_encoder,
+        stream=stream,
+        packing=packing,
+        packing_timestamps=packing == "on" and d.packing_timestamps == "on",
+        batch_size=t.batch_size,
+        accumulation=t.gradient_accumulation,
+        group_by_length=t.group_by_length,
+        seed=t.seed,
+        audio_augment=d.audio_augment,
+        shuffle_buffer=d.shuffle_buffer,
+        max_label_tokens=model.config.max_target_positions,
+        counted=t.max_steps is None,
+        process=process,
+    )
+    facts = DataFacts(
+        packing=packing,
+        packing_note=packing_note,
+        streamed=stream is not None,
+        items_per_micro_batch=None if stream else plan.shape.items_per_micro_batch,
+        steps_per_epoch=plan.steps_per_epoch,
+        batch_note=None if stream else plan.batch_note(t.gradient_accumulation),
+    )
+    return plan, facts
+
+
+# -- the phases that read the record -------------------------------------------------------------
+
 
 def setup_accelerator(
-    config: RunConfig, ddp_kwargs: DistributedDataParallelKwargs
+    record: RunRecord, ddp_kwargs: DistributedDataParallelKwargs
 ) -> tuple[memory.Precision, Accelerator]:
-    """The precision and the Accelerator of this process (the process group joined)."""
-    t = config.train
-    precision = memory.resolve_precision(config.memory.precision, _default_device())
+    """The precision and the Accelerator of this process."""
+    device = PartialState().device
+    precision = memory.resolve_precision(record.memory.precision, device)
     # accelerate keeps one AcceleratorState a process and refuses an Accelerator with another
     # mixed precision ("restart your runtime"): a second train() in a notebook starts from a
     # clean one. The process group (PartialState) is kept.
@@ -58,75 +162,41 @@ def setup_accelerator(
         # The scheduler is stepped by hand once per optimizer step (not once per process,
         # accelerate's default), so N processes follow the single-process LR schedule.
         step_scheduler_with_optimizer=False,
-        # Without a GPU, processes started by a launcher talk through gloo on the CPU;
-        # accelerate does that only when told the run is on the CPU.
         cpu=inside_launcher() and not torch.cuda.is_available(),
-        log_with=accelerate_trackers(t.report_to) or None,  # started by the run log
+        log_with=accelerate_trackers(list(record.output.report_to)) or None,  # the run log's
     )
     if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
         raise UserError(
             "accelerate's DeepSpeed and FSDP configurations are not supported: shard with "
             "--fsdp (--nproc N, or accelerate launch with a data-parallel configuration)"
         )
-    if t.nproc > 1 and accelerator.num_processes != t.nproc:
-        raise UserError(
-            f"--nproc {t.nproc}: the launcher started {accelerator.num_processes} "
-            "processes; drop --nproc when using accelerate launch or torchrun"
-        )
-    set_seed(t.seed)
+    set_seed(record.training.seed)
     return precision, accelerator
 
 
-def setup_model_and_labels(
-    config: RunConfig,
-) -> tuple[torch.nn.Module, WhisperProcessor, LabelEncoder]:
-    """The model to train and its processor, with its generation settings (language, task)
-    and SpecAugment; the encoder of the labels it learns."""
-    c = config
-    model, processor = load_model(c.model.model, attn_implementation=c.model.attn_implementation)
-    c.model_width = model.config.d_model  # full fine-tuning's default rate depends on it
-    multilingual = is_multilingual(model)
-    label_encoder = LabelEncoder(
-        processor.tokenizer,
-        language=c.data.language,
-        task=c.data.task,
-        timestamps=c.data.timestamps,
-        multilingual=multilingual,
-    )
-    configure_generation(
-        model.generation_config,
-        language=c.data.language,
-        task=c.data.task,
-        multilingual=multilingual,
-    )
-    if c.data.spec_augment:
-        for key, value in spec_augment_overrides().items():
-            setattr(model.config, key, value)
-    return model, processor, label_encoder
+def check_processes(asked_nproc: int, processes: int) -> None:
+    """--nproc N under a launcher that started another number of processes: one line."""
+    if asked_nproc > 1 and processes != asked_nproc:
+        raise UserError(
+            f"--nproc {asked_nproc}: the launcher started {processes} processes; drop --nproc "
+            "when using accelerate launch or torchrun"
+        )
 
 
-def setup_data(config: RunConfig, model, label_encoder: LabelEncoder) -> Datasets:
-    """The evaluation sets, and the training set when it is read whole (a stream is opened
-    by the training data source, `setup_loaders`)."""
-    return prepare_datasets(
-        config, label_encoder, max_label_tokens=model.config.max_target_positions
-    )
-
-
-def _encoder_rows(config: RunConfig) -> int:
+def _encoder_rows(record: RunRecord) -> int:
     """Sequences the encoder runs per micro-batch for backward, at most: --batch-size (packed,
     a micro-batch holds fewer windows than clips), or twice as many where --packing
     per-clip's context puts a silence window beside each in the windows' batch
     (`clip_attention.encoder_rows_per_window`)."""
-    windows = config.train.batch_size
-    if not config.packing_per_clip:
+    windows = record.data.clips_per_micro_batch
+    if not record.data.per_clip:
         return windows
     context = clip_attention.encoder_context()
     return windows * clip_attention.encoder_rows_per_window(context)
 
 
 def setup_memory(
-    config: RunConfig,
+    record: RunRecord,
     model,
     ddp: DistributedDataParallelKwargs,
     *,
@@ -134,63 +204,59 @@ def setup_memory(
     precision: memory.Precision,
     datasets: Datasets,
     label_encoder: LabelEncoder,
-) -> tuple[torch.nn.Module, bool, memory.BasePreservation | None]:
+) -> tuple[torch.nn.Module, memory.BasePreservation | None, RunRecord]:
     """Freezing, LoRA and checkpointing in the one order that works (`memory`), then the
-    checks that refuse, before step 1, what would fail later. Returns the prepared model,
-    whether activations are offloaded, and the frozen copy --preserve-base compares with."""
-    c = config
-    checkpointing = memory.resolve_checkpointing(
-        c.memory.gradient_checkpointing, accelerator.device
-    )
-    lora = c.lora_settings()  # on the decoder only with the encoder cache
-    offload = c.memory.offload_activations
+    checks that refuse, before step 1, what would fail later. Returns the prepared model, the
+    frozen copy --preserve-base compares with, and the record with the policy
+    --gradient-checkpointing auto planned within --max-memory."""
+    mem, m = record.memory, record.model
+    lora = m.lora  # on the decoder only with the encoder cache
+    checkpointing, offload = mem.checkpointing, mem.offload_activations
     if checkpointing == "auto":
-        plan_lines = _encoder_cache_plan_line(config, model, datasets)
+        plan_lines = _encoder_cache_plan_line(record, model, datasets)
         model, plan = memory.prepare_model_within_budget(
             model,
-            mode=c.model.mode,
+            mode=m.mode,
             lora=lora,
-            batch_size=c.train.batch_size,
-            max_memory_bytes=parse_bytes(c.memory.max_memory, flag="--max-memory"),
+            batch_size=record.data.clips_per_micro_batch,
+            max_memory_bytes=parse_bytes(mem.max_memory, flag="--max-memory"),
             # A stream's labels are unknown before step 1: the longest the workers let through.
             label_tokens=longest_prompted_label(
                 max(
                     datasets.label_lengths(label_encoder),
                     default=model.config.max_target_positions + 1,
                 ),
-                c.data.prompt_probability,  # a prompted label is longer: count its prompt
+                record.data.prompt_probability,  # a prompted label is longer: count its prompt
                 model.config.max_target_positions,
             ),
             precision=precision.name,
-            optimizer=c.memory.optim,
-            encoder_rows=_encoder_rows(config),
+            optimizer=mem.optim,
+            encoder_rows=_encoder_rows(record),
         )
         checkpointing, offload = plan.policy, offload or plan.offload
+        record = record.replace("memory", checkpointing=checkpointing, offload_activations=offload)
         say(accelerator, plan.table + plan_lines)
     else:
-        model = memory.prepare_model(
-            model, mode=c.model.mode, checkpointing=checkpointing, lora=lora
-        )
+        model = memory.prepare_model(model, mode=m.mode, checkpointing=checkpointing, lora=lora)
     # The starting model, kept for --preserve-base before any update (or resume) changes it;
     # autocast wraps only the prepared model, so the frozen copy is told the dtype itself.
     preserve = None
-    if c.train.preserve_base:
+    if record.training.preserve_base:
         preserve = memory.BasePreservation.from_model(
             model,
-            c.train.preserve_base,
+            record.training.preserve_base,
             autocast_dtype=precision.dtype if precision.mixed_precision != "no" else None,
         )
-    if offload:
-        checkpointing += " + activation offload"
-        if accelerator.device.type != "cuda":
-            say(
-                accelerator,
-                "note: on a CPU, activations already live in host memory; offload does nothing",
-            )
+    shown = checkpointing + (" + activation offload" if offload else "")
+    if offload and accelerator.device.type != "cuda":
+        say(
+            accelerator,
+            "note: on a CPU, activations already live in host memory; offload does nothing",
+        )
     say(
         accelerator,
-        f"model: {c.model.model}, mode {c.model.mode}, checkpointing {checkpointing}, "
-        f"precision {precision.name}; {memory.trainable_parameter_summary(model)}",
+        f"model: {m.model}, mode {m.mode}, checkpointing {shown}, precision {precision.name}; "
+        f"{memory.trainable_parameter_summary(model)}",
     )
     if lora is not None and lora.decoder_only:
         say(
@@ -206,15 +272,15 @@ def setup_memory(
             "world_size": accelerator.num_processes,
             "find_unused_parameters": ddp.find_unused_parameters,
             "static_graph": ddp.static_graph,
-            "gradient_accumulation": c.train.gradient_accumulation,
+            "gradient_accumulation": record.data.accumulation,
         },
-        compile=c.memory.compile,
+        compile=record.memory.compile,
     )
-    return model, offload, preserve
+    return model, preserve, record
 
 
 def setup_encoder_cache(
-    config: RunConfig,
+    record: RunRecord,
     model,
     *,
     processor: WhisperProcessor,
@@ -222,49 +288,60 @@ def setup_encoder_cache(
     datasets: Datasets,
     accelerator: Accelerator,
     reserve_bytes: int,
-) -> tuple[EncoderCache | None, torch.nn.Module | None]:
-    """With --cache-encoder (a frozen encoder maps a clip to the same output every epoch
-    and every evaluation): the encoder's outputs on disk (`encoder_cache`), shared with
-    other runs and evaluations, and the frozen encoder that fills it. Clips are encoded as
-    batches first need them, within the size limit and the free space (`reserve_bytes`: the
-    checkpoints and the final model keep their room). (None, None) without it."""
-    c = config
-    if not c.cache_encoder:
+) -> tuple[EncoderCache | None, Callable[[dict], dict] | None]:
+    """With the frozen encoder's cache (a frozen encoder maps a clip to the same output every
+    epoch and every evaluation): the encoder's outputs on disk (`encoder_cache`), shared with
+    other runs and evaluations, and what completes a batch with them (its frozen encoder
+    encodes the clips the cache lacks). Clips are encoded as batches first need them, within
+    the size limit and the free space (`reserve_bytes`: the checkpoints and the final model
+    keep their room). (None, None) without it."""
+    mem = record.memory
+    if not mem.cache_encoder:
         return None, None
     whisper = memory.whisper_of(model)
     encoder = whisper.model.encoder
     cache = EncoderCache.open(
-        encoder_cache_dir(c.memory.encoder_cache_dir),
+        Path(mem.encoder_cache_dir),
         encoder,
         processor.feature_extractor,
         compute=precision.name,
-        model_name=c.model.model,
+        model_name=record.model.model,
         shape=(whisper.config.max_source_positions, whisper.config.d_model),
-        limit_bytes=parse_bytes(c.memory.encoder_cache_max_size, flag="--encoder-cache-max-size"),
+        limit_bytes=parse_bytes(mem.encoder_cache_max_size, flag="--encoder-cache-max-size"),
         reserve_bytes=reserve_bytes,
         processes=accelerator.num_processes,
     )
     n_clips = len(datasets.train) + sum(len(e) for e in datasets.eval.values())
     cache.expected_clips = math.ceil(n_clips / accelerator.num_processes)
     say(accelerator, cache.summary(n_clips))
-    return cache, encoder
+    dtype = precision.dtype if precision.dtype != torch.float32 else None
+
+    def complete(batch: dict) -> dict:
+        """`batch` with every clip's encoder outputs: the ones the cache lacked are encoded
+        now (and stored, within its limits)."""
+        if not batch["size"]:
+            return batch
+        return cache.complete(batch, encoder, autocast_dtype=dtype)
+
+    return cache, complete
 
 
-def _encoder_cache_plan_line(config: RunConfig, model, datasets: Datasets) -> str:
+def _encoder_cache_plan_line(record: RunRecord, model, datasets: Datasets) -> str:
     """The memory plan's line for the encoder cache (disk): its size at most and folder."""
-    c = config
-    if not c.cache_encoder:
+    mem = record.memory
+    if not mem.cache_encoder:
         return ""
     return "\n" + encoder_cache_line(
         memory.whisper_of(model).config,
         n_clips=len(datasets.train) + sum(len(e) for e in datasets.eval.values()),
-        folder=str(encoder_cache_dir(c.memory.encoder_cache_dir)),
-        limit_bytes=parse_bytes(c.memory.encoder_cache_max_size),
+        folder=mem.encoder_cache_dir,
+        limit_bytes=parse_bytes(mem.encoder_cache_max_size),
     )
 
 
 def setup_loaders(
-    config: RunConfig,
+    record: RunRecord,
+    plan: TrainingPlan,
     model,
     *,
     processor: WhisperProcessor,
@@ -273,9 +350,10 @@ def setup_loaders(
     encoder_cache: EncoderCache | None,
     accelerator: Accelerator,
 ) -> tuple[TrainingData, dict[str, DataLoader], dict[str, list | str | None]]:
-    """The training data source and this process's share of each evaluation set (both
-    split over the processes by `data.source`), and the language each set is decoded in."""
-    c, t = config, config.train
+    """The training data source of `plan` and this process's share of each evaluation set
+    (both split over the processes by `data.source`), and the language each set is decoded
+    in."""
+    d = record.data
     log_mel = LogMel(processor.feature_extractor)
     pad_id = processor.tokenizer.pad_token_id
 
@@ -287,11 +365,12 @@ def setup_loaders(
     # A clip whose encoder output is cached is not decoded at all (`CachedClip`).
     cached = CachedClip(encoder_cache) if encoder_cache is not None else None
     eval_loaders, eval_languages = {}, {}
-    # Each set is decoded in its rows' languages, else its own (`eval_set_language`), else
-    # each clip's detected one: never the training language by default (issue 24).
-    for name, examples in datasets.eval.items():
-        eval_languages[name] = row_languages(examples, c.eval_set_language(name))
-        if c.eval_set_long_form(name):
+    # Each set is decoded in its rows' languages, else its own, else each clip's detected
+    # one: never the training language by default (issue 24).
+    for eval_set in record.evaluation.sets:
+        name, examples = eval_set.name, datasets.eval[eval_set.name]
+        eval_languages[name] = row_languages(examples, eval_set.language)
+        if eval_set.long_form:
             # Whole recordings, read as each is decoded (no features, labels or encoder cache).
             eval_loaders[name] = evaluation_loader(
                 list(enumerate(examples)),
@@ -302,21 +381,28 @@ def setup_loaders(
                 num_workers=0,
             )
             continue
-        eval_set = SpeechDataset(examples, label_encoder, seed=t.seed, cached=cached)
+        eval_dataset = SpeechDataset(
+            examples, label_encoder, seed=record.training.seed, cached=cached
+        )
         eval_loaders[name] = evaluation_loader(
-            eval_set,
-            collator(eval_set.examples),
-            batch_size=t.batch_size,
+            eval_dataset,
+            collator(eval_dataset.examples),
+            batch_size=d.clips_per_micro_batch,
             rank=accelerator.process_index,
             world=accelerator.num_processes,
-            num_workers=t.num_workers,
+            num_workers=d.num_workers,
         )
-    data = build_training_data(
-        c,
+    data = open_training_data(
+        plan,
         datasets,
         label_encoder,
         collator,
         accelerator=accelerator,
+        num_workers=d.num_workers,
+        data_spec=str(d.data),
+        strict=d.strict,
+        prompt_probability=d.prompt_probability,
+        packing_timestamps=d.packing_timestamps,
         max_label_tokens=model.config.max_target_positions,
         cached=cached,
     )
@@ -326,18 +412,17 @@ def setup_loaders(
 
 
 def setup_optimisation(
-    config: RunConfig,
+    record: RunRecord,
     model,
     *,
     precision: memory.Precision,
     accelerator: Accelerator,
-    total_steps: int,
 ):
-    """The model (sharded with --fsdp, wrapped for DDP and mixed precision, compiled with
-    --compile), its optimizer and learning-rate schedule over `total_steps`, prepared by
+    """The model (sharded with --fsdp, wrapped for DDP and mixed precision, compiled as the
+    record says), its optimizer and learning-rate schedule over the run's steps, prepared by
     accelerate. The data is not prepared: `data.source` gives each process its share."""
-    c, t = config, config.train
-    if t.fsdp:
+    mem, training = record.memory, record.training
+    if mem.fsdp:
         if precision.name == "fp16":  # --precision auto on a GPU without bf16
             raise UserError(
                 "--fsdp with fp16 (this GPU has no bf16): its loss scaler does not unscale "
@@ -347,56 +432,40 @@ def setup_optimisation(
         model = memory.shard_model(model, accelerator.device)
     optimizer = memory.build_optimizer(
         model,
-        name=c.memory.optim,
-        lr=c.learning_rate,
-        weight_decay=t.weight_decay,
-        encoder_lr_scale=c.encoder_lr_scale,
+        name=mem.optim,
+        lr=training.learning_rate,
+        weight_decay=training.weight_decay,
+        encoder_lr_scale=training.encoder_lr_scale,
     )
-    if t.fsdp:
+    if mem.fsdp:
         # Mixed precision only: `prepare` would wrap the sharded model in DDP (accelerate
         # knows FSDP only through its plugin, which runs on GPUs only: see memory.sharding).
         model = accelerator.prepare_model(model, evaluation_mode=True)
         optimizer = accelerator.prepare_optimizer(optimizer)
     else:
         model, optimizer = accelerator.prepare(model, optimizer)
-    if compiles(c, accelerator.device, total_steps):
+    if mem.compile:
         # After the DDP wrapper (as accelerate does): its hooks stay outside the compiled
         # graph. Accelerator(dynamo_backend=) is not used: that setting is process-wide and
         # kept from the first Accelerator, so a second run in one process would not compile.
         model = torch.compile(model)
     scheduler = accelerator.prepare(
         get_scheduler(
-            t.lr_scheduler,
+            training.lr_scheduler,
             optimizer,
-            num_warmup_steps=t.warmup_steps,
-            num_training_steps=total_steps,
+            num_warmup_steps=training.warmup_steps,
+            num_training_steps=training.total_steps,
         )
     )
     return model, optimizer, scheduler
 
 
-# Measured on an H200 (BENCHMARKS.md "Compiled, and data workers"): whisper-small at batch 16
-# with 4 data workers spent ~33 s compiling (its first 10 steps: 37.8 s against 4.9 s eager;
-# less when Inductor's cache on the machine already holds the kernels), then 93 ms a step
-# against 121 eager: paid back after ~1,200 steps. From 2,000 on, it is the default.
-COMPILE_BY_DEFAULT_FROM_STEPS = 2000
-
-
-def compiles(config: RunConfig, device: torch.device, total_steps: int) -> bool:
-    """Whether the model is torch.compile'd: --compile / --no-compile, or by default on a CUDA
-    GPU for runs of COMPILE_BY_DEFAULT_FROM_STEPS steps or more, where the compiling pays back,
-    except with what --compile is refused with or has not been run with on a GPU (--fsdp,
-    --packing per-clip, --offload-activations): never on a CPU, where Inductor's C++ code takes
-    minutes to build and the step is bound by arithmetic, not by launching kernels."""
-    if config.memory.compile is not None:
-        return config.memory.compile
-    untried = config.train.fsdp or config.packing_per_clip or config.memory.offload_activations
-    return device.type == "cuda" and total_steps >= COMPILE_BY_DEFAULT_FROM_STEPS and not untried
-
-
 def restore(
     resume_point: resume.ResumePoint | None,
     *,
+    record: RunRecord,
+    saved: RunRecord | None,
+    replan: bool,
     output_dir: Path,
     accelerator: Accelerator,
     model,
@@ -405,7 +474,8 @@ def restore(
     data: TrainingData,
 ) -> checkpoints.TrainerState:
     """The trainer's state: a new one, or on --resume the checkpoint's, with the weights,
-    optimiser, scheduler, random state and position in the data restored from it."""
+    optimiser, scheduler, random state and position in the data restored from it, and what
+    the record lets change (learning rates, weight decay, ...) applied from there on."""
     if resume_point is None:
         return checkpoints.TrainerState(world_size=accelerator.num_processes)
     resume_from = resume_point.folder
@@ -415,11 +485,21 @@ def restore(
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
+        training=record.training,
     )
     # A resume after a bad-step stop is its remedy (another precision, a lower rate): the
     # new run gets --max-bad-steps chances of its own, not the stopped run's last one.
     state.bad_steps_in_a_row = 0
-    where = data.restore(resume_from, state, resume.read_stream_position)
+    if saved is None:  # a checkpoint saved before runs kept records
+        resume.convert_position(state, resume_from)
+    where = data.restore(
+        state,
+        folder=resume_from,
+        read_stream_position=resume.read_stream_position,
+        saved_clips_per_step=saved.data.clips_per_step if saved else None,
+        saved_group_by_length=saved.data.group_by_length if saved else False,
+        replan=replan,
+    )
     for line in resume_point.skipped:
         say(accelerator, line)
     say(accelerator, f"resuming from {resume_from} at step {state.step} ({where})")
@@ -448,22 +528,20 @@ def restore(
 
 
 def open_run_log(
-    config: RunConfig,
+    record: RunRecord,
     *,
     output_dir: Path,
     resumed: bool,
     step: int,
-    total_steps: int,
-    primary_set: str,
     accelerator: Accelerator,
 ) -> tuple[MetricsLog, ProgressTable, tqdm, StopRequest, bool]:
-    """OUTPUT/whisper-train.yaml and metrics.jsonl (cut back to `step` when `resumed`), the
-    progress table, the progress bar (only on a terminal), the stop request, and whether the
-    bar is shown."""
+    """OUTPUT/whisper-train.yaml (the record) and metrics.jsonl (cut back to `step` when
+    `resumed`), the progress table, the progress bar (only on a terminal), the stop request,
+    and whether the bar is shown."""
     main = accelerator.is_main_process
     output_dir.mkdir(parents=True, exist_ok=True)
     if main:
-        (output_dir / runfolder.CONFIG_FILE).write_text(config.to_saved_yaml(), encoding="utf-8")
+        (output_dir / runfolder.CONFIG_FILE).write_text(record.to_yaml(), encoding="utf-8")
         metrics_file = output_dir / runfolder.METRICS_FILE
         if resumed:
             resume.truncate_metrics(metrics_file, step)
@@ -475,8 +553,8 @@ def open_run_log(
         purge_step=step + 1 if resumed else None,
         trackers=Trackers(
             accelerator,
-            config.train.report_to,
-            config.to_saved_yaml(),
+            list(record.output.report_to),
+            record.to_yaml(),
             resumed_from=step if resumed else None,
         ),
     )
@@ -484,7 +562,7 @@ def open_run_log(
     # line. Elsewhere every --logging-steps steps get one plain line instead.
     show_bar = main and progress_bars_wanted()
     progress = tqdm(
-        total=total_steps,
+        total=record.training.total_steps,
         initial=step,
         desc="training",
         unit="step",
@@ -492,9 +570,5 @@ def open_run_log(
         dynamic_ncols=True,
         leave=False,
     )
-    table = ProgressTable(main, primary_set=primary_set)
+    table = ProgressTable(main, primary_set=record.evaluation.primary)
     return metrics, table, progress, StopRequest(accelerator, metrics), show_bar
-
-
-def _default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

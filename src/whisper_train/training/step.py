@@ -6,6 +6,7 @@ the checkpoint to continue from that they suggest (`lower_learning_rate_advice`)
 
 from __future__ import annotations
 
+import collections
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,8 @@ from pathlib import Path
 import torch
 
 from whisper_train import runfolder
-from whisper_train.config import RunConfig
+from whisper_train.config.options import default_learning_rate
+from whisper_train.config.record import RunRecord
 from whisper_train.data.collate import IGNORE_INDEX
 from whisper_train.errors import UserError
 from whisper_train.runlog import resume_command
@@ -51,6 +53,29 @@ def step_loss_weights(micro_batches: list[dict], accelerator) -> tuple[list[floa
     return [n / total if total else 0.0 for n in counts], total
 
 
+# The step's loss is summed in float64, as the host did before it stayed on the device; Apple's
+# MPS has no float64.
+LOSS_SUM_DTYPE = collections.defaultdict(lambda: torch.float64, mps=torch.float32)
+
+
+def read_loss_and_norm(loss_sum: torch.Tensor, norm) -> tuple[float, float]:
+    """The step's summed loss and gradient norm as floats: the step's one wait for the device
+    before its update (whether to apply it depends on both being finite).
+
+    One read instead of one per micro-batch plus one for the norm: each read stops the host
+    until the device has run everything queued, and the device then idles while the host
+    queues the next kernels (on an H200, whisper-small at batch 16 spent ~45% of its loop so,
+    BENCHMARKS.md "Where an unpacked step goes"). A DTensor norm (sharded gradients, --fsdp) is
+    made whole first: a collective, which every process runs."""
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    if not torch.is_tensor(norm):  # accelerate returns a float where no parameter has a grad
+        return float(loss_sum), float(norm)
+    both = torch.stack([loss_sum.reshape(()), norm.detach().reshape(()).to(loss_sum)])
+    loss_value, norm_value = both.tolist()
+    return loss_value, norm_value
+
+
 def nonfinite_tensors(parameters: list[torch.Tensor], accelerator) -> list[bool]:
     """Which of `parameters` hold a NaN or an infinity: the same answer on every process.
 
@@ -85,7 +110,7 @@ def lower_learning_rate(rate: float, default: float) -> float:
 
 
 def refuse_nonfinite_update(
-    model: torch.nn.Module, accelerator, step: int, config: RunConfig, output_dir: Path
+    model: torch.nn.Module, accelerator, step: int, record: RunRecord, output_dir: Path
 ) -> None:
     """Stop at `step` when its applied update made a trained weight NaN or infinite.
 
@@ -99,8 +124,8 @@ def refuse_nonfinite_update(
         raise UserError(
             f"stopped at step {step}: its update made {blown} of {len(trainable)} "
             "trained tensors NaN or infinite (its loss and gradient were finite: "
-            f"--learning-rate {config.learning_rate:g} is far too high); nothing "
-            f"was saved from it. {lower_learning_rate_advice(config, output_dir, step)}"
+            f"--learning-rate {record.training.learning_rate:g} is far too high); nothing "
+            f"was saved from it. {lower_learning_rate_advice(record, output_dir, step)}"
         )
 
 
@@ -110,7 +135,7 @@ def too_many_bad_steps(
     folder: Path,
     *,
     precision: str,
-    config: RunConfig,
+    record: RunRecord,
     output_dir: Path,
 ) -> UserError:
     """The error that stops a run after `bad_steps_in_a_row` skipped steps, `folder` the
@@ -129,21 +154,22 @@ def too_many_bad_steps(
         f"stopped at step {step}: {bad_steps_in_a_row} optimizer steps in a "
         "row had a NaN or infinite loss or gradient and were skipped; "
         f"{folder} holds the weights from before them (finite, but they gave only "
-        f"those steps). {fp16}{lower_learning_rate_advice(config, output_dir, last_good)}"
+        f"those steps). {fp16}{lower_learning_rate_advice(record, output_dir, last_good)}"
     )
 
 
-def lower_learning_rate_advice(config: RunConfig, output_dir: Path, suspect_step: int) -> str:
+def lower_learning_rate_advice(record: RunRecord, output_dir: Path, suspect_step: int) -> str:
     """The command that continues with a lower learning rate from the newest checkpoint
     saved before `suspect_step` (whose update may have broken the weights), or that starts
     again when there is none. Every checkpoint holds finite weights (`refuse_nonfinite_update`
-    runs after every update)."""
-    lower = lower_learning_rate(config.learning_rate, config.default_learning_rate)
+    runs after every update); one whose trainer_state.json cannot be read is not named."""
+    default = default_learning_rate(record.model.mode, record.model.width)
+    lower = lower_learning_rate(record.training.learning_rate, default)
     config_file = output_dir / runfolder.CONFIG_FILE
     earlier = [
         folder
         for folder in checkpoints.list_checkpoints(output_dir)
-        if checkpoints.TrainerState.read(folder).step < suspect_step
+        if (step := _saved_step(folder)) is not None and step < suspect_step
     ]
     if earlier:
         command = resume_command(config_file, earlier[-1])
@@ -156,3 +182,12 @@ def lower_learning_rate_advice(config: RunConfig, output_dir: Path, suspect_step
         f"No checkpoint from before step {suspect_step} is kept: train again with a lower "
         f"learning rate: {command} --learning-rate {lower:g} --overwrite"
     )
+
+
+def _saved_step(folder: Path) -> int | None:
+    """A checkpoint's step from its trainer_state.json; None when that file is damaged (the
+    advice then names another checkpoint, or none)."""
+    try:
+        return checkpoints.TrainerState.read(folder).step
+    except (OSError, ValueError, TypeError, UnicodeDecodeError):
+        return None

@@ -44,10 +44,9 @@ def train(config: RunConfig) -> TrainResult:
 def _train_in(config: RunConfig, lock: runfolder.RunLock | None) -> TrainResult:
     output_dir = Path(config.train.output_dir)
     if not claimed_by_parent(output_dir):
-        claim_output_dir(config)  # refuse an earlier run's folder, or move it aside
-        if config.train.resume:  # options an exact resume depends on must not change
-            resume_from = resume.resolve_resume(config.train.resume, output_dir)
-            resume.check_resume_options(resume_from, config)
+        # Refuse an earlier run's folder, or move it aside. What a --resume may change is
+        # decided in each process once its record is made (`config.record.resume_changes`).
+        claim_output_dir(config)
     if config.train.nproc > 1 and not inside_launcher():
         return launch_data_parallel(config, lock)
     recipe = FineTuneRecipe(config)

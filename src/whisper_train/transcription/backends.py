@@ -1,69 +1,73 @@
-"""Transcribe recordings of any length to text, SRT, WebVTT or JSON.
+"""The runtimes `transcribe` runs a model in, one class each: `transcribe(audio)` → (text,
+timed segments), any length.
 
-Four backends, picked from `--model`, each the runtime the model's format is deployed with:
-  * faster-whisper (`faster_whisper.WhisperModel`, on CTranslate2), for a CTranslate2 folder:
-    the fast path on a CPU, and the client users deploy with. Its `transcribe` walks long
-    recordings 30 s window by window (seeking to the last closed timestamp, as OpenAI's
-    `transcribe` does) and has the temperature fallback built in.
-  * whisper.cpp (pywhispercpp, extra `whisper-train[whispercpp]`), for a `ggml-model.bin` or its
-    folder: its own long-form loop and temperature fallback (`temperature_inc`; its
+  * `TransformersBackend`: `WhisperForConditionalGeneration.generate` runs Whisper's own
+    sequential long-form decoding on the un-truncated features (`longform`), for every model
+    whisper-train reads into transformers;
+  * `CTranslate2Backend`: faster-whisper (`faster_whisper.WhisperModel`, on CTranslate2), for a
+    CTranslate2 folder: the fast path on a CPU, and the client users deploy with. Its
+    `transcribe` walks long recordings 30 s window by window (seeking to the last closed
+    timestamp, as OpenAI's `transcribe` does) and has the temperature fallback built in;
+  * `WhisperCppBackend`: whisper.cpp (pywhispercpp, extra `whisper-train[whispercpp]`), for a
+    `ggml-model.bin`: its own long-form loop and temperature fallback (`temperature_inc`; its
     `entropy_thold` plays the compression-ratio test's part);
-  * openai-whisper (extra `whisper-train[openai]`), for a `model.pt` or its folder: its
-    `transcribe()` with its fallback;
-  * transformers, for everything else: `generate` runs Whisper's own sequential long-form
-    decoding on the un-truncated features (with their attention mask).
+  * `OpenAIWhisperBackend`: openai-whisper (extra `whisper-train[openai]`), for a `model.pt`:
+    its `transcribe()` with its fallback.
 
-Both decode loop-proof (whisper_train.decoding): greedy (or beam search), and again at
-temperatures 0.2 ... 1.0 for a window whose text repeats itself (compression ratio over 2.4)
-or whose tokens are unlikely (mean log-prob under -1.0); `--temperatures 0` turns that off.
-Neither conditions a window on the previous window's text (faster-whisper's default does):
-that is how one window's loop spreads to the next, and on our long-form check (40 s and 2 min of
-espeak-ng speech, tiny.en) it cost words (WER 0.121 vs 0.101 at 40 s).
+Which format each runs is a row of `formats.registry`; the two optional clients are imported
+where a backend is made, so that this module loads without them.
 
-A file that cannot be read is reported and skipped; the others still get transcribed.
+Each decodes loop-proof (`decoding`): greedy (or beam search), and again at temperatures
+0.2 ... 1.0 for a window whose text repeats itself (compression ratio over 2.4) or whose tokens
+are unlikely (mean log-prob under -1.0); `--temperatures 0` turns that off. None conditions a
+window on the previous window's text (faster-whisper's default does): that is how one window's
+loop spreads to the next, and on our long-form check (40 s and 2 min of espeak-ng speech,
+tiny.en) it cost words (WER 0.121 vs 0.101 at 40 s).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import sys
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import ctranslate2
 import numpy as np
 import torch
+from faster_whisper import WhisperModel
+from faster_whisper.feature_extractor import FeatureExtractor
+from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
 
-from whisper_train.audio import AUDIO_SUFFIXES, N_SAMPLES, SAMPLE_RATE, load_audio
-from whisper_train.decoding import DecodingOptions, generate_decoded
+from whisper_train.audio import N_SAMPLES, SAMPLE_RATE
 from whisper_train.errors import UserError
-from whisper_train.evaluation.longform import decoded_segments, generate_long_form
-
-# The transcript files moved to transcripts.py; their names are still imported from here.
-from whisper_train.transcripts import (  # noqa: F401
-    FORMATS,
-    Segment,
-    Transcript,
-    format_timestamp,
-    render,
-    to_json,
-    to_srt,
-    to_vtt,
+from whisper_train.transcription.decoding import DecodingOptions, generate_decoded
+from whisper_train.transcription.longform import decoded_segments, generate_long_form
+from whisper_train.transcription.transcripts import Segment
+from whisper_train.transcription.word_timestamps import (
+    Word,
+    alignment_heads_of,
+    words_from_token_times,
 )
-from whisper_train.word_timestamps import Word, alignment_heads_of, words_from_token_times
-
-log = logging.getLogger(__name__)
-
-AUDIO_EXTENSIONS = set(AUDIO_SUFFIXES)
-MANIFEST_EXTENSIONS = {".jsonl", ".json", ".csv", ".tsv"}
 
 
-# -- backends -------------------------------------------------------------------------------
-
-
-def _device() -> str:
+def torch_device() -> str:
+    """Where transformers and openai-whisper run: this machine's GPU, else its CPU."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def set_language(model, language: str | None, task: str | None = None) -> None:
+    """Point `generation_config` at `language`/`task` on multilingual models; None keeps the
+    checkpoint's own setting (or language detection when it has none).
+
+    English-only checkpoints take no language or task tokens (transformers refuses them).
+    """
+    config = model.generation_config
+    if not getattr(config, "is_multilingual", False):
+        return
+    if language is not None:
+        config.language = language
+    if task is not None:
+        config.task = task
 
 
 class TransformersBackend:
@@ -80,8 +84,6 @@ class TransformersBackend:
         decoding: DecodingOptions | None = None,
         word_timestamps: bool = False,
     ):
-        from whisper_train.evaluation.generation import set_language
-
         self.model = model.eval()
         self.processor = processor
         self.beam_size = beam_size
@@ -152,9 +154,6 @@ class CTranslate2Backend:
         decoding: DecodingOptions | None = None,
         word_timestamps: bool = False,
     ):
-        import ctranslate2
-        from faster_whisper import WhisperModel
-
         model_dir = Path(model_dir)
         if not (model_dir / "tokenizer.json").is_file():
             # faster-whisper would fetch openai/whisper-tiny's tokenizer from the hub instead.
@@ -166,8 +165,6 @@ class CTranslate2Backend:
         self.model = WhisperModel(str(model_dir), device=device)
         if not (model_dir / "preprocessor_config.json").exists():
             # Without it faster-whisper assumes 80 mel bins; large-v3 has 128.
-            from faster_whisper.feature_extractor import FeatureExtractor
-
             self.model.feature_extractor = FeatureExtractor(feature_size=self.model.model.n_mels)
         # Like transformers, default to the language/task the model was fine-tuned for.
         saved_language, saved_task = _saved_language_and_task(model_dir)
@@ -181,8 +178,6 @@ class CTranslate2Backend:
         self, audio: np.ndarray, *, timestamps: bool = True
     ) -> tuple[str, list[Segment]]:
         """(n_samples,) float32 16 kHz audio → (text, segments); any length when `timestamps`."""
-        import ctranslate2
-
         duration = len(audio) / SAMPLE_RATE
         options = self.decoding
         ctranslate2.set_random_seed(options.seed)  # the fallback samples: repeatable runs
@@ -231,7 +226,11 @@ def _words(segment, duration: float) -> tuple[Word, ...] | None:
 
 
 class WhisperCppBackend:
-    """whisper.cpp through pywhispercpp on a ggml-model.bin: its loop and temperature fallback."""
+    """whisper.cpp through pywhispercpp on a ggml-model.bin: its loop and temperature fallback.
+
+    No word timestamps: whisper.cpp's DTW takes its heads at load, as a preset for OpenAI's
+    models (or a custom list pywhispercpp 1.5.1 cannot pass), and a ggml file has no field to
+    carry a fine-tuned model's heads (`load_backend` refuses --word-timestamps for it)."""
 
     def __init__(
         self,
@@ -241,21 +240,8 @@ class WhisperCppBackend:
         task=None,
         beam_size=1,
         decoding=None,
-        word_timestamps=False,
     ):
-        from whisper_train.deploy.runtimes import require_client
-
-        if word_timestamps:
-            # whisper.cpp's DTW takes its heads at load as a preset for OpenAI's models (or a
-            # custom list pywhispercpp 1.5.1 cannot pass); a ggml file has no field to carry
-            # a fine-tuned model's heads.
-            raise UserError(
-                f"--word-timestamps: not available for whisper.cpp models ({model_file}); "
-                "export the model with --format ct2 (faster-whisper), openai or hf instead"
-            )
-
-        require_client("ggml")
-        from pywhispercpp.model import Model
+        from pywhispercpp.model import Model  # the whispercpp extra
 
         logging.getLogger("pywhispercpp").setLevel(logging.WARNING)
         saved_language, saved_task = _saved_language_and_task(model_file.parent)
@@ -312,13 +298,10 @@ class OpenAIWhisperBackend:
         decoding=None,
         word_timestamps=False,
     ):
-        from whisper_train.deploy.runtimes import require_client
-
-        require_client("openai")
-        import whisper
+        import whisper  # the openai extra
 
         saved_language, saved_task = _saved_language_and_task(model_file.parent)
-        self.device = _device()
+        self.device = torch_device()
         self.model = whisper.load_model(str(model_file), device=self.device)
         # load_model sets the heads only for OpenAI's named models; the export stores them.
         heads = torch.load(model_file, map_location="cpu", weights_only=True, mmap=True)
@@ -331,7 +314,7 @@ class OpenAIWhisperBackend:
         self.decoding = DecodingOptions() if decoding is None else decoding
 
     def transcribe(self, audio: np.ndarray, *, timestamps: bool = True):
-        import whisper
+        import whisper  # the openai extra
 
         options = self.decoding
         torch.manual_seed(options.seed)  # the fallback samples: repeatable runs
@@ -374,168 +357,6 @@ def _saved_language_and_task(model_dir: Path) -> tuple[str | None, str | None]:
     config = json.loads(config_file.read_text(encoding="utf-8"))
     language = config.get("language")
     if language:
-        from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
-
         language = language.strip("<|>").lower()
         language = TO_LANGUAGE_CODE.get(language, language)
     return language or None, config.get("task")
-
-
-def _runtime_file(path: Path) -> Path | None:
-    """The ggml-model.bin or model.pt that `path` is or holds, else None."""
-    from whisper_train.formats import ggml
-    from whisper_train.formats import openai as openai_whisper
-
-    if path.is_file() and path.suffix in (".bin", ".pt"):
-        return path
-    if path.is_dir() and not (path / "config.json").is_file():
-        for name in (ggml.MODEL_FILE, openai_whisper.MODEL_FILE):
-            if (path / name).is_file():
-                return path / name
-    return None
-
-
-def is_ct2_dir(path: Path) -> bool:
-    return (path / "model.bin").is_file() and (path / "config.json").is_file()
-
-
-def load_backend(
-    model, *, language=None, task=None, beam_size=1, decoding=None, word_timestamps=False
-):
-    """`model`: a spec string (folder, hub id, tiny.en) or a (model, processor) pair.
-
-    `decoding`: the temperature fallback (whisper_train.decoding; None: on, openai-whisper's
-    defaults); `word_timestamps`: segments carry their words' times (not for whisper.cpp)."""
-    options = {"language": language, "task": task, "beam_size": beam_size, "decoding": decoding}
-    options["word_timestamps"] = word_timestamps
-    if isinstance(model, tuple):
-        return TransformersBackend(*model, **options)
-    from whisper_train.models import load_model, model_folder
-
-    path = model_folder(str(model))
-    runtime_file = _runtime_file(path)
-    if runtime_file is not None:
-        backend = WhisperCppBackend if runtime_file.suffix == ".bin" else OpenAIWhisperBackend
-        return backend(runtime_file, **options)
-    if is_ct2_dir(path):
-        try:
-            import faster_whisper  # noqa: F401
-        except ImportError:
-            log.info("faster-whisper is not installed: reading %s into transformers", path)
-        else:
-            return CTranslate2Backend(path, **options)
-    hf_model, processor = load_model(str(model))
-    return TransformersBackend(hf_model.to(_device()), processor, **options)
-
-
-# -- inputs ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Input:
-    path: str
-    name: str
-    start: float | None = None
-    end: float | None = None
-    problem: str | None = None  # set when the input itself is unusable
-
-
-def collect_inputs(inputs: Sequence[str | Path]) -> list[_Input]:
-    """Files, folders (searched for audio files) and manifests → recordings to transcribe."""
-    from whisper_train.data.layouts import load_examples
-
-    found: list[_Input] = []
-    for item in map(Path, inputs):
-        if item.is_dir():
-            files = sorted(p for p in item.rglob("*") if p.suffix.lower() in AUDIO_EXTENSIONS)
-            if not files:
-                found.append(_Input(str(item), item.name, problem="no audio files in this folder"))
-            found += [_Input(str(p), p.stem) for p in files]
-        elif item.suffix.lower() in MANIFEST_EXTENSIONS and item.is_file():
-            for example in load_examples(item):
-                name = Path(example.audio).stem
-                if example.start is not None or example.end is not None:
-                    name += f"_{example.start or 0:.2f}-{example.end or 0:.2f}"
-                found.append(_Input(example.audio, name, example.start, example.end))
-        elif not item.exists():
-            found.append(_Input(str(item), item.stem, problem="no such file or folder"))
-        else:
-            found.append(_Input(str(item), item.stem))
-    # Two recordings with the same file name must not overwrite each other's transcript.
-    seen: dict[str, int] = {}
-    unique = []
-    for entry in found:
-        count = seen.get(entry.name, 0)
-        seen[entry.name] = count + 1
-        unique.append(
-            entry if count == 0 else _Input(**{**asdict(entry), "name": f"{entry.name}-{count}"})
-        )
-    return unique
-
-
-# -- the library entry point ----------------------------------------------------------------
-
-
-def transcribe_paths(
-    model,
-    inputs: Sequence[str | Path],
-    *,
-    format: str = "txt",
-    language: str | None = None,
-    task: str | None = None,
-    beam_size: int = 1,
-    output_dir: str | Path | None = None,
-    progress: bool = True,
-    decoding: DecodingOptions | None = None,
-    word_timestamps: bool = False,
-) -> list[Transcript]:
-    """Transcribe every recording in `inputs`; write `<output_dir>/<name>.<format>` per file.
-
-    `model` is a spec (`--model`) or a (model, processor) pair. Recordings that fail carry an
-    `error` and are skipped; the rest are still transcribed. `decoding`: the temperature
-    fallback (None: on, with openai-whisper's defaults; `NO_FALLBACK`: greedy only).
-    `word_timestamps`: each segment gets its words' times (json: `words`; srt/vtt: each word
-    underlined while spoken), from the model's alignment heads.
-    """
-    from tqdm.auto import tqdm
-
-    if format not in FORMATS:
-        raise UserError(f"--format {format}: expected one of {', '.join(FORMATS)}")
-    if beam_size < 1:
-        raise UserError(f"--beam-size {beam_size}: must be at least 1")
-    recordings = collect_inputs(inputs)
-    if not recordings:
-        raise UserError("no inputs given; pass audio files, folders or a manifest")
-    backend = load_backend(
-        model,
-        language=language,
-        task=task,
-        beam_size=beam_size,
-        decoding=decoding,
-        word_timestamps=word_timestamps,
-    )
-    if output_dir is not None:
-        output_dir = Path(output_dir)
-        output_dir.mkdir(parents=True, exist_ok=True)
-    results = []
-    from whisper_train.runlog import progress_bars_wanted
-
-    show_bar = progress and progress_bars_wanted()
-    bar = tqdm(recordings, desc="transcribe", unit="file", disable=not show_bar)
-    for entry in bar:
-        transcript = Transcript(source=entry.path, name=entry.name)
-        if entry.problem:
-            transcript.error = entry.problem
-        else:
-            try:
-                audio = load_audio(entry.path, start=entry.start, end=entry.end)
-                transcript.text, transcript.segments = backend.transcribe(audio)
-            except UserError as exc:  # AudioError included
-                transcript.error = str(exc)
-        if transcript.error:
-            bar.write(f"skipped {entry.path}: {transcript.error}", file=sys.stderr)
-        elif output_dir is not None:
-            target = output_dir / f"{entry.name}.{format}"
-            target.write_text(render(transcript, format), encoding="utf-8")
-        results.append(transcript)
-    return results

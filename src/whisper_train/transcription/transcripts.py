@@ -16,7 +16,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-from whisper_train.word_timestamps import Word, highlighted_cues
+from whisper_train.transcription.word_timestamps import Word, highlighted_cues
 
 FORMATS = ("txt", "srt", "vtt", "json")
 

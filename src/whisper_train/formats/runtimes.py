@@ -1,9 +1,13 @@
-"""Decode with each runtime people deploy Whisper with, all the same way, for the export check.
+"""Each runtime people deploy Whisper with, decoding a model all the same way, for the export check.
 
-    hf      transformers' `generate`                       (whisper-train itself)
-    ct2     faster-whisper on CTranslate2                  (dependency)
-    ggml    whisper.cpp through pywhispercpp               (extra: whisper-train[whispercpp])
-    openai  openai-whisper's `decode`                      (extra: whisper-train[openai])
+    transformers     `generate`                                  (whisper-train itself)
+    faster-whisper   on CTranslate2                              (dependency)
+    whisper.cpp      through pywhispercpp                        (extra: whisper-train[whispercpp])
+    openai-whisper   `decode`                                    (extra: whisper-train[openai])
+
+`formats.registry` names each format's pair: its runtime's greedy transcripts
+(`*_greedy`) and teacher-forced scores (`*_scores`) of what it loads (the export folder, or the
+one file whisper.cpp and openai-whisper load); the source's side is transformers'.
 
 The export check compares the source model and its export utterance by utterance, so both
 must decode the same way, whatever each runtime's defaults: greedy (temperature 0, one
@@ -13,50 +17,31 @@ token forced (none for English-only models), the non-speech tokens suppressed an
 OpenAI's checkpoints, and each runtime's `suppress_blank` / `suppress_tokens=-1`). Words still
 differ now and then where two tokens are nearly tied, so the check's verdict rests on the
 teacher-forced scores below (`*_scores`); the greedy transcripts are reported beside them.
+The two optional clients are imported where they run, so that this module loads without them.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import ctranslate2
 import numpy as np
 import torch
+from faster_whisper import WhisperModel
 
 from whisper_train.audio import N_SAMPLES, SAMPLE_RATE
 from whisper_train.errors import UserError
-
-# The pip extra that installs each runtime's client.
-EXTRAS = {"ggml": "whispercpp", "openai": "openai"}
-RUNTIME_NAMES = {
-    "hf": "transformers",
-    "ct2": "faster-whisper",
-    "ggml": "whisper.cpp (pywhispercpp)",
-    "openai": "openai-whisper",
-}
+from whisper_train.formats.hf import load_hf, refuse_nonfinite_weights
 
 
 class MissingRuntimeError(UserError):
     """A runtime's Python client is not installed."""
-
-
-def require_client(format: str) -> None:
-    """One line naming the extra that installs `format`'s runtime client when it is missing."""
-    module = {"ggml": "pywhispercpp", "openai": "whisper", "ct2": "faster_whisper"}.get(format)
-    if module is None:
-        return
-    try:
-        __import__(module)
-    except ImportError:
-        extra = EXTRAS.get(format)
-        how = f"pip install 'whisper-train[{extra}]'" if extra else "pip install faster-whisper"
-        raise MissingRuntimeError(
-            f"--format {format}: checking the export needs {RUNTIME_NAMES[format]}, which is not "
-            f"installed: {how} (or pass --no-check to only write the export)"
-        ) from None
 
 
 def _window(audio: np.ndarray) -> np.ndarray:
@@ -65,12 +50,11 @@ def _window(audio: np.ndarray) -> np.ndarray:
 
 @torch.inference_mode()
 def transformers_greedy(model, processor, clips: Sequence[np.ndarray], language: str | None):
-    """transformers' greedy transcripts of each clip's first 30 s (the source's side)."""
-    from whisper_train.models import is_multilingual
-
+    """transformers' greedy transcripts of each clip's first 30 s (the source's side).
+    `language`: the one forced (None: an English-only model, which takes no language token)."""
     weight = next(p for p in model.parameters() if p.is_floating_point())
     options: dict = {"return_timestamps": False, "num_beams": 1, "do_sample": False}
-    if is_multilingual(model):
+    if language is not None:
         options.update(language=language, task="transcribe")
     texts = []
     for audio in clips:
@@ -84,13 +68,11 @@ def transformers_greedy(model, processor, clips: Sequence[np.ndarray], language:
 
 def transformers_greedy_tokens(model, processor, clips, language: str | None):
     """(texts, text token ids per clip) of `transformers_greedy`: the tokens the export check
-    has each runtime score."""
-    from whisper_train.models import is_multilingual
-
+    has each runtime score. `language` as `transformers_greedy` takes it."""
     weight = next(p for p in model.parameters() if p.is_floating_point())
     eot = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
     options: dict = {"return_timestamps": False, "num_beams": 1, "do_sample": False}
-    if is_multilingual(model):
+    if language is not None:
         options.update(language=language, task="transcribe")
     texts, tokens = [], []
     with torch.inference_mode():
@@ -110,9 +92,6 @@ def _threads() -> int:
 
 
 def faster_whisper_greedy(model_dir: Path, clips, language: str | None) -> list[str]:
-    import ctranslate2
-    from faster_whisper import WhisperModel
-
     logging.getLogger("faster_whisper").setLevel(logging.WARNING)  # a line per clip otherwise
     device = "cuda" if ctranslate2.get_cuda_device_count() > 0 else "cpu"
     model = WhisperModel(str(model_dir), device=device, cpu_threads=_threads())
@@ -139,7 +118,7 @@ def faster_whisper_greedy(model_dir: Path, clips, language: str | None) -> list[
 
 
 def whisper_cpp_greedy(model_file: Path, clips, language: str | None) -> list[str]:
-    from pywhispercpp.model import Model
+    from pywhispercpp.model import Model  # the whispercpp extra
 
     logging.getLogger("pywhispercpp").setLevel(logging.WARNING)  # a line per clip otherwise
 
@@ -169,7 +148,7 @@ def whisper_cpp_greedy(model_file: Path, clips, language: str | None) -> list[st
 
 
 def openai_whisper_greedy(model_file: Path, clips, language: str | None) -> list[str]:
-    import whisper
+    import whisper  # the openai extra
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = whisper.load_model(str(model_file), device=device)
@@ -189,24 +168,16 @@ def openai_whisper_greedy(model_file: Path, clips, language: str | None) -> list
     return texts
 
 
-def runtime_greedy(format: str, output: Path, clips, language: str | None) -> list[str]:
-    """The export at `output` decoded by its own runtime, the parity-check way."""
-    require_client(format)
-    if format == "ct2":
-        return faster_whisper_greedy(output, clips, language)
-    if format == "ggml":
-        from whisper_train.formats.ggml import MODEL_FILE
+def _load_hf_export(folder: Path):
+    """An hf export, read as `whisper-train --model` reads it, where the check runs it."""
+    model, processor = load_hf(folder)
+    refuse_nonfinite_weights(model, str(folder))
+    return (model.to("cuda") if torch.cuda.is_available() else model), processor
 
-        return whisper_cpp_greedy(output / MODEL_FILE, clips, language)
-    if format == "openai":
-        from whisper_train.formats.openai import MODEL_FILE
 
-        return openai_whisper_greedy(output / MODEL_FILE, clips, language)
-    from whisper_train.models import load_model
-
-    model, processor = load_model(str(output))
-    if torch.cuda.is_available():
-        model = model.to("cuda")
+def transformers_export_greedy(folder: Path, clips, language: str | None) -> list[str]:
+    """The hf export at `folder`, greedy in transformers, as the source is."""
+    model, processor = _load_hf_export(folder)
     return transformers_greedy(model, processor, clips, language)
 
 
@@ -288,9 +259,6 @@ def transformers_scores(model, processor, clips, prompt: list[int], tokens: list
 def faster_whisper_scores(model_dir: Path, clips, prompt, tokens) -> list[TokenScores]:
     """CTranslate2's `Whisper.align` scores the text tokens (and <|eot|>) after `prompt`, on
     faster-whisper's log-mel computed with the folder's preprocessor_config.json."""
-    import ctranslate2
-    from faster_whisper import WhisperModel
-
     device = "cuda" if ctranslate2.get_cuda_device_count() > 0 else "cpu"
     model = WhisperModel(str(model_dir), device=device, cpu_threads=_threads())
     frames = N_SAMPLES // model.feature_extractor.hop_length
@@ -312,7 +280,7 @@ def faster_whisper_scores(model_dir: Path, clips, prompt, tokens) -> list[TokenS
 
 def openai_whisper_scores(model_file: Path, clips, prompt, tokens) -> list[TokenScores]:
     """openai-whisper's own model forward on its own log-mel, its own tokenizer's text."""
-    import whisper
+    import whisper  # the openai extra
     from whisper.tokenizer import get_tokenizer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -339,10 +307,7 @@ def openai_whisper_scores(model_file: Path, clips, prompt, tokens) -> list[Token
 def _libwhisper():
     """whisper.cpp's own library as pywhispercpp ships it, through ctypes: pywhispercpp's
     bindings hand back one float of the logits, so teacher forcing calls the C API directly."""
-    import ctypes
-    import ctypes.util
-
-    import _pywhispercpp  # loads the library (and ggml's) into this process
+    import _pywhispercpp  # the whispercpp extra; loads the library (and ggml's) into this process
 
     folder = Path(_pywhispercpp.__file__).parent
     candidates = sorted(folder.glob("pywhispercpp.libs/libwhisper*")) + sorted(
@@ -378,8 +343,6 @@ def whisper_cpp_scores(model_file: Path, clips, prompt, tokens) -> list[TokenSco
     """whisper.cpp loads the file, computes its log-mel with the file's filters, encodes, then
     decodes the prompt and each token in turn (its KV cache), and turns the tokens into text
     with the file's vocabulary."""
-    import ctypes
-
     lib = _libwhisper()
     context = lib.whisper_init_from_file(str(model_file).encode())
     if not context:
@@ -423,22 +386,7 @@ def whisper_cpp_scores(model_file: Path, clips, prompt, tokens) -> list[TokenSco
     return scores
 
 
-def runtime_scores(format: str, output: Path, clips, prompt, tokens) -> list[TokenScores]:
-    """The export at `output` scoring the source's tokens in its own runtime (teacher forced)."""
-    require_client(format)
-    if format == "ct2":
-        return faster_whisper_scores(output, clips, prompt, tokens)
-    if format == "ggml":
-        from whisper_train.formats.ggml import MODEL_FILE
-
-        return whisper_cpp_scores(output / MODEL_FILE, clips, prompt, tokens)
-    if format == "openai":
-        from whisper_train.formats.openai import MODEL_FILE
-
-        return openai_whisper_scores(output / MODEL_FILE, clips, prompt, tokens)
-    from whisper_train.models import load_model
-
-    model, processor = load_model(str(output))
-    if torch.cuda.is_available():
-        model = model.to("cuda")
+def transformers_export_scores(folder: Path, clips, prompt, tokens) -> list[TokenScores]:
+    """The hf export at `folder` scoring the source's tokens in transformers (teacher forced)."""
+    model, processor = _load_hf_export(folder)
     return transformers_scores(model, processor, clips, prompt, tokens)

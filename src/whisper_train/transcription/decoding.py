@@ -39,7 +39,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 
 import torch
+from transformers.modeling_outputs import BaseModelOutput
 
+from whisper_train.data.labels import language_code
 from whisper_train.errors import UserError
 
 DEFAULT_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
@@ -264,8 +266,6 @@ def _rows_of(inputs: dict, rows: list[int], n: int) -> dict:
     picked = {}
     for key, value in inputs.items():
         if key == "encoder_outputs":
-            from transformers.modeling_outputs import BaseModelOutput
-
             hidden = value.last_hidden_state
             picked[key] = BaseModelOutput(last_hidden_state=hidden[index.to(hidden.device)])
         elif isinstance(value, torch.Tensor):
@@ -350,8 +350,6 @@ class _Window:
         """`{"encoder_outputs": ...}` of `rows`, running the encoder only for rows not yet seen."""
         if "input_features" not in self.inputs:
             return self.rows(rows)
-        from transformers.modeling_outputs import BaseModelOutput
-
         missing = [row for row in rows if row not in self.encoded]
         if missing:
             features = self.rows(missing)["input_features"]
@@ -408,8 +406,6 @@ def _chosen_languages(
         languages = [forced] * len(detected)
     if len(languages) != len(detected):
         raise ValueError(f"{len(languages)} languages for a batch of {len(detected)}")
-    from whisper_train.data.labels import language_code
-
     return [
         language_code(given) if given is not None else code
         for given, (code, _) in zip(languages, detected, strict=True)

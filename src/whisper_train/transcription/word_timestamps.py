@@ -31,8 +31,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers.generation.utils import GenerateEncoderDecoderOutput
+from transformers.models.whisper.tokenization_whisper import _combine_tokens_into_words
 
 from whisper_train.audio import HOP_LENGTH, N_SAMPLES, SAMPLE_RATE
+from whisper_train.data.labels import LabelEncoder
 from whisper_train.errors import UserError
 from whisper_train.files import write_atomically
 
@@ -48,6 +51,10 @@ MEDIAN_WORD_CAP_S = 0.7
 PUNCTUATION = "\"'“¡¿([{-" + "\"'.。,，!！?？:：”)]}、"
 # At most this many of the best single heads are tried together by find_alignment_heads.
 MAX_HEADS_TRIED = 16
+# Clips of `export --find-alignment-heads DATA` the head search uses: tiny.en's 24 heads take
+# about a CPU second a clip, and 24 clips of the demo's sentences gave 244 words to hold heads
+# against.
+ALIGNMENT_CLIPS = 24
 
 
 @dataclass(frozen=True)
@@ -154,8 +161,6 @@ def words_from_token_times(
     """One segment's words. `token_ids` may hold time and special tokens (skipped);
     `token_ends[k]` is where token k ends (transformers' token timestamps, absolute seconds);
     the segment's first text token starts at `start`. Words are kept inside [start, end]."""
-    from transformers.models.whisper.tokenization_whisper import _combine_tokens_into_words
-
     eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     text, spans = [], []
     for k, token in enumerate(token_ids):
@@ -226,8 +231,6 @@ def _cross_attentions(model, features: torch.Tensor, decoder_ids: list[int]):
 def token_boundaries(model, attentions, heads, *, n_prompt: int, n_text: int, n_frames: int):
     """(n_text + 1,) seconds: token k of the text spans [b[k], b[k + 1]], by transformers' DTW
     (`_extract_token_timestamps`) over `heads` of teacher-forced `attentions`."""
-    from transformers.generation.utils import GenerateEncoderDecoderOutput
-
     outputs = GenerateEncoderDecoderOutput(
         sequences=torch.zeros(1, n_prompt + n_text + 1, dtype=torch.long),
         cross_attentions=(attentions,),  # one "step" that saw every position at once
@@ -297,8 +300,6 @@ def find_alignment_heads(
     error wins (the smaller set on a tie). Cost: one forward per clip, and one DTW per clip
     for each head and each tried set (tiny.en: 24 heads, about a second a clip on a CPU).
     """
-    from whisper_train.data.labels import LabelEncoder
-
     if not examples or not any(example.words for example in examples):
         raise UserError("find_alignment_heads: no reference words to align against")
     for example in examples:

@@ -1,0 +1,18 @@
+"""The values options take, named once. The configuration checks them (`config`), and the
+layers that act on them (`memory`, `data`) import them from here, below them all, so no list
+of choices is written twice."""
+
+from __future__ import annotations
+
+# --mode: what trains (`memory.prepare_model`).
+MODES = ("full", "lora", "freeze-encoder")
+# --optim: AdamW in one of three implementations (`memory.optim`).
+OPTIMIZERS = ("adamw", "adamw-fused", "adamw8bit")
+# --task: Whisper's two (`data.labels`).
+TASKS = ("transcribe", "translate")
+# --packing: off (one clip a window), on (windows labelled with their clips' transcripts
+# joined), per-clip (windows whose clips are each decoded on their own, `memory.clip_attention`);
+# auto, the option's default, chooses per-clip or off (`config.resolve.choose_packing`).
+PER_CLIP = "per-clip"
+PACKINGS = ("off", "on", PER_CLIP)
+PACKING_AUTO = "auto"

@@ -1,0 +1,133 @@
+"""Long-form decoding: recordings longer than Whisper's 30 s window, decoded as users decode them.
+
+transformers' sequential long-form `generate`, what `whisper-train transcribe` runs on a
+transformers model (`backends.TransformersBackend`) and what `evaluate` scores on recordings
+over 30 s (`evaluation.longform`): the un-truncated log-mel features with their attention mask,
+30 s windows with timestamps, each window starting where the previous one's last closed
+timestamp ended, and the temperature fallback window by window with openai-whisper's text
+compression ratio. Optionally each window is conditioned on the previous windows' text
+(`condition_on_previous_text`, openai-whisper's and faster-whisper's name; off by default, as
+`transcribe` decodes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from whisper_train.audio import N_SAMPLES, SAMPLE_RATE
+from whisper_train.transcription.decoding import DecodingOptions, compression_ratio, seeded
+
+
+def _fallback_arguments(options: DecodingOptions) -> dict:
+    """generate's own window-by-window fallback, set from `options`. When every temperature
+    fails, transformers keeps the last try (as openai-whisper does), not the most likely one
+    (`decoding.choose`, faster-whisper's rule)."""
+    sampling = {"top_k": 0}  # the whole distribution, as openai-whisper samples
+    if not options.fallback:
+        first = options.temperatures[0]
+        return {"temperature": first, **sampling} if first > 0 else {}
+    return {
+        "temperature": options.temperatures,
+        "compression_ratio_threshold": options.compression_ratio_threshold,
+        "logprob_threshold": options.logprob_threshold,
+        **sampling,
+    }
+
+
+@contextlib.contextmanager
+def _text_compression_ratio(model, tokenizer):
+    """transformers' long-form fallback computes the compression ratio of the token ids'
+    bytes (a scale where 1.35 is its suggested threshold); for the duration of one call, make
+    it openai-whisper's ratio of the decoded text, so 2.4 means what it means there."""
+
+    def text_ratio(tokens, vocab_size):
+        ids = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+        return compression_ratio(tokenizer.decode(ids, skip_special_tokens=True).strip())
+
+    model._retrieve_compression_ratio = text_ratio  # shadows the static method
+    try:
+        yield
+    finally:
+        del model._retrieve_compression_ratio
+
+
+@torch.inference_mode()
+def generate_long_form(
+    model,
+    processor,
+    audio: np.ndarray,
+    *,
+    beam_size: int = 1,
+    decoding: DecodingOptions | None = None,
+    condition_on_previous_text: bool = False,
+    language: str | None = None,
+    word_timestamps: bool = False,
+) -> dict:
+    """(n_samples,) float32 16 kHz audio of any length → `generate`'s output with timestamps
+    and `segments` (one list per recording: {"start", "end", "tokens", ...}).
+
+    `language`: a code for a multilingual model (None: its generation config's, else detected);
+    ignored by English-only models, which take no language token."""
+    decoding = DecodingOptions() if decoding is None else decoding
+    weight = next(p for p in model.parameters() if p.is_floating_point())
+    # Un-truncated features + attention mask switch generate into sequential long-form
+    # decoding for recordings over 30 s; shorter ones are padded to the 30 s window.
+    inputs = processor.feature_extractor(
+        audio,
+        sampling_rate=SAMPLE_RATE,
+        return_tensors="pt",
+        truncation=False,
+        padding="longest" if len(audio) > N_SAMPLES else "max_length",
+        return_attention_mask=True,
+    )
+    options = _fallback_arguments(decoding)
+    if condition_on_previous_text:  # passed only when asked: a 30 s clip warns otherwise
+        options["condition_on_prev_tokens"] = True
+    if word_timestamps:  # each token's end time, from the alignment heads' cross-attention
+        options["return_token_timestamps"] = True
+    if language is not None and getattr(model.generation_config, "is_multilingual", False):
+        options["language"] = language
+    with seeded(decoding.seed, weight.device), _text_compression_ratio(model, processor.tokenizer):
+        return model.generate(
+            input_features=inputs.input_features.to(weight.device, weight.dtype),
+            attention_mask=inputs.attention_mask.to(weight.device),
+            return_timestamps=True,
+            return_segments=True,
+            num_beams=beam_size,
+            **options,
+        )
+
+
+@dataclass(frozen=True)
+class DecodedSegment:
+    """One non-empty segment of a long-form decoding: its times (s), text and tokens, and with
+    word timestamps asked for, each token's end time (s: transformers' DTW over the alignment
+    heads; `word_timestamps.words_from_token_times` makes words of them)."""
+
+    start: float
+    end: float
+    text: str
+    tokens: list[int]
+    token_ends: list[float] | None = None
+
+
+def decoded_segments(output: dict, tokenizer) -> list[DecodedSegment]:
+    """The non-empty segments of the first recording of `generate_long_form`'s `output`."""
+    found = []
+    for raw in output["segments"][0]:
+        tokens = raw["tokens"].tolist()
+        text = tokenizer.decode([t for t in tokens if t < tokenizer.eos_token_id]).strip()
+        if text:
+            ends = raw["token_timestamps"].tolist() if "token_timestamps" in raw else None
+            found.append(DecodedSegment(float(raw["start"]), float(raw["end"]), text, tokens, ends))
+    return found
+
+
+def transcribe_long_form(model, processor, audio: np.ndarray, **options) -> str:
+    """The text of a recording decoded long-form (`generate_long_form`'s options)."""
+    output = generate_long_form(model, processor, audio, **options)
+    return " ".join(segment.text for segment in decoded_segments(output, processor.tokenizer))

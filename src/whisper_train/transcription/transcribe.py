@@ -1,0 +1,173 @@
+"""Transcribe recordings of any length to text, SRT, WebVTT or JSON: `whisper-train transcribe`.
+
+Each `--model` runs in the runtime its format is deployed with (`load_backend`: the format's
+row of `formats.registry` names its backend, `backends`): a CTranslate2 folder in
+faster-whisper, a ggml-model.bin in whisper.cpp, a model.pt in openai-whisper, and whatever
+else `--model` names (a transformers folder, a run folder, a hub id) in transformers.
+
+A file that cannot be read is reported and skipped; the others still get transcribed.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from whisper_train.audio import AUDIO_SUFFIXES, load_audio
+from whisper_train.data.layouts import load_examples
+from whisper_train.errors import UserError
+from whisper_train.formats.registry import EXPORT_FORMATS, ExportFormat, format_of
+from whisper_train.models import load_model, model_folder
+from whisper_train.runlog import progress_bars_wanted
+from whisper_train.transcription.backends import TransformersBackend, torch_device
+from whisper_train.transcription.decoding import DecodingOptions
+from whisper_train.transcription.transcripts import FORMATS, Transcript, render
+
+AUDIO_EXTENSIONS = set(AUDIO_SUFFIXES)
+MANIFEST_EXTENSIONS = {".jsonl", ".json", ".csv", ".tsv"}
+
+
+def load_backend(
+    model, *, language=None, task=None, beam_size=1, decoding=None, word_timestamps=False
+):
+    """`model`: a spec string (folder, hub id, tiny.en) or a (model, processor) pair.
+
+    `decoding`: the temperature fallback (`decoding.DecodingOptions`; None: on, openai-whisper's
+    defaults); `word_timestamps`: segments carry their words' times (not for the formats that
+    cannot carry a model's alignment heads: whisper.cpp's)."""
+    options = {"language": language, "task": task, "beam_size": beam_size, "decoding": decoding}
+    if isinstance(model, tuple):
+        return TransformersBackend(*model, word_timestamps=word_timestamps, **options)
+    path = model_folder(str(model))
+    export_format = format_of(path)
+    if export_format is not None and export_format.backend is not TransformersBackend:
+        return _runtime_backend(export_format, path, word_timestamps, options)
+    # Everything transformers runs is read as `--model` reads it: any folder, a hub id too.
+    hf_model, processor = load_model(str(model))
+    return TransformersBackend(
+        hf_model.to(torch_device()), processor, word_timestamps=word_timestamps, **options
+    )
+
+
+def _runtime_backend(export_format: ExportFormat, path: Path, word_timestamps: bool, options):
+    """The backend of a model that its own runtime (not transformers) runs."""
+    model_input = export_format.runtime_input(path)
+    if word_timestamps:
+        if not export_format.carries_alignment_heads:
+            others = [fmt for fmt in EXPORT_FORMATS if fmt.carries_alignment_heads]
+            instead = " or ".join(f"--format {fmt.name} ({fmt.runtime})" for fmt in others)
+            raise UserError(
+                f"--word-timestamps: not available for {export_format.runtime} models "
+                f"({model_input}); export the model with {instead} instead"
+            )
+        options = {**options, "word_timestamps": True}
+    export_format.require_client()
+    return export_format.backend(model_input, **options)
+
+
+@dataclass(frozen=True)
+class _Input:
+    path: str
+    name: str
+    start: float | None = None
+    end: float | None = None
+    problem: str | None = None  # set when the input itself is unusable
+
+
+def collect_inputs(inputs: Sequence[str | Path]) -> list[_Input]:
+    """Files, folders (searched for audio files) and manifests → recordings to transcribe."""
+    found: list[_Input] = []
+    for item in map(Path, inputs):
+        if item.is_dir():
+            files = sorted(p for p in item.rglob("*") if p.suffix.lower() in AUDIO_EXTENSIONS)
+            if not files:
+                found.append(_Input(str(item), item.name, problem="no audio files in this folder"))
+            found += [_Input(str(p), p.stem) for p in files]
+        elif item.suffix.lower() in MANIFEST_EXTENSIONS and item.is_file():
+            for example in load_examples(item):
+                name = Path(example.audio).stem
+                if example.start is not None or example.end is not None:
+                    name += f"_{example.start or 0:.2f}-{example.end or 0:.2f}"
+                found.append(_Input(example.audio, name, example.start, example.end))
+        elif not item.exists():
+            found.append(_Input(str(item), item.stem, problem="no such file or folder"))
+        else:
+            found.append(_Input(str(item), item.stem))
+    # Two recordings with the same file name must not overwrite each other's transcript.
+    seen: dict[str, int] = {}
+    unique = []
+    for entry in found:
+        count = seen.get(entry.name, 0)
+        seen[entry.name] = count + 1
+        unique.append(
+            entry if count == 0 else _Input(**{**asdict(entry), "name": f"{entry.name}-{count}"})
+        )
+    return unique
+
+
+# -- the library entry point ----------------------------------------------------------------
+
+
+def transcribe_paths(
+    model,
+    inputs: Sequence[str | Path],
+    *,
+    format: str = "txt",
+    language: str | None = None,
+    task: str | None = None,
+    beam_size: int = 1,
+    output_dir: str | Path | None = None,
+    progress: bool = True,
+    decoding: DecodingOptions | None = None,
+    word_timestamps: bool = False,
+) -> list[Transcript]:
+    """Transcribe every recording in `inputs`; write `<output_dir>/<name>.<format>` per file.
+
+    `model` is a spec (`--model`) or a (model, processor) pair. Recordings that fail carry an
+    `error` and are skipped; the rest are still transcribed. `decoding`: the temperature
+    fallback (None: on, with openai-whisper's defaults; `NO_FALLBACK`: greedy only).
+    `word_timestamps`: each segment gets its words' times (json: `words`; srt/vtt: each word
+    underlined while spoken), from the model's alignment heads.
+    """
+    if format not in FORMATS:
+        raise UserError(f"--format {format}: expected one of {', '.join(FORMATS)}")
+    if beam_size < 1:
+        raise UserError(f"--beam-size {beam_size}: must be at least 1")
+    recordings = collect_inputs(inputs)
+    if not recordings:
+        raise UserError("no inputs given; pass audio files, folders or a manifest")
+    backend = load_backend(
+        model,
+        language=language,
+        task=task,
+        beam_size=beam_size,
+        decoding=decoding,
+        word_timestamps=word_timestamps,
+    )
+    if output_dir is not None:
+        output_dir = Path(output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    show_bar = progress and progress_bars_wanted()
+    bar = tqdm(recordings, desc="transcribe", unit="file", disable=not show_bar)
+    for entry in bar:
+        transcript = Transcript(source=entry.path, name=entry.name)
+        if entry.problem:
+            transcript.error = entry.problem
+        else:
+            try:
+                audio = load_audio(entry.path, start=entry.start, end=entry.end)
+                transcript.text, transcript.segments = backend.transcribe(audio)
+            except UserError as exc:  # AudioError included
+                transcript.error = str(exc)
+        if transcript.error:
+            bar.write(f"skipped {entry.path}: {transcript.error}", file=sys.stderr)
+        elif output_dir is not None:
+            target = output_dir / f"{entry.name}.{format}"
+            target.write_text(render(transcript, format), encoding="utf-8")
+        results.append(transcript)
+    return results

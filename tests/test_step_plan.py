@@ -1,0 +1,206 @@
+"""The batch asked is the batch trained (`data.step_plan`): a step trains --batch-size x
+--gradient-accumulation x processes clips, packed or not, and which clips depends on the data,
+the seed and that product alone, so N processes, accumulation and one process at the same
+global batch train the same steps.
+
+The plans are checked on clip sizes like the demo's (2-4 s sentences, per-clip packing's own
+padding after each: ~4.4 clips a window), then a run of each kind on tone clips compares losses.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+import numpy as np
+import pytest
+from conftest import SAME_RUN_LOSS_ATOL, metric_rows, train_in_subprocess, write_tone_dataset
+
+from whisper_train.data import packing
+from whisper_train.data.packing import ClipSize
+from whisper_train.data.step_plan import Packing, StepShape, WholePlan, plan_steps, step_ends
+from whisper_train.training.train import train
+
+
+def demo_like_clips(n: int = 192, seed: int = 0) -> list[ClipSize]:
+    rng = random.Random(seed)
+    return [
+        ClipSize(seconds=rng.uniform(2.0, 4.0), text_tokens=rng.randint(8, 20)) for _ in range(n)
+    ]
+
+
+def plan_of(
+    batch: int, accumulation: int = 1, processes: int = 1, *, kind: str = "per-clip", n: int = 192
+) -> WholePlan:
+    """The plan of `n` demo-like clips: packed per clip (the default), packed joined, or off."""
+    clips = demo_like_clips(n)
+    packed = None
+    if kind != "off":
+        per_clip = kind == "per-clip"
+        packed = Packing(
+            clips,
+            prefix_tokens=4,
+            gap_seconds=0.0 if per_clip else packing.DEFAULT_GAP_SECONDS,
+            padding_stride=packing.SAMPLED_PAD_STRIDE if per_clip else 0,
+            per_clip=per_clip,
+        )
+    return WholePlan(
+        n, batch_size=batch, accumulation=accumulation, processes=processes, seed=0, packing=packed
+    )
+
+
+def clips_a_step(plan: WholePlan, epoch: int = 0) -> list[int]:
+    """Clips each step of `epoch` trains, over every process."""
+    steps = plan.steps(epoch)
+    size = (lambda item: len(item)) if plan.packing else (lambda item: 1)
+    return [sum(size(i) for share in step for batch in share for i in batch) for step in steps]
+
+
+def items_of(step) -> set:
+    return {item for share in step for batch in share for item in batch}
+
+
+def test_step_ends_fall_nearest_each_multiple_of_the_clips_asked():
+    assert step_ends([1] * 10, 4) == [4, 8, 10]  # unpacked: exact, the last step shorter
+    # Windows of 4 or 5 clips, 6 a step asked: the boundary nearest 6, 12, 18, 24.
+    assert step_ends([4, 5, 4, 4, 5, 4], 6) == [1, 3, 4, 6]
+    assert step_ends([4, 5, 4], 100) == [3]
+    assert step_ends([], 4) == []
+
+
+@pytest.mark.parametrize("processes", [1, 2, 3])
+def test_every_item_once_and_every_process_the_same_micro_batches(processes):
+    rng = random.Random(processes)
+    counts = [rng.randint(1, 6) for _ in range(57)]
+    steps = plan_steps(list(range(57)), counts, StepShape(12, 2, processes))
+    trained = [item for step in steps for item in sorted(items_of(step))]
+    assert sorted(trained) == list(range(57))
+    for step in steps:
+        assert len(step) == processes and len({len(share) for share in step}) == 1
+        assert all(len(batch) <= 2 for share in step for batch in share)
+
+
+@pytest.mark.parametrize("kind", ["per-clip", "on", "off"])
+@pytest.mark.parametrize(
+    "batch, accumulation, processes",
+    [(1, 4, 1), (4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 16, 1), (8, 1, 1), (3, 1, 1), (6, 1, 1)],
+)
+def test_a_step_trains_the_clips_asked(kind, batch, accumulation, processes):
+    """Before the plan, a packed micro-batch was at least a window of ~4.4 clips: batch 1 x
+    accumulation 4 trained 3x the clips a step of batch 4, and the seed's 1 x 16 ~70 clips."""
+    asked = batch * accumulation * processes
+    plan = plan_of(batch, accumulation, processes, kind=kind)
+    clips = clips_a_step(plan)
+    assert sum(clips) == 192  # every clip once an epoch
+    mean = np.mean(clips[:-1])  # the last step takes what is left
+    assert abs(mean - asked) <= 0.25 * asked, (mean, asked)
+    if kind != "off":  # no window holds more clips than a step asks for
+        assert max(len(window) for window in plan.windows(0)) <= asked
+
+
+def test_accumulation_and_batch_train_the_same_share_of_an_epoch_per_step():
+    """The issue's case: 40 short clips, --batch-size 1 --gradient-accumulation 4 trained 0.333
+    of an epoch a step, --batch-size 4 0.111."""
+    shares = [1 / len(plan_of(b, a, n=40).steps(0)) for b, a in ((1, 4), (4, 1), (2, 2))]
+    assert max(shares) <= 1.25 * min(shares), shares
+    assert shares[0] == pytest.approx(4 / 40, rel=0.25)
+
+
+def test_the_seeds_flags_train_about_16_clips_a_step():
+    """`--batch-size 1 --gradient-accumulation 16`: 16 clips a step, in whole windows of ~4.4
+    clips (so ~4 micro-batches of one window), and the start line says so."""
+    plan = plan_of(1, 16)
+    assert np.mean(clips_a_step(plan)[:-1]) == pytest.approx(16, rel=0.25)
+    assert plan.shape.items_per_micro_batch == 1
+    note = plan.batch_note(16)
+    assert note.startswith("--batch-size 1 x --gradient-accumulation 16: 16 clips a step")
+    assert "micro-batches a step, not 16" in note
+    assert plan_of(8).batch_note(1) is None  # as asked: no line
+
+
+@pytest.mark.parametrize("kind", ["per-clip", "on", "off"])
+def test_processes_and_accumulation_train_what_one_process_does_at_the_same_global_batch(kind):
+    one = plan_of(8, kind=kind).steps(1)
+    for batch, accumulation, processes in ((4, 1, 2), (2, 2, 2), (4, 2, 1), (1, 8, 1)):
+        other = plan_of(batch, accumulation, processes, kind=kind).steps(1)
+        assert [items_of(step) for step in other] == [items_of(step) for step in one]
+
+
+def test_a_replanned_epoch_trains_each_clip_once():
+    """A resume with other clips a step plans the rest of the epoch from the clips its first
+    steps (as the checkpoint planned them) have not trained."""
+    before, after = plan_of(4), plan_of(16)
+    trained = before.consumed(0, 5, clips_per_step=4, group_by_length=False)
+    rest = after.steps(0, exclude=trained)
+    replanned = [clip for step in rest for window in items_of(step) for clip in window]
+    assert sorted([*trained, *replanned]) == list(range(192))
+    assert np.mean(clips_a_step_of(rest)[:-1]) == pytest.approx(16, rel=0.25)
+
+
+def clips_a_step_of(steps) -> list[int]:
+    return [sum(len(w) for share in step for batch in share for w in batch) for step in steps]
+
+
+# -- in a run: losses, at the same global batch ----------------------------------------------
+
+
+def test_ddp_and_accumulation_equal_one_process_under_the_default_packing(
+    tmp_path, tiny_whisper_dir, tiny_run_config
+):
+    """48 clips of 1.2 s packed per clip (~6 a window), 8 clips a step: one process at batch
+    8, two at batch 4 (each takes a window of a step of two) and batch 4 x accumulation 2 train
+    the same steps; their losses are token means over the same clips. Before the plan they
+    differed by 2e-3 to 4e-2 (each process, and each micro-batch, packed its own windows).
+    (--fsdp at the same global batch: tests/test_packing.py's per-clip-fsdp.)"""
+    data = write_tone_dataset(tmp_path / "data", n=48)
+    common = {
+        "data": str(data),
+        "eval_split": 0.0,
+        "lr_scheduler": "constant_with_warmup",
+        "max_steps": 3,
+    }
+    one = train(tiny_run_config(output_dir=str(tmp_path / "one"), batch_size=8, **common))
+    accumulated = train(
+        tiny_run_config(
+            output_dir=str(tmp_path / "acc"), batch_size=4, gradient_accumulation=2, **common
+        )
+    )
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in common.items()]
+    ddp = train_in_subprocess(
+        [
+            *flags,
+            f"--model={tiny_whisper_dir}",
+            "--learning-rate=1e-3",
+            "--seed=0",
+            "--only-train",
+            "--nproc=2",
+            "--batch-size=4",
+            f"--output-dir={tmp_path / 'ddp'}",
+        ]
+    )
+    per_step = re.search(r"steps an epoch of ~([\d.]+) clips", ddp.stdout).group(1)
+    assert abs(float(per_step) - 8) <= 2, ddp.stdout  # whole windows of ~6 clips
+    losses = {
+        name: [row["loss"] for row in metric_rows(out) if "loss" in row]
+        for name, out in (
+            ("one", one.output_dir),
+            ("accumulation", accumulated.output_dir),
+            ("ddp", tmp_path / "ddp"),
+        )
+    }
+    assert len(losses["one"]) == 3
+    for name in ("accumulation", "ddp"):
+        np.testing.assert_allclose(losses[name], losses["one"], rtol=0, atol=SAME_RUN_LOSS_ATOL)
+
+
+def test_loader_workers_do_not_change_what_a_step_trains(tmp_path, tiny_run_config):
+    """Read whole, the plan is made in the main process: 2 loader workers read the same
+    micro-batches, so the losses are equal (a stream's are not: its start line says so)."""
+    data = write_tone_dataset(tmp_path / "data", n=24)
+    common = {"data": str(data), "eval_split": 0.0, "batch_size": 8, "max_steps": 3}
+    alone = train(tiny_run_config(output_dir=str(tmp_path / "w0"), **common))
+    workers = train(tiny_run_config(output_dir=str(tmp_path / "w2"), num_workers=2, **common))
+    losses = [
+        [r["loss"] for r in metric_rows(out)] for out in (alone.output_dir, workers.output_dir)
+    ]
+    np.testing.assert_allclose(losses[1], losses[0], rtol=0, atol=SAME_RUN_LOSS_ATOL)

@@ -108,8 +108,8 @@ def test_real_tiny_en_passes_the_check_in_each_runtime(
     if format == "openai":  # tiny.en's alignment heads (word timestamps) ride along
         import whisper
 
-        checkpoint = torch.load(tmp_path / openai_whisper.MODEL_FILE, weights_only=True)
-        loaded = whisper.load_model(str(tmp_path / openai_whisper.MODEL_FILE), device="cpu")
+        checkpoint = torch.load(tmp_path / openai_whisper.OPENAI_MODEL_FILE, weights_only=True)
+        loaded = whisper.load_model(str(tmp_path / openai_whisper.OPENAI_MODEL_FILE), device="cpu")
         loaded.set_alignment_heads(checkpoint["alignment_heads"])
         heads = loaded.alignment_heads.to_dense().nonzero().tolist()
         assert heads == sorted(model.generation_config.alignment_heads)
@@ -146,11 +146,13 @@ def test_random_models_shaped_like_large_v3_and_turbo_load_in_every_runtime(shap
     segments, _ = fw.transcribe(audio, without_timestamps=True, max_new_tokens=4, beam_size=1)
     list(segments)
 
-    cpp = Model(str(tmp_path / "ggml" / ggml.MODEL_FILE), redirect_whispercpp_logs_to=None)
+    cpp = Model(str(tmp_path / "ggml" / ggml.GGML_MODEL_FILE), redirect_whispercpp_logs_to=None)
     cpp.transcribe(audio, language="en", max_tokens=4, no_timestamps=True, single_segment=True)
     del cpp
 
-    ow = whisper.load_model(str(tmp_path / "openai" / openai_whisper.MODEL_FILE), device="cpu")
+    ow = whisper.load_model(
+        str(tmp_path / "openai" / openai_whisper.OPENAI_MODEL_FILE), device="cpu"
+    )
     assert (ow.dims.n_mels, ow.dims.n_text_layer) == (128, SHAPES[shape]["decoder_layers"])
     mel = whisper.log_mel_spectrogram(whisper.pad_or_trim(torch.from_numpy(audio)), n_mels=128)
     whisper.decode(ow, mel, whisper.DecodingOptions(language="en", fp16=False, sample_len=4))
@@ -191,7 +193,7 @@ def test_ggml_header_holds_the_decoder_positions_and_the_mel_bins(tmp_path):
 def test_damaged_model_files_as_model_give_one_line_and_exit_2(format, tmp_path):
     model, processor = _shaped_like(**SHAPES["large-v3"])
     save_export(model, processor, tmp_path, format=format, quantization="float16")
-    name = ggml.MODEL_FILE if format == "ggml" else openai_whisper.MODEL_FILE
+    name = ggml.GGML_MODEL_FILE if format == "ggml" else openai_whisper.OPENAI_MODEL_FILE
     data = (tmp_path / name).read_bytes()
     (tmp_path / name).write_bytes(data[: len(data) // 2])  # truncated
     garbage = tmp_path / "garbage" / name
@@ -229,7 +231,7 @@ def test_a_negative_length_in_a_ggml_file_is_one_line_not_a_reader_running_backw
 
     model, processor = _shaped_like(**SHAPES["large-v3"])
     save_export(model, processor, tmp_path, format="ggml", quantization="float16")
-    path = tmp_path / ggml.MODEL_FILE
+    path = tmp_path / ggml.GGML_MODEL_FILE
     data = bytearray(path.read_bytes())
     if field == "mel filter rows":  # after the magic and the 11 hyper-parameters
         struct.pack_into("<i", data, 4 + 4 * 11, -1)
@@ -259,7 +261,7 @@ class _RunsCode:
 def test_a_model_pt_with_a_pickled_object_that_runs_code_is_refused_in_one_line(tmp_path):
     model, processor = _shaped_like(**SHAPES["large-v3"])
     save_export(model, processor, tmp_path, format="openai", quantization="float16")
-    path = tmp_path / openai_whisper.MODEL_FILE
+    path = tmp_path / openai_whisper.OPENAI_MODEL_FILE
     checkpoint = torch.load(path, weights_only=True)
     marker = tmp_path / "the-pickle-ran"
     torch.save({**checkpoint, "extra": _RunsCode(marker)}, path)
@@ -296,7 +298,7 @@ def test_a_model_pt_with_wrong_contents_is_one_line(damage, tmp_path):
 
     model, processor = _shaped_like(**SHAPES["large-v3"])
     save_export(model, processor, tmp_path, format="openai", quantization="float16")
-    path = tmp_path / openai_whisper.MODEL_FILE
+    path = tmp_path / openai_whisper.OPENAI_MODEL_FILE
     checkpoint = torch.load(path, weights_only=True)
     change, says = MODEL_PT_DAMAGES[damage]
     change(checkpoint)
@@ -336,11 +338,13 @@ def test_export_folders_load_with_the_hub_unreachable(tmp_path, monkeypatch):
     import whisper
     from pywhispercpp.model import Model
 
-    ow = whisper.load_model(str(tmp_path / "openai" / openai_whisper.MODEL_FILE), device="cpu")
+    ow = whisper.load_model(
+        str(tmp_path / "openai" / openai_whisper.OPENAI_MODEL_FILE), device="cpu"
+    )
     audio = torch.zeros(16000)
     mel = whisper.log_mel_spectrogram(whisper.pad_or_trim(audio), n_mels=128)
     whisper.decode(ow, mel, whisper.DecodingOptions(language="en", fp16=False, sample_len=2))
-    cpp = Model(str(tmp_path / "ggml" / ggml.MODEL_FILE), redirect_whispercpp_logs_to=None)
+    cpp = Model(str(tmp_path / "ggml" / ggml.GGML_MODEL_FILE), redirect_whispercpp_logs_to=None)
     cpp.transcribe(audio.numpy(), language="en", max_tokens=2, single_segment=True)
     del cpp
 
@@ -363,7 +367,7 @@ def test_missing_client_is_one_line_naming_the_extra_and_no_check_still_exports(
     result = export_model(
         str(tmp_path / "source"), format=format, output=tmp_path / "unchecked", check=False
     )
-    assert result.parity is None and (tmp_path / "unchecked" / ggml.MODEL_FILE).is_file()
+    assert result.parity is None and (tmp_path / "unchecked" / ggml.GGML_MODEL_FILE).is_file()
 
 
 def test_missing_openai_whisper_names_its_extra(monkeypatch):
@@ -393,7 +397,9 @@ def test_a_float32_ggml_export_needs_no_check_because_whisper_cpp_aborts_on_it(t
         output=tmp_path / "b",
         check=False,
     )
-    assert struct.unpack("<I11i", (tmp_path / "b" / ggml.MODEL_FILE).read_bytes()[:48])[-1] == 0
+    assert (
+        struct.unpack("<I11i", (tmp_path / "b" / ggml.GGML_MODEL_FILE).read_bytes()[:48])[-1] == 0
+    )
 
 
 # -- the export check on deliberately broken exports -----------------------------------------
@@ -436,7 +442,7 @@ def _cross_k_v_swapped(model, processor, output):  # a fused k|v split the wrong
 
 
 def _ggml_vocabulary_shifted(model, processor, output):  # token i spelled as token i + 1
-    path = output / ggml.MODEL_FILE
+    path = output / ggml.GGML_MODEL_FILE
     data = path.read_bytes()
     start = 4 + 11 * 4 + 8 + 4 * model.config.num_mel_bins * ggml.N_FFT_BINS
     (count,) = struct.unpack("<i", data[start : start + 4])
@@ -450,7 +456,7 @@ def _ggml_vocabulary_shifted(model, processor, output):  # token i spelled as to
 
 
 def _ggml_text_context_225(model, processor, output):  # generation's max_length (#2730)
-    path = output / ggml.MODEL_FILE
+    path = output / ggml.GGML_MODEL_FILE
     data = bytearray(path.read_bytes())
     data[4 + 5 * 4 : 4 + 6 * 4] = struct.pack("<i", 225)  # n_text_ctx, the 6th header int
     path.write_bytes(bytes(data))

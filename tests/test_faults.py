@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 
 import whisper_train.data.features as features_module
 import whisper_train.training.checkpoints as checkpoints_module
+import whisper_train.training.checkpoints.save as checkpoint_save
 import whisper_train.training.finish as finish_module
 import whisper_train.training.recipe as recipe_module
 import whisper_train.training.retention as retention_module
@@ -100,7 +101,7 @@ def test_a_resume_after_a_bad_step_stop_gets_the_whole_allowance_again(
 def test_full_disk_at_save_time_keeps_the_previous_checkpoint(
     tmp_path, tiny_run_config, monkeypatch
 ):
-    real_save = checkpoints_module.save_file
+    real_save = checkpoint_save.save_file
     calls = {"n": 0}
 
     def disk_fills_up(tensors, path, *args, **kwargs):
@@ -109,7 +110,7 @@ def test_full_disk_at_save_time_keeps_the_previous_checkpoint(
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_save(tensors, path, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoints_module, "save_file", disk_fills_up)
+    monkeypatch.setattr(checkpoint_save, "save_file", disk_fills_up)
     with pytest.raises(UserError, match=r"No space left.*checkpoint-1 is intact"):
         train(tiny_run_config(save_steps=1, save_total_limit=1))
     out = tmp_path / "out"
@@ -121,17 +122,17 @@ def test_full_disk_at_save_time_keeps_the_previous_checkpoint(
 def test_a_first_save_that_fails_advises_what_works_and_following_it_trains(
     tmp_path, tiny_run_config, monkeypatch
 ):
-    real_save = checkpoints_module.save_file
+    real_save = checkpoint_save.save_file
 
     def disk_full(tensors, path, *args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(checkpoints_module, "save_file", disk_full)
+    monkeypatch.setattr(checkpoint_save, "save_file", disk_full)
     with pytest.raises(UserError, match=r"no earlier checkpoint") as refused:
         train(tiny_run_config(save_steps=1, max_steps=2))
     # No checkpoint to resume from: "--resume latest" would fail; a fresh start works.
     assert "--resume" not in str(refused.value) and "--overwrite" in str(refused.value)
-    monkeypatch.setattr(checkpoints_module, "save_file", real_save)
+    monkeypatch.setattr(checkpoint_save, "save_file", real_save)
     result = train(tiny_run_config(save_steps=1, max_steps=2, overwrite=True))
     assert result.steps == 2
 
@@ -139,7 +140,7 @@ def test_a_first_save_that_fails_advises_what_works_and_following_it_trains(
 def test_too_little_free_space_is_refused_before_training(tmp_path, tiny_run_config, monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(
-        checkpoints_module.shutil, "disk_usage", lambda path: usage(10**9, 10**9, 1000)
+        checkpoint_save.shutil, "disk_usage", lambda path: usage(10**9, 10**9, 1000)
     )
     with pytest.raises(UserError, match=r"--output-dir .*1000|--output-dir .*free"):
         train(tiny_run_config())
@@ -271,7 +272,7 @@ def test_a_runtime_error_in_torch_save_keeps_the_previous_checkpoint_and_says_wh
             raise RuntimeError(TORCH_SAVE_DISK_FULL)
         return real_save(obj, path, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoints_module.torch, "save", disk_fills_up)
+    monkeypatch.setattr(checkpoint_save.torch, "save", disk_fills_up)
     out = tmp_path / "out"
     argv = train_argv(tone_dataset, tiny_whisper_dir, out, "--max-steps=3", "--save-steps=1")
     code = main([*argv, "--batch-size=4", "--only-train", "--eval-split=0.25"])
@@ -496,7 +497,7 @@ def test_the_free_space_check_counts_what_rotation_keeps_at_its_peak(
     # With evaluations during the run, rotation also keeps the best step's checkpoint.
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(
-        checkpoints_module.shutil, "disk_usage", lambda path: usage(10**9, 10**9, 1000)
+        checkpoint_save.shutil, "disk_usage", lambda path: usage(10**9, 10**9, 1000)
     )
     with pytest.raises(UserError) as refused:
         train(tiny_run_config(output_dir=str(tmp_path / "eval"), only_train=False, eval_steps=1))
@@ -517,6 +518,7 @@ import safetensors.torch
 import torch
 
 import whisper_train.training.checkpoints as checkpoints
+import whisper_train.training.checkpoints.save as checkpoint_save
 import whisper_train.training.retention as retention
 
 
@@ -561,7 +563,7 @@ def install(kill_at, mode, log, setattr=setattr):
     real_torch_save = torch.save
     wrap(torch, "save", "torch.save", torch_bytes, path_at=1)
     tensor_bytes = lambda tensors, *args, **kwargs: safetensors.torch.save(tensors)
-    wrap(checkpoints, "save_file", "save_file", tensor_bytes, path_at=1)
+    wrap(checkpoint_save, "save_file", "save_file", tensor_bytes, path_at=1)
     wrap(pathlib.Path, "write_text", "write_text", lambda self, text, **k: text.encode())
     wrap(pathlib.Path, "rename", "rename")
     wrap(pathlib.Path, "unlink", "unlink")

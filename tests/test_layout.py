@@ -4,7 +4,11 @@ and no library module that depends on the command line."""
 from __future__ import annotations
 
 import ast
+import re
+import sys
 from pathlib import Path
+
+import pytest
 
 import whisper_train
 
@@ -233,3 +237,77 @@ def test_no_module_grows_past_a_concept():
     assert not too_long, f"split these (at most {MAX_MODULE_LINES} lines a module): {too_long}"
     stale = [n for n in OVERSIZED_MODULES if not (PACKAGE / n).is_file()]
     assert not stale, f"OVERSIZED_MODULES names modules that are gone: {stale}"
+
+
+# -- the map and the names ------------------------------------------------------------------
+
+ARCHITECTURE = Path(__file__).parents[1] / "docs" / "architecture.md"
+
+
+def _architecture_rows() -> list[tuple[str, str]]:
+    """(first cell, whole row) of each row of docs/architecture.md's table."""
+    rows = []
+    for line in ARCHITECTURE.read_text(encoding="utf-8").splitlines():
+        cells = line.split("|")
+        if line.startswith("| `") and len(cells) > 2:
+            rows.append((cells[1], line))
+    return rows
+
+
+def test_the_architecture_map_names_every_module_and_none_that_is_gone():
+    """A module missing from the map, or a name in it that no longer exists, fails: the map
+    newcomers read is the house as it is."""
+    rows = _architecture_rows()
+    firsts = " ".join(first for first, _ in rows)
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE)
+        if relative.name == "__init__.py":
+            continue
+        if len(relative.parts) == 1:  # a top-level module: named in a row's first cell
+            if f"`{relative.name}`" not in firsts:
+                missing.append(relative.as_posix())
+            continue
+        package = f"`{relative.parts[0]}/`"
+        row = next((line for first, line in rows if package in first), "")
+        names = {f"`{part.removesuffix('.py')}`" for part in relative.parts[1:]}
+        if not row or not all(name in row or f"`{relative.stem}`" in row for name in names):
+            missing.append(relative.as_posix())
+    assert not missing, f"docs/architecture.md does not name: {missing}"
+    gone = []
+    for first, _ in rows:
+        for name in re.findall(r"`([\w.]+(?:\.py|/))`", first):
+            if not (PACKAGE / name.rstrip("/")).exists():
+                gone.append(name)
+    assert not gone, f"docs/architecture.md names what is gone: {gone}"
+
+
+def test_the_map_check_finds_a_module_it_does_not_name(tmp_path, monkeypatch):
+    """The check above can fail: a map without `step_plan` misses data/step_plan.py."""
+    text = ARCHITECTURE.read_text(encoding="utf-8").replace("`step_plan`", "the step plan")
+    monkeypatch.setattr(sys.modules[__name__], "ARCHITECTURE", tmp_path / "map.md")
+    (tmp_path / "map.md").write_text(text, encoding="utf-8")
+    with pytest.raises(AssertionError, match="data/step_plan.py"):
+        test_the_architecture_map_names_every_module_and_none_that_is_gone()
+
+
+def _constants() -> dict[str, list[str]]:
+    """{all-caps name: the modules that assign it at their top level}."""
+    found: dict[str, list[str]] = {}
+    for name, tree in _sources().items():
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if isinstance(node, ast.AnnAssign):
+                targets = [node.target]
+            for target in targets:
+                for leaf in ast.walk(target):
+                    if isinstance(leaf, ast.Name) and leaf.id.isupper() and len(leaf.id) > 1:
+                        found.setdefault(leaf.id, []).append(name)
+    return found
+
+
+def test_each_constant_is_declared_once():
+    """MODES, OPTIMIZERS, TASKS, a default, a file name: one assignment in the package, which
+    every other module imports (two with one name, equal or not, read as one to a reader)."""
+    twice = {name: modules for name, modules in _constants().items() if len(modules) > 1}
+    assert not twice, f"all-caps names assigned in more than one module: {twice}"

@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import av
 import numpy as np
 import soundfile
 import soxr
@@ -228,8 +229,6 @@ def _soundfile_decode(
 
 def _pyav_open(source: str | bytes, name: str, libsndfile_reason: str):
     """(container, its first audio stream); AudioError naming both decoders' reasons."""
-    import av
-
     try:
         container = av.open(_readable(source))
     except (av.FFmpegError, OSError, ValueError) as exc:
@@ -245,8 +244,6 @@ def _pyav_open(source: str | bytes, name: str, libsndfile_reason: str):
 
 
 def _pyav_header(source: str | bytes, name: str, libsndfile_reason: str) -> AudioHeader:
-    import av
-
     container, stream = _pyav_open(source, name, libsndfile_reason)
     with container:
         rate = stream.codec_context.sample_rate or stream.sample_rate or 0
@@ -272,8 +269,6 @@ def _pyav_decode(
     libsndfile_reason: str,
 ) -> tuple[np.ndarray, int]:
     """(frames, channels) float32 of the window [start, end) and the stream's rate."""
-    import av
-
     container, stream = _pyav_open(source, name, libsndfile_reason)
     with container:
         rate = stream.codec_context.sample_rate

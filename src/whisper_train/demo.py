@@ -41,6 +41,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from whisper_train.config import RunConfig
+from whisper_train.data import synth
+from whisper_train.errors import UserError
 from whisper_train.training.train import TrainResult, train
 
 SETS = ("train", "held-out", "guard")
@@ -92,8 +94,6 @@ def run_demo(
     """Synthesise, fine-tune with held-out and guard sets scored before and after; prints the
     comparison and returns it. `language` en: tiny.en on English; es: the multilingual base on
     Spanish, with the English guard scored in English. `model` None: the language's default."""
-    from whisper_train.errors import UserError
-
     if language not in DEMO_LANGUAGES:
         raise UserError(f"--language {language}: the demo speaks {' or '.join(DEMO_LANGUAGES)}")
     model = model or ("tiny.en" if language == "en" else "base")
@@ -145,8 +145,6 @@ def prepare_demo_data(
 ) -> dict[str, Path]:
     """Synthesise (or reuse) `train/`, `held-out/` and `guard/` under `data_dir` (Spanish
     train/ and held-out/ under `data_dir/es` for `language` es, with a `language` column)."""
-    from whisper_train.data import synth
-
     if language == "es":
         train_words, held_out_words = synth.split_spanish_words()
         train_voices, held_out_voices = synth.SPANISH_TRAIN_VOICES, synth.SPANISH_HELD_OUT_VOICES
@@ -187,8 +185,6 @@ def prepare_demo_data(
 
 def _synthesised(folder: Path, plan: dict) -> Path:
     """Synthesise once: a next demo reuses the clips when it would say the same things."""
-    from whisper_train.data import synth
-
     planned = synth.plan_utterances(**{k: v for k, v in plan.items() if k != "language"})
     plan_file = folder / "plan.json"
     metadata = folder / synth.METADATA_FILE
@@ -206,8 +202,6 @@ def _synthesised(folder: Path, plan: dict) -> Path:
 
 def print_comparison(demo: DemoResult, *, model: str, mode: str, language: str = "en") -> None:
     """The demo's closing table: each figure before and after fine-tuning."""
-    from whisper_train.data import synth
-
     before, after, result = demo.before, demo.after, demo.train
 
     def row(label: str, name: str, key: str) -> str:
@@ -244,8 +238,6 @@ def print_comparison(demo: DemoResult, *, model: str, mode: str, language: str =
 
 
 def _print_spanish(demo: DemoResult, row, *, model: str, mode: str) -> None:
-    from whisper_train.data import synth
-
     result = demo.train
     sizes = {name: _count(demo.data_dirs[name]) for name in SCORED_SETS}
     print()
@@ -277,7 +269,5 @@ def _print_spanish(demo: DemoResult, row, *, model: str, mode: str) -> None:
 
 def _count(folder: Path) -> int:
     """Utterances in a synthesised set (its metadata rows)."""
-    from whisper_train.data import synth
-
     with (folder / synth.METADATA_FILE).open(encoding="utf-8") as stream:
         return sum(1 for _ in stream) - 1

@@ -29,3 +29,10 @@ class AudioError(UserError):
 class AlreadySaid(UserError):
     """A user error a process of the run has printed already (its one line): the launching
     process adds none of its own, and exits as that process did."""
+
+
+def last_line(error: BaseException) -> str:
+    """The error's type and its last line: torch's RuntimeErrors put the cause last, after a
+    line naming the C++ source ("[enforce fail at inline_container.cc:664] ...")."""
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[-1].strip()}" if lines else type(error).__name__

@@ -316,8 +316,6 @@ class StopRequest:
         self.previous: dict = {}
 
     def install(self) -> None:
-        import threading
-
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
         for signum in self.SIGNALS:

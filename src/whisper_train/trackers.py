@@ -26,6 +26,7 @@ import traceback
 from pathlib import Path
 
 import yaml
+from tqdm.auto import tqdm
 
 from whisper_train.errors import UserError
 
@@ -154,8 +155,6 @@ class Trackers:
             try:
                 tracker.log(values, step=row["step"])
             except Exception as exc:
-                from tqdm.auto import tqdm
-
                 tqdm.write(
                     f"--report-to {tracker.name}: stopped logging at step {row['step']} "
                     f"({_first_line(exc)}); metrics.jsonl has every row"

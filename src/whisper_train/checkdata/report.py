@@ -11,7 +11,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import matplotlib
 import numpy as np
+
+matplotlib.use("Agg")  # no display on servers; must precede pyplot's import
+import matplotlib.pyplot as plt  # noqa: E402
+
+# The axis-tick rule (round steps, a bounded count) gives the histogram's bins.
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from whisper_train.audio import CHUNK_LENGTH
 from whisper_train.data.labels import MAX_DECODER_TOKENS
@@ -126,8 +133,6 @@ class DataReport:
 
 def histogram_edges(shortest: float, longest: float) -> np.ndarray:
     """Bin edges of a round width from at or below `shortest` to at or above `longest`."""
-    from matplotlib.ticker import MaxNLocator  # the axis-tick rule: round steps, bounded count
-
     high = max(longest, shortest + HISTOGRAM_MIN_SPAN_SECONDS)
     locator = MaxNLocator(nbins=HISTOGRAM_MAX_BINS, steps=[1, 2, 2.5, 5, 10])
     ticks = locator.tick_values(shortest, high)
@@ -210,11 +215,6 @@ def _counts(counts: dict[Any, int], unit: str) -> str:
 
 def write_histogram_png(report: DataReport, path: str | Path) -> Path:
     """Save the duration histogram as a PNG (matplotlib, no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on servers; must precede pyplot's import
-    import matplotlib.pyplot as plt
-
     histogram = report.histogram()
     figure, axes = plt.subplots(figsize=(7, 3.5))
     axes.bar(

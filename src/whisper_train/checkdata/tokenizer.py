@@ -7,8 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from transformers import WhisperTokenizerFast
+
 from whisper_train.config import DataConfig
 from whisper_train.data.labels import LabelEncoder
+from whisper_train.formats import ct2
+from whisper_train.models import folder_is_multilingual, is_multilingual, load_model, model_folder
 
 # check-data has no --language, --task or --timestamps: with a model, labels are counted as
 # `train` counts them under its defaults for those options (a row's own language still wins);
@@ -29,12 +33,10 @@ def label_encoder_for(
     and `is_multilingual` would say), or a bare Whisper tokenizer (multilingual when its
     vocabulary's size says so: there is no model to ask).
     """
-    from whisper_train.formats.ct2 import is_multilingual_vocab
-
     if isinstance(model, (str, Path)):
         tokenizer, multilingual = load_tokenizer(str(model))
     else:
-        tokenizer, multilingual = model, is_multilingual_vocab(len(model))
+        tokenizer, multilingual = model, ct2.is_multilingual_vocab(len(model))
     return LabelEncoder(
         tokenizer, language=language, task=task, timestamps=timestamps, multilingual=multilingual
     )
@@ -43,16 +45,6 @@ def label_encoder_for(
 def load_tokenizer(spec: str) -> tuple[Any, bool]:
     """`--model`'s tokenizer and whether its model is multilingual, as `train` loads them, from
     the small files where they tell (no weights read), else from the loaded model (a hub id)."""
-    from transformers import WhisperTokenizerFast
-
-    from whisper_train.formats import ct2
-    from whisper_train.models import (
-        folder_is_multilingual,
-        is_multilingual,
-        load_model,
-        model_folder,
-    )
-
     folder = model_folder(spec)  # a whisper-train run folder: its final/ model
     multilingual = folder_is_multilingual(folder)
     tokenizer = None

@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from whisper_train.commands.evaluate import add_decoding_arguments, decoding_from_args
-from whisper_train.transcription.transcripts import FORMATS, render
+from whisper_train.transcription.transcripts import TRANSCRIPT_FORMATS, render
 
 
 def add_parser(subparsers) -> None:
@@ -26,7 +26,7 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument(
         "--format",
-        choices=FORMATS,
+        choices=TRANSCRIPT_FORMATS,
         default="txt",
         help="txt: the text; srt/vtt: subtitles with timestamps; json: the text and timed "
         "segments.",

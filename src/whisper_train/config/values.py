@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from whisper_train.data.labels import language_code
 from whisper_train.errors import UserError
 
 
@@ -64,8 +65,6 @@ def _parse_sets(entries: list[str], flag: str) -> dict[str, tuple[str, str | Non
             raise UserError(f"{flag} {entry}: the name {name} is used twice")
         language = tags[0] if tags else ""
         if language:
-            from whisper_train.data.labels import language_code
-
             try:
                 language = language_code(language)
             except UserError as exc:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from whisper_train import runfolder
+from whisper_train.audio import read_header
 from whisper_train.data.examples import Example
 from whisper_train.data.manifests import (
     AUDIO_COLUMNS,
@@ -120,8 +121,6 @@ def _cached_audio(data: bytes, cache: Path, where: str) -> str:
     The bytes are checked to be audio soundfile or PyAV reads, and kept as they are: a FLAC
     stays a FLAC (decoding to float32 WAV made 11 MB of FLAC 43 MB on disk), an M4A an M4A.
     `--streaming` reads a hub dataset without any copy."""
-    from whisper_train.audio import read_header
-
     try:
         # "FLAC/PCM_16", "WAV/GSM610", "MPEG/MPEG_LAYER_III" (soundfile) or FFmpeg's
         # "mov,mp4,m4a,3gp,3g2,mj2/aac", "matroska,webm/opus" (PyAV)

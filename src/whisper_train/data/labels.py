@@ -21,6 +21,7 @@ import hashlib
 import json
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 from whisper_train.audio import CHUNK_LENGTH
@@ -326,8 +327,6 @@ def with_language(examples: Sequence[_HasText], language: str | None) -> list:
     reaches its labels' prefix this way."""
     if language is None:
         return examples
-    from dataclasses import replace
-
     return [
         example if example.language else replace(example, language=language) for example in examples
     ]

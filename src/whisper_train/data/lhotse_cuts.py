@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from whisper_train.data.examples import Example
+from whisper_train.data.labels import language_code
 from whisper_train.data.manifests import resolve_path
 from whisper_train.errors import UserError
 
@@ -234,7 +235,6 @@ def _spelled_alike(languages: list[str]) -> set[str]:
     know stays as it is: the label encoder skips its clips, as in any layout)."""
     if len(set(languages)) < 2:
         return set(languages)
-    from whisper_train.data.labels import language_code
 
     def code(language: str) -> str:
         try:

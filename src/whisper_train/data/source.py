@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader, Sampler
 from whisper_train.choices import PER_CLIP
 from whisper_train.data import packing as packing_module
 from whisper_train.data import prompts, streaming
+from whisper_train.data.augment import WaveformAugmenter
 from whisper_train.data.collate import IGNORE_INDEX
 from whisper_train.data.examples import Example, Skip
 from whisper_train.data.features import SpeechDataset
@@ -324,8 +325,6 @@ def plan_training_data(
     label length or packed (`packing`: off, on or per-clip) into steps of the clips asked."""
     augmenter = None
     if audio_augment:
-        from whisper_train.data.augment import WaveformAugmenter
-
         augmenter = WaveformAugmenter(seed=seed)
     if stream is not None:
         return StreamPlan(

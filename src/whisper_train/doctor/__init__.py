@@ -25,6 +25,11 @@ import torch
 from torch import nn
 
 from whisper_train.config import RunConfig
+from whisper_train.data.collate import SpeechCollator
+from whisper_train.data.examples import Example
+from whisper_train.data.features import LogMel, SpeechDataset
+from whisper_train.data.labels import LabelEncoder
+from whisper_train.data.layouts import load_examples
 from whisper_train.doctor.probe import compare_with_and_without_checkpointing, model_loss
 from whisper_train.doctor.report import MODEL_INPUTS, Check, DoctorReport, format_report
 from whisper_train.doctor.static import T1_AFFECTED, check_statically, hooks_replay_on_recompute
@@ -33,8 +38,10 @@ from whisper_train.errors import UserError
 from whisper_train.memory import (
     LoraSettings,
     prepare_model,
+    resolve_checkpointing,
     training_loss,
 )
+from whisper_train.models import is_multilingual, load_model
 
 # -- entry points ------------------------------------------------------------------------------
 
@@ -113,9 +120,6 @@ def check_config(config: RunConfig, *, probe_batch_size: int = 2) -> DoctorRepor
     """Every check for the model, mode and memory options of `config`, as `train` would set
     them up: load the model, probe `probe_batch_size` utterances (--data's first, or a
     synthetic batch without --data) and `run` the static and dynamic checks on it."""
-    from whisper_train.memory import resolve_checkpointing
-    from whisper_train.models import load_model
-
     model, processor = load_model(
         config.model.model, attn_implementation=config.model.attn_implementation
     )
@@ -139,11 +143,6 @@ def check_config(config: RunConfig, *, probe_batch_size: int = 2) -> DoctorRepor
 def probe_batch(model, processor, config, *, size: int = 2) -> dict[str, torch.Tensor]:
     """The first `size` utterances of --data through the training pipeline, or, without
     --data, `size` rows of noise features with a short transcript: the shapes are what matter."""
-    from whisper_train.data.collate import SpeechCollator
-    from whisper_train.data.features import LogMel, SpeechDataset
-    from whisper_train.data.labels import LabelEncoder
-    from whisper_train.models import is_multilingual
-
     encoder = LabelEncoder(
         processor.tokenizer,
         language=config.data.language,
@@ -154,8 +153,6 @@ def probe_batch(model, processor, config, *, size: int = 2) -> dict[str, torch.T
         processor.tokenizer.pad_token_id, log_mel=LogMel(processor.feature_extractor)
     )
     if config.data.data:
-        from whisper_train.data.layouts import load_examples
-
         examples = load_examples(config.data.data, data_format=config.data.data_format)[:size]
         batch = collator([SpeechDataset(examples, encoder)[i] for i in range(len(examples))])
         if not batch.get("size"):
@@ -164,8 +161,6 @@ def probe_batch(model, processor, config, *, size: int = 2) -> dict[str, torch.T
                 "read; run `whisper-train check-data` on it"
             )
     else:
-        from whisper_train.data.examples import Example
-
         tokens = [encoder.encode(Example(audio="", text="hello world"))] * size
         batch = collator.pad_labels([t for t, _ in tokens], [n for _, n in tokens])
         generator = torch.Generator().manual_seed(0)

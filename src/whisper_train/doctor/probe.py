@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from whisper_train.doctor.report import NON_REENTRANT_REMEDY, Check
@@ -279,10 +280,6 @@ def _compare(model, reference, state, probe: _Probe) -> Check:
 
 def _lora_a_behind_zero_b(model: nn.Module) -> set[str]:
     """Names of the LoRA A weights whose B partner is all zero (PEFT's initialisation)."""
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
-        return set()
     names = {id(p): n for n, p in model.named_parameters()}
     found = set()
     for module in model.modules():

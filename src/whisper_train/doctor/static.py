@@ -9,6 +9,7 @@ import importlib.util
 import torch
 import transformers
 from packaging.version import Version
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from whisper_train.doctor.report import NON_REENTRANT_REMEDY, Check
 from whisper_train.doctor.trainer import trainer_checkpointing
@@ -317,8 +318,4 @@ def hooks_replay_on_recompute() -> bool:
     pre-hooks registered on a checkpointed layer then run again during recompute (T8), and so
     do forward hooks when torch's checkpoint early stop is off. 5.x checkpoints `forward`,
     leaving the layer's hooks outside."""
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:  # before 4.52 the stacks call the checkpoint function on __call__
-        return True
     return "__call__" in GradientCheckpointingLayer.__dict__

@@ -35,8 +35,8 @@ from transformers import (
 from whisper_train.data.labels import MAX_DECODER_TOKENS, N_TIME_TOKENS, TIME_PRECISION
 from whisper_train.errors import UserError
 
-MODEL_FILE = "model.bin"
-CONFIG_FILE = "config.json"
+CT2_MODEL_FILE = "model.bin"
+MODEL_CONFIG = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
 # faster-whisper reads the log-mel settings (n_mels, chunk length) from this file.
 PREPROCESSOR_FILE = "preprocessor_config.json"
@@ -80,7 +80,7 @@ def is_multilingual_vocab(vocab_size: int) -> bool:
 def is_ct2_model_dir(path: str | Path) -> bool:
     """True when `path` is a folder holding a CTranslate2 model (`model.bin` + `config.json`)."""
     path = Path(path)
-    return (path / MODEL_FILE).is_file() and (path / CONFIG_FILE).is_file()
+    return (path / CT2_MODEL_FILE).is_file() and (path / MODEL_CONFIG).is_file()
 
 
 def vocabulary_size(model_dir: str | Path) -> int | None:
@@ -155,11 +155,11 @@ def read_ct2_variables(model_dir: str | Path) -> dict[str, torch.Tensor]:
     their `<name>_scale` beside them; `dequantize` turns them into floats.
     """
     model_dir = Path(model_dir)
-    path = model_dir / MODEL_FILE
+    path = model_dir / CT2_MODEL_FILE
     if not is_ct2_model_dir(model_dir):
         raise UserError(
-            f"{model_dir} is not a CTranslate2 model folder (needs {MODEL_FILE} and "
-            f"{CONFIG_FILE}): pass a faster-whisper/CTranslate2 model folder"
+            f"{model_dir} is not a CTranslate2 model folder (needs {CT2_MODEL_FILE} and "
+            f"{MODEL_CONFIG}): pass a faster-whisper/CTranslate2 model folder"
         )
     variables: dict[str, torch.Tensor] = {}
     with path.open("rb") as stream:
@@ -454,7 +454,7 @@ def load_ct2_whisper(
     """
     model_dir = Path(path)
     variables = read_ct2_variables(model_dir)
-    ct2_config = _read_config(model_dir / CONFIG_FILE)
+    ct2_config = _read_config(model_dir / MODEL_CONFIG)
     try:
         return _whisper_from_variables(model_dir, variables, ct2_config, dtype, attn_implementation)
     except (RuntimeError, ValueError, IndexError) as exc:
@@ -462,7 +462,7 @@ def load_ct2_whisper(
         # in 3, a conv1 of rank 2, a scale per row of another length): damaged, not ours.
         text = str(exc).strip().splitlines()
         raise UserError(
-            f"{model_dir / MODEL_FILE}: its tensors do not form a Whisper model "
+            f"{model_dir / CT2_MODEL_FILE}: its tensors do not form a Whisper model "
             f"({type(exc).__name__}: {(text[0] if text else '')[:160]}); download or convert "
             "the model again"
         ) from None

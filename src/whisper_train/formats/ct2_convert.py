@@ -18,7 +18,7 @@ from transformers import WhisperFeatureExtractor, WhisperTokenizerFast
 
 from whisper_train.errors import UserError
 from whisper_train.formats.ct2 import (
-    CONFIG_FILE,
+    MODEL_CONFIG,
     MULTILINGUAL_MIN_VOCAB,
     PREPROCESSOR_FILE,
     QUANTIZATIONS,
@@ -56,9 +56,9 @@ def save_ct2(
         raise UserError(
             f"unknown quantization {quantization!r}: use one of {', '.join(QUANTIZATIONS)}"
         )
-    hf_config_file = model_dir_hf / CONFIG_FILE
+    hf_config_file = model_dir_hf / MODEL_CONFIG
     if not hf_config_file.is_file():
-        raise UserError(f"{model_dir_hf} has no {CONFIG_FILE}: pass a saved Whisper model folder")
+        raise UserError(f"{model_dir_hf} has no {MODEL_CONFIG}: pass a saved Whisper model folder")
     hf_config = json.loads(hf_config_file.read_text())
     if hf_config.get("model_type") != "whisper":
         raise UserError(f"{hf_config_file} is not a Whisper model's config")
@@ -84,7 +84,7 @@ def save_ct2(
     # The converter writes null for suppress lists the generation config lacks, and takes
     # lang_ids (which language detection needs) from the generation config or the tokenizer's
     # special-token list, which transformers 5 renamed: fill in what is missing.
-    ct2_config_file = output_dir / CONFIG_FILE
+    ct2_config_file = output_dir / MODEL_CONFIG
     ct2_config = json.loads(ct2_config_file.read_text())
     for key in ("suppress_ids", "suppress_ids_begin"):
         ct2_config[key] = ct2_config.get(key) or []

@@ -50,7 +50,7 @@ from whisper_train.formats.openai import (
     save_side_files,
 )
 
-MODEL_FILE = "ggml-model.bin"
+GGML_MODEL_FILE = "ggml-model.bin"
 MAGIC = 0x67676D6C
 N_FFT_BINS = N_FFT // 2 + 1  # 201 frequency bins of each STFT frame
 # The order of the hyper-parameters in the file.
@@ -121,7 +121,7 @@ def save_ggml(model, processor, output: Path, *, quantization: str = "float16") 
         )
     eot = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
     output.mkdir(parents=True, exist_ok=True)
-    path = output / MODEL_FILE
+    path = output / GGML_MODEL_FILE
     with open(path, "wb") as out:
         out.write(struct.pack("<I", MAGIC))
         out.write(struct.pack("<11i", *(dims[key] for key in HPARAMS), ftype))
@@ -225,7 +225,7 @@ def load_ggml(path: str | Path, *, attn_implementation: str = "sdpa"):
     """`ggml-model.bin` (or its folder) -> (WhisperForConditionalGeneration in float32, processor)."""
     model_file = Path(path)
     if model_file.is_dir():
-        model_file = model_file / MODEL_FILE
+        model_file = model_file / GGML_MODEL_FILE
     if not (is_ggml_file(model_file) or model_file.name.startswith("ggml")):
         raise UserError(
             f"--model {model_file}: not a whisper.cpp model file (it does not start with 'ggml'); "

@@ -48,7 +48,7 @@ WHISPER_SHAPE_KEYS = (
 # The weights files transformers reads from a folder, in its order of preference.
 SAFETENSORS_FILE, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 PYTORCH_FILE, PYTORCH_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
-_REMEDY = "copy the model folder again from where it came from, or save or export it again"
+_RECOPY = "copy the model folder again from where it came from, or save or export it again"
 
 
 def read_json_object(file: Path, spec: str) -> dict:
@@ -60,10 +60,10 @@ def read_json_object(file: Path, spec: str) -> dict:
     except json.JSONDecodeError as exc:
         raise UserError(
             f"--model {spec}: {file} is not valid JSON ({exc.msg} at line {exc.lineno} column "
-            f"{exc.colno}); {_REMEDY}"
+            f"{exc.colno}); {_RECOPY}"
         ) from None
     if not isinstance(value, dict):
-        raise UserError(f"--model {spec}: {file} does not hold a JSON object; {_REMEDY}")
+        raise UserError(f"--model {spec}: {file} does not hold a JSON object; {_RECOPY}")
     return value
 
 
@@ -79,14 +79,14 @@ def check_hf_folder(path: Path, spec: str) -> None:
     if missing:
         raise UserError(
             f"--model {spec}: {config_file} lacks {', '.join(missing)}, which fix the weights' "
-            f"shapes; {_REMEDY}"
+            f"shapes; {_RECOPY}"
         )
     for key in WHISPER_SHAPE_KEYS:
         value = config[key]
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise UserError(
                 f"--model {spec}: {config_file} has {key} {value!r}, not a positive whole "
-                f"number; {_REMEDY}"
+                f"number; {_RECOPY}"
             )
     for weights_file in _weights_files(path, spec):
         if weights_file.suffix == ".safetensors":
@@ -101,13 +101,13 @@ def _weights_files(path: Path, spec: str) -> list[Path]:
         if (path / index).is_file():
             weight_map = read_json_object(path / index, spec).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
-                raise UserError(f"--model {spec}: {path / index} has no weight_map; {_REMEDY}")
+                raise UserError(f"--model {spec}: {path / index} has no weight_map; {_RECOPY}")
             shards = [path / name for name in sorted(set(map(str, weight_map.values())))]
             absent = [shard for shard in shards if not shard.is_file()]
             if absent:
                 raise UserError(
                     f"--model {spec}: {absent[0]} is missing ({index} lists {len(shards)} "
-                    f"files); {_REMEDY}"
+                    f"files); {_RECOPY}"
                 )
             return shards
     raise UserError(
@@ -128,7 +128,7 @@ def check_safetensors(file: Path, spec: str) -> None:
         if header_bytes is None or header_bytes > size - 8:
             raise UserError(
                 f"--model {spec}: {file} is truncated or not a safetensors file ({size} "
-                f"bytes); {_REMEDY}"
+                f"bytes); {_RECOPY}"
             )
         try:
             header = json.loads(stream.read(header_bytes))
@@ -139,13 +139,13 @@ def check_safetensors(file: Path, spec: str) -> None:
             ]
         except (ValueError, TypeError, KeyError, IndexError, AttributeError):
             raise UserError(
-                f"--model {spec}: {file} has a damaged safetensors header; {_REMEDY}"
+                f"--model {spec}: {file} has a damaged safetensors header; {_RECOPY}"
             ) from None
     needed = 8 + header_bytes + max(ends, default=0)
     if needed > size:
         raise UserError(
             f"--model {spec}: {file} is truncated ({size} bytes, its header describes "
-            f"{needed}); {_REMEDY}"
+            f"{needed}); {_RECOPY}"
         )
 
 
@@ -269,7 +269,7 @@ def from_pretrained(source: str, spec: str, attn_implementation: str):
             raise UserError(
                 f"--model {spec}: its weights file {what.format(len(keys))} (first: {keys[0]}): "
                 f"config.json and the weights belong to different models, or one is damaged; "
-                f"{_REMEDY}"
+                f"{_RECOPY}"
             )
     try:
         processor = WhisperProcessor.from_pretrained(source)

@@ -42,7 +42,7 @@ from whisper_train.formats.ct2 import (
     load_tokenizer,
 )
 
-MODEL_FILE = "model.pt"
+OPENAI_MODEL_FILE = "model.pt"
 DIMS = (
     "n_mels",
     "n_audio_ctx",
@@ -164,9 +164,9 @@ def save_openai(model, processor, output: Path, *, quantization: str = "float16"
         checkpoint["alignment_heads"] = _dump_heads(
             heads, dims["n_text_layer"], dims["n_text_head"]
         )
-    torch.save(checkpoint, output / MODEL_FILE)
+    torch.save(checkpoint, output / OPENAI_MODEL_FILE)
     save_side_files(model, processor, output)
-    return output / MODEL_FILE
+    return output / OPENAI_MODEL_FILE
 
 
 def save_side_files(model, processor, output: Path) -> None:
@@ -184,7 +184,7 @@ def load_openai(path: str | Path, *, attn_implementation: str = "sdpa"):
     """`model.pt` (or its folder) -> (WhisperForConditionalGeneration in float32, processor)."""
     model_file = Path(path)
     if model_file.is_dir():
-        model_file = model_file / MODEL_FILE
+        model_file = model_file / OPENAI_MODEL_FILE
     try:
         checkpoint = torch.load(model_file, map_location="cpu", weights_only=True)
     except Exception as exc:  # truncated zip, bad pickle, not a torch file at all

@@ -150,7 +150,7 @@ EXPORT_FORMATS = (
     ExportFormat(
         name="ct2",
         runtime="faster-whisper",
-        markers=(ct2.MODEL_FILE, ct2.CONFIG_FILE),
+        markers=(ct2.CT2_MODEL_FILE, ct2.MODEL_CONFIG),
         model_file=None,
         quantizations=(*FLOATS, "int8", "int8_float16"),  # int8 is CTranslate2's alone
         default_quantization=_ctranslate2_default,
@@ -165,8 +165,8 @@ EXPORT_FORMATS = (
     ExportFormat(
         name="ggml",
         runtime="whisper.cpp (pywhispercpp)",
-        markers=(ggml.MODEL_FILE,),
-        model_file=ggml.MODEL_FILE,
+        markers=(ggml.GGML_MODEL_FILE,),
+        model_file=ggml.GGML_MODEL_FILE,
         quantizations=FLOATS,
         default_quantization=_as_its_runtime_ships("ggml"),
         write=ggml.save_ggml,
@@ -190,8 +190,8 @@ EXPORT_FORMATS = (
     ExportFormat(
         name="openai",
         runtime="openai-whisper",
-        markers=(openai.MODEL_FILE,),
-        model_file=openai.MODEL_FILE,
+        markers=(openai.OPENAI_MODEL_FILE,),
+        model_file=openai.OPENAI_MODEL_FILE,
         quantizations=FLOATS,
         default_quantization=_as_its_runtime_ships("openai"),
         write=openai.save_openai,

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from whisper_train.choices import MODES
@@ -247,8 +248,6 @@ def _disable_checkpointing(whisper: nn.Module) -> None:
 
 
 def _wrap_lora(whisper: nn.Module, settings: LoraSettings) -> nn.Module:
-    from peft import LoraConfig, get_peft_model
-
     targets = list(settings.targets)
     if settings.decoder_only:
         # Every targeted module outside the encoder, by its whole name (peft's `exclude_modules`

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from transformers.modeling_outputs import BaseModelOutput
 
 from whisper_train.data.collate import IGNORE_INDEX
 from whisper_train.errors import UserError
@@ -164,8 +165,6 @@ def loss_terms(
     whisper = whisper_of(unwrapped(model))
     inputs = {"decoder_input_ids": batch["decoder_input_ids"]}
     if "encoder_hidden_states" in batch:
-        from transformers.modeling_outputs import BaseModelOutput
-
         hidden = batch["encoder_hidden_states"].to(whisper.proj_out.weight.dtype)
         # Cached outputs of the frozen encoder: the starting model's encoder is that same one.
         inputs["encoder_outputs"] = BaseModelOutput(last_hidden_state=hidden)

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from whisper_train.choices import OPTIMIZERS
 from whisper_train.errors import UserError
@@ -87,8 +88,6 @@ def build_optimizer(
 def _fused_kernel_applies(parameters: list[nn.Parameter]) -> bool:
     """Plain floating-point tensors on a CPU or CUDA device (`--fsdp`'s sharded DTensors keep
     torch's default implementation)."""
-    from torch.distributed.tensor import DTensor
-
     return all(
         not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") and p.is_floating_point()
         for p in parameters

@@ -30,6 +30,10 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 
 from whisper_train.memory.wrappers import whisper_of
 
@@ -38,9 +42,6 @@ def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
     """Shard `model` (a Whisper model, or a peft model around one) over every process of the
     default process group, in place: each encoder and decoder layer, then the model itself.
     Returns `model`. Build the optimizer afterwards: sharding replaces the parameters."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     whisper = whisper_of(model)
     for layer in (*whisper.model.encoder.layers, *whisper.model.decoder.layers):
@@ -54,8 +55,6 @@ def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether `model` (or a module inside it) is sharded by `fully_shard`."""
-    from torch.distributed.fsdp import FSDPModule
-
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
@@ -64,9 +63,6 @@ def gathered_weight(weight: torch.Tensor, owner: nn.Module) -> torch.Tensor:
     forward, the FSDP unit in `owner` that holds it gathers it (every process must call this),
     and the gathered parameter is returned. It is freed again by that unit's next reshard
     (after its backward)."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-
     if not isinstance(weight, DTensor):
         return weight
     units = [m for m in owner.modules() if isinstance(m, FSDPModule)]
@@ -85,8 +81,6 @@ def gathered(model: nn.Module) -> Iterator[None]:
     after, each unit is sharded again. Entering and leaving are collectives: every process
     enters and leaves together. Costs the whole model's weights on each process meanwhile
     (4 bytes a weight in fp32), not its gradients or optimiser state."""
-    from torch.distributed.fsdp import FSDPModule
-
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not units:
         yield
@@ -106,8 +100,6 @@ def gathered(model: nn.Module) -> Iterator[None]:
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole, unsharded state dict of a sharded `model`, on the CPU of the main process
     (rank 0); other processes get an empty dict. Every process must call this."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     return get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )

@@ -8,6 +8,7 @@ decision starts here. This module imports no other part of the package, so any m
 
 from __future__ import annotations
 
+from peft import PeftModel
 from torch import nn
 
 from whisper_train.errors import UserError
@@ -15,10 +16,6 @@ from whisper_train.errors import UserError
 
 def is_peft_model(model: nn.Module) -> bool:
     """Whether `model` is a peft wrapper (`PeftModel`) around a base model."""
-    try:
-        from peft import PeftModel
-    except ImportError:  # peft is a dependency, but a user's own model needs no peft to check
-        return False
     return isinstance(model, PeftModel)
 
 

@@ -54,6 +54,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from whisper_train.audio import load_audio
 from whisper_train.data.collate import SpeechCollator
 from whisper_train.errors import UserError
 from whisper_train.files import write_atomically
@@ -325,8 +326,6 @@ class EncoderCacheCollator:
 
     @staticmethod
     def _decode(example):
-        from whisper_train.audio import load_audio
-
         return load_audio(example.audio, start=example.start, end=example.end)
 
     def __call__(self, items: Sequence) -> dict:

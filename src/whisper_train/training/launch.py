@@ -7,6 +7,7 @@ same recipe on its share of every batch (see `training.step.step_loss_weights`).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -15,6 +16,9 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import DistributedDataParallelKwargs
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
 
 from whisper_train import runfolder
 from whisper_train.config import RunConfig
@@ -130,12 +134,6 @@ def _torchrun(argv: list[str]) -> int:
     signalled it passes the signal to the workers, waits for them (they save), logs warnings
     and raises SignalException (40-odd lines of traceback): the exit code 128 + signal instead.
     """
-    import logging
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
     # torchrun's loggers set their own level (WARNING) when created: quiet each one ("Received
     # 2 death signal, shutting down workers", "Sending process N closing signal", "failed
     # (exitcode: -9) local_rank: 1"): the workers' lines and the launcher's say it in words.

@@ -17,7 +17,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import yaml
-from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from huggingface_hub import EvalResult, ModelCard, ModelCardData, try_to_load_from_cache
+from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
 
 from whisper_train import runfolder
 from whisper_train.config.record import RunRecord
@@ -67,8 +68,6 @@ def base_license(spec: str) -> str | None:
     readme = folder / CARD_FILE if folder.is_dir() else None
     hub_id = base_model_id(spec)
     if (readme is None or not readme.is_file()) and hub_id is not None:
-        from huggingface_hub import try_to_load_from_cache
-
         cached = try_to_load_from_cache(hub_id, CARD_FILE)
         readme = Path(cached) if isinstance(cached, str) else None
     if readme is None or not readme.is_file():
@@ -83,8 +82,6 @@ def base_license(spec: str) -> str | None:
 def base_is_multilingual(spec: str) -> bool | None:
     """Whether the base model has language tokens, from its small files (its folder's, or the
     Hub cache's config.json); None when they are not there."""
-    from huggingface_hub import try_to_load_from_cache
-
     folder, hub_id = model_folder(spec), base_model_id(spec)
     if not folder.exists() and hub_id is not None:
         cached = try_to_load_from_cache(hub_id, "config.json")
@@ -97,8 +94,6 @@ def base_is_multilingual(spec: str) -> bool | None:
 
 def language_code(language: str) -> str:
     """`german`, `<|de|>` or `de` → `de` (the Hub's ISO 639-1 codes)."""
-    from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
-
     language = language.strip("<|>").lower()
     return TO_LANGUAGE_CODE.get(language, language)
 

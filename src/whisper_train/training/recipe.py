@@ -111,7 +111,7 @@ class FineTuneRecipe:
         process = join_processes()
         check_processes(asked.train.nproc, process.num_processes)
         saved, saved_options = (
-            resume.saved_record(self.resume_from) if self.resume_from else (None, {})
+            checkpoints.saved_record(self.resume_from) if self.resume_from else (None, {})
         )
         if self.resume_from is not None and saved is None:
             resume.check_recordless_options(self.resume_from, saved_options, asked)
@@ -189,7 +189,6 @@ class FineTuneRecipe:
         )
         self.state = restore(
             self.resume_point,
-            record=record,
             saved=saved,
             replan=changes.replan,
             output_dir=self.output_dir,
@@ -482,7 +481,7 @@ class FineTuneRecipe:
         )
         accelerator.wait_for_everyone()
         if choice.step not in (None, state.step):  # an earlier step was better
-            resume.load_weights(best_folder, accelerator=accelerator, model=self.model)
+            checkpoints.load_weights(best_folder, accelerator=accelerator, model=self.model)
         refuse_nonfinite_final(self.model, accelerator, result.final_step, record, self.output_dir)
         say(accelerator, f"final/: step {result.final_step}: {choice.reason}")
         final_model = whole_model(self.model, record.model, accelerator)

@@ -1,53 +1,39 @@
-"""Resuming a run: which checkpoint `--resume` continues from (`find_resume`: damaged ones
-found cheaply and skipped), the options an exact resume may not change, loading a checkpoint
-back (`load_checkpoint`, `load_weights`), and tidying the run folder to the resume point (later
-checkpoints set aside, metrics.jsonl cut back). What a checkpoint holds and how it is written is
-`checkpoints`'.
-
-Loading never runs code from the checkpoint: weights come from safetensors, and every `.pt` file
-is read with `torch.load(..., weights_only=True)`.
+"""Resuming a run, the policy: which checkpoint `--resume` continues from (`find_resume`:
+damaged ones found cheaply and skipped), what a checkpoint saved before runs kept records may
+be resumed with (`check_recordless_options`, `convert_position`), what a resume changes taking
+effect (`restore_from`: the checkpoint loaded, then this run's learning rates and weight decay
+applied), and the run folder tidied to the resume point (later checkpoints set aside,
+metrics.jsonl cut back). What a checkpoint holds, and reading it, is `checkpoints`'; what a
+resume may change is decided by the records (`config.record.resume_changes`).
 """
 
 from __future__ import annotations
 
 import json
-import random
-import zipfile
-from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-import numpy as np
-import torch
-import yaml
-from safetensors.torch import load_file
-
-from whisper_train.config import field_owners, read_yaml
+from whisper_train.config import field_owners
 from whisper_train.config.options import PACKING_AUTO
 from whisper_train.config.record import (
     MUST_EQUAL,
     REPLANS,
     SLICES,
-    RunRecord,
     flag_of,
     options_recorded,
     same_path,
 )
 from whisper_train.errors import UserError
-from whisper_train.runfolder import ABANDONED_PREFIX, CONFIG_FILE, METRICS_FILE
+from whisper_train.runfolder import ABANDONED_PREFIX, METRICS_FILE
 from whisper_train.training.checkpoints import (
-    MANIFEST_FILE,
-    SHARDED_DIR,
     STATE_FILE,
-    STREAM_FILE,
-    WEIGHTS_FILE,
     TrainerState,
-    _last_line,
-    _shard_options,
-    _sharded,
-    _torch_optimizer,
     checkpoint_folders,
     checkpoint_step,
+    earlier_advice,
+    find_damage,
+    load_checkpoint,
+    saved_record,
 )
 
 # -- finding the checkpoint to resume from -------------------------------------------------
@@ -81,7 +67,7 @@ def find_resume(resume: str, output_dir: Path) -> ResumePoint:
             if problem is not None:
                 raise UserError(
                     f"--resume {resume}: the checkpoint is damaged: {problem}; "
-                    f"{_earlier_advice(path)}"
+                    f"{earlier_advice(path)}"
                 )
             return ResumePoint(path)
         run_dir = path
@@ -111,111 +97,7 @@ def find_resume(resume: str, output_dir: Path) -> ResumePoint:
     )
 
 
-def _earlier_advice(folder: Path) -> str:
-    """What to do instead of resuming from the damaged `folder`: the newest intact checkpoint
-    before it, else a fresh start."""
-    step = checkpoint_step(folder)
-    for earlier in checkpoint_folders(folder.parent)[::-1]:
-        if step is not None and checkpoint_step(earlier) < step and find_damage(earlier) is None:
-            return f"resume from an earlier one with --resume {earlier}"
-    return "no earlier intact checkpoint: start afresh with --overwrite (it moves this run aside)"
-
-
-def find_damage(folder: Path) -> str | None:
-    """What is wrong with checkpoint `folder`, naming the file (None when it looks intact).
-
-    Cheap: sizes against manifest.json, the files each process needs, safetensors' header,
-    the zip directory at the end of each .pt file (torch.save writes a zip archive: a truncated
-    one has lost it). Nothing is loaded; what these checks cannot see (bytes changed in place)
-    fails when loaded, as one line too (`load_checkpoint`).
-    """
-    manifest = folder / MANIFEST_FILE
-    if manifest.is_file():
-        try:
-            sizes = json.loads(manifest.read_text(encoding="utf-8"))["files"]
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-            return f"{MANIFEST_FILE} is damaged (not the JSON a save writes)"
-        for name, size in sizes.items():
-            path = folder / name
-            if not path.is_file():
-                return f"{name} is missing"
-            actual = path.stat().st_size
-            if actual != size:
-                how = "truncated" if actual < size else "changed"
-                return f"{name} is {how}: {actual} bytes, {size} when saved"
-    if not (folder / STATE_FILE).is_file():
-        return f"{STATE_FILE} is missing (an incomplete checkpoint)"
-    try:
-        state = TrainerState.read(folder)
-    except (ValueError, TypeError, UnicodeDecodeError) as exc:
-        return f"{STATE_FILE} is damaged ({type(exc).__name__}: {exc})"
-    needed = [f"rng-{rank}.pt" for rank in range(state.world_size)] + ["scheduler.pt"]
-    if not (folder / SHARDED_DIR).is_dir():
-        needed += [WEIGHTS_FILE, "optimizer.pt"]
-    for name in needed:
-        if not (folder / name).is_file():
-            return f"{name} is missing"
-    problem = _safetensors_damage(folder / WEIGHTS_FILE)
-    if problem is not None:
-        return f"{WEIGHTS_FILE} is {problem}"
-    for path in sorted(folder.glob("*.pt")):
-        try:
-            zipfile.ZipFile(path).close()
-        except (zipfile.BadZipFile, OSError) as exc:
-            return f"{path.name} is damaged or truncated (not a complete torch file: {exc})"
-    for path in sorted(folder.glob("*.json")):
-        try:
-            json.loads(path.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError):
-            return f"{path.name} is damaged or truncated (not JSON)"
-    return None
-
-
-def _safetensors_damage(path: Path) -> str | None:
-    """A safetensors file is 8 bytes of header length, a JSON header giving each tensor's byte
-    range, then the data: a file shorter than the header says is truncated."""
-    if not path.is_file():
-        return None  # --fsdp: no such file (sharded/ is checked against the manifest)
-    size = path.stat().st_size
-    with path.open("rb") as file:
-        length = int.from_bytes(file.read(8), "little") if size >= 8 else None
-        if length is None or length > size - 8:
-            return f"truncated: {size} bytes, too short for its own header"
-        try:
-            header = json.loads(file.read(length))
-            end = max(
-                (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
-                default=0,
-            )
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-            return "damaged (its header is not safetensors' JSON)"
-    if 8 + length + end > size:
-        return f"truncated: {size} bytes, {8 + length + end} when saved"
-    return None
-
-
-# -- loading -------------------------------------------------------------------------------
-
-
-# -- the checkpoint's record -----------------------------------------------------------------
-
-
-def saved_record(folder: Path) -> tuple[RunRecord | None, dict]:
-    """(the record checkpoint `folder` was saved with, its options as asked): the record is None
-    for a checkpoint of a whisper-train that kept none (its options then stand in for it)."""
-    saved_file = folder / CONFIG_FILE
-    if not saved_file.is_file():
-        return None, {}
-    text = saved_file.read_text(encoding="utf-8")
-    try:
-        record = RunRecord.from_yaml(text)
-        # Read as --config reads it (YAML 1.2 booleans): a plain `packing: on` is "on".
-        options = read_yaml(text) or {}
-    except (ValueError, TypeError, yaml.YAMLError) as exc:
-        raise UserError(
-            f"--resume {folder}: its {CONFIG_FILE} is damaged ({exc}); {_earlier_advice(folder)}"
-        ) from None
-    return record, options if isinstance(options, dict) else {}
+# -- a checkpoint saved before runs kept records ----------------------------------------------
 
 
 def check_recordless_options(folder: Path, options: dict, config) -> None:
@@ -266,18 +148,25 @@ def convert_position(state: TrainerState, folder: Path) -> None:
     state.steps_in_epoch = state.batches_in_epoch // accumulation
 
 
-def _check_rate_groups(folder: Path, saved: int, new_base_lrs: list[float]) -> None:
-    """The checkpoint's optimizer must hold this run's parameter groups (its record's learning
-    rates say so first: `config.record`); a record-less checkpoint's are counted here."""
-    if saved == len(new_base_lrs):
-        return
-    raise UserError(
-        f"--resume {folder}: the checkpoint's optimizer has {saved} learning-rate groups and "
-        f"this run's {len(new_base_lrs)}: it gave the encoder "
-        f"{'one rate with the rest' if saved < len(new_base_lrs) else 'a rate of its own'}; "
-        "resume with the --encoder-lr-scale it trained with "
-        f"({'1' if saved < len(new_base_lrs) else 'not 1'})"
+# -- what a resume changes, taking effect -----------------------------------------------------
+
+
+def restore_from(folder: Path, *, accelerator, model, optimizer, scheduler) -> TrainerState:
+    """Checkpoint `folder` loaded (`checkpoints.load_checkpoint`), then what this run may
+    change applied from the resume point: the optimizer's groups keep this run's weight decay
+    (`optimizer.load_state_dict` restores the checkpoint's) and the schedule this run's base
+    learning rates (`_apply_new_learning_rate`)."""
+    # This run's base learning rates (its --learning-rate) and weight decay, before the
+    # checkpoint's replace them.
+    new_base_lrs = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
+    new_decay = [group["weight_decay"] for group in optimizer.param_groups]
+    state = load_checkpoint(
+        folder, accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler
     )
+    _apply_new_learning_rate(optimizer, scheduler, new_base_lrs)
+    for group, decay in zip(optimizer.param_groups, new_decay, strict=True):
+        group["weight_decay"] = decay
+    return state
 
 
 def _apply_new_learning_rate(optimizer, scheduler, new_base_lrs: list[float]) -> None:
@@ -295,172 +184,6 @@ def _apply_new_learning_rate(optimizer, scheduler, new_base_lrs: list[float]) ->
         group["initial_lr"] = new
         inner.base_lrs[index] = new
     inner._last_lr = [group["lr"] for group in optimizer.param_groups]
-
-
-def load_checkpoint(
-    folder: Path, *, accelerator, model, optimizer, scheduler, training=None
-) -> TrainerState:
-    """Restore weights, optimiser, scheduler, scaler and this process's random state.
-
-    What the run's record lets change takes effect from here: the optimizer's groups keep this
-    run's weight decay (`optimizer.load_state_dict` would restore the checkpoint's) and the
-    schedule this run's base learning rates (`_apply_new_learning_rate`); `training` (the
-    record's slice) is what they came from.
-
-    Call after `accelerator.prepare` and after all other set-up, right before the loop: the
-    random state is restored last, so set-up that draws random numbers (LoRA initialisation)
-    does not shift it.
-    """
-    with _loading(folder / STATE_FILE):
-        state = TrainerState.read(folder)
-    if state.world_size != accelerator.num_processes:
-        raise UserError(
-            f"--resume {folder}: saved by {state.world_size} process(es), this run has "
-            f"{accelerator.num_processes}; resume with --nproc {state.world_size}"
-        )
-    # This run's base learning rates (its --learning-rate) and weight decay, before the
-    # checkpoint's replace them: a changed one applies from the resume point.
-    new_base_lrs = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
-    new_decay = [g["weight_decay"] for g in optimizer.param_groups]
-    with _loading(folder / "scheduler.pt"):
-        saved_schedule = _load_pt(folder / "scheduler.pt")
-    _check_rate_groups(folder, len(saved_schedule.get("base_lrs", new_base_lrs)), new_base_lrs)
-    if _sharded(model):
-        _load_shards(folder, model, optimizer)
-    else:
-        _load_weights(folder, accelerator.unwrap_model(model, keep_torch_compile=False))
-        with _loading(folder / "optimizer.pt"):
-            optimizer.load_state_dict(_load_pt(folder / "optimizer.pt"))
-    with _loading(folder / "scheduler.pt"):
-        scheduler.load_state_dict(saved_schedule)
-    _apply_new_learning_rate(optimizer, scheduler, new_base_lrs)
-    for group, decay in zip(optimizer.param_groups, new_decay, strict=True):
-        group["weight_decay"] = decay
-    if accelerator.scaler is not None and (folder / "scaler.pt").is_file():
-        with _loading(folder / "scaler.pt"):
-            accelerator.scaler.load_state_dict(_load_pt(folder / "scaler.pt"))
-    rng_file = folder / f"rng-{accelerator.process_index}.pt"
-    with _loading(rng_file):
-        _set_rng_state(_load_pt(rng_file))
-    return state
-
-
-@contextmanager
-def _loading(path: Path):
-    """A failure to read or apply `path` of a checkpoint, as one line naming it (UserError):
-    what `find_damage` cannot see (bytes changed in place) shows only here."""
-    try:
-        yield
-    except UserError:
-        raise
-    except Exception as exc:
-        raise UserError(
-            f"--resume {path.parent}: {path.name} could not be loaded ({_load_error(exc)}): "
-            f"the file is damaged or not this run's; {_earlier_advice(path.parent)}"
-        ) from None
-
-
-def _load_error(error: BaseException) -> str:
-    """The line of a loading error that says what went wrong: torch.load's refusal of a
-    pickled object (weights_only) puts it in the middle of advice to load it unsafely."""
-    for line in str(error).splitlines():
-        if "WeightsUnpickler error:" in line:
-            return line.strip().split(". ")[0]
-    return _last_line(error)
-
-
-def read_stream_position(folder: Path, rank: int) -> dict:
-    """Process `rank`'s saved place in a streamed --data (see `save_checkpoint`)."""
-    path = folder / STREAM_FILE.format(rank=rank)
-    if not path.is_file():
-        raise UserError(
-            f"--resume {folder}: no {path.name}: it was saved by a run that did not stream its "
-            "--data; resume with the --data that run used"
-        )
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
-def load_weights(folder: Path, *, accelerator, model) -> None:
-    """Only the trained weights of checkpoint `folder` into `model` (the best step's, at the end
-    of a run); optimiser, scheduler and random state are left as they are."""
-    if _sharded(model):
-        _load_shards(folder, model, None)
-    else:
-        _load_weights(folder, accelerator.unwrap_model(model, keep_torch_compile=False))
-
-
-def _load_weights(folder: Path, model: torch.nn.Module) -> None:
-    with _loading(folder / WEIGHTS_FILE):
-        saved = load_file(folder / WEIGHTS_FILE)
-    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    if set(saved) != set(trainable):
-        raise UserError(
-            f"--resume {folder}: its weights do not match this model ({len(saved)} saved, "
-            f"{len(trainable)} trainable tensors); resume with the same --model, --mode, "
-            "--lora-* and --cache-encoder options (LoRA with the cache adapts the decoder only)"
-        )
-    with torch.no_grad():
-        for name, param in trainable.items():
-            if saved[name].shape != param.shape:
-                raise UserError(
-                    f"--resume {folder}: {name} has shape {tuple(saved[name].shape)}, "
-                    f"the model {tuple(param.shape)}; resume with the same --model"
-                )
-            param.copy_(saved[name])
-
-
-def _load_pt(path: Path):  # inside `_loading(path)`: its failures are one line
-    if not path.is_file():
-        raise UserError(
-            f"--resume {path.parent}: {path.name} is missing; the checkpoint is incomplete"
-        )
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def _load_shards(folder: Path, model, optimizer) -> None:
-    """Read `folder`'s sharded/ back into this process's shards of `model` and, when given,
-    `optimizer` (a collective)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_state_dict,
-        set_model_state_dict,
-        set_state_dict,
-    )
-
-    if not (folder / SHARDED_DIR).is_dir():
-        raise UserError(
-            f"--resume {folder}: no {SHARDED_DIR}/ folder: it was saved without --fsdp; "
-            "resume without --fsdp"
-        )
-    options = _shard_options()
-    if optimizer is None:
-        state = {"model": get_model_state_dict(model, options=options)}
-        with _loading(folder / SHARDED_DIR):
-            dcp.load(state, checkpoint_id=str(folder / SHARDED_DIR))
-        set_model_state_dict(model, state["model"], options=_shard_options(loading=True))
-        return
-    inner = _torch_optimizer(optimizer)
-    weights, optimizer_state = get_state_dict(model, inner, options=options)
-    state = {"model": weights, "optimizer": optimizer_state}
-    with _loading(folder / SHARDED_DIR):
-        dcp.load(state, checkpoint_id=str(folder / SHARDED_DIR))
-    set_state_dict(
-        model,
-        inner,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optimizer"],
-        options=_shard_options(loading=True),
-    )
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    kind, key, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, key.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # -- the run folder at the resume point ----------------------------------------------------

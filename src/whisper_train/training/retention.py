@@ -14,7 +14,6 @@ from whisper_train.errors import UserError
 from whisper_train.training.checkpoints import (
     MANIFEST_FILE,
     STATE_FILE,
-    _remove,
     checkpoint_step,
     estimate_checkpoint_bytes,
     list_checkpoints,
@@ -45,7 +44,7 @@ def _delete_checkpoint(folder: Path) -> None:
     checkpoint (`list_checkpoints` needs trainer_state.json), not one with files missing."""
     for marker in (MANIFEST_FILE, STATE_FILE):
         (folder / marker).unlink(missing_ok=True)
-    _remove(folder, ignore_errors=True)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 # -- space --------------------------------------------------------------------------------

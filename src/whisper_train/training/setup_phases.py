@@ -463,7 +463,6 @@ def setup_optimisation(
 def restore(
     resume_point: resume.ResumePoint | None,
     *,
-    record: RunRecord,
     saved: RunRecord | None,
     replan: bool,
     output_dir: Path,
@@ -479,13 +478,8 @@ def restore(
     if resume_point is None:
         return checkpoints.TrainerState(world_size=accelerator.num_processes)
     resume_from = resume_point.folder
-    state = resume.load_checkpoint(
-        resume_from,
-        accelerator=accelerator,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        training=record.training,
+    state = resume.restore_from(
+        resume_from, accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler
     )
     # A resume after a bad-step stop is its remedy (another precision, a lower rate): the
     # new run gets --max-bad-steps chances of its own, not the stopped run's last one.
@@ -495,7 +489,7 @@ def restore(
     where = data.restore(
         state,
         folder=resume_from,
-        read_stream_position=resume.read_stream_position,
+        read_stream_position=checkpoints.read_stream_position,
         saved_clips_per_step=saved.data.clips_per_step if saved else None,
         saved_group_by_length=saved.data.group_by_length if saved else False,
         replan=replan,

@@ -10,11 +10,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch.distributed
 from tqdm.auto import tqdm
 
 from whisper_train import runfolder
 from whisper_train.config import RunConfig
-from whisper_train.errors import UserError
+from whisper_train.errors import UserError, last_line
 from whisper_train.models import resolve_alias
 from whisper_train.runlog import TrainResult
 from whisper_train.trackers import check_installed
@@ -61,7 +62,7 @@ def _train_in(config: RunConfig, lock: runfolder.RunLock | None) -> TrainResult:
             rank = os.environ.get("RANK", "?")
             raise UserError(
                 f"process {rank}: another process of this run stopped or was killed "
-                f"({checkpoints._last_line(exc)}); this one stopped too"
+                f"({last_line(exc)}); this one stopped too"
             ) from None
         raise
 
@@ -80,8 +81,6 @@ _LOST_PROCESS_SIGNS = (
 
 def lost_another_process(exc: BaseException) -> bool:
     """True when `exc` is a collective's failure because a process of the run went away."""
-    import torch.distributed
-
     text = str(exc)
     return isinstance(exc, torch.distributed.DistError) or any(
         sign in text for sign in _LOST_PROCESS_SIGNS

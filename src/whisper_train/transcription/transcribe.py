@@ -25,7 +25,7 @@ from whisper_train.models import load_model, model_folder
 from whisper_train.runlog import progress_bars_wanted
 from whisper_train.transcription.backends import TransformersBackend, torch_device
 from whisper_train.transcription.decoding import DecodingOptions
-from whisper_train.transcription.transcripts import FORMATS, Transcript, render
+from whisper_train.transcription.transcripts import TRANSCRIPT_FORMATS, Transcript, render
 
 AUDIO_EXTENSIONS = set(AUDIO_SUFFIXES)
 MANIFEST_EXTENSIONS = {".jsonl", ".json", ".csv", ".tsv"}
@@ -133,8 +133,8 @@ def transcribe_paths(
     `word_timestamps`: each segment gets its words' times (json: `words`; srt/vtt: each word
     underlined while spoken), from the model's alignment heads.
     """
-    if format not in FORMATS:
-        raise UserError(f"--format {format}: expected one of {', '.join(FORMATS)}")
+    if format not in TRANSCRIPT_FORMATS:
+        raise UserError(f"--format {format}: expected one of {', '.join(TRANSCRIPT_FORMATS)}")
     if beam_size < 1:
         raise UserError(f"--beam-size {beam_size}: must be at least 1")
     recordings = collect_inputs(inputs)

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from whisper_train.transcription.word_timestamps import Word, highlighted_cues
 
-FORMATS = ("txt", "srt", "vtt", "json")
+TRANSCRIPT_FORMATS = ("txt", "srt", "vtt", "json")
 
 
 @dataclass(frozen=True)

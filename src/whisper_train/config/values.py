@@ -163,4 +163,9 @@ def coerce(group: Any, name: str, value: Any, source: str) -> Any:
         return str(value)
     except (TypeError, ValueError):
         flag = "--" + name.replace("_", "-")
-        raise UserError(f"{source}: {flag} {value!r} is not a valid {annotation}") from None
+        kind = "a whole number" if annotation.startswith("int") else "a number"
+        raise UserError(f"{source}: {flag} {value!r}: expected {kind}, such as {_EXAMPLES[kind]}") from None
+
+
+# What an expected value looks like, in the user's words rather than a Python type's.
+_EXAMPLES = {"a whole number": "8", "a number": "1e-5 or 0.1"}

@@ -25,6 +25,11 @@ import torch
 from torch import nn
 
 from whisper_train.config import RunConfig
+from whisper_train.config.resolve import (
+    COMPILE_BY_DEFAULT_FROM_STEPS,
+    choose_packing,
+    decide_compile,
+)
 from whisper_train.data.collate import SpeechCollator
 from whisper_train.data.examples import Example
 from whisper_train.data.features import LogMel, SpeechDataset
@@ -136,8 +141,17 @@ def check_config(config: RunConfig, *, probe_batch_size: int = 2) -> DoctorRepor
             "world_size": int(os.environ.get("WORLD_SIZE", "1")),
             "find_unused_parameters": False,
         },  # as `train` configures DDP
-        compile=config.memory.compile,
+        compile=doctor_compiles(config, device),
     )
+
+
+def doctor_compiles(config: RunConfig, device: torch.device) -> bool:
+    """Whether `train` would compile this configuration: the run's own decision, not the flag.
+    Without a data plan the run's length is --max-steps, or else taken as long enough for the
+    default to compile where it can: the check then covers the compiled run a long job gets."""
+    packing, _ = choose_packing(config)
+    steps = config.train.max_steps or COMPILE_BY_DEFAULT_FROM_STEPS
+    return decide_compile(config, device, packing, steps)[0]
 
 
 def probe_batch(model, processor, config, *, size: int = 2) -> dict[str, torch.Tensor]:

@@ -304,9 +304,10 @@ def test_resume_reads_the_saved_config_as_the_config_file_is_read(tmp_path):
     """A checkpoint's whisper-train.yaml written by hand (or by another YAML tool, or by a
     version that kept no record) with a plain `packing: on`: the resume check reads `on`, as
     --config would, not YAML 1.1's True."""
+    from whisper_train import runfolder
     from whisper_train.training import checkpoints, resume
 
-    (tmp_path / resume.CONFIG_FILE).write_text("data: {packing: on, language: no}\n")
+    (tmp_path / runfolder.CONFIG_FILE).write_text("data: {packing: on, language: no}\n")
     record, options = checkpoints.saved_record(tmp_path)
     assert record is None and options["data"]["packing"] == "on"
     config = RunConfig.from_flat({"packing": "on", "language": "no"}).validate()

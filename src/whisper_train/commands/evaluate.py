@@ -95,7 +95,8 @@ def add_parser(subparsers) -> None:
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
-    """--temperatures, --compression-ratio-threshold, --logprob-threshold (evaluate, transcribe)."""
+    """--temperatures, --compression-ratio-threshold, --logprob-threshold,
+    --no-speech-threshold (evaluate, transcribe)."""
     temperatures = ",".join("0" if t == 0 else str(t) for t in decoding.DEFAULT_TEMPERATURES)
     parser.add_argument(
         "--temperatures",
@@ -113,6 +114,11 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
         default=str(decoding.DEFAULT_LOGPROB_THRESHOLD),
         help=f"{decoding.LOGPROB_HELP} [default: {decoding.DEFAULT_LOGPROB_THRESHOLD}].",
     )
+    parser.add_argument(
+        "--no-speech-threshold",
+        default=str(decoding.DEFAULT_NO_SPEECH_THRESHOLD),
+        help=f"{decoding.NO_SPEECH_HELP} [default: {decoding.DEFAULT_NO_SPEECH_THRESHOLD}].",
+    )
 
 
 def decoding_from_args(args: argparse.Namespace):
@@ -123,6 +129,9 @@ def decoding_from_args(args: argparse.Namespace):
             args.compression_ratio_threshold, "--compression-ratio-threshold"
         ),
         logprob_threshold=decoding.parse_threshold(args.logprob_threshold, "--logprob-threshold"),
+        no_speech_threshold=decoding.parse_threshold(
+            args.no_speech_threshold, "--no-speech-threshold"
+        ),
     )
 
 

@@ -448,3 +448,4 @@ def _validate_decoding(t: TrainConfig) -> None:
     parse_temperatures(t.temperatures)
     parse_threshold(t.compression_ratio_threshold, "--compression-ratio-threshold")
     parse_threshold(t.logprob_threshold, "--logprob-threshold")
+    parse_threshold(t.no_speech_threshold, "--no-speech-threshold")

@@ -4,15 +4,25 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
+import soundfile
 import torch
+from conftest import write_tone_dataset
 from tiny_models import NO_TIMESTAMPS, SOT
 
 from whisper_train.commands import evaluate as evaluate_command
 from whisper_train.data.features import LogMel
+from whisper_train.data.nonspeech import builtin_clips, load_nonspeech, write_builtin_set
+from whisper_train.errors import UserError
+from whisper_train.evaluation import nonspeech as nonspeech_module
 from whisper_train.evaluation.evaluate import generate_texts
+from whisper_train.evaluation.nonspeech import score_nonspeech
 from whisper_train.transcription.decoding import (
     Decoded,
     DecodingOptions,
@@ -156,3 +166,105 @@ def test_long_form_decoding_hands_the_same_test_to_generate():
     assert "no_speech_threshold" not in _fallback_arguments(
         DecodingOptions(no_speech_threshold=None)
     )
+
+
+# -- non-speech sets ------------------------------------------------------------------------
+
+
+def test_the_builtin_set_is_deterministic_and_covers_what_users_meet(tmp_path):
+    first = write_builtin_set(tmp_path / "a")
+    again = write_builtin_set(tmp_path / "b")
+    names = sorted(p.name for p in first.iterdir())
+    assert names == sorted(p.name for p in again.iterdir())
+    for name in names:
+        assert (first / name).read_bytes() == (again / name).read_bytes()
+    kinds = ("silence", "dither", "white", "pink", "brown", "hum", "tone", "beeps", "clicks")
+    assert all(any(kind in name for name in names) for kind in (*kinds, "chords"))
+    clips = builtin_clips()
+    assert not clips["digital-silence"].any()
+    # A level is the RMS asked for, in dB below full scale (float32 samples: 1e-6 relative).
+    rms = float(np.sqrt(np.mean(clips["white-noise-20dB"].astype(np.float64) ** 2)))
+    assert rms == pytest.approx(0.1, rel=1e-4)
+    examples = load_nonspeech(first)
+    assert len(examples) == len(names) and all(e.text == "" for e in examples)
+
+
+def test_a_set_with_speech_in_it_is_refused_in_one_line(tmp_path):
+    write_tone_dataset(tmp_path / "speech", n=3)
+    with pytest.raises(UserError, match="3 of 3 clips have a transcript") as refused:
+        load_nonspeech(tmp_path / "speech")
+    assert "\n" not in str(refused.value)
+
+
+def test_words_per_minute_and_the_share_of_clips_with_text():
+    scores = score_nonspeech(["", "thank you", ".", "you you you you"], [30.0, 30.0, 30.0, 30.0])
+    assert scores.words == 6 and scores.clips_with_text == 2  # "." is no word
+    assert scores.words_per_minute == pytest.approx(3.0)  # 6 words in 2 minutes
+    assert scores.share_with_text == pytest.approx(0.5)
+
+
+def _nonspeech_folder(tmp_path):
+    folder = tmp_path / "noise"
+    folder.mkdir()
+    for name, samples in list(builtin_clips(seconds=1.0).items())[:3]:
+        soundfile.write(folder / f"{name}.wav", samples, 16_000)
+    return folder
+
+
+def _evaluate_argv(model, data, *extra):
+    parser = argparse.ArgumentParser()
+    evaluate_command.add_parser(parser.add_subparsers())
+    return parser.parse_args(["evaluate", "--model", str(model), "--data", data, *extra])
+
+
+def test_evaluate_scores_a_nonspeech_set_and_silence_lowers_it(
+    tiny_whisper_dir, tmp_path, capsys, monkeypatch
+):
+    folder = _nonspeech_folder(tmp_path)
+    report = tmp_path / "report.json"
+    quick = ["--temperatures", "0", "--max-length", "8"]
+    args = _evaluate_argv(
+        tiny_whisper_dir, f"noise:nonspeech={folder}", *quick, "--output", str(report)
+    )
+    assert args.handler(args) == 0
+    out = capsys.readouterr().out
+    assert "words per minute where nobody speaks; text on 3 of 3 clips (100%)" in out
+    written = json.loads(report.read_text())
+    assert written["kind"] == "nonspeech" and written["clips"] == 3
+    assert written["words_per_minute"] == pytest.approx(written["words"] / (3.0 / 60), rel=1e-3)
+    assert written["decoding"]["no_speech_threshold"] == 0.6
+
+    # A model that hears silence in every clip writes nothing on them.
+    real_load = nonspeech_module.load_model
+
+    def silent_model(spec):
+        model, processor = real_load(spec)
+        force_no_speech(model)
+        return model, processor
+
+    monkeypatch.setattr(nonspeech_module, "load_model", silent_model)
+    args = _evaluate_argv(tiny_whisper_dir, f"noise:nonspeech={folder}", *quick)
+    assert args.handler(args) == 0
+    assert "0.0 words per minute where nobody speaks; text on 0 of 3 clips (0%)" in (
+        capsys.readouterr().out
+    )
+
+
+def test_a_damaged_clip_or_speech_is_refused_with_exit_2(tiny_whisper_dir, tmp_path):
+    folder = _nonspeech_folder(tmp_path)
+    (folder / "broken.wav").write_bytes(b"RIFF not a wave file")
+    result = subprocess.run(
+        [sys.executable, "-m", "whisper_train", "evaluate", "--model", str(tiny_whisper_dir)]
+        + ["--data", f"noise:nonspeech={folder}"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert result.returncode == 2
+    assert "broken.wav: cannot be read" in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_training_says_a_nonspeech_set_is_for_evaluate(tiny_run_config):
+    with pytest.raises(UserError, match="non-speech set is scored by `whisper-train evaluate"):
+        tiny_run_config(eval_data=["noise:nonspeech=builtin"], only_train=False).validate()

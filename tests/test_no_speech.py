@@ -162,7 +162,7 @@ def test_the_flag_parses_and_turns_off():
 def test_long_form_decoding_hands_the_same_test_to_generate():
     assert _fallback_arguments(DecodingOptions())["no_speech_threshold"] == 0.6
     greedy = _fallback_arguments(DecodingOptions(temperatures=(0.0,)))
-    assert greedy == {"no_speech_threshold": 0.6, "logprob_threshold": -1.0}
+    assert greedy == {"temperature": 0.0, "no_speech_threshold": 0.6, "logprob_threshold": -1.0}
     assert "no_speech_threshold" not in _fallback_arguments(
         DecodingOptions(no_speech_threshold=None)
     )

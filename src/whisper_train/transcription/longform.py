@@ -37,7 +37,10 @@ def _fallback_arguments(options: DecodingOptions) -> dict:
         }
     if not options.fallback:
         first = options.temperatures[0]
-        return {**({"temperature": first, **sampling} if first > 0 else {}), **silence}
+        if first > 0:
+            return {"temperature": first, **sampling, **silence}
+        # transformers' log-prob test rescales by the temperature: it must be given (0: greedy).
+        return {"temperature": 0.0, **silence} if silence else {}
     return {
         "temperature": options.temperatures,
         "compression_ratio_threshold": options.compression_ratio_threshold,

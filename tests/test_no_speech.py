@@ -17,11 +17,12 @@ from conftest import write_tone_dataset
 from tiny_models import NO_TIMESTAMPS, SOT
 
 from whisper_train.commands import evaluate as evaluate_command
+from whisper_train.data.examples import Example
 from whisper_train.data.features import LogMel
 from whisper_train.data.nonspeech import builtin_clips, load_nonspeech, write_builtin_set
 from whisper_train.errors import UserError
 from whisper_train.evaluation import nonspeech as nonspeech_module
-from whisper_train.evaluation.evaluate import generate_texts
+from whisper_train.evaluation.evaluate import evaluate_examples, generate_texts, write_report_json
 from whisper_train.evaluation.nonspeech import score_nonspeech
 from whisper_train.transcription.decoding import (
     Decoded,
@@ -268,3 +269,20 @@ def test_a_damaged_clip_or_speech_is_refused_with_exit_2(tiny_whisper_dir, tmp_p
 def test_training_says_a_nonspeech_set_is_for_evaluate(tiny_run_config):
     with pytest.raises(UserError, match="non-speech set is scored by `whisper-train evaluate"):
         tiny_run_config(eval_data=["noise:nonspeech=builtin"], only_train=False).validate()
+
+
+def test_evaluate_says_how_many_utterances_were_judged_silence(tiny_whisper, tmp_path, capsys):
+    model, processor = tiny_whisper
+    force_no_speech(model)
+    folder = _nonspeech_folder(tmp_path)
+    examples = [Example(audio=str(p), text="hello there") for p in sorted(folder.iterdir())]
+    greedy = DecodingOptions(temperatures=(0.0,))
+    report = evaluate_examples(
+        model, processor, examples, batch_size=3, max_length=8, decoding=greedy
+    )
+    assert report.silenced == 3 and report.wer == 1.0  # every reference word deleted
+    written = json.loads(write_report_json(report, tmp_path / "r.json").read_text())
+    assert written["no_speech_utterances"] == 3
+    assert all(u["no_speech"] for u in written["utterances"])
+    evaluate_command._print_scores("m", report)
+    assert "no speech: 3 of 3 utterance(s) judged silence" in capsys.readouterr().out

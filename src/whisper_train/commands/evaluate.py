@@ -270,3 +270,9 @@ def _print_scores(name: str, report: EvalReport) -> None:
             f"  temperature fallback: {report.fallbacks} of {windowed} utterance(s) decoded again "
             f"(looping or unlikely at temperature {report.decoding.temperatures[0]:g}){unresolved}"
         )
+    if report.silenced:
+        # A speech set's deletions may come from here: say how many clips read as silence.
+        print(
+            f"  no speech: {report.silenced} of {windowed} utterance(s) judged silence and "
+            f"given no text (--no-speech-threshold {report.decoding.no_speech_threshold:g})"
+        )

@@ -148,6 +148,7 @@ CHANGES = {
     "temperatures": ("evaluated", "0,0.5"),
     "compression_ratio_threshold": ("evaluated", "none"),
     "logprob_threshold": ("evaluated", "none"),
+    "no_speech_threshold": ("evaluated", "0.9"),
     "condition_on_previous_text": ("evaluated", True),
     "num_workers": ("plain", 1),
     "group_by_length": ("unpacked", True),

@@ -7,12 +7,13 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from whisper_train.config import long_form_sets, named_sets
+from whisper_train.config import long_form_sets, named_sets, nonspeech_sets
 from whisper_train.evaluation.scoring import NORMALIZERS
 from whisper_train.transcription import decoding
 
 if TYPE_CHECKING:
     from whisper_train.evaluation.evaluate import EvalReport
+    from whisper_train.evaluation.nonspeech import NonSpeechReport
 
 
 def add_parser(subparsers) -> None:
@@ -33,7 +34,11 @@ def add_parser(subparsers) -> None:
         "(e.g. general:en=general-english/). NAME:long=PATH is long recordings (audio + "
         ".srt/.vtt/.txt of the same name, or manifest rows), each decoded whole in 30 s windows "
         "with timestamps, as `transcribe` does, and scored over its whole transcript; a clip "
-        "over 30 s in any set is decoded that way too, never cut to its first window.",
+        "over 30 s in any set is decoded that way too, never cut to its first window. "
+        "NAME:nonspeech=PATH is clips where nobody speaks (a folder of audio, or any layout "
+        "with empty transcripts; PATH builtin synthesises silence, noise, hum, tones, clicks "
+        "and chords), scored by the words the model invents per minute of audio and the share "
+        "of clips given any text.",
     )
     parser.add_argument("--data-format", default=None, help="Force a data layout.")
     parser.add_argument(
@@ -95,7 +100,8 @@ def add_parser(subparsers) -> None:
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
-    """--temperatures, --compression-ratio-threshold, --logprob-threshold (evaluate, transcribe)."""
+    """--temperatures, --compression-ratio-threshold, --logprob-threshold,
+    --no-speech-threshold (evaluate, transcribe)."""
     temperatures = ",".join("0" if t == 0 else str(t) for t in decoding.DEFAULT_TEMPERATURES)
     parser.add_argument(
         "--temperatures",
@@ -113,6 +119,11 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
         default=str(decoding.DEFAULT_LOGPROB_THRESHOLD),
         help=f"{decoding.LOGPROB_HELP} [default: {decoding.DEFAULT_LOGPROB_THRESHOLD}].",
     )
+    parser.add_argument(
+        "--no-speech-threshold",
+        default=str(decoding.DEFAULT_NO_SPEECH_THRESHOLD),
+        help=f"{decoding.NO_SPEECH_HELP} [default: {decoding.DEFAULT_NO_SPEECH_THRESHOLD}].",
+    )
 
 
 def decoding_from_args(args: argparse.Namespace):
@@ -123,6 +134,9 @@ def decoding_from_args(args: argparse.Namespace):
             args.compression_ratio_threshold, "--compression-ratio-threshold"
         ),
         logprob_threshold=decoding.parse_threshold(args.logprob_threshold, "--logprob-threshold"),
+        no_speech_threshold=decoding.parse_threshold(
+            args.no_speech_threshold, "--no-speech-threshold"
+        ),
     )
 
 
@@ -146,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
 
     sets = named_sets(args.data, "--data")
     long_form = long_form_sets(args.data, "--data")
+    nonspeech = nonspeech_sets(args.data, "--data")
     several = len(sets) > 1
     default_reports = report_paths(args.model, output=None, baseline=args.baseline)
     reports_root = Path(args.output) if args.output else None
@@ -155,6 +170,9 @@ def run(args: argparse.Namespace) -> int:
         if several:
             print(f"[{name}] {data}")
         output = args.output if not several else (reports_root / name if reports_root else None)
+        if name in nonspeech:
+            _evaluate_nonspeech(args, data, set_language, output, several, decoding_options)
+            continue
         result = evaluate(
             args.model,
             data,
@@ -178,6 +196,42 @@ def run(args: argparse.Namespace) -> int:
             names = ", ".join(path.name for path in result.paths)
             print(f"wrote {names} to {result.paths[0].parent.resolve()}")
     return 0
+
+
+def _evaluate_nonspeech(args, data, language, output, several, decoding_options) -> None:
+    from whisper_train.evaluation.nonspeech import evaluate_nonspeech
+
+    def show(role: str, report: NonSpeechReport) -> None:
+        name = f"baseline {args.baseline}" if role == "baseline" else args.model
+        print_nonspeech(name, report)
+
+    paths = evaluate_nonspeech(
+        args.model,
+        data,
+        data_format=args.data_format,
+        output=f"{output}/" if several and output else output,
+        overwrite=args.overwrite,
+        baseline=args.baseline,
+        batch_size=args.batch_size,
+        eval_subset=args.eval_subset,
+        language=language or args.language,
+        beam_size=args.beam_size,
+        max_length=args.max_length,
+        decoding=decoding_options,
+        on_report=show,
+    )
+    if paths:
+        names = ", ".join(path.name for path in paths)
+        print(f"wrote {names} to {paths[0].parent.resolve()}")
+
+
+def print_nonspeech(name: str, report: NonSpeechReport) -> None:
+    s = report.scores
+    print(
+        f"{name}: {s.words_per_minute:.1f} words per minute where nobody speaks; text on "
+        f"{s.clips_with_text} of {s.clips} clips ({100 * s.share_with_text:.0f}%), "
+        f"{s.seconds / 60:.1f} min of audio"
+    )
 
 
 def _print_scores(name: str, report: EvalReport) -> None:
@@ -215,4 +269,10 @@ def _print_scores(name: str, report: EvalReport) -> None:
         print(
             f"  temperature fallback: {report.fallbacks} of {windowed} utterance(s) decoded again "
             f"(looping or unlikely at temperature {report.decoding.temperatures[0]:g}){unresolved}"
+        )
+    if report.silenced:
+        # A speech set's deletions may come from here: say how many clips read as silence.
+        print(
+            f"  no speech: {report.silenced} of {windowed} utterance(s) judged silence and "
+            f"given no text (--no-speech-threshold {report.decoding.no_speech_threshold:g})"
         )

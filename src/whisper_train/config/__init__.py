@@ -28,9 +28,11 @@ from whisper_train.config.options import (
 from whisper_train.config.run import RunConfig
 from whisper_train.config.values import (
     LONG_FORM,
+    NONSPEECH,
     long_form_sets,
     named_paths,
     named_sets,
+    nonspeech_sets,
     read_yaml,
     require_positive,
 )
@@ -38,6 +40,7 @@ from whisper_train.config.values import (
 __all__ = [
     "DEFAULT_LEARNING_RATES",
     "LONG_FORM",
+    "NONSPEECH",
     "GROUPS",
     "MODES",
     "OPTIMIZERS",
@@ -53,6 +56,7 @@ __all__ = [
     "long_form_sets",
     "named_paths",
     "named_sets",
+    "nonspeech_sets",
     "read_yaml",
     "require_positive",
 ]

@@ -363,6 +363,12 @@ class TrainConfig:
         "disable.",
         default="-1.0",
     )
+    no_speech_threshold: str = _help(
+        "A clip whose <|nospeech|> probability is above this and whose mean token "
+        "log-probability is under --logprob-threshold is silence: no text, as faster-whisper "
+        "and openai-whisper decide; none to disable.",
+        default="0.6",
+    )
     condition_on_previous_text: bool = _help(
         "Long-form evaluation sets (--eval-data NAME:long=PATH) decode each 30 s window with "
         "the previous windows' text as its prompt, as openai-whisper's and faster-whisper's "

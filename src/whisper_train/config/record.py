@@ -190,6 +190,7 @@ class EvaluationRecord:
     temperatures: tuple[float, ...] = decided(MAY_CHANGE, "temperatures")
     compression_ratio_threshold: float | None = decided(MAY_CHANGE, "compression_ratio_threshold")
     logprob_threshold: float | None = decided(MAY_CHANGE, "logprob_threshold")
+    no_speech_threshold: float | None = decided(MAY_CHANGE, "no_speech_threshold")
     condition_on_previous_text: bool = decided(MAY_CHANGE, "condition_on_previous_text")
 
     def set_named(self, name: str) -> EvalSet | None:
@@ -202,6 +203,7 @@ class EvaluationRecord:
             temperatures=self.temperatures,
             compression_ratio_threshold=self.compression_ratio_threshold,
             logprob_threshold=self.logprob_threshold,
+            no_speech_threshold=self.no_speech_threshold,
         )
 
 

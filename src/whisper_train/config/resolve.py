@@ -268,6 +268,7 @@ def _evaluation(config: RunConfig) -> EvaluationRecord:
             t.compression_ratio_threshold, "--compression-ratio-threshold"
         ),
         logprob_threshold=parse_threshold(t.logprob_threshold, "--logprob-threshold"),
+        no_speech_threshold=parse_threshold(t.no_speech_threshold, "--no-speech-threshold"),
         condition_on_previous_text=t.condition_on_previous_text,
     )
 

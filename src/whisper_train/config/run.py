@@ -31,8 +31,10 @@ from whisper_train.config.options import (
     field_owners,
 )
 from whisper_train.config.values import (
+    NONSPEECH,
     coerce,
     named_paths,
+    nonspeech_sets,
     on_off,
     one_of,
     read_yaml,
@@ -397,6 +399,12 @@ class RunConfig:
         d, t = self.data, self.train
         if t.guard is not None and t.only_train:
             raise UserError("--guard needs evaluation: drop --only-train")
+        if nonspeech := sorted(nonspeech_sets(d.eval_data or [], "--eval-data")):
+            # Its rows would need a metric of their own in the table, the judge and the card.
+            raise UserError(
+                f"--eval-data {nonspeech[0]}:{NONSPEECH}=...: a non-speech set is scored by "
+                f"`whisper-train evaluate --data NAME:{NONSPEECH}=PATH`, not during training yet"
+            )
         names = list(self.eval_sets())
         if not names and not t.only_train and d.eval_split > 0:
             names = ["eval"]  # a split of --data is named "eval"
@@ -448,3 +456,4 @@ def _validate_decoding(t: TrainConfig) -> None:
     parse_temperatures(t.temperatures)
     parse_threshold(t.compression_ratio_threshold, "--compression-ratio-threshold")
     parse_threshold(t.logprob_threshold, "--logprob-threshold")
+    parse_threshold(t.no_speech_threshold, "--no-speech-threshold")

@@ -43,23 +43,34 @@ def read_yaml(text: str) -> Any:
 # NAME:long=PATH (or NAME:LANG:long=PATH): a set of long recordings, each decoded whole in
 # sequential 30 s windows and scored over its whole reference (evaluation.longform).
 LONG_FORM = "long"
+# NAME:nonspeech=PATH: clips where nobody speaks (silence, noise, music, tones; transcripts
+# ignored; PATH `builtin` synthesises a set), scored by the text a model invents on them
+# (evaluation.nonspeech).
+NONSPEECH = "nonspeech"
+SET_KINDS = (LONG_FORM, NONSPEECH)
 
 
-def _parse_sets(entries: list[str], flag: str) -> dict[str, tuple[str, str | None, bool]]:
-    """{name: (path, language, long-form)} of NAME[:LANG][:long]=PATH entries, in order."""
-    sets: dict[str, tuple[str, str | None, bool]] = {}
+def _parse_sets(entries: list[str], flag: str) -> dict[str, tuple[str, str | None, str | None]]:
+    """{name: (path, language, kind)} of NAME[:LANG][:KIND]=PATH entries, in order; kind is
+    one of SET_KINDS, or None for clips with transcripts."""
+    sets: dict[str, tuple[str, str | None, str | None]] = {}
     for entry in entries:
         label, sep, path = entry.partition("=")
         name, *tags = label.split(":")
-        long_form = LONG_FORM in tags
-        tags = [tag for tag in tags if tag != LONG_FORM]
+        kinds = [tag for tag in tags if tag in SET_KINDS]
+        tags = [tag for tag in tags if tag not in SET_KINDS]
         if not sep:  # a bare PATH
-            name, tags, long_form, path = "eval", [], False, entry
-        elif not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name) or not path or len(tags) > 1:
+            name, tags, kinds, path = "eval", [], [], entry
+        elif (
+            not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name)
+            or not path
+            or len(tags) > 1
+            or len(kinds) > 1
+        ):
             raise UserError(
                 f"{flag} {entry}: expected NAME=PATH (or NAME:LANG=PATH, NAME:{LONG_FORM}=PATH "
-                f"for long recordings) with NAME of letters, digits, '-', '_' or '.', or a "
-                "bare PATH"
+                f"for long recordings, NAME:{NONSPEECH}=PATH for clips where nobody speaks) "
+                "with NAME of letters, digits, '-', '_' or '.', or a bare PATH"
             )
         if name in sets:
             raise UserError(f"{flag} {entry}: the name {name} is used twice")
@@ -69,7 +80,7 @@ def _parse_sets(entries: list[str], flag: str) -> dict[str, tuple[str, str | Non
                 language = language_code(language)
             except UserError as exc:
                 raise UserError(f"{flag} {entry}: {exc}") from None
-        sets[name] = (path, language or None, long_form)
+        sets[name] = (path, language or None, kinds[0] if kinds else None)
     return sets
 
 
@@ -87,7 +98,12 @@ def named_sets(entries: list[str], flag: str) -> dict[str, tuple[str, str | None
 
 def long_form_sets(entries: list[str], flag: str) -> set[str]:
     """The names of the sets tagged NAME[:LANG]:long=PATH: long recordings, decoded whole."""
-    return {name for name, (_, _, long) in _parse_sets(entries, flag).items() if long}
+    return {name for name, (_, _, kind) in _parse_sets(entries, flag).items() if kind == LONG_FORM}
+
+
+def nonspeech_sets(entries: list[str], flag: str) -> set[str]:
+    """The names of the sets tagged NAME:nonspeech=PATH: clips where nobody speaks."""
+    return {name for name, (_, _, kind) in _parse_sets(entries, flag).items() if kind == NONSPEECH}
 
 
 def named_paths(entries: list[str], flag: str) -> dict[str, str]:

@@ -93,6 +93,11 @@ class EvalReport:
         return sum(item.fallback for item in self.decoded)
 
     @property
+    def silenced(self) -> int:
+        """Utterances judged silence (the no-speech test) and given no text."""
+        return sum(item.no_speech for item in self.decoded)
+
+    @property
     def unresolved(self) -> int:
         """Utterances that failed the tests at every temperature (the best try was kept)."""
         return sum(item.fallback and not item.passed for item in self.decoded)
@@ -411,6 +416,7 @@ def report_to_dict(report: EvalReport) -> dict:
         **languages,
         **report.scores.summary(),
         "fallback_utterances": report.fallbacks,
+        "no_speech_utterances": report.silenced,
         "fallback_unresolved": report.unresolved,
         "long_form_recordings": report.long_form_recordings,
         "condition_on_previous_text": report.condition_on_previous_text,

@@ -192,6 +192,7 @@ class CTranslate2Backend:
             ),
             compression_ratio_threshold=options.compression_ratio_threshold,
             log_prob_threshold=options.logprob_threshold,
+            no_speech_threshold=options.no_speech_threshold,
             condition_on_previous_text=False,  # see the module docstring
             without_timestamps=not timestamps,
             word_timestamps=self.word_timestamps and timestamps,
@@ -273,6 +274,10 @@ class WhisperCppBackend:
             params["entropy_thold"] = options.compression_ratio_threshold
         if options.logprob_threshold is not None:
             params["logprob_thold"] = options.logprob_threshold
+        # A probability is never over 1: off. (pywhispercpp 1.5.1 marks it unimplemented.)
+        params["no_speech_thold"] = (
+            1.0 if options.no_speech_threshold is None else options.no_speech_threshold
+        )
         if self.beam_size > 1:
             params["beam_search"] = {"beam_size": self.beam_size, "patience": -1.0}
         found = self.model.transcribe(np.ascontiguousarray(audio, dtype=np.float32), **params)
@@ -328,6 +333,7 @@ class OpenAIWhisperBackend:
             ),
             compression_ratio_threshold=options.compression_ratio_threshold,
             logprob_threshold=options.logprob_threshold,
+            no_speech_threshold=options.no_speech_threshold,
             condition_on_previous_text=False,  # see the module docstring
             without_timestamps=not timestamps,
             word_timestamps=self.word_timestamps and timestamps,

@@ -9,7 +9,15 @@ so a batch stays one generate call when nothing loops. Sampling is seeded (`seed
 RNG, so an evaluation repeats exactly and a training run's own random stream is left alone.
 
 The defaults are openai-whisper's (`transcribe()`: temperature (0.0, 0.2, ..., 1.0),
-compression_ratio_threshold 2.4, logprob_threshold -1.0); they were not tuned here.
+compression_ratio_threshold 2.4, logprob_threshold -1.0, no_speech_threshold 0.6); they were not
+tuned here.
+
+Silence, as openai-whisper and faster-whisper judge it: the no-speech probability is the softmax
+of the unsuppressed logits at <|nospeech|> (<|nocaptions|> in HF's older vocabularies; always
+the token before <|notimestamps|>) at the position of <|startoftranscript|> (openai-whisper's
+`probs_at_sot`): one decoder step on [SOT], the step that detects the language. A decode over
+`no_speech_threshold` AND under `logprob_threshold` (that test off: the probability alone) is
+silence: no text, not decoded again. Without it every clip gets text, even digital silence.
 
 Definitions, as openai-whisper has them (whisper/utils.py, whisper/decoding.py):
   compression ratio  len(text bytes) / len(zlib.compress(text bytes)), on the decoded TEXT
@@ -22,12 +30,10 @@ At temperature T the log-softmax is of the (suppressed, not temperature-scaled) 
 openai-whisper and transformers' own Whisper fallback compute it.
 
 Why not transformers' built-in `generate(temperature=(...), compression_ratio_threshold=...)`:
-its compression ratio is computed on the token ids' BYTES (`_retrieve_compression_ratio`), a
-different scale (its docs suggest 1.35), so openai-whisper's 2.4 would not mean what users
-expect; and it tells the caller neither which utterances fell back nor their log-probs, which
-the evaluation report counts. Here the loop is ours, over any input generate takes (features,
-or an encoder cache's outputs). Only `transcribe`'s transformers long-form path uses the
-built-in loop (it owns the window seeking), with its ratio swapped for this one.
+its compression ratio is of the token ids' BYTES (its docs suggest 1.35, not 2.4), and it tells
+the caller neither which utterances fell back nor their log-probs, which the report counts.
+Only the transformers long-form path (`longform`) uses the built-in loop (it owns the window
+seeking), with its ratio swapped for this one and its own no-speech test.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from whisper_train.errors import UserError
 DEFAULT_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 DEFAULT_COMPRESSION_RATIO_THRESHOLD = 2.4
 DEFAULT_LOGPROB_THRESHOLD = -1.0
+DEFAULT_NO_SPEECH_THRESHOLD = 0.6
 DEFAULT_SEED = 0
 OFF = ("none", "off")
 
@@ -64,6 +71,11 @@ COMPRESSION_RATIO_HELP = (
 LOGPROB_HELP = (
     "Decode again when the mean log-probability of the output tokens is below this; none or "
     "off to disable. openai-whisper's default, not tuned here"
+)
+NO_SPEECH_HELP = (
+    "A window whose <|nospeech|> probability is above this and whose mean log-probability is "
+    "under --logprob-threshold is silence and gets no text; none or off to disable. "
+    "openai-whisper's and faster-whisper's default, not tuned here"
 )
 
 
@@ -111,23 +123,20 @@ def _check_temperatures(temperatures: Sequence[float], shown) -> None:
     if any(not math.isfinite(t) or t < 0 for t in temperatures):
         raise UserError(f"--temperatures {shown}: temperatures must be 0 or positive")
     if any(t == 0 for t in temperatures[1:]):
-        raise UserError(
-            f"--temperatures {shown}: only the first may be 0; a fallback decodes by sampling"
-        )
+        raise UserError(f"--temperatures {shown}: only the first may be 0; the rest sample")
 
 
 @dataclass(frozen=True)
 class DecodingOptions:
-    """How generate decodes: the temperature schedule and the two tests that trigger it.
-
-    `temperatures[0]` is the first decode (0: greedy / beam search); the rest are the fallback.
-    A threshold of None turns that test off. The fallback runs only with at least two
-    temperatures and at least one threshold.
-    """
+    """How generate decodes: the temperature schedule, the two tests that trigger it, and the
+    no-speech test. `temperatures[0]` is the first decode (0: greedy / beam search), the rest
+    the fallback, which runs with at least two temperatures and one threshold. A threshold of
+    None turns that test off."""
 
     temperatures: tuple[float, ...] = DEFAULT_TEMPERATURES
     compression_ratio_threshold: float | None = DEFAULT_COMPRESSION_RATIO_THRESHOLD
     logprob_threshold: float | None = DEFAULT_LOGPROB_THRESHOLD
+    no_speech_threshold: float | None = DEFAULT_NO_SPEECH_THRESHOLD
     seed: int = DEFAULT_SEED  # sampling seed: the same inputs give the same fallback outputs
 
     def __post_init__(self) -> None:
@@ -155,11 +164,24 @@ class DecodingOptions:
         )
         return too_repetitive or too_unlikely
 
+    def silent(self, candidate: Decoded) -> bool:
+        """Whether `candidate` is silence: its no-speech probability over the threshold and its
+        mean log-prob under --logprob-threshold (that test off: the probability alone decides,
+        as in openai-whisper and faster-whisper)."""
+        probability = candidate.no_speech_prob
+        if self.no_speech_threshold is None or probability is None:
+            return False
+        if probability <= self.no_speech_threshold:
+            return False
+        return self.logprob_threshold is None or (
+            candidate.avg_logprob is not None and candidate.avg_logprob < self.logprob_threshold
+        )
+
     def to_dict(self) -> dict:
         return {**asdict(self), "temperatures": list(self.temperatures)}
 
 
-# Greedy (or beam search) only: what generate did before the fallback existed.
+# Greedy (or beam search) only, no temperature fallback (silence is still found).
 NO_FALLBACK = DecodingOptions(temperatures=(0.0,))
 
 
@@ -180,6 +202,10 @@ class Decoded:
     language: str | None = None
     detected_language: str | None = None
     detected_probability: float | None = None
+    # The no-speech probability of the clip's window (None: not measured, the test is off), and
+    # whether the decode was judged silence (its text and tokens then emptied).
+    no_speech_prob: float | None = None
+    no_speech: bool = False
 
     def report(self) -> dict:
         """The per-utterance figures of a JSON report."""
@@ -190,6 +216,8 @@ class Decoded:
             "compression_ratio": round(self.compression_ratio, 4),
             "fallback": self.fallback,
         }
+        if self.no_speech_prob is not None:
+            figures.update(no_speech_prob=round(self.no_speech_prob, 4), no_speech=self.no_speech)
         if self.detected_language is not None:
             figures.update(
                 language=self.language,
@@ -224,10 +252,15 @@ def choose(candidates: Sequence[Decoded], options: DecodingOptions) -> Decoded:
 
 def decode_with_fallback(decode: DecodeFn, n: int, options: DecodingOptions) -> list[Decoded]:
     """Decode `n` utterances at `options.temperatures[0]`, then again at each later temperature
-    only those whose latest decode failed; returns the kept decode of each, in order."""
+    only those whose latest decode failed and is not silence; returns the kept decode of each,
+    in order, a silent one with no text."""
+
+    def again(candidate: Decoded) -> bool:
+        return options.fails(candidate) and not options.silent(candidate)
+
     first = decode(list(range(n)), options.temperatures[0])
     tries: list[list[Decoded]] = [[candidate] for candidate in first]
-    pending = [i for i, candidate in enumerate(first) if options.fails(candidate)]
+    pending = [i for i, candidate in enumerate(first) if again(candidate)]
     fell_back = set(pending) if options.fallback else set()
     if options.fallback:
         for temperature in options.temperatures[1:]:
@@ -235,11 +268,16 @@ def decode_with_fallback(decode: DecodeFn, n: int, options: DecodingOptions) -> 
                 break
             for i, candidate in zip(pending, decode(pending, temperature), strict=True):
                 tries[i].append(candidate)
-            pending = [i for i in pending if options.fails(tries[i][-1])]
+            pending = [i for i in pending if again(tries[i][-1])]
     kept = []
     for i, candidates in enumerate(tries):
         best = choose(candidates, options) if i in fell_back else candidates[0]
-        kept.append(replace(best, fallback=i in fell_back, passed=not options.fails(best)))
+        if options.silent(best):  # passed: nothing loops in silence
+            best = replace(best, text="", tokens=(), compression_ratio=0.0, no_speech=True)
+        silent = best.no_speech
+        kept.append(
+            replace(best, fallback=i in fell_back, passed=silent or not options.fails(best))
+        )
     return kept
 
 
@@ -368,13 +406,10 @@ def is_multilingual_generation(model) -> bool:
     )
 
 
-def detect_languages(model, inputs: dict) -> list[tuple[str, float]]:
-    """(language code, probability) of each row of `inputs`, as openai-whisper detects it: the
-    decoder's distribution over the language tokens after <|startoftranscript|>, on the
-    window's encoder output. A multilingual model only."""
+def sot_logits(model, inputs: dict) -> torch.Tensor:
+    """(batch, vocab) logits of the decoder's step on <|startoftranscript|> alone, on each row's
+    encoder output: what language detection and the no-speech probability both read."""
     config = model.generation_config
-    codes = {token_id: token.strip("<|>") for token, token_id in config.lang_to_id.items()}
-    language_ids = sorted(codes)
     if "encoder_outputs" in inputs:
         hidden = inputs["encoder_outputs"].last_hidden_state
         batch, device = {"encoder_outputs": inputs["encoder_outputs"]}, hidden.device
@@ -387,7 +422,26 @@ def detect_languages(model, inputs: dict) -> list[tuple[str, float]]:
         (_batch_size(inputs), 1), config.decoder_start_token_id, dtype=torch.long, device=device
     )
     with torch.no_grad():
-        logits = model(**batch, decoder_input_ids=start, use_cache=False).logits[:, -1]
+        return model(**batch, decoder_input_ids=start, use_cache=False).logits[:, -1]
+
+
+def no_speech_probabilities(model, logits: torch.Tensor) -> list[float]:
+    """Each row's probability of <|nospeech|> from `sot_logits`: the softmax over the whole
+    vocabulary, as openai-whisper's `probs_at_sot` (the token before <|notimestamps|>)."""
+    token = model.generation_config.no_timestamps_token_id - 1
+    return torch.softmax(logits.float(), dim=-1)[:, token].tolist()
+
+
+def detect_languages(
+    model, inputs: dict, logits: torch.Tensor | None = None
+) -> list[tuple[str, float]]:
+    """(language code, probability) of each row of `inputs`, as openai-whisper detects it: the
+    decoder's distribution over the language tokens after <|startoftranscript|>, on the
+    window's encoder output (`logits`: that step's, when already computed). Multilingual only."""
+    config = model.generation_config
+    codes = {token_id: token.strip("<|>") for token, token_id in config.lang_to_id.items()}
+    language_ids = sorted(codes)
+    logits = sot_logits(model, inputs) if logits is None else logits
     probabilities = torch.softmax(logits[:, language_ids].float(), dim=-1)
     best, index = probabilities.max(dim=-1)
     return [
@@ -421,10 +475,12 @@ def hf_decoder(
     num_beams: int = 1,
     languages: Sequence[str] | None = None,
     window: _Window | None = None,
+    no_speech: Sequence[float] | None = None,
 ) -> DecodeFn:
     """A DecodeFn over one batch of generate inputs (`input_features`, or `encoder_outputs`);
     `max_length` None leaves it to the model's generation config. `languages` (multilingual
-    models): the language of each row, as codes; None leaves it to the generation config."""
+    models): the language of each row, as codes; None leaves it to the generation config.
+    `no_speech`: each row's no-speech probability, carried by its decodes."""
     window = window or _Window(model, inputs)
 
     def decode(rows: list[int], temperature: float) -> list[Decoded]:
@@ -445,10 +501,13 @@ def hf_decoder(
             **batch, return_dict_in_generate=True, output_scores=True, **ONE_WINDOW, **kwargs
         )
         decoded = decoded_from_output(output, tokenizer, temperature)
-        if languages is None:
-            return decoded
         return [
-            replace(item, language=languages[row]) for row, item in zip(rows, decoded, strict=True)
+            replace(
+                item,
+                language=None if languages is None else languages[row],
+                no_speech_prob=None if no_speech is None else no_speech[row],
+            )
+            for row, item in zip(rows, decoded, strict=True)
         ]
 
     return decode
@@ -478,17 +537,28 @@ def generate_decoded(
     one, else each row's detected one. English-only models take no language (`languages` must
     be None or all None/"en").
 
-    Without a fallback (`NO_FALLBACK`), one plain generate call, as before the fallback existed
+    With `options.no_speech_threshold`, every row's no-speech probability is measured the same
+    way, and a row judged silence (`DecodingOptions.silent`) is kept with no text.
+
+    Without a fallback or the no-speech test, one plain generate call, as before either existed
     (no scores asked for: `avg_logprob` None, `tokens` the text tokens).
     """
     options = DecodingOptions() if options is None else options
     window = _Window(model, inputs)
     chosen: list[str] | None = None
     detected: list[tuple[str, float]] = []
-    if is_multilingual_generation(model):
-        detected = detect_languages(model, window.encoder_outputs(list(range(window.n))))
-        chosen = _chosen_languages(model, detected, languages)
-    if not options.fallback and options.temperatures[0] == 0:
+    no_speech: list[float] | None = None
+    multilingual = is_multilingual_generation(model)
+    if multilingual or options.no_speech_threshold is not None:
+        # One decoder step on [SOT] for both; the decodes then reuse its encoder outputs.
+        every = window.encoder_outputs(list(range(window.n)))
+        logits = sot_logits(model, every)
+        if multilingual:
+            detected = detect_languages(model, every, logits)
+            chosen = _chosen_languages(model, detected, languages)
+        if options.no_speech_threshold is not None:
+            no_speech = no_speech_probabilities(model, logits)
+    if not options.fallback and options.temperatures[0] == 0 and no_speech is None:
         limit = {} if max_length is None else {"max_length": max_length}
         if chosen is not None:
             limit["language"] = _language_argument(chosen)
@@ -510,6 +580,7 @@ def generate_decoded(
             num_beams=num_beams,
             languages=chosen,
             window=window,
+            no_speech=no_speech,
         )
         device = _first_device(inputs)
         with seeded(options.seed, device):

@@ -23,18 +23,30 @@ from whisper_train.transcription.decoding import DecodingOptions, compression_ra
 
 
 def _fallback_arguments(options: DecodingOptions) -> dict:
-    """generate's own window-by-window fallback, set from `options`. When every temperature
-    fails, transformers keeps the last try (as openai-whisper does), not the most likely one
-    (`decoding.choose`, faster-whisper's rule)."""
+    """generate's own window-by-window fallback and no-speech test, set from `options`. When
+    every temperature fails, transformers keeps the last try (as openai-whisper does), not the
+    most likely one (`decoding.choose`, faster-whisper's rule)."""
     sampling = {"top_k": 0}  # the whole distribution, as openai-whisper samples
+    silence = {}
+    # transformers' detector (the same probability, at <|startoftranscript|>) always pairs it
+    # with the log-prob test: with --logprob-threshold off, long-form windows are not tested.
+    if options.no_speech_threshold is not None and options.logprob_threshold is not None:
+        silence = {
+            "no_speech_threshold": options.no_speech_threshold,
+            "logprob_threshold": options.logprob_threshold,
+        }
     if not options.fallback:
         first = options.temperatures[0]
-        return {"temperature": first, **sampling} if first > 0 else {}
+        if first > 0:
+            return {"temperature": first, **sampling, **silence}
+        # transformers' log-prob test rescales by the temperature: it must be given (0: greedy).
+        return {"temperature": 0.0, **silence} if silence else {}
     return {
         "temperature": options.temperatures,
         "compression_ratio_threshold": options.compression_ratio_threshold,
         "logprob_threshold": options.logprob_threshold,
         **sampling,
+        **silence,
     }
 
 

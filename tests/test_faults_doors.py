@@ -267,3 +267,81 @@ def test_an_edited_screening_cache_is_screened_again_and_said_in_one_line(
     with caplog.at_level("INFO"):
         assert _screen_tones(tone_dataset, cache) == fresh  # rewritten: reused from now on
     assert any("reusing" in r.getMessage() for r in caplog.records)
+
+
+# -- 5. word times: no cue of no length, nothing past the audio, no library warning -------------
+
+
+def test_words_the_alignment_put_at_the_end_of_silence_share_its_time():
+    from whisper_train.transcription.word_timestamps import Word, fit_into_segment
+
+    # What 10 s of silence gave: six words, each at start = end = 10.0 s (one of them NaN).
+    at_the_end = [Word(f" w{i}", 10.0, 10.0) for i in range(5)] + [Word(" x", np.nan, np.nan)]
+    words = fit_into_segment(at_the_end, 0.0, 10.0)
+    assert [w.word for w in words] == [w.word for w in at_the_end]
+    assert all(0.0 <= w.start < w.end <= 10.0 for w in words)
+    assert all(a.end <= b.start for a, b in zip(words[:-1], words[1:], strict=True))
+
+
+def test_a_tenth_of_a_second_gives_no_cue_of_no_length():
+    from whisper_train.transcription.transcripts import Segment
+    from whisper_train.transcription.word_timestamps import Word, fit_into_segment, highlighted_cues
+
+    words = fit_into_segment([Word(" you", 0.08, 0.12), Word(".", 0.12, 0.12)], 0.0, 0.1)
+    segment = Segment(0.0, 0.1, "you.", tuple(words))
+    cues = highlighted_cues([segment])
+    assert cues and all(0.0 <= start < end <= 0.1 for start, end, _ in cues)
+
+
+def test_transcribing_prints_no_torch_warning_when_a_window_has_one_token(
+    monkeypatch, tiny_whisper
+):
+    import warnings
+
+    from whisper_train.transcription import backends
+
+    def one_token_window(*args, **kwargs):
+        torch.zeros(1, 3).std(dim=0)  # what transformers' token times do over one token
+        raise StopIteration
+
+    monkeypatch.setattr(backends, "generate_long_form", one_token_window)
+    backend = backends.TransformersBackend(*tiny_whisper, word_timestamps=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(StopIteration):
+            backend.transcribe(np.zeros(1600, dtype=np.float32))
+    assert not [w for w in caught if "std()" in str(w.message)]
+
+
+# -- 6. lesser doors -------------------------------------------------------------------------------
+
+
+def test_a_negative_learning_rate_is_one_line_about_the_value(tmp_path, tone_dataset):
+    line = _one_line(
+        "train", "--data", str(tone_dataset), "--model", "tiny.en",
+        "--output-dir", str(tmp_path / "out"), "--learning-rate", "-1e-5",
+    )  # fmt: skip
+    assert line.startswith("error: --learning-rate -1e-05: expected a finite number above 0")
+
+
+def test_a_fifo_a_folder_and_a_device_given_as_audio_are_named_as_what_they_are(
+    tmp_path, tiny_whisper_dir
+):
+    import os
+
+    from whisper_train.audio import load_audio
+    from whisper_train.errors import AudioError
+
+    fifo = tmp_path / "pipe.wav"
+    os.mkfifo(fifo)
+    folder = tmp_path / "folder.wav"
+    folder.mkdir()
+    expected = {fifo: "a named pipe (FIFO)", folder: "a folder", Path("/dev/zero"): "a device"}
+    for path, says in expected.items():
+        with pytest.raises(AudioError, match=r"not an audio file") as caught:
+            load_audio(path)
+        assert caught.value.reason.startswith(says)
+    code, _, text = _cli("transcribe", str(fifo), "/dev/zero", "--model", str(tiny_whisper_dir))
+    assert code == 2 and "Traceback" not in text and "not found" not in text
+    assert f"skipped {fifo}: a named pipe (FIFO)" in text
+    assert "skipped /dev/zero: a device" in text

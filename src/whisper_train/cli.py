@@ -12,6 +12,7 @@ import argparse
 import importlib
 import logging
 import os
+import re
 import sys
 from types import ModuleType
 
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     # whisper-train never uses; keep it from being the first line a user reads.
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_negative_values_joined(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s" if args.verbose else "%(message)s",
@@ -95,6 +96,29 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+# A negative number in any notation: argparse takes only `-5` and `-0.5` for values, and reads
+# `-1e-5` as an unknown option ("expected one argument" after the whole usage).
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
+
+
+def _negative_values_joined(argv: list[str]) -> list[str]:
+    """`--flag -1e-5` as `--flag=-1e-5`, so that a negative value reaches the option, whose
+    own check then says in one line what it takes."""
+    joined: list[str] = []
+    for arg in argv:
+        previous = joined[-1] if joined else ""
+        if (
+            NEGATIVE_NUMBER.match(arg)
+            and previous.startswith("--")
+            and "=" not in previous
+            and previous != "--"
+        ):
+            joined[-1] = f"{previous}={arg}"
+        else:
+            joined.append(arg)
+    return joined
 
 
 def _quiet_libraries(verbose: bool) -> None:

@@ -365,7 +365,11 @@ def audio_problem(
     that screening makes before step 1 and `SpeechDataset` makes as it reads a clip."""
     origin = example.origin or example.audio
     if isinstance(length, AudioError):
-        reason = "audio file not found" if "not found" in length.reason else "unreadable audio"
+        reason = "unreadable audio"
+        if "not found" in length.reason:
+            reason = "audio file not found"
+        elif "not an audio file" in length.reason:  # a folder, a FIFO, a device
+            reason = f"audio path is {length.reason.split(',')[0]}"
         return Skip(origin, reason, example.audio)
     start = example.start or 0.0
     end = example.end if example.end is not None else length

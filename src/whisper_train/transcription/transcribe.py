@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from whisper_train.audio import AUDIO_SUFFIXES, load_audio
 from whisper_train.data.layouts import load_examples
-from whisper_train.errors import UserError, last_line
+from whisper_train.errors import AudioError, UserError, last_line
 from whisper_train.files import check_output_path
 from whisper_train.formats.registry import EXPORT_FORMATS, ExportFormat, format_of
 from whisper_train.models import load_model, model_folder
@@ -174,7 +174,9 @@ def transcribe_paths(
             try:
                 audio = load_audio(entry.path, start=entry.start, end=entry.end)
                 transcript.text, transcript.segments = backend.transcribe(audio)
-            except UserError as exc:  # AudioError included
+            except AudioError as exc:  # the line names the path already
+                transcript.error = exc.reason
+            except UserError as exc:
                 transcript.error = str(exc)
         if transcript.error:
             bar.write(f"skipped {entry.path}: {transcript.error}", file=sys.stderr)

@@ -34,7 +34,7 @@ from transformers import (
     WhisperProcessor,
 )
 
-from whisper_train.errors import UserError
+from whisper_train.errors import UserError, unpickling_refusal
 from whisper_train.formats.ct2 import (
     _feature_extractor,
     _generation_config,
@@ -202,10 +202,11 @@ def read_openai_checkpoint(path: str | Path) -> tuple[Path, dict[str, int], dict
     try:
         checkpoint = torch.load(model_file, map_location="cpu", weights_only=True)
     except Exception as exc:  # truncated zip, bad pickle, not a torch file at all
+        refused = unpickling_refusal(exc)
+        cause = str(exc).split(".")[0][:100] + (f": {refused}" if refused else "")
         raise UserError(
             f"--model {model_file}: not a readable openai-whisper checkpoint "
-            f"({type(exc).__name__}: {str(exc).split('.')[0][:100]}); re-export it or check "
-            "the download"
+            f"({type(exc).__name__}: {cause}); re-export it or check the download"
         ) from None
     if not isinstance(checkpoint, dict) or not {"dims", "model_state_dict"} <= set(checkpoint):
         raise UserError(

@@ -57,8 +57,8 @@ def load_backend(
 def _runtime_backend(export_format: ExportFormat, path: Path, word_timestamps: bool, options):
     """The backend of a model that its own runtime (not transformers) runs, handed its files
     only once whisper-train's reader of the format (train's) accepted them."""
-    model_input = export_format.accepted_input(path)
-    if word_timestamps:
+    model_input = export_format.runtime_input(path)
+    if word_timestamps:  # what the format cannot do is said before its files are read
         if not export_format.carries_alignment_heads:
             others = [fmt for fmt in EXPORT_FORMATS if fmt.carries_alignment_heads]
             instead = " or ".join(f"--format {fmt.name} ({fmt.runtime})" for fmt in others)
@@ -68,6 +68,7 @@ def _runtime_backend(export_format: ExportFormat, path: Path, word_timestamps: b
             )
         options = {**options, "word_timestamps": True}
     export_format.require_client()
+    export_format.accepted_input(path)
     try:
         return export_format.backend(model_input, **options)
     except UserError:

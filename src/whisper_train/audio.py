@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,9 +115,30 @@ def _header(path: str | Path) -> tuple[int, int, bool]:
 
 def _existing_file(path: str | Path) -> str:
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise AudioError(path, "file not found; check the path in your data")
+    problem = not_a_file(path)
+    if problem is not None:
+        raise AudioError(path, problem)
     return path
+
+
+def not_a_file(path: str | Path) -> str | None:
+    """Why `path` is no file audio can be read from, named as what it is (None: a file). A
+    FIFO or a device would hang or never end a read; a folder is no clip."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "file not found; check the path in your data"
+    except OSError as exc:
+        return f"cannot be opened ({exc.strerror or exc}); check the path and its permissions"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a folder, not an audio file; name the audio file itself"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO), not an audio file; save the audio to a file first"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device, not an audio file; pass an audio file"
+    return "not a regular file (a socket?); pass an audio file"
 
 
 def _checked(source: AudioSource, origin: str | None) -> tuple[str | bytes, str]:

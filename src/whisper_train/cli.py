@@ -26,7 +26,8 @@ from whisper_train.errors import AlreadySaid, RunRefused, UserError
 __all__ = ["add_config_arguments", "build_parser", "config_from_args", "main"]
 
 EXIT_USER_ERROR = 2
-NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+# A negative number in any notation, -inf and nan too: a value, never an option.
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
 
 
 class Parser(argparse.ArgumentParser):

@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 from whisper_train.config import RunConfig
 from whisper_train.data import synth
 from whisper_train.errors import UserError
+from whisper_train.files import check_output_path
 from whisper_train.training.train import TrainResult, train
 
 SETS = ("train", "held-out", "guard")
@@ -102,6 +103,7 @@ def run_demo(
         raise UserError(f"--language {language}: the demo speaks {' or '.join(DEMO_LANGUAGES)}")
     model = model or ("tiny.en" if language == "en" else "base")
     output_dir = Path(output_dir)
+    check_output_path(output_dir, "--output-dir", folder=True)  # before minutes of synthesis
     started = time.perf_counter()
     data_dirs = prepare_demo_data(
         output_dir / "data",

@@ -36,3 +36,19 @@ def last_line(error: BaseException) -> str:
     line naming the C++ source ("[enforce fail at inline_container.cc:664] ...")."""
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
     return f"{type(error).__name__}: {lines[-1].strip()}" if lines else type(error).__name__
+
+
+# The lines of torch.load's weights_only refusal that say what it refused (torch 2.6+ puts them
+# between paragraphs of advice to load the file unsafely, which whisper-train never does).
+_REFUSAL_MARKERS = ("WeightsUnpickler error:", "Trying to load unsupported GLOBAL")
+
+
+def unpickling_refusal(error: BaseException) -> str | None:
+    """What torch.load(weights_only=True) refused to build, in one sentence ("Unsupported
+    global: GLOBAL argparse.Namespace ..."); None for any other error."""
+    for line in str(error).splitlines():
+        for marker in _REFUSAL_MARKERS:
+            if marker in line:
+                reason = line.strip().removeprefix("WeightsUnpickler error:").strip()
+                return f"weights-only loading refused it: {reason.split('. ')[0].rstrip('.')}"
+    return None

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from whisper_train.errors import UserError
+
 
 @contextlib.contextmanager
 def atomic_output(path: Path) -> Iterator[BinaryIO]:
@@ -45,4 +47,30 @@ def write_atomically(path: Path, data: bytes | str) -> None:
         file.write(data.encode("utf-8") if isinstance(data, str) else data)
 
 
-__all__ = ["atomic_output", "write_atomically"]
+def check_output_path(path: str | Path, flag: str, *, folder: bool) -> None:
+    """Refuse, in one line naming `flag path`, an output that cannot be written, before any work
+    is done for it: a file where a folder must be (or above it), a folder where a file must be,
+    a place nothing can be created in (read-only, /proc). Asked by trying: `os.access` answers
+    yes to root everywhere, /proc included, and a full evaluation or a run's set-up must not be
+    spent before the write fails."""
+    path = Path(path)
+    existing = next(p for p in (path, *path.parents) if p.exists() or p == Path(p.anchor or "."))
+    kind = "folder" if folder else "file"
+    if existing.exists() and not existing.is_dir() and (folder or existing != path):
+        where = f"{existing} is a file" if existing != path else "is a file"
+        raise UserError(f"{flag} {path}: {where}; choose a {kind} path")
+    if not folder and existing == path and path.is_dir():
+        raise UserError(f"{flag} {path}: is a folder; choose a file path")
+    place = existing if existing.is_dir() else existing.parent
+    try:
+        probe = place / f".whisper-train-probe-{secrets.token_hex(8)}"
+        probe.open("xb").close()
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(
+            f"{flag} {path}: nothing can be written in {place} ({exc.strerror or exc}); "
+            f"choose another {kind}"
+        ) from None
+
+
+__all__ = ["atomic_output", "check_output_path", "write_atomically"]

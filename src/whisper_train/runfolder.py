@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import re
 import socket
@@ -19,6 +20,9 @@ import time
 from pathlib import Path
 
 from whisper_train.errors import UserError
+from whisper_train.files import check_output_path
+
+log = logging.getLogger(__name__)
 
 CONFIG_FILE = "whisper-train.yaml"  # the resolved configuration (also in every checkpoint)
 METRICS_FILE = "metrics.jsonl"
@@ -39,6 +43,8 @@ ABANDONED_PREFIX = "abandoned-after-step-"
 # Held by the run training in the folder (`RunLock`). Not a run entry: it marks no earlier run
 # and stays in place when --overwrite moves one aside (the new run holds it then).
 LOCK_FILE = ".whisper-train.lock"
+# Set to 1: train in a folder whose file system cannot lock (`RunLock`), unprotected.
+NO_LOCK_VARIABLE = "WHISPER_TRAIN_NO_LOCK"
 RUN_ENTRIES = frozenset(
     {
         CONFIG_FILE,
@@ -148,18 +154,8 @@ def move_aside(output_dir: Path, entries: list[Path]) -> Path:
 
 
 def check_writable(output_dir: Path) -> None:
-    """`--output-dir` must be (or be creatable as) a writable folder."""
-    probe = (
-        output_dir
-        if output_dir.exists()
-        else next((p for p in output_dir.parents if p.exists()), Path("."))
-    )
-    if probe.exists() and not probe.is_dir():
-        raise UserError(f"--output-dir {output_dir}: {probe} is a file; choose a folder path")
-    if not os.access(probe, os.W_OK):
-        raise UserError(
-            f"--output-dir {output_dir}: {probe} is not writable; choose another folder"
-        )
+    """`--output-dir` must be (or be creatable as) a folder this run can write in."""
+    check_output_path(output_dir, "--output-dir", folder=True)
 
 
 class RunLock:
@@ -200,7 +196,8 @@ class RunLock:
             holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip()
             os.close(fd)
             if exc.errno in (errno.ENOLCK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
-                return  # a file system without locks (some network mounts): as before locks
+                self._without_lock(exc)  # a file system without locks (some network mounts)
+                return
             raise UserError(
                 f"--output-dir {self.output_dir} is in use by another whisper-train run "
                 f"({holder or 'starting now'}); wait for it to end, stop it, or choose another "
@@ -210,6 +207,28 @@ class RunLock:
         started = time.strftime("%Y-%m-%d %H:%M:%S")
         os.pwrite(fd, f"PID {os.getpid()} on {socket.gethostname()}, since {started}\n".encode(), 0)
         self.fd = fd
+
+    def _without_lock(self, exc: OSError) -> None:
+        """A folder whose file system cannot lock: refused in one line saying what that means,
+        unless $WHISPER_TRAIN_NO_LOCK=1 asks to run in it anyway (then said once, as a warning):
+        a silent run there is one that a second run into the folder writes over unseen."""
+        what = (
+            f"--output-dir {self.output_dir}: its file system cannot lock {LOCK_FILE} "
+            f"({exc.strerror or exc}; NFS without a lock daemon does this), so a second run "
+            "into this folder would not be refused"
+        )
+        if os.environ.get(NO_LOCK_VARIABLE) == "1":
+            log.warning("%s; running anyway, as %s=1 asks", what, NO_LOCK_VARIABLE)
+            return
+        if self.created:  # a refused run leaves no folder it made for its lock
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+                for folder in self.created:
+                    folder.rmdir()
+        raise UserError(
+            f"{what}; choose an --output-dir on a local disk, or set {NO_LOCK_VARIABLE}=1 to run "
+            "without the lock (keeping other runs out of the folder is then yours)"
+        )
 
     def release(self) -> None:
         """Empty the file (nobody holds it now) and let the lock go. The file is not deleted: a

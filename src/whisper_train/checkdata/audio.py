@@ -12,10 +12,16 @@ import math
 import os
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from whisper_train.audio import CHUNK_LENGTH, AudioHeader, NonFiniteAudio, load_audio, read_header
+from whisper_train.audio import (
+    CHUNK_LENGTH,
+    AudioHeader,
+    NonFiniteAudio,
+    load_audio,
+    not_a_file,
+    read_header,
+)
 from whisper_train.checkdata.report import DataReport, Finding
 from whisper_train.data.examples import Example
 from whisper_train.data.screening import HASH_THREADS, HEADER_THREADS, map_in_threads
@@ -116,8 +122,9 @@ def check_stream_audio(source: StreamSource, report: DataReport) -> list[Example
 
 def _read_header(path: str) -> AudioHeader | str:
     """The file's header, or why there is none (a short reason)."""
-    if not Path(path).is_file():
-        return "file not found"
+    problem = not_a_file(path)
+    if problem is not None:
+        return problem.split(";")[0]  # the report's short reason: what the path is
     try:
         return read_header(path)
     except AudioError as exc:

@@ -41,7 +41,7 @@ SCREENINGS_KEPT = 16
 # --eval-split holds out whole recordings only when they make up the share asked for within this
 # fraction of it (10% asked: 7.5% to 12.5% of the clips); else a time range of each recording.
 SPLIT_TOLERANCE = 0.25
-SCREENING_VERSION = 3
+SCREENING_VERSION = 4  # 4: each result carries its key, its size and a checksum
 
 log = logging.getLogger(__name__)
 
@@ -234,12 +234,14 @@ def screen(
         log.info("screening cache %s unusable (%s): screening without it", folder, exc)
         return _screen(examples, count_all, max_label_tokens, max_seconds, read_headers)
     try:
-        cached = _read_screening(target)
-        if cached is not None:
+        cached = _read_screening(target, key, len(examples))
+        if isinstance(cached, Screening):
             log.info("screening: reusing %s", target)
             return cached
+        if cached is not None:  # never trusted: its indices would pick the clips trained on
+            log.warning("screening: %s does not verify (%s); screening again", target, cached)
         screening = _screen(examples, count_all, max_label_tokens, max_seconds, read_headers)
-        _write_screening(target, screening)
+        _write_screening(target, screening, key, len(examples))
         _prune_screenings(folder)
         return screening
     finally:
@@ -363,7 +365,11 @@ def audio_problem(
     that screening makes before step 1 and `SpeechDataset` makes as it reads a clip."""
     origin = example.origin or example.audio
     if isinstance(length, AudioError):
-        reason = "audio file not found" if "not found" in length.reason else "unreadable audio"
+        reason = "unreadable audio"
+        if "not found" in length.reason:
+            reason = "audio file not found"
+        elif "not an audio file" in length.reason:  # a folder, a FIFO, a device
+            reason = f"audio path is {length.reason.split(',')[0]}"
         return Skip(origin, reason, example.audio)
     start = example.start or 0.0
     end = example.end if example.end is not None else length
@@ -452,26 +458,57 @@ def _screening_key(
     return digest.hexdigest()
 
 
-def _read_screening(target: Path) -> Screening | None:
+def _read_screening(target: Path, key: str, n_examples: int) -> Screening | str | None:
+    """The result stored at `target` when it verifies: computed for `key` from `n_examples`
+    examples, its checksum intact, its indices each an example's, in order, once. None when
+    there is none; what is wrong with it otherwise (it is then screened again, and rewritten)."""
     try:
         stored = json.loads(target.read_text(encoding="utf-8"))
-        return Screening(
-            kept=stored["kept"],
-            label_tokens=stored["label_tokens"],
-            skips=[Skip(*skip) for skip in stored["skips"]],
-        )
+        payload = {name: stored[name] for name in _STORED}
+        checksum = stored["checksum"]
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError):
-        return None  # damaged or from another version: screen again, and overwrite it
+        return "not the JSON a screening writes"
+    if checksum != _checksum(payload):
+        return "its checksum does not match its contents"
+    if payload["key"] != key or payload["examples"] != n_examples:
+        return f"computed from other data ({payload['examples']} examples)"
+    kept, tokens = payload["kept"], payload["label_tokens"]
+    indices = all(isinstance(i, int) and not isinstance(i, bool) for i in kept)
+    if (
+        not indices
+        or kept != sorted(set(kept))
+        or (kept and not 0 <= kept[0] <= kept[-1] < n_examples)
+    ):
+        return "its kept indices are not the examples' own, in order, once each"
+    if len(tokens) != len(kept) or not all(isinstance(n, int) and n >= 0 for n in tokens):
+        return "its label lengths do not match its kept examples"
+    try:
+        skips = [Skip(*skip) for skip in payload["skips"]]
+    except TypeError:
+        return "its skips are not (origin, reason, detail)"
+    return Screening(kept=kept, label_tokens=tokens, skips=skips)
 
 
-def _write_screening(target: Path, screening: Screening) -> None:
-    stored = {
+# What a stored screening holds besides its checksum.
+_STORED = ("key", "examples", "kept", "label_tokens", "skips")
+
+
+def _checksum(payload: dict) -> str:
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _write_screening(target: Path, screening: Screening, key: str, n_examples: int) -> None:
+    payload = {
+        "key": key,
+        "examples": n_examples,
         "kept": screening.kept,
         "label_tokens": screening.label_tokens,
         "skips": [[skip.origin, skip.reason, skip.detail] for skip in screening.skips],
     }
+    stored = {**payload, "checksum": _checksum(payload)}
     try:
         write_atomically(target, json.dumps(stored, separators=(",", ":")))
     except OSError as exc:  # the cache saves time, never the run

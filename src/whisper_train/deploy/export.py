@@ -44,7 +44,7 @@ from whisper_train.deploy.parity import (
     score_source,
 )
 from whisper_train.errors import UserError
-from whisper_train.files import write_atomically
+from whisper_train.files import check_output_path, write_atomically
 from whisper_train.formats.registry import (
     DEFAULT_FORMAT,
     DEVICES,
@@ -204,6 +204,7 @@ def export_model(
                 f"--model {model_spec} is inside --output {output}, which --overwrite would "
                 "move aside; export to a new folder"
             )
+    check_output_path(output, "--output", folder=True)  # before the model is read
     moved_aside = _clear_output(output, overwrite=overwrite)
 
     model, processor, merged = load_for_export(model_spec)

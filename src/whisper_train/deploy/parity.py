@@ -267,8 +267,9 @@ def check_export(
     audio = [clip[1] for clip in source.clips]
     runtime = exported_format.runtime
     arithmetic = scoring_arithmetic(format, quantization)
-    model_input = exported_format.runtime_input(output)  # the folder, or the file it loads
     try:
+        # The folder or the file its runtime loads, once our reader accepted what was written.
+        model_input = exported_format.accepted_input(output)
         exported_format.require_client()
         scores = exported_format.scores(model_input, audio, source.prompt, source.tokens)
         exported = (

@@ -36,6 +36,7 @@ from whisper_train.evaluation.scoring import (
     normalizer_for,
     score,
 )
+from whisper_train.files import check_output_path
 from whisper_train.memory import training_loss
 from whisper_train.models import load_model, resolve_alias
 from whisper_train.runfolder import EVALUATION_DIR, REPORT_FILES, run_folder_of
@@ -518,6 +519,8 @@ def evaluate(
     # baseline is then scored with the model's choice, so the two are comparable.
     # Refuse before the (long) transcription, not after it.
     paths = report_paths(model, output=output, baseline=baseline)
+    for path in paths:  # a report that cannot be written: said now, not after the work
+        check_output_path(path, "--output" if output else "the report", folder=False)
     existing = [path for path in paths if path.exists()]
     if existing and not overwrite:
         flag = f"--output {output}" if output else "the default report location"

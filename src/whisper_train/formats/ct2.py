@@ -68,6 +68,14 @@ QUANTIZATIONS = (
 MULTILINGUAL_MIN_VOCAB = 51865
 # The vocabulary CTranslate2's converter writes beside model.bin (one token a line, or a list).
 VOCABULARY_FILES = ("vocabulary.json", "vocabulary.txt")
+# What every Whisper model.bin holds (`load_ct2_whisper` reads its shape and heads from them).
+_REQUIRED_VARIABLES = (
+    "encoder/conv1/weight",
+    "encoder/num_heads",
+    "decoder/num_heads",
+    "decoder/activation",
+    "decoder/embeddings/weight",
+)
 # Timestamps may start at most 1.0 s (50 steps of 20 ms) into the window, as in openai/whisper.
 MAX_INITIAL_TIMESTAMP_INDEX = 50
 
@@ -147,6 +155,12 @@ class _BinaryReader:
         # A fresh bytearray is writable, so torch.frombuffer can wrap it without a copy.
         return bytearray(self.stream.read(n_bytes))
 
+    def skip(self, n_bytes: int) -> None:
+        """Step over `n_bytes` that are there (checked as `raw` checks), reading none."""
+        if n_bytes > self.size - self.stream.tell():
+            self.raw(n_bytes)  # its one line: truncated
+        self.stream.seek(n_bytes, 1)
+
 
 def read_ct2_variables(model_dir: str | Path) -> dict[str, torch.Tensor]:
     """Every variable of `model_dir/model.bin` by name, aliases resolved, in its stored dtype.
@@ -154,14 +168,50 @@ def read_ct2_variables(model_dir: str | Path) -> dict[str, torch.Tensor]:
     Scalars (e.g. `encoder/num_heads`) are 0-d tensors. int8 weights come back as int8 with
     their `<name>_scale` beside them; `dequantize` turns them into floats.
     """
+    variables = _read_model_bin(Path(model_dir), keep=True)
+    return {name: tensor for name, tensor in variables.items() if tensor is not None}
+
+
+def check_ct2_folder(model_dir: str | Path) -> None:
+    """Refuse, in one line naming the file, a CTranslate2 folder that `read_ct2_variables` or
+    `load_ct2_whisper` would refuse for its files' form, without reading the weights (every
+    header of model.bin walked, the data stepped over): what `transcribe` asks before
+    faster-whisper, which trusts the file's counts, is handed the folder."""
     model_dir = Path(model_dir)
+    names = _read_model_bin(model_dir, keep=False)
+    missing = [name for name in _REQUIRED_VARIABLES if name not in names]
+    if missing:
+        raise UserError(
+            f"{model_dir / CT2_MODEL_FILE} has no {missing[0]}: this is not a Whisper model "
+            "from ctranslate2; download or convert the model again"
+        )
+    _read_config(model_dir / MODEL_CONFIG)
+    tokenizer_file = model_dir / TOKENIZER_FILE
+    if not tokenizer_file.is_file():
+        # faster-whisper would fetch openai/whisper-tiny's tokenizer from the hub instead.
+        raise UserError(
+            f"--model {model_dir}: a CTranslate2 folder needs its {TOKENIZER_FILE} beside "
+            f"{CT2_MODEL_FILE} (`whisper-train export --format ct2` writes one)"
+        )
+    try:
+        json.loads(tokenizer_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise UserError(
+            f"{tokenizer_file} is not JSON: copy the tokenizer.json of the original Whisper "
+            "model into it"
+        ) from None
+
+
+def _read_model_bin(model_dir: Path, *, keep: bool) -> dict[str, torch.Tensor | None]:
+    """model.bin's variables by name, aliases resolved; None for each when not `keep`ing the
+    data (then only the headers are read, and every count checked against the file)."""
     path = model_dir / CT2_MODEL_FILE
     if not is_ct2_model_dir(model_dir):
         raise UserError(
             f"{model_dir} is not a CTranslate2 model folder (needs {CT2_MODEL_FILE} and "
             f"{MODEL_CONFIG}): pass a faster-whisper/CTranslate2 model folder"
         )
-    variables: dict[str, torch.Tensor] = {}
+    variables: dict[str, torch.Tensor | None] = {}
     with path.open("rb") as stream:
         reader = _BinaryReader(stream, path)
         version = reader.u32()
@@ -188,6 +238,10 @@ def read_ct2_variables(model_dir: str | Path) -> dict[str, torch.Tensor]:
                 raise reader.damaged(
                     f"variable {name} of shape {shape} needs {needed} bytes but stores {n_bytes}"
                 )
+            if not keep:
+                reader.skip(n_bytes)
+                variables[name] = None
+                continue
             data = reader.raw(n_bytes)
             if data:
                 tensor = torch.frombuffer(data, dtype=dtype).reshape(shape)

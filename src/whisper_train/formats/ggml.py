@@ -223,6 +223,19 @@ def read_ggml(path: str | Path) -> tuple[dict[str, int], np.ndarray, dict[str, t
 
 def load_ggml(path: str | Path, *, attn_implementation: str = "sdpa"):
     """`ggml-model.bin` (or its folder) -> (WhisperForConditionalGeneration in float32, processor)."""
+    model_file, hparams, tensors = _read_ggml_model(path)
+    dims = {key: hparams[key] for key in DIMS}
+    return model_from_openai_weights(model_file, dims, tensors, attn_implementation)
+
+
+def check_ggml(path: str | Path) -> None:
+    """Refuse, in one line naming the file, a ggml-model.bin that `load_ggml` would refuse for
+    its form: asked before whisper.cpp, which aborts the whole process on a damaged file, is
+    handed it."""
+    _read_ggml_model(path)
+
+
+def _read_ggml_model(path: str | Path) -> tuple[Path, dict[str, int], dict[str, torch.Tensor]]:
     model_file = Path(path)
     if model_file.is_dir():
         model_file = model_file / GGML_MODEL_FILE
@@ -234,8 +247,7 @@ def load_ggml(path: str | Path, *, attn_implementation: str = "sdpa"):
     hparams, _, tensors = read_ggml(model_file)
     if hparams["n_audio_state"] != hparams["n_text_state"]:
         raise UserError(f"--model {model_file}: audio and text widths differ; not Whisper")
-    dims = {key: hparams[key] for key in DIMS}
-    return model_from_openai_weights(model_file, dims, tensors, attn_implementation)
+    return model_file, hparams, tensors
 
 
 def is_ggml_file(path: Path) -> bool:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
-from whisper_train.errors import UserError
+from whisper_train.errors import UserError, unpickling_refusal
 
 # What a damaged local model folder makes transformers raise: a truncated or altered
 # pytorch_model.bin (torch.load, weights_only), a config transformers refuses. Anything else
@@ -162,7 +162,8 @@ def load_hf(path: str | Path, *, attn_implementation: str = "sdpa"):
     except _LOAD_ERRORS as exc:  # what the checks cannot foresee (a damaged .bin)
         raise UserError(
             f"--model {spec}: transformers could not load the model in {path} "
-            f"({type(exc).__name__}: {_first_line(exc)[:160]}); the folder is damaged: copy "
+            f"({type(exc).__name__}: {unpickling_refusal(exc) or _first_line(exc)[:160]}); "
+            "the folder is damaged: copy "
             "or save the model again"
         ) from None
     if any(p.dtype != torch.float32 for p in model.parameters()):

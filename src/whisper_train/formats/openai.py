@@ -34,7 +34,7 @@ from transformers import (
     WhisperProcessor,
 )
 
-from whisper_train.errors import UserError
+from whisper_train.errors import UserError, unpickling_refusal
 from whisper_train.formats.ct2 import (
     _feature_extractor,
     _generation_config,
@@ -182,16 +182,31 @@ def save_side_files(model, processor, output: Path) -> None:
 
 def load_openai(path: str | Path, *, attn_implementation: str = "sdpa"):
     """`model.pt` (or its folder) -> (WhisperForConditionalGeneration in float32, processor)."""
+    model_file, dims, weights = read_openai_checkpoint(path)
+    return model_from_openai_weights(model_file, dims, weights, attn_implementation)
+
+
+def check_openai(path: str | Path) -> None:
+    """Refuse, in one line naming the file, a `model.pt` that `load_openai` would refuse for its
+    contents (a pickled object, a cut-off file, missing dims): asked before openai-whisper,
+    whose `torch.load` would unpickle anything, is handed the file."""
+    read_openai_checkpoint(path)
+
+
+def read_openai_checkpoint(path: str | Path) -> tuple[Path, dict[str, int], dict]:
+    """(the model file, its dims, its weights by openai-whisper name), read without unpickling
+    anything but tensors and plain containers."""
     model_file = Path(path)
     if model_file.is_dir():
         model_file = model_file / OPENAI_MODEL_FILE
     try:
         checkpoint = torch.load(model_file, map_location="cpu", weights_only=True)
     except Exception as exc:  # truncated zip, bad pickle, not a torch file at all
+        refused = unpickling_refusal(exc)
+        cause = str(exc).split(".")[0][:100] + (f": {refused}" if refused else "")
         raise UserError(
             f"--model {model_file}: not a readable openai-whisper checkpoint "
-            f"({type(exc).__name__}: {str(exc).split('.')[0][:100]}); re-export it or check "
-            "the download"
+            f"({type(exc).__name__}: {cause}); re-export it or check the download"
         ) from None
     if not isinstance(checkpoint, dict) or not {"dims", "model_state_dict"} <= set(checkpoint):
         raise UserError(
@@ -216,8 +231,7 @@ def load_openai(path: str | Path, *, attn_implementation: str = "sdpa"):
             f"--model {model_file}: 'model_state_dict' is not a mapping of names to tensors; "
             "re-export it or check the download"
         )
-    dims = {key: dims[key] for key in DIMS}
-    return model_from_openai_weights(model_file, dims, weights, attn_implementation)
+    return model_file, {key: dims[key] for key in DIMS}, weights
 
 
 def model_from_openai_weights(

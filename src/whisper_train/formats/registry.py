@@ -47,6 +47,9 @@ class ExportFormat:
     default_quantization: Callable[[str], tuple[str, str]]  # device -> (precision, why)
     write: Callable[..., object]  # (model, processor, folder, *, quantization)
     read: Callable[..., tuple]  # (folder or model file, *, attn_implementation) -> model, processor
+    # (folder or model file) -> None: its files as `read` reads them, refused in one line naming
+    # the file, with no model built; asked before any runtime is handed them.
+    check: Callable[[Path], None]
     arithmetic: Callable[[str], str]  # float precision -> what its runtime computes in
     greedy: Callable[..., list[str]]  # (what its runtime loads, clips, language) -> transcripts
     scores: Callable[..., list]  # (what its runtime loads, clips, prompt, tokens) -> TokenScores
@@ -68,6 +71,13 @@ class ExportFormat:
             return path
         return path / self.model_file
 
+    def accepted_input(self, path: Path) -> Path:
+        """What its runtime loads of `path`, once whisper-train's own reader accepted its files
+        (`check`): a runtime trusts the counts in a file, and a damaged or crafted one ends in
+        its traceback, an allocation of petabytes or an abort; ours say it in one line."""
+        self.check(path)
+        return self.runtime_input(path)
+
     def require_client(self) -> None:
         """One line naming the extra that installs this format's runtime client when it is
         missing (`MissingRuntimeError`)."""
@@ -82,6 +92,10 @@ class ExportFormat:
                 f"--format {self.name}: checking the export needs {self.runtime}, which is not "
                 f"installed: {how} (or pass --no-check to only write the export)"
             ) from None
+
+
+def _check_hf(path: Path) -> None:
+    hf.check_hf_folder(path, str(path))
 
 
 def _float32_arithmetic(quantization: str) -> str:
@@ -141,6 +155,7 @@ EXPORT_FORMATS = (
         default_quantization=_transformers_default,
         write=hf.save_hf,
         read=hf.load_hf,
+        check=_check_hf,
         arithmetic=_float32_arithmetic,
         greedy=runtimes.transformers_export_greedy,
         scores=runtimes.transformers_export_scores,
@@ -156,6 +171,7 @@ EXPORT_FORMATS = (
         default_quantization=_ctranslate2_default,
         write=ct2_convert.save_ct2_model,
         read=ct2.load_ct2_whisper,
+        check=ct2.check_ct2_folder,
         arithmetic=_ctranslate2_arithmetic,
         greedy=runtimes.faster_whisper_greedy,
         scores=runtimes.faster_whisper_scores,
@@ -171,6 +187,7 @@ EXPORT_FORMATS = (
         default_quantization=_as_its_runtime_ships("ggml"),
         write=ggml.save_ggml,
         read=ggml.load_ggml,
+        check=ggml.check_ggml,
         arithmetic=_whisper_cpp_arithmetic,
         greedy=runtimes.whisper_cpp_greedy,
         scores=runtimes.whisper_cpp_scores,
@@ -196,6 +213,7 @@ EXPORT_FORMATS = (
         default_quantization=_as_its_runtime_ships("openai"),
         write=openai.save_openai,
         read=openai.load_openai,
+        check=openai.check_openai,
         arithmetic=_float32_arithmetic,
         greedy=runtimes.openai_whisper_greedy,
         scores=runtimes.openai_whisper_scores,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from pathlib import Path
 
 import ctranslate2
@@ -48,6 +49,9 @@ from whisper_train.transcription.word_timestamps import (
     alignment_heads_of,
     words_from_token_times,
 )
+
+# torch's warning for a std over one value (no degrees of freedom).
+STD_WARNING = r"std\(\): degrees of freedom is <= 0"
 
 
 def torch_device() -> str:
@@ -114,14 +118,19 @@ class TransformersBackend:
             text = decoded[0].text
             return text, [Segment(0.0, len(audio) / SAMPLE_RATE, text)] if text else []
         # The long-form decoding `evaluate` scores (evaluation.longform): one implementation.
-        output = generate_long_form(
-            self.model,
-            self.processor,
-            audio,
-            beam_size=self.beam_size,
-            decoding=self.decoding,
-            word_timestamps=self.word_timestamps,
-        )
+        with warnings.catch_warnings():
+            # transformers' token times normalise each head's weights by their std over the
+            # tokens: a window of one token warns (and gives NaN, which `fit_into_segment`
+            # times from its neighbours). A library's warning is no line of a transcript.
+            warnings.filterwarnings("ignore", message=STD_WARNING, category=UserWarning)
+            output = generate_long_form(
+                self.model,
+                self.processor,
+                audio,
+                beam_size=self.beam_size,
+                decoding=self.decoding,
+                word_timestamps=self.word_timestamps,
+            )
         duration = len(audio) / SAMPLE_RATE
         segments = []
         for decoded in decoded_segments(output, self.processor.tokenizer):

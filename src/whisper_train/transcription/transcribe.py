@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 
 from whisper_train.audio import AUDIO_SUFFIXES, load_audio
 from whisper_train.data.layouts import load_examples
-from whisper_train.errors import UserError
+from whisper_train.errors import AudioError, UserError, last_line
+from whisper_train.files import check_output_path
 from whisper_train.formats.registry import EXPORT_FORMATS, ExportFormat, format_of
 from whisper_train.models import load_model, model_folder
 from whisper_train.runlog import progress_bars_wanted
@@ -54,9 +55,10 @@ def load_backend(
 
 
 def _runtime_backend(export_format: ExportFormat, path: Path, word_timestamps: bool, options):
-    """The backend of a model that its own runtime (not transformers) runs."""
+    """The backend of a model that its own runtime (not transformers) runs, handed its files
+    only once whisper-train's reader of the format (train's) accepted them."""
     model_input = export_format.runtime_input(path)
-    if word_timestamps:
+    if word_timestamps:  # what the format cannot do is said before its files are read
         if not export_format.carries_alignment_heads:
             others = [fmt for fmt in EXPORT_FORMATS if fmt.carries_alignment_heads]
             instead = " or ".join(f"--format {fmt.name} ({fmt.runtime})" for fmt in others)
@@ -66,7 +68,16 @@ def _runtime_backend(export_format: ExportFormat, path: Path, word_timestamps: b
             )
         options = {**options, "word_timestamps": True}
     export_format.require_client()
-    return export_format.backend(model_input, **options)
+    export_format.accepted_input(path)
+    try:
+        return export_format.backend(model_input, **options)
+    except UserError:
+        raise
+    except Exception as exc:  # what our reader cannot foresee, in the runtime's last words
+        raise UserError(
+            f"--model {model_input}: {export_format.runtime} could not load it "
+            f"({last_line(exc)[:200]}); download, convert or export the model again"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -137,6 +148,8 @@ def transcribe_paths(
         raise UserError(f"--format {format}: expected one of {', '.join(TRANSCRIPT_FORMATS)}")
     if beam_size < 1:
         raise UserError(f"--beam-size {beam_size}: must be at least 1")
+    if output_dir is not None:  # before the model loads and the first recording is decoded
+        check_output_path(output_dir, "--output-dir", folder=True)
     recordings = collect_inputs(inputs)
     if not recordings:
         raise UserError("no inputs given; pass audio files, folders or a manifest")
@@ -162,7 +175,9 @@ def transcribe_paths(
             try:
                 audio = load_audio(entry.path, start=entry.start, end=entry.end)
                 transcript.text, transcript.segments = backend.transcribe(audio)
-            except UserError as exc:  # AudioError included
+            except AudioError as exc:  # the line names the path already
+                transcript.error = exc.reason
+            except UserError as exc:
                 transcript.error = str(exc)
         if transcript.error:
             bar.write(f"skipped {entry.path}: {transcript.error}", file=sys.stderr)

@@ -195,8 +195,12 @@ def fit_into_segment(words: list[Word], start: float, end: float) -> list[Word]:
     end = max(round(float(end), 3), start)
     fitted, previous_end = [], start
     for i, word in enumerate(words):
-        word_start = min(max(round(float(word.start), 3), previous_end), end)
-        word_end = min(max(round(float(word.end), 3), word_start), end)
+        # A time that is no number (transformers' DTW over one token divides by a std of
+        # nothing) is no time: the word is timed with its neighbours below.
+        raw_start = float(word.start) if math.isfinite(word.start) else previous_end
+        raw_end = float(word.end) if math.isfinite(word.end) else raw_start
+        word_start = min(max(round(raw_start, 3), previous_end), end)
+        word_end = min(max(round(raw_end, 3), word_start), end)
         if longest and word_end - word_start > longest:
             # Still inside [word_start, word_end] once rounded: both ends are whole milliseconds.
             if i == 0:
@@ -205,7 +209,40 @@ def fit_into_segment(words: list[Word], start: float, end: float) -> list[Word]:
                 word_end = round(word_start + longest, 3)
         fitted.append(Word(word.word, word_start, word_end, word.probability))
         previous_end = word_end
-    return fitted
+    return _spread_collapsed(fitted, start, end)
+
+
+def _spread_collapsed(words: list[Word], start: float, end: float) -> list[Word]:
+    """Words the alignment gave no duration (after silence the DTW path puts every word at the
+    segment's end) share the time around them evenly, a millisecond each at least: a subtitle
+    cue of no length shows nothing, and no word is put past its segment. The span shared grows
+    over the neighbours until it holds enough milliseconds; a segment shorter than a
+    millisecond a word keeps its text untimed (no words)."""
+    n = len(words)
+    times = [[w.start, w.end] for w in words]
+    i = 0
+    while i < n:
+        if times[i][1] > times[i][0]:
+            i += 1
+            continue
+        a = b = i
+        while b + 1 < n and times[b + 1][1] <= times[b + 1][0]:
+            b += 1
+        while True:  # first the silence around the run, then its neighbours' time too
+            lo = start if a == 0 else times[a - 1][1]
+            hi = end if b == n - 1 else times[b + 1][0]
+            if round((hi - lo) * 1000) >= b - a + 1:
+                break
+            if a == 0 and b == n - 1:
+                return []
+            a, b = max(a - 1, 0), min(b + 1, n - 1)
+        step = (hi - lo) / (b - a + 1)
+        for k in range(a, b + 1):
+            offset = k - a
+            times[k] = [round(lo + offset * step, 3), round(lo + (offset + 1) * step, 3)]
+        times[b][1] = round(hi, 3)
+        i = b + 1
+    return [Word(w.word, t[0], t[1], w.probability) for w, t in zip(words, times, strict=True)]
 
 
 # -- teacher-forced timing and the head search ------------------------------------------------
@@ -356,8 +393,9 @@ def highlighted_cues(segments) -> list[tuple[float, float, str]]:
                 f"{w[: len(w) - len(w.lstrip())]}<u>{w.lstrip()}</u>" if j == i else w
                 for j, w in enumerate(spoken)
             ]
-            cues.append((word.start, word.end, "".join(marked).strip()))
-            last = word.end
+            if word.end > word.start:  # a cue of no length shows nothing
+                cues.append((word.start, word.end, "".join(marked).strip()))
+            last = max(last, word.end)
     return cues
 
 

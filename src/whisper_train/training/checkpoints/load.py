@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from whisper_train.config import read_yaml
 from whisper_train.config.record import RunRecord
-from whisper_train.errors import UserError, last_line
+from whisper_train.errors import UserError, last_line, unpickling_refusal
 from whisper_train.runfolder import CONFIG_FILE
 from whisper_train.training.checkpoints.format import (
     MANIFEST_FILE,
@@ -221,10 +221,7 @@ def _loading(path: Path):
 def _load_error(error: BaseException) -> str:
     """The line of a loading error that says what went wrong: torch.load's refusal of a
     pickled object (weights_only) puts it in the middle of advice to load it unsafely."""
-    for line in str(error).splitlines():
-        if "WeightsUnpickler error:" in line:
-            return line.strip().split(". ")[0]
-    return last_line(error)
+    return unpickling_refusal(error) or last_line(error)
 
 
 def read_stream_position(folder: Path, rank: int) -> dict:

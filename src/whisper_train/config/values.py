@@ -180,7 +180,9 @@ def coerce(group: Any, name: str, value: Any, source: str) -> Any:
     except (TypeError, ValueError):
         flag = "--" + name.replace("_", "-")
         kind = "a whole number" if annotation.startswith("int") else "a number"
-        raise UserError(f"{source}: {flag} {value!r}: expected {kind}, such as {_EXAMPLES[kind]}") from None
+        raise UserError(
+            f"{source}: {flag} {value!r}: expected {kind}, such as {_EXAMPLES[kind]}"
+        ) from None
 
 
 # What an expected value looks like, in the user's words rather than a Python type's.

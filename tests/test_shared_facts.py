@@ -90,13 +90,15 @@ def test_a_folder_holding_a_model_is_that_model_even_beside_a_final_folder(
 
 
 def _numbers(path: Path) -> list[float]:
-    """The number literals of a module's code (not its comments and docstrings, not powers)."""
+    """The number literals of a module's code (not its comments and docstrings, not powers, not
+    negated ones: `-30` dBFS is a level, never a count of tokens or seconds)."""
     tokens = list(tokenize.generate_tokens(io.StringIO(path.read_text(encoding="utf-8")).readline))
     return [
         float(ast.literal_eval(token.string))  # 0o644 and 1_000 too
-        for previous, token in zip(tokens, tokens[1:], strict=False)
+        for before, previous, token in zip(tokens, tokens[1:], tokens[2:], strict=False)
         if token.type == tokenize.NUMBER
         and previous.string != "**"
+        and not (previous.string == "-" and before.string in ("(", ",", "=", "[", ":", "{"))
         and not token.string.lower().endswith("j")
     ]
 

@@ -191,10 +191,7 @@ def run(args: argparse.Namespace) -> int:
             long_form=name in long_form,
             condition_on_previous_text=args.condition_on_previous_text,
         )
-        if result.paths:
-            # One line that says where every file went: the default may be a folder never named.
-            names = ", ".join(path.name for path in result.paths)
-            print(f"wrote {names} to {result.paths[0].parent.resolve()}")
+        _say_written(result.paths)
     return 0
 
 
@@ -220,6 +217,11 @@ def _evaluate_nonspeech(args, data, language, output, several, decoding_options)
         decoding=decoding_options,
         on_report=show,
     )
+    _say_written(paths)
+
+
+def _say_written(paths) -> None:
+    """One line that says where every file went: the default may be a folder never named."""
     if paths:
         names = ", ".join(path.name for path in paths)
         print(f"wrote {names} to {paths[0].parent.resolve()}")

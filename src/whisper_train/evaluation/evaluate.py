@@ -36,7 +36,7 @@ from whisper_train.evaluation.scoring import (
     normalizer_for,
     score,
 )
-from whisper_train.files import check_output_path
+from whisper_train.files import check_output_path, write_atomically
 from whisper_train.memory import training_loss
 from whisper_train.models import load_model, resolve_alias
 from whisper_train.runfolder import EVALUATION_DIR, REPORT_FILES, run_folder_of
@@ -429,11 +429,14 @@ def report_to_dict(report: EvalReport) -> dict:
 
 
 def write_report_json(report: EvalReport, path: str | Path) -> Path:
+    return write_json(report_to_dict(report), path)
+
+
+def write_json(data: dict, path: str | Path) -> Path:
+    """A report as readable JSON, written whole or not at all (a killed run leaves no half)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        json.dumps(report_to_dict(report), indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
-    )
+    write_atomically(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
     return path
 
 

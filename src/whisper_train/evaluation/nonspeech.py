@@ -10,7 +10,6 @@ clips over 30 s long-form, `transcription.longform`).
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +23,7 @@ from whisper_train.config import require_positive
 from whisper_train.data.features import LogMel
 from whisper_train.data.nonspeech import load_nonspeech
 from whisper_train.errors import AudioError, UserError
-from whisper_train.evaluation.evaluate import report_paths
+from whisper_train.evaluation.evaluate import report_paths, write_json
 from whisper_train.evaluation.generation import generate_texts
 from whisper_train.models import load_model
 from whisper_train.transcription.decoding import Decoded, DecodingOptions
@@ -173,11 +172,7 @@ def evaluate_nonspeech_examples(
 
 
 def write_nonspeech_json(report: NonSpeechReport, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(report.to_dict(), indent=2, ensure_ascii=False) + "\n"
-    path.write_text(text, encoding="utf-8")
-    return path
+    return write_json(report.to_dict(), path)
 
 
 def evaluate_nonspeech(

@@ -196,9 +196,7 @@ class CTranslate2Backend:
             task=self.task,
             beam_size=self.beam_size,
             best_of=1,  # one sample per fallback temperature, as generate_decoded draws
-            temperature=list(
-                options.temperatures if options.fallback else options.temperatures[:1]
-            ),
+            temperature=list(temperatures_tried(options)),
             compression_ratio_threshold=options.compression_ratio_threshold,
             log_prob_threshold=options.logprob_threshold,
             no_speech_threshold=options.no_speech_threshold,
@@ -268,7 +266,7 @@ class WhisperCppBackend:
 
     def transcribe(self, audio: np.ndarray, *, timestamps: bool = True):
         options = self.decoding
-        temperatures = options.temperatures if options.fallback else options.temperatures[:1]
+        temperatures = temperatures_tried(options)
         step = temperatures[1] - temperatures[0] if len(temperatures) > 1 else 0.0
         params = {
             "language": self.language,
@@ -337,9 +335,7 @@ class OpenAIWhisperBackend:
             np.ascontiguousarray(audio, dtype=np.float32),
             language=self.language,
             task=self.task,
-            temperature=tuple(
-                options.temperatures if options.fallback else options.temperatures[:1]
-            ),
+            temperature=tuple(temperatures_tried(options)),
             compression_ratio_threshold=options.compression_ratio_threshold,
             logprob_threshold=options.logprob_threshold,
             no_speech_threshold=options.no_speech_threshold,
@@ -375,3 +371,9 @@ def _saved_language_and_task(model_dir: Path) -> tuple[str | None, str | None]:
         language = language.strip("<|>").lower()
         language = TO_LANGUAGE_CODE.get(language, language)
     return language or None, config.get("task")
+
+
+def temperatures_tried(options: DecodingOptions) -> tuple[float, ...]:
+    """The temperatures a runtime may decode at: the whole fallback ladder, or its first alone
+    when the fallback is off."""
+    return tuple(options.temperatures if options.fallback else options.temperatures[:1])

@@ -305,10 +305,11 @@ def test_resume_reads_the_saved_config_as_the_config_file_is_read(tmp_path):
     version that kept no record) with a plain `packing: on`: the resume check reads `on`, as
     --config would, not YAML 1.1's True."""
     from whisper_train.runfolder import CONFIG_FILE
-    from whisper_train.training import checkpoints, resume
+    from whisper_train.training import resume
+    from whisper_train.training.checkpoints.load import saved_record
 
     (tmp_path / CONFIG_FILE).write_text("data: {packing: on, language: no}\n")
-    record, options = checkpoints.saved_record(tmp_path)
+    record, options = saved_record(tmp_path)
     assert record is None and options["data"]["packing"] == "on"
     config = RunConfig.from_flat({"packing": "on", "language": "no"}).validate()
     resume.check_recordless_options(tmp_path, options, config)  # the same options: no refusal

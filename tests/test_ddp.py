@@ -123,7 +123,7 @@ def test_ddp_searches_for_unused_parameters_only_with_layerdrop_and_never_uses_a
     graph would break gradient accumulation's no_sync (pytorch#143580)."""
     from tiny_models import fresh_short_whisper
 
-    from whisper_train.training.launch import ddp_settings
+    from whisper_train.memory.wrappers import ddp_settings
 
     model = fresh_short_whisper()
     plain = ddp_settings(model)

@@ -581,7 +581,7 @@ def install(kill_at, mode, log, setattr=setattr):
 
         return call
 
-    setattr(checkpoints, "save_checkpoint", counted(checkpoints.save_checkpoint))
+    setattr(checkpoint_save, "save_checkpoint", counted(checkpoint_save.save_checkpoint))
     setattr(retention, "rotate_checkpoints", counted(retention.rotate_checkpoints))
 """
 

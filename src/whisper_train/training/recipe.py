@@ -38,10 +38,12 @@ from whisper_train.config.resolve import resolve_run
 from whisper_train.data.source import stand_in_batch
 from whisper_train.evaluation.scoring import get_normalizer
 from whisper_train.memory import loss_terms
-from whisper_train.memory.wrappers import unwrapped
+from whisper_train.memory.wrappers import ddp_settings, unwrapped
 from whisper_train.models import is_multilingual
 from whisper_train.runlog import TrainResult, say, step_line
 from whisper_train.training import checkpoints, resume, retention
+from whisper_train.training.checkpoints import save as checkpoint_save
+from whisper_train.training.checkpoints.load import load_weights, saved_record
 from whisper_train.training.final import FinalChoice
 from whisper_train.training.finish import (
     encoder_cache_counts,
@@ -52,7 +54,6 @@ from whisper_train.training.finish import (
     write_run_outputs,
 )
 from whisper_train.training.judge import RunEvaluations
-from whisper_train.training.launch import ddp_settings
 from whisper_train.training.setup_phases import (
     check_processes,
     join_processes,
@@ -91,7 +92,7 @@ class FineTuneRecipe:
         # picks the same.
         resume_from = config.train.resume
         self.resume_point = (
-            resume.find_resume(resume_from, self.output_dir) if resume_from else None
+            checkpoints.find_resume(resume_from, self.output_dir) if resume_from else None
         )
         self.resume_from = self.resume_point.folder if self.resume_point else None
         # The loop's own state (the rest of it, `state`, is what a checkpoint keeps).
@@ -110,9 +111,7 @@ class FineTuneRecipe:
         asked = self.asked
         process = join_processes()
         check_processes(asked.train.nproc, process.num_processes)
-        saved, saved_options = (
-            checkpoints.saved_record(self.resume_from) if self.resume_from else (None, {})
-        )
+        saved, saved_options = saved_record(self.resume_from) if self.resume_from else (None, {})
         if self.resume_from is not None and saved is None:
             resume.check_recordless_options(self.resume_from, saved_options, asked)
         model, self.processor, self.label_encoder = load_model_and_labels(asked)
@@ -416,7 +415,7 @@ class FineTuneRecipe:
         """OUTPUT/checkpoint-<step>/ (atomically), then keep the newest and the best (unless
         `rotate` is False)."""
         self.state.evaluations, self.state.guard_start = self.judge.rows, self.judge.guard_start
-        folder = checkpoints.save_checkpoint(
+        folder = checkpoint_save.save_checkpoint(
             self.output_dir / f"{checkpoints.PREFIX}{self.state.step}",
             accelerator=self.accelerator,
             model=self.model,
@@ -481,7 +480,7 @@ class FineTuneRecipe:
         )
         accelerator.wait_for_everyone()
         if choice.step not in (None, state.step):  # an earlier step was better
-            checkpoints.load_weights(best_folder, accelerator=accelerator, model=self.model)
+            load_weights(best_folder, accelerator=accelerator, model=self.model)
         refuse_nonfinite_final(self.model, accelerator, result.final_step, record, self.output_dir)
         say(accelerator, f"final/: step {result.final_step}: {choice.reason}")
         final_model = whole_model(self.model, record.model, accelerator)

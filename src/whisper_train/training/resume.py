@@ -1,5 +1,5 @@
-"""Resuming a run, the policy: which checkpoint `--resume` continues from (`find_resume`:
-damaged ones found cheaply and skipped), what a checkpoint saved before runs kept records may
+"""Resuming a run, the policy (which checkpoint `--resume` continues from is
+`checkpoints.find_resume`'s): what a checkpoint saved before runs kept records may
 be resumed with (`check_recordless_options`, `convert_position`), what a resume changes taking
 effect (`restore_from`: the checkpoint loaded, then this run's learning rates and weight decay
 applied), and the run folder tidied to the resume point (later checkpoints set aside,
@@ -10,7 +10,7 @@ resume may change is decided by the records (`config.record.resume_changes`).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
 
 from whisper_train.config import field_owners
@@ -26,76 +26,11 @@ from whisper_train.config.record import (
 from whisper_train.errors import UserError
 from whisper_train.runfolder import ABANDONED_PREFIX, METRICS_FILE
 from whisper_train.training.checkpoints import (
-    STATE_FILE,
     TrainerState,
     checkpoint_folders,
     checkpoint_step,
-    earlier_advice,
-    find_damage,
-    load_checkpoint,
-    saved_record,
 )
-
-# -- finding the checkpoint to resume from -------------------------------------------------
-
-
-@dataclass
-class ResumePoint:
-    """The checkpoint a --resume continues from, and a line for each newer one it skipped."""
-
-    folder: Path
-    skipped: list[str] = field(default_factory=list)
-
-
-def resolve_resume(resume: str, output_dir: Path) -> Path:
-    """`--resume latest` → the newest intact checkpoint in --output-dir; a path → that
-    checkpoint (or the newest intact one inside a run folder). See `find_resume`."""
-    return find_resume(resume, output_dir).folder
-
-
-def find_resume(resume: str, output_dir: Path) -> ResumePoint:
-    """The checkpoint to resume from, checked with `find_damage` before anything is loaded.
-
-    'latest' (or a run folder) skips damaged checkpoints, newest first, naming each in
-    `skipped`; a damaged checkpoint named itself, or no intact one at all, is a UserError.
-    """
-    run_dir = output_dir
-    if resume != "latest":
-        path = Path(resume)
-        if (checkpoint_step(path) is not None and path.is_dir()) or (path / STATE_FILE).is_file():
-            problem = find_damage(path)
-            if problem is not None:
-                raise UserError(
-                    f"--resume {resume}: the checkpoint is damaged: {problem}; "
-                    f"{earlier_advice(path)}"
-                )
-            return ResumePoint(path)
-        run_dir = path
-    candidates = checkpoint_folders(run_dir)[::-1]  # newest first
-    if not candidates:
-        if resume == "latest":
-            raise UserError(
-                f"--resume: no checkpoint-<step> folder in --output-dir {output_dir}; "
-                "pass --resume PATH to a checkpoint, or start without --resume"
-            )
-        raise UserError(
-            f"--resume {resume}: not a checkpoint folder (no {STATE_FILE}) and holds none; "
-            f"pass a checkpoint-<step> folder or 'latest'"
-        )
-    skipped, problems = [], []
-    for folder in candidates:
-        problem = find_damage(folder)
-        if problem is None:
-            return ResumePoint(folder, skipped)
-        problems.append(problem)
-        skipped.append(f"--resume: skipping {folder}, it is damaged: {problem}")
-    older = len(candidates) - 1
-    others = f" (and the {older} older one{'s' if older > 1 else ''})" if older else ""
-    raise UserError(
-        f"--resume {resume}: no intact checkpoint in {run_dir}: {candidates[0].name}: "
-        f"{problems[0]}{others}; start afresh with --overwrite (it moves this run aside)"
-    )
-
+from whisper_train.training.checkpoints.load import load_checkpoint, saved_record
 
 # -- a checkpoint saved before runs kept records ----------------------------------------------
 

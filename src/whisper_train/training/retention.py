@@ -15,9 +15,9 @@ from whisper_train.training.checkpoints import (
     MANIFEST_FILE,
     STATE_FILE,
     checkpoint_step,
-    estimate_checkpoint_bytes,
     list_checkpoints,
 )
+from whisper_train.training.checkpoints.state_dicts import estimate_checkpoint_bytes
 from whisper_train.units import format_bytes
 
 # -- rotation ------------------------------------------------------------------------------

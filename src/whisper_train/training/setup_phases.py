@@ -48,6 +48,7 @@ from whisper_train.models import is_multilingual, load_model
 from whisper_train.runlog import MetricsLog, ProgressTable, StopRequest, progress_bars_wanted, say
 from whisper_train.trackers import Trackers, accelerate_trackers
 from whisper_train.training import checkpoints, resume
+from whisper_train.training.checkpoints.load import read_stream_position
 from whisper_train.training.datasets import Datasets, prepare_datasets
 from whisper_train.training.encoder_cache import CachedClip, EncoderCache, EncoderCacheCollator
 from whisper_train.training.launch import inside_launcher
@@ -461,7 +462,7 @@ def setup_optimisation(
 
 
 def restore(
-    resume_point: resume.ResumePoint | None,
+    resume_point: checkpoints.ResumePoint | None,
     *,
     saved: RunRecord | None,
     replan: bool,
@@ -489,7 +490,7 @@ def restore(
     where = data.restore(
         state,
         folder=resume_from,
-        read_stream_position=checkpoints.read_stream_position,
+        read_stream_position=read_stream_position,
         saved_clips_per_step=saved.data.clips_per_step if saved else None,
         saved_group_by_length=saved.data.group_by_length if saved else False,
         replan=replan,

@@ -16,12 +16,11 @@ from tqdm.auto import tqdm
 from whisper_train import runfolder
 from whisper_train.config import RunConfig
 from whisper_train.errors import UserError, last_line
-from whisper_train.models import resolve_alias
+from whisper_train.formats.packaged import resolve_alias
 from whisper_train.runlog import TrainResult
 from whisper_train.trackers import check_installed
-from whisper_train.training import checkpoints, resume
+from whisper_train.training import checkpoints
 from whisper_train.training.launch import claimed_by_parent, inside_launcher, launch_data_parallel
-from whisper_train.training.recipe import FineTuneRecipe
 
 __all__ = ["TrainResult", "train"]
 
@@ -50,6 +49,11 @@ def _train_in(config: RunConfig, lock: runfolder.RunLock | None) -> TrainResult:
         claim_output_dir(config)
     if config.train.nproc > 1 and not inside_launcher():
         return launch_data_parallel(config, lock)
+    # Imported here, not above: a process that launches --nproc workers never builds a model,
+    # and transformers, peft and the recipe's other libraries take it 4-5 s of a CPU to import
+    # (measured: `python -X importtime`), before each of its workers pays them again.
+    from whisper_train.training.recipe import FineTuneRecipe
+
     recipe = FineTuneRecipe(config)
     try:
         recipe.setup()
@@ -101,7 +105,7 @@ def claim_output_dir(config: RunConfig) -> None:
     if not entries:
         return  # a new, empty, or someone else's folder: their files are left alone
     if t.resume:
-        resume_from = resume.resolve_resume(t.resume, output_dir)
+        resume_from = checkpoints.resolve_resume(t.resume, output_dir)
         if resume_from.parent.resolve() != output_dir.resolve():
             raise UserError(
                 f"--resume {t.resume}: that checkpoint is not in --output-dir {output_dir}, which "

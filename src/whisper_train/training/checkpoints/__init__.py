@@ -1,6 +1,9 @@
 """Training checkpoints, the format's one home: what `OUTPUT/checkpoint-<step>/` holds
-(`format`: its file names and the trainer's state), writing it atomically (`save`) and reading
-it back (`load`). Which checkpoint a --resume continues from, and what it may change there, is
+(`format`: its file names and the trainer's state; `state_dicts`: the model's and optimizer's
+part), finding an intact one before anything loads (`find`), writing it atomically (`save`) and
+reading it back (`load`). The package itself hands on only `format`'s and `find`'s names, which
+load no model library: the process that launches `--nproc N` workers uses them; `save` and
+`load` are imported by name where a model is at hand. Which checkpoint a --resume continues from, and what it may change there, is
 `training.resume`'s; which ones stay on disk `training.retention`'s. The other names a run
 writes into OUTPUT are `runfolder`'s.
 
@@ -20,13 +23,13 @@ A checkpoint holds everything needed to continue a run exactly where it stopped:
     whisper-train.yaml     the options of the run and its record (`config.record`), which a
                            --resume compares with its own
     manifest.json          written last: every file's size, so that a truncated or missing
-                           file is found before anything is loaded (`load.find_damage`)
+                           file is found before anything is loaded (`find.find_damage`)
 
 Every file is written into `checkpoint-<step>.tmp/` and the folder is renamed when complete, so a
 crash or a full disk mid-write never leaves a checkpoint that looks usable and is not; a failed
 write removes the temporary folder and leaves the previous checkpoints untouched. What a rename
 cannot rule out (a power cut before the files reached the disk, a partial copy)
-`load.find_damage` finds cheaply: `--resume latest` then skips to the newest intact one.
+`find.find_damage` finds cheaply: `--resume latest` then skips to the newest intact one.
 
 Loading never runs code from the checkpoint (`load`): weights come from safetensors, and
 every `.pt` file is read with `torch.load(..., weights_only=True)`.
@@ -38,6 +41,13 @@ the same way; a resume needs the same number of processes, as any resume does. T
 folder is as above.
 """
 
+from whisper_train.training.checkpoints.find import (
+    ResumePoint,
+    earlier_advice,
+    find_damage,
+    find_resume,
+    resolve_resume,
+)
 from whisper_train.training.checkpoints.format import (
     MANIFEST_FILE,
     PREFIX,
@@ -48,18 +58,8 @@ from whisper_train.training.checkpoints.format import (
     TrainerState,
     checkpoint_folders,
     checkpoint_step,
-    estimate_checkpoint_bytes,
     list_checkpoints,
 )
-from whisper_train.training.checkpoints.load import (
-    earlier_advice,
-    find_damage,
-    load_checkpoint,
-    load_weights,
-    read_stream_position,
-    saved_record,
-)
-from whisper_train.training.checkpoints.save import save_checkpoint
 
 __all__ = [
     "MANIFEST_FILE",
@@ -68,16 +68,13 @@ __all__ = [
     "STATE_FILE",
     "STREAM_FILE",
     "WEIGHTS_FILE",
+    "ResumePoint",
     "TrainerState",
     "checkpoint_folders",
     "checkpoint_step",
     "earlier_advice",
-    "estimate_checkpoint_bytes",
     "find_damage",
+    "find_resume",
     "list_checkpoints",
-    "load_checkpoint",
-    "load_weights",
-    "read_stream_position",
-    "save_checkpoint",
-    "saved_record",
+    "resolve_resume",
 ]

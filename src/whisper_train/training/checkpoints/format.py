@@ -9,10 +9,6 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-from whisper_train.memory import is_sharded
 from whisper_train.runfolder import CHECKPOINT_PREFIX as PREFIX
 
 STATE_FILE = "trainer_state.json"
@@ -23,8 +19,6 @@ SHARDED_DIR = (
     "sharded"  # --fsdp: the weights' and optimiser's shards (torch.distributed.checkpoint)
 )
 _NAME = re.compile(rf"^{PREFIX}(\d+)$")
-# Adam keeps two float32 moments per trainable weight, beside the weight itself.
-_ADAM_COPIES = 3
 
 
 @dataclass
@@ -88,34 +82,3 @@ def checkpoint_folders(run_dir: Path) -> list[Path]:
         return []
     found = [p for p in run_dir.iterdir() if checkpoint_step(p) is not None and p.is_dir()]
     return sorted(found, key=checkpoint_step)
-
-
-# -- size ---------------------------------------------------------------------------------
-
-
-def estimate_checkpoint_bytes(model: torch.nn.Module) -> int:
-    """Bytes of one checkpoint: trainable weights and Adam's two moments, in float32."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return _ADAM_COPIES * 4 * trainable + (1 << 20)  # + RNG, scheduler, state: well under 1 MiB
-
-
-# -- saving --------------------------------------------------------------------------------
-
-
-# -- sharded weights (--fsdp) -------------------------------------------------------------
-
-
-def sharded(model) -> bool:
-    """Whether `model`'s weights are sharded over the processes (--fsdp): saved as sharded/."""
-    return is_sharded(model)
-
-
-def shard_options(*, loading: bool = False) -> StateDictOptions:
-    # The trainable weights only, as trainable.safetensors holds: the frozen rest (LoRA's base)
-    # is read from --model again. Loading, the frozen ones are absent by design (not strict);
-    # a trainable one missing from the checkpoint fails in `dcp.load` already.
-    return StateDictOptions(ignore_frozen_params=True, strict=not loading)
-
-
-def torch_optimizer(optimizer):
-    return getattr(optimizer, "optimizer", optimizer)  # inside accelerate's wrapper

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -31,104 +30,15 @@ from whisper_train.config import read_yaml
 from whisper_train.config.record import RunRecord
 from whisper_train.errors import UserError, last_line, unpickling_refusal
 from whisper_train.runfolder import CONFIG_FILE
+from whisper_train.training.checkpoints.find import earlier_advice
 from whisper_train.training.checkpoints.format import (
-    MANIFEST_FILE,
     SHARDED_DIR,
     STATE_FILE,
     STREAM_FILE,
     WEIGHTS_FILE,
     TrainerState,
-    checkpoint_folders,
-    checkpoint_step,
-    shard_options,
-    sharded,
-    torch_optimizer,
 )
-
-# -- before anything loads -------------------------------------------------------------------
-
-
-def find_damage(folder: Path) -> str | None:
-    """What is wrong with checkpoint `folder`, naming the file (None when it looks intact).
-
-    Cheap: sizes against manifest.json, the files each process needs, safetensors' header,
-    the zip directory at the end of each .pt file (torch.save writes a zip archive: a truncated
-    one has lost it). Nothing is loaded; what these checks cannot see (bytes changed in place)
-    fails when loaded, as one line too (`load_checkpoint`).
-    """
-    manifest = folder / MANIFEST_FILE
-    if manifest.is_file():
-        try:
-            sizes = json.loads(manifest.read_text(encoding="utf-8"))["files"]
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-            return f"{MANIFEST_FILE} is damaged (not the JSON a save writes)"
-        for name, size in sizes.items():
-            path = folder / name
-            if not path.is_file():
-                return f"{name} is missing"
-            actual = path.stat().st_size
-            if actual != size:
-                how = "truncated" if actual < size else "changed"
-                return f"{name} is {how}: {actual} bytes, {size} when saved"
-    if not (folder / STATE_FILE).is_file():
-        return f"{STATE_FILE} is missing (an incomplete checkpoint)"
-    try:
-        state = TrainerState.read(folder)
-    except (ValueError, TypeError, UnicodeDecodeError) as exc:
-        return f"{STATE_FILE} is damaged ({type(exc).__name__}: {exc})"
-    needed = [f"rng-{rank}.pt" for rank in range(state.world_size)] + ["scheduler.pt"]
-    if not (folder / SHARDED_DIR).is_dir():
-        needed += [WEIGHTS_FILE, "optimizer.pt"]
-    for name in needed:
-        if not (folder / name).is_file():
-            return f"{name} is missing"
-    problem = _safetensors_damage(folder / WEIGHTS_FILE)
-    if problem is not None:
-        return f"{WEIGHTS_FILE} is {problem}"
-    for path in sorted(folder.glob("*.pt")):
-        try:
-            zipfile.ZipFile(path).close()
-        except (zipfile.BadZipFile, OSError) as exc:
-            return f"{path.name} is damaged or truncated (not a complete torch file: {exc})"
-    for path in sorted(folder.glob("*.json")):
-        try:
-            json.loads(path.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError):
-            return f"{path.name} is damaged or truncated (not JSON)"
-    return None
-
-
-def _safetensors_damage(path: Path) -> str | None:
-    """A safetensors file is 8 bytes of header length, a JSON header giving each tensor's byte
-    range, then the data: a file shorter than the header says is truncated."""
-    if not path.is_file():
-        return None  # --fsdp: no such file (sharded/ is checked against the manifest)
-    size = path.stat().st_size
-    with path.open("rb") as file:
-        length = int.from_bytes(file.read(8), "little") if size >= 8 else None
-        if length is None or length > size - 8:
-            return f"truncated: {size} bytes, too short for its own header"
-        try:
-            header = json.loads(file.read(length))
-            end = max(
-                (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
-                default=0,
-            )
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-            return "damaged (its header is not safetensors' JSON)"
-    if 8 + length + end > size:
-        return f"truncated: {size} bytes, {8 + length + end} when saved"
-    return None
-
-
-def earlier_advice(folder: Path) -> str:
-    """What to do instead of resuming from the damaged `folder`: the newest intact checkpoint
-    before it, else a fresh start."""
-    step = checkpoint_step(folder)
-    for earlier in checkpoint_folders(folder.parent)[::-1]:
-        if step is not None and checkpoint_step(earlier) < step and find_damage(earlier) is None:
-            return f"resume from an earlier one with --resume {earlier}"
-    return "no earlier intact checkpoint: start afresh with --overwrite (it moves this run aside)"
+from whisper_train.training.checkpoints.state_dicts import shard_options, sharded, torch_optimizer
 
 
 def saved_record(folder: Path) -> tuple[RunRecord | None, dict]:

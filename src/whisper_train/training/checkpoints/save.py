@@ -25,8 +25,10 @@ from whisper_train.training.checkpoints.format import (
     STREAM_FILE,
     WEIGHTS_FILE,
     TrainerState,
-    estimate_checkpoint_bytes,
     list_checkpoints,
+)
+from whisper_train.training.checkpoints.state_dicts import (
+    estimate_checkpoint_bytes,
     shard_options,
     sharded,
     torch_optimizer,

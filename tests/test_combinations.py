@@ -408,18 +408,20 @@ def with_bad_clips(path: Path, folder: Path) -> tuple[Path, list[str]]:
         if content is not None and not list(folder.glob("*.tar")):
             (folder / f"{name}.wav").write_bytes(content)
     shards = sorted(folder.glob("*.tar"))
-    if shards:  # one bad sample appended to each shard (the missing one: no audio member)
+    if shards:  # one bad sample appended to each shard
         origins = []
         for shard, (name, content) in zip(shards, BAD_CLIPS.items(), strict=True):
             with tarfile.open(shard) as tar:
                 text_member = next(m for m in tar.getnames() if not m.endswith(".flac"))
+                audio_member = next(m for m in tar.getnames() if m.endswith(".flac"))
+                if content is None:  # no sample may lack its audio (`datasets` refuses the
+                    # whole set): a file cut after its header stands for the missing one
+                    content = tar.extractfile(audio_member).read()[:100]
             suffix = text_member.rsplit(".", 1)[1]
             label = "alpha bravo charlie"
             if suffix == "json":
                 label = json.dumps({"text": label, "language": "en"})
-            members = [(f"bad-{name}.{suffix}", label.encode())]
-            if content is not None:
-                members.append((f"bad-{name}.flac", content))
+            members = [(f"bad-{name}.{suffix}", label.encode()), (f"bad-{name}.flac", content)]
             with tarfile.open(shard, "a") as tar:
                 for member, data in members:
                     info = tarfile.TarInfo(member)
@@ -774,7 +776,7 @@ def three_wise() -> list[dict]:
     return covering_array(3)
 
 
-THREE_WISE_ROWS = 51
+THREE_WISE_ROWS = 56
 
 
 @pytest.mark.slow

@@ -6,6 +6,11 @@ faster-whisper, a ggml-model.bin in whisper.cpp, a model.pt in openai-whisper, a
 else `--model` names (a transformers folder, a run folder, a hub id) in transformers.
 
 A file that cannot be read is reported and skipped; the others still get transcribed.
+
+A recording is read and decoded a part at a time (`longform.transcribe_in_pieces`), by every
+runtime: its memory does not grow with its length (faster-whisper, handed a path or a whole
+array, would decode the whole file and compute its whole log-mel before its first window).
+On a terminal, the progress bar's line says how much of the recording is decoded.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ invariants, or is refused at start in one line that names the flags.
 The factors (`FACTORS`) are the training options that interact: mode, processes, gradient
 accumulation, checkpointing, packing, streamed shards or lhotse cuts, --fsdp, the encoder
 cache, precision, LoRA's targets, --resume, data-loading workers, the trackers of --report-to,
-settings given as flags or in a YAML --config, and --prompt-probability. A seeded greedy
+settings given as flags or in a YAML --config, --prompt-probability, and bad clips among the
+training data (missing, empty, unreadable). A seeded greedy
 generator (`covering_array`) picks rows until every pair of values
 that some valid row can hold is in a row (the 3-wise array is the slow test). Pairs no row may
 hold (`REFUSED`) are each tested to be refused.
@@ -14,7 +15,8 @@ targets, trained in this process without anything else (1 process, no accumulati
 checkpointing, no cache, no --fsdp, no workers, flags, uninterrupted) at the same global batch.
 The row's losses must be the twin's: N processes = 1 process, batch b x accumulation a = batch
 a*b, recomputed = stored activations, cached = computed encoder outputs, sharded = whole,
-resumed = uninterrupted, workers = none, trackers = TensorBoard alone, YAML = flags. Each step holds every training clip (a
+resumed = uninterrupted, workers = none, trackers = TensorBoard alone, YAML = flags, bad clips
+skipped = never there (and each named once a run, whichever process read it). Each step holds every training clip (a
 step is the whole data), so equal losses need neither the same order nor the same split of
 clips over processes, only every clip once a step. A row also checks that every parameter its
 mode trains gets a nonzero gradient (observed at the optimizer step,
@@ -72,6 +74,9 @@ FACTORS: dict[str, tuple] = {
     "options": ("flags", "yaml"),  # the row's settings as flags, or in a --config file
     # --prompt-probability: off, or every clip with a previous text prompted with it
     "prompts": (0.0, 1.0),
+    # the training data as it is, or with bad clips among it (`BAD_CLIPS`: a missing, an empty
+    # and an unreadable file): each named once, and the good ones trained as the twin trains
+    "bad": (False, True),
 }
 NAMES = list(FACTORS)
 
@@ -124,8 +129,15 @@ def _consistent(assigned: dict) -> bool:
 # holds one worker's clips, so a step holds every clip only if it takes a micro-batch of each
 # worker (accumulation 2). Without, a step of 2 workers is other clips than the twin's
 # (measured: step 1 moved by 1.8e-2). A valid run, but one no plain twin repeats.
+# Packed cuts with bad ones among them, read by 2 workers or processes: `datasets` deals the
+# manifest's 8 parts (one cut each) in a new order each pass, so a worker may get 3 good cuts
+# and the other 1, and a micro-batch of 2 windows then holds other clips than the twin's
+# (unpacked, a micro-batch is a worker's 4 rows, bad or not; shards hold a bad clip each).
 TWINLESS = tuple(
     (("data", stream), ("workers", 2), ("accumulation", 1)) for stream in ("stream", "cuts")
+) + tuple(
+    (("data", "cuts"), ("packing", "on"), ("bad", True), readers)
+    for readers in (("workers", 2), ("nproc", 2))
 )
 
 
@@ -209,6 +221,7 @@ def row_id(row: dict) -> str:
     parts += ["trackers"] * (row["trackers"] != "tensorboard")
     parts += ["prompts"] * bool(row.get("prompts"))
     parts += ["decoder-adapters"] * row.get("decoder_adapters", False)
+    parts += ["bad"] * row.get("bad", False)
     return "-".join(parts)
 
 
@@ -368,6 +381,91 @@ def with_previous_texts(folder: Path) -> Path:
     return folder
 
 
+# Bad clips added to a row's training data: a missing file, an empty one, and two that are not
+# audio (a few bytes of garbage, a text file), all named .wav (.flac in shards). Four, so that
+# each of a stream's 4 shards or parts holds one: every DataLoader worker then reads one good
+# clip and one bad one, and unpacked, a micro-batch of 2 rows is a worker's whole pass.
+BAD_CLIPS = {
+    "missing": None,
+    "empty": b"",
+    "garbage": b"RIFF\x04\x00\x00\x00WAVEjunk",
+    "text": b"hello",
+}
+
+
+def with_bad_clips(path: Path, folder: Path) -> tuple[Path, list[str]]:
+    """A copy of a row's training data (an audiofolder, WebDataset shards, or a cut manifest
+    and its recording) in `folder` with BAD_CLIPS among it, and each bad clip's origin as the
+    skip report prints it (followed by its detail in brackets)."""
+    import gzip
+    import io
+    import shutil
+    import tarfile
+
+    source = path if path.is_dir() else path.parent
+    shutil.copytree(source, folder)
+    for name, content in BAD_CLIPS.items():
+        if content is not None and not list(folder.glob("*.tar")):
+            (folder / f"{name}.wav").write_bytes(content)
+    shards = sorted(folder.glob("*.tar"))
+    if shards:  # one bad sample appended to each shard
+        origins = []
+        for shard, (name, content) in zip(shards, BAD_CLIPS.items(), strict=True):
+            with tarfile.open(shard) as tar:
+                text_member = next(m for m in tar.getnames() if not m.endswith(".flac"))
+                audio_member = next(m for m in tar.getnames() if m.endswith(".flac"))
+                if content is None:  # no sample may lack its audio (`datasets` refuses the
+                    # whole set): a file cut after its header stands for the missing one
+                    content = tar.extractfile(audio_member).read()[:100]
+            suffix = text_member.rsplit(".", 1)[1]
+            label = "alpha bravo charlie"
+            if suffix == "json":
+                label = json.dumps({"text": label, "language": "en"})
+            members = [(f"bad-{name}.{suffix}", label.encode()), (f"bad-{name}.flac", content)]
+            with tarfile.open(shard, "a") as tar:
+                for member, data in members:
+                    info = tarfile.TarInfo(member)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+            origins.append(f"{shard.name}:bad-{name}")
+        return folder, origins
+    if path.is_dir():  # an audiofolder: rows appended to metadata.csv
+        metadata = folder / "metadata.csv"
+        lines = metadata.read_text().splitlines()
+        extra = "," * lines[0].count(",", lines[0].index("transcription"))
+        rows = [f"{name}.wav,alpha bravo charlie{extra}" for name in BAD_CLIPS]
+        metadata.write_text("\n".join([*lines, *rows]) + "\n")
+        first = len(lines) + 1  # a row's origin is its line number
+        return folder, [f"metadata.csv:{first + i}" for i in range(len(BAD_CLIPS))]
+    # A cut manifest: cuts of other recordings among the good ones. Row n is part n of the 8
+    # (`lhotse_cuts.cut_examples`), which `datasets` deals to processes and workers in halves
+    # or alternately: the good ones at rows 0, 3, 5 and 6 put one good and one bad cut in
+    # every pair it may deal to a worker, and two of each in every half.
+    manifest = folder / path.name
+    with gzip.open(manifest, "rt") as rows:
+        good = [json.loads(line) for line in rows if line.strip()]
+    bad = []
+    for name in BAD_CLIPS:
+        cut = json.loads(json.dumps(good[0]))
+        cut["id"] = f"bad-{name}"
+        cut["start"] = 0.0
+        cut["recording"]["id"] = f"rec-{name}"
+        cut["recording"]["sources"][0]["source"] = f"{name}.wav"
+        for supervision in cut["supervisions"]:
+            supervision["recording_id"] = f"rec-{name}"
+        bad.append(cut)
+    cuts = [(good if row in (0, 3, 5, 6) else bad).pop(0) for row in range(8)]
+    with gzip.open(manifest, "wt") as rows:
+        rows.writelines(json.dumps(cut) + "\n" for cut in cuts)
+    return manifest, [f"(cut bad-{name})" for name in BAD_CLIPS]
+
+
+def data_of(row: dict, data: dict) -> Path:
+    """The training data of `row`: its (data, packing)'s, with BAD_CLIPS among it if asked."""
+    key = (row["data"], row["packing"])
+    return data["bad"][key][0] if row.get("bad") else data[key]
+
+
 @pytest.fixture(scope="module")
 def matrix_data(tmp_path_factory, tiny_whisper_dir):
     """The tiny model and the training data of each (data, packing), each step all of it:
@@ -380,7 +478,7 @@ def matrix_data(tmp_path_factory, tiny_whisper_dir):
     cuts of one recording (a part of the manifest each): 2 processes x 2 workers read one each."""
     root = tmp_path_factory.mktemp("matrix")
     write_shards(root / "shards", "webdataset", [1, 1, 1, 1])
-    return {
+    data = {
         ("whole", "off"): with_previous_texts(write_tone_dataset(root / "whole", n=GLOBAL_BATCH)),
         ("stream", "off"): root / "shards",
         ("whole", "on"): with_previous_texts(write_long_clips(root / "long", 8, 10.0)),
@@ -390,9 +488,17 @@ def matrix_data(tmp_path_factory, tiny_whisper_dir):
         ("cuts", "off"): write_cut_windows(root / "cuts", GLOBAL_BATCH, 1.2),
         ("cuts", "on"): write_cut_windows(root / "long-cuts", 4, 16.0),
         ("cuts", "per-clip"): root / "long-cuts" / "cuts.jsonl.gz",  # refused at start
+    }
+    return {
+        **data,
         "model": tiny_whisper_dir,
         "twins": {},  # twin key -> its losses, shared by the rows
         "root": root,
+        # the same data with the bad clips among it (`with_bad_clips`); their origins
+        "bad": {
+            key: with_bad_clips(path, root / "bad" / f"{key[0]}-{key[1]}")
+            for key, path in data.items()
+        },
     }
 
 
@@ -401,6 +507,8 @@ def row_settings(row: dict) -> dict[str, object]:
     # --batch-size counts clips; packed data read whole has 2 a window (`matrix_data`), a
     # stream's packed windows are counted as windows (one clip each here).
     clips_a_window = 2 if row["packing"] != "off" and row["data"] == "whole" else 1
+    if row.get("bad") and row["packing"] == "off":  # a step of 4 good clips and 4 bad ones
+        clips_a_window = 2  # (packed, the bad ones are in no window, or a window's skips)
     settings = {
         "mode": row["mode"],
         "batch_size": clips_a_window * GLOBAL_BATCH // (row["nproc"] * row["accumulation"]),
@@ -451,7 +559,7 @@ def row_flags(row: dict, data: dict, workdir: Path) -> list[str]:
             else:
                 options.append(f"{flag}={value}")
     flags = [
-        f"--data={data[row['data'], row['packing']]}",
+        f"--data={data_of(row, data)}",
         *["--streaming"] * (row["data"] == "cuts"),
         f"--model={data['model']}",
         f"--output-dir={workdir / 'out'}",
@@ -468,9 +576,9 @@ def row_flags(row: dict, data: dict, workdir: Path) -> list[str]:
     return flags
 
 
-def run_row(row: dict, data: dict, workdir: Path, monkeypatch) -> Path:
+def run_row(row: dict, data: dict, workdir: Path, monkeypatch, capsys=None) -> tuple[Path, list]:
     """Train `row` (2 steps, or 1 then --resume for 1 more), its gradients observed; returns
-    its output folder."""
+    its output folder and what each invocation printed (in-process: read with `capsys`)."""
     out, grads = workdir / "out", workdir / "grads"
     grads.mkdir(parents=True)
     if row["trackers"] != "tensorboard":  # inherited by the processes of --nproc too
@@ -479,13 +587,17 @@ def run_row(row: dict, data: dict, workdir: Path, monkeypatch) -> Path:
     invocations = [["--max-steps=1", "--save-steps=1"], ["--max-steps=2", "--resume=latest"]]
     if not row["resume"]:
         invocations = [["--max-steps=2"]]
+    printed = []
     if row["nproc"] == 1:
         install_gradient_observer(str(grads), patch=monkeypatch.setattr)
         if row.get("decoder_adapters"):  # a cached LoRA row's twin: its adapters, uncached
             lora_on_the_decoder_only(monkeypatch)
         for extra in invocations:
+            if capsys is not None:
+                capsys.readouterr()
             assert main(["train", *flags, *extra]) == 0
-        return out
+            printed.append(capsys.readouterr().out if capsys is not None else "")
+        return out, printed
     hook = workdir / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(OBSERVER_SITECUSTOMIZE)
@@ -493,8 +605,8 @@ def run_row(row: dict, data: dict, workdir: Path, monkeypatch) -> Path:
     monkeypatch.setenv("PYTHONPATH", path)
     monkeypatch.setenv("MATRIX_GRADS_DIR", str(grads))
     for extra in invocations:
-        train_in_subprocess([*flags, *extra])
-    return out
+        printed.append(train_in_subprocess([*flags, *extra]).stdout)
+    return out, printed
 
 
 def twin_of(row: dict) -> dict:
@@ -514,6 +626,7 @@ def twin_of(row: dict) -> dict:
         "workers": 0,
         "trackers": "tensorboard",
         "options": "flags",
+        "bad": False,
     }
 
 
@@ -522,7 +635,7 @@ def twin_losses(row: dict, data: dict, monkeypatch) -> list[float]:
     key = row_id(twin)
     if key not in data["twins"]:
         with monkeypatch.context() as patch:
-            out = run_row(twin, data, data["root"] / "twins" / key, patch)
+            out, _ = run_row(twin, data, data["root"] / "twins" / key, patch)
         data["twins"][key] = [r["loss"] for r in metric_rows(out) if "loss" in r]
     return data["twins"][key]
 
@@ -541,19 +654,26 @@ def loss_tolerance(row: dict) -> float:
 
 
 @pytest.mark.parametrize("row", PAIRWISE, ids=row_id)
-def test_a_combination_trains_as_its_plain_twin(row, matrix_data, tmp_path, monkeypatch):
-    check_row(row, matrix_data, tmp_path, monkeypatch)
+def test_a_combination_trains_as_its_plain_twin(row, matrix_data, tmp_path, monkeypatch, capsys):
+    check_row(row, matrix_data, tmp_path, monkeypatch, capsys)
 
 
-def check_row(row: dict, data: dict, tmp_path: Path, monkeypatch) -> None:
+def check_row(row: dict, data: dict, tmp_path: Path, monkeypatch, capsys) -> None:
     from tiny_models import make_tiny_whisper
 
     # The twin first: the row's gradient observer, once installed, would also log the twin's.
     expected = twin_losses(row, data, monkeypatch)
-    out = run_row(row, data, tmp_path, monkeypatch)
+    out, printed = run_row(row, data, tmp_path, monkeypatch, capsys)
     losses = [r["loss"] for r in metric_rows(out) if "loss" in r]
     assert len(losses) == 2, metric_rows(out)
     np.testing.assert_allclose(losses, expected, rtol=0, atol=loss_tolerance(row))
+    if row["bad"]:  # every step reads them all: each run names them in one report, each once
+        origins = data["bad"][row["data"], row["packing"]][1]
+        for text in printed:
+            assert text.count(f"clips skipped as they were read: {len(BAD_CLIPS)} skipped") == 1
+            assert all(text.count(f"{origin} [") <= 1 for origin in origins), text
+            assert sum(f"{origin} [" in text for origin in origins) >= 3, text  # 3 a reason shown
+            assert f"skipped {len(BAD_CLIPS)} clips during training" in text, text
 
     model, _ = make_tiny_whisper()
     trainable, nonzero = observed_gradients(tmp_path / "grads")
@@ -656,15 +776,15 @@ def three_wise() -> list[dict]:
     return covering_array(3)
 
 
-THREE_WISE_ROWS = 51
+THREE_WISE_ROWS = 56
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(THREE_WISE_ROWS))
 def test_every_triple_of_options_trains_as_its_plain_twin(
-    index, matrix_data, tmp_path, monkeypatch
+    index, matrix_data, tmp_path, monkeypatch, capsys
 ):
     assert len(three_wise()) == THREE_WISE_ROWS  # the generator, seeded, gives the same rows
     row = three_wise()[index]
     print(row_id(row))
-    check_row(row, matrix_data, tmp_path, monkeypatch)
+    check_row(row, matrix_data, tmp_path, monkeypatch, capsys)

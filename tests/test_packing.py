@@ -14,6 +14,7 @@ import types
 
 import numpy as np
 import pytest
+import soundfile
 import torch
 from conftest import (
     SAME_RUN_LOSS_ATOL,
@@ -490,8 +491,9 @@ def test_accumulation_is_the_token_mean_of_the_step(tmp_path, tiny_run_config):
 
 
 # The same global batch (--batch-size counts clips): one process at 2b, two at b; 66 clips of
-# 1.2 s and one missing, in windows of at most 2b clips (on: ~20 a window by their seconds;
-# per-clip: ~6, each clip with 3.6 s of its own padding), the missing one alone in one more.
+# 1.2 s and one of 29 s that does not decode, in windows of at most 2b clips (on: ~20 a window
+# by their seconds; per-clip: ~6, each clip with 3.6 s of its own padding), the long one alone
+# in one more.
 @pytest.mark.parametrize(
     "packing, sharding, windows, batch",
     [("on", [], 5, 13), ("per-clip", ["--fsdp"], 12, 6)],
@@ -504,10 +506,16 @@ def test_two_processes_packed_with_an_empty_share_equal_one(
     layer once more, so the process with nothing to read must run it too (a routed
     stand-in): else the two processes' all-gathers pair up wrong and the run hangs or fails."""
     data = _many_tones(tmp_path, n=66)
-    # One missing clip: with one window a micro-batch, a process's micro-batch can hold nothing usable.
+    # One clip of 29 s whose header reads but whose frames do not decode: alone in its window,
+    # with one window a micro-batch a process's micro-batch holds nothing usable. (A missing
+    # file, whose header does not read, is in no window: tests/test_combinations.py.)
+    tone = (0.3 * np.sin(np.arange(29 * 16_000) / 5)).astype(np.float32)
+    soundfile.write(data / "undecodable.flac", tone, 16_000)
+    encoded = (data / "undecodable.flac").read_bytes()
+    (data / "undecodable.flac").write_bytes(encoded[:200] + bytes(len(encoded) - 200))
     metadata = data / "metadata.csv"
     lines = metadata.read_text().splitlines()
-    lines.append("missing.wav,alpha bravo charlie")
+    lines.append("undecodable.flac,alpha bravo charlie")
     metadata.write_text("\n".join(lines) + "\n")
     common = [
         f"--data={data}",
@@ -537,7 +545,11 @@ def test_two_processes_packed_with_an_empty_share_equal_one(
     steps = int(re.search(r"(\d+) steps an epoch", alone.stdout).group(1))
     assert len(one) == steps > 1
     np.testing.assert_allclose(two, one, rtol=0, atol=SAME_RUN_LOSS_ATOL)
-    assert "missing.wav" in alone.stdout  # named at the end of the epoch it was met in
+    # Named at the end of the epoch it was met in, once, whichever process's share held it.
+    for run in (alone, two_processes):
+        named = [line for line in run.stdout.splitlines() if "metadata.csv:68" in line]
+        assert len(named) == 1 and "1 unreadable audio: " in named[0], run.stdout
+        assert "skipped 1 clips during training" in run.stdout
     # The same windows, 2 a micro-batch on one process, 1 on each of two: a process's
     # micro-batch holding nothing usable must not hang or weigh.
     for run in (alone, two_processes):

@@ -217,3 +217,56 @@ def test_transcribe_command_exit_codes(tmp_path):
     assert run(str(folder / "good.wav"), *off, "--logprob-threshold", "off") == 0
     with pytest.raises(UserError, match="--temperatures"):
         run(str(folder / "good.wav"), "--temperatures", "0,0.2,zero")
+
+
+# -- long recordings in bounded memory (issue 53) ---------------------------------------------
+def test_a_long_recording_is_read_and_decoded_a_part_at_a_time_and_stitched_whole(
+    tmp_path, monkeypatch
+):
+    """A 130 s recording, read 10 s at a time and decoded 40 s at a time: no read and no
+    decode call holds more than that, and the parts' segments make the recording's, each once
+    and at its own time. The audio is a time code (each sample is its time / 1000), so the
+    fake runtime can say which second each of its segments starts at."""
+    import whisper_train.transcription.longform as longform_module
+    import whisper_train.transcription.transcribe as transcribe_module
+    from whisper_train.audio import SAMPLE_RATE
+
+    seconds = 130
+    path = tmp_path / "long.wav"
+    soundfile.write(
+        path,
+        np.arange(seconds * SAMPLE_RATE, dtype=np.float32) / SAMPLE_RATE / 1000,
+        SAMPLE_RATE,
+        subtype="FLOAT",
+    )
+    monkeypatch.setattr(transcribe_module, "PIECE_SECONDS", 10.0, raising=False)
+    monkeypatch.setattr(longform_module, "DECODE_SECONDS", 40.0, raising=False)
+    reads, calls = [], []
+    real_read = soundfile.SoundFile.read
+
+    def counted_read(self, frames=-1, *args, **kwargs):
+        data = real_read(self, frames, *args, **kwargs)
+        reads.append(len(data))
+        return data
+
+    class TimeCodeRuntime:  # a segment every 5 s of what it is given, named by its start
+        def transcribe(self, audio):
+            calls.append(len(audio))
+            segments = []
+            for start in range(0, len(audio), 5 * SAMPLE_RATE):
+                at = round(float(audio[start]) * 1000)
+                end = min(start + 5 * SAMPLE_RATE, len(audio))
+                segments.append(Segment(start / SAMPLE_RATE, end / SAMPLE_RATE, f"{at}"))
+            return " ".join(s.text for s in segments), segments
+
+    monkeypatch.setattr(soundfile.SoundFile, "read", counted_read)
+    monkeypatch.setattr(transcribe_module, "load_backend", lambda *a, **k: TimeCodeRuntime())
+    [result] = transcribe_paths("any", [path], format="json", progress=False)
+
+    assert result.error is None
+    assert max(reads) <= 10 * SAMPLE_RATE  # the largest array read: a piece
+    assert max(calls) <= (40 + 10) * SAMPLE_RATE and len(calls) > 3  # a part and a piece
+    assert [s.text for s in result.segments] == [str(t) for t in range(0, seconds, 5)]
+    assert [s.start for s in result.segments] == list(range(0, seconds, 5))
+    assert result.segments[-1].end == seconds
+    assert result.text == " ".join(str(t) for t in range(0, seconds, 5))

@@ -15,8 +15,10 @@ shard.
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -208,6 +210,135 @@ def load_audio(
     if source_rate != SAMPLE_RATE:
         mono = soxr.resample(mono, source_rate, SAMPLE_RATE, quality=_RESAMPLE_QUALITY)
     return np.ascontiguousarray(mono, dtype=np.float32)
+
+
+def audio_pieces(
+    source: str | Path,
+    piece_seconds: float,
+    *,
+    start: float | None = None,
+    end: float | None = None,
+) -> Iterator[np.ndarray]:
+    """`load_audio`'s samples of the file `source` (its window [start, end) seconds), in
+    consecutive pieces of `piece_seconds` (the last may be shorter): a recording of any length
+    read holding about one piece at a time, never the whole. Decoded as it is read (soundfile's
+    blocks, else PyAV's frames), resampled by one streaming resampler (no seam between pieces).
+    AudioError and NonFiniteAudio as `load_audio` raises them, from the piece where met."""
+    path, name = _checked(source, None)
+    pieces = _Pieces(round(piece_seconds * SAMPLE_RATE))
+    try:
+        audio = soundfile.SoundFile(path)
+    except (soundfile.LibsndfileError, RuntimeError, TypeError) as exc:
+        blocks, rate = _pyav_blocks(path, name, start, end, _first_line(exc))
+    else:
+        blocks, rate = _soundfile_blocks(audio, name, start, end, piece_seconds)
+    resampler = None
+    if rate != SAMPLE_RATE:
+        resampler = soxr.ResampleStream(
+            rate, SAMPLE_RATE, 1, dtype="float32", quality=_RESAMPLE_QUALITY
+        )
+    read = 0
+    for block in blocks:
+        mono = block.mean(axis=1, dtype=np.float32)
+        _check_finite(mono, name, rate, (start or 0.0) + read / rate)
+        read += len(mono)
+        yield from pieces.add(mono if resampler is None else resampler.resample_chunk(mono))
+    if resampler is not None:
+        yield from pieces.add(resampler.resample_chunk(np.zeros(0, np.float32), last=True))
+    if not read:
+        where = "" if start is None and end is None else f" in the window {start}-{end} s"
+        raise AudioError(name, f"no audio samples{where}; remove it from your data")
+    yield from pieces.rest()
+
+
+class _Pieces:
+    """Samples gathered into pieces of `size` (one piece's worth held at most, plus a block)."""
+
+    def __init__(self, size: int):
+        self.size, self.held, self.count = size, [], 0
+
+    def add(self, samples: np.ndarray) -> Iterator[np.ndarray]:
+        self.held.append(samples)
+        self.count += len(samples)
+        while self.count >= self.size:
+            joined = np.concatenate(self.held)
+            yield np.ascontiguousarray(joined[: self.size], dtype=np.float32)
+            rest = joined[self.size :]
+            self.held, self.count = [rest], len(rest)
+
+    def rest(self) -> Iterator[np.ndarray]:
+        if self.count:
+            yield np.ascontiguousarray(np.concatenate(self.held), dtype=np.float32)
+
+
+def _soundfile_blocks(
+    audio: soundfile.SoundFile,
+    name: str,
+    start: float | None,
+    end: float | None,
+    piece_seconds: float,
+) -> tuple[Iterator[np.ndarray], int]:
+    """((frames, channels) float32 blocks of the window, of about `piece_seconds` each, read as
+    they are asked for), the file's rate."""
+    rate = audio.samplerate
+    first = 0 if start is None else max(0, round(start * rate))
+    stop = None if end is None else max(first, round(end * rate))
+    size = max(1, round(piece_seconds * rate))
+
+    def blocks() -> Iterator[np.ndarray]:
+        with audio:
+            try:
+                if first and audio.seekable():
+                    audio.seek(min(first, audio.frames))
+                    position = first
+                else:
+                    position = 0  # read from the start and drop what precedes the window
+                while stop is None or position < stop:
+                    wanted = size if stop is None else min(size, stop - position)
+                    block = audio.read(wanted, dtype="float32", always_2d=True)
+                    if not len(block):
+                        return
+                    lo, position = position, position + len(block)
+                    if position > first:
+                        yield block[max(0, first - lo) :]
+            except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
+                raise AudioError(
+                    name, f"cannot decode audio ({_first_line(exc)}); {_REMEDY}"
+                ) from None
+
+    return blocks(), rate
+
+
+def _pyav_blocks(
+    source: str, name: str, start: float | None, end: float | None, libsndfile_reason: str
+) -> tuple[Iterator[np.ndarray], int]:
+    """`_pyav_decode`'s window as (frames, channels) float32 blocks, decoded as they are asked
+    for (from the start: a seek's uncertainty is not worth it once per recording), the rate."""
+    container, stream = _pyav_open(source, name, libsndfile_reason)
+    rate = stream.codec_context.sample_rate
+    first = 0 if start is None else max(0, round(start * rate))
+    stop = None if end is None else max(first, round(end * rate))
+
+    def blocks() -> Iterator[np.ndarray]:
+        to_float = av.AudioResampler(format="fltp", rate=rate)
+        position = 0
+        with container:
+            try:
+                frames = (f for frame in container.decode(stream) for f in to_float.resample(frame))
+                for converted in itertools.chain(frames, to_float.resample(None)):
+                    block = converted.to_ndarray()  # (channels, samples)
+                    lo, position = position, position + block.shape[1]
+                    if position > first:
+                        hi = block.shape[1] if stop is None else min(stop - lo, block.shape[1])
+                        yield block[:, max(0, first - lo) : hi].T.astype(np.float32, copy=False)
+                    if stop is not None and position >= stop:
+                        return
+            except (av.FFmpegError, ValueError) as exc:
+                raise AudioError(
+                    name, f"cannot decode audio ({_first_line(exc)}); {_REMEDY}"
+                ) from None
+
+    return blocks(), rate
 
 
 def _check_finite(samples: np.ndarray, name: str, rate: int, start: float | None) -> None:

@@ -29,7 +29,6 @@ persistent or not, and after a resume.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -41,11 +40,15 @@ from whisper_train.data import packing as packing_module
 from whisper_train.data import prompts, streaming
 from whisper_train.data.augment import WaveformAugmenter
 from whisper_train.data.collate import IGNORE_INDEX
-from whisper_train.data.examples import Example, Skip
+from whisper_train.data.examples import Example
 from whisper_train.data.features import SpeechDataset
 from whisper_train.data.labels import body_length
+from whisper_train.data.loader_skips import LoaderSkips
 from whisper_train.data.loaders import pins_memory
-from whisper_train.data.screening import read_audio_seconds, summarize_skips
+from whisper_train.data.screening import (
+    clip_problem,
+    read_audio_seconds,
+)
 from whisper_train.data.step_plan import Packing, WholePlan, decode_clips, encode_clips
 from whisper_train.data.streaming import StreamData, StreamPlan
 from whisper_train.errors import AudioError, UserError
@@ -129,10 +132,11 @@ class WholeData:
             prefetch_factor=4 if num_workers > 0 else None,
             pin_memory=pins_memory(accelerator),
         )
-        # Clips the loader skipped on this process, by origin: said at the end of the epoch
-        # they were first met in, and at the end of the run.
-        self.clip_skips: dict[str, Skip] = {}
-        self.reported_skips = 0
+        # Clips the loader skipped, every process's: each named at the end of the epoch it
+        # was first met in (or of the run), once.
+        self.skips = LoaderSkips()
+        if plan.packing is not None and accelerator.is_main_process:  # named once, by one
+            self.skips.add(plan.packing.unreadable.values())
         self.steps_per_epoch = plan.steps_per_epoch
 
     # -- the loop ---------------------------------------------------------------------------
@@ -160,38 +164,27 @@ class WholeData:
             micro_batches = [next(batches) for _ in share]
             for batch in micro_batches:
                 usable += batch["size"]
-                for item in batch["skipped"]:
-                    self.clip_skips.setdefault(item.origin, item)
+                self.skips.add(batch["skipped"])
             state.steps_in_epoch += 1
             yield micro_batches
-        # Every process ends its epoch here (the same steps): one verdict for all of them.
+        # Every process ends its epoch here (the same steps): one verdict for all of them, and
+        # the same collectives (the sum, then the skips' gather) whatever its share held.
         if accelerator.num_processes > 1:
             total = torch.tensor([usable], device=accelerator.device)
             usable = int(reduce(total, reduction="sum").item())
+        new = self.skips.gather(accelerator)
         if usable == 0 and len(left) == len(steps):
-            where = f" on process {rank}" if accelerator.num_processes > 1 else ""
             raise UserError(
                 f"--data {self.data_spec}: no usable training utterances in a whole epoch "
-                f"({len(self.clip_skips)} skipped{where}: {self._skip_reasons()}); run "
+                f"({len(self.skips.named)} skipped: {self.skips.reasons()}); run "
                 "`whisper-train check-data` on it"
             )
-        self.report_skips(f"epoch {state.epoch}")
+        self.skips.say(accelerator, f"epoch {state.epoch}", new, state)
 
-    def _skip_reasons(self) -> str:
-        counts = Counter(item.reason for item in self.clip_skips.values())
-        return ", ".join(f"{n} {reason}" for reason, n in counts.most_common())
-
-    def report_skips(self, when: str) -> None:
-        """The clips skipped by the loader (this process) that were not reported yet."""
-        skips = list(self.clip_skips.values())[self.reported_skips :]
-        if skips:
-            self.reported_skips = len(self.clip_skips)
-            if self.accelerator.num_processes > 1:
-                when += " (process 0)"
-            say(
-                self.accelerator,
-                f"{when}: clips skipped as they were read: " + summarize_skips(skips),
-            )
+    def report_skips(self, when: str, state) -> None:
+        """The clips skipped by any process's loader that were not named yet (every process
+        calls this at the same step: it gathers)."""
+        self.skips.say(self.accelerator, when, self.skips.gather(self.accelerator), state)
 
     # -- checkpoints ------------------------------------------------------------------------
     def saved_position(self) -> dict | None:
@@ -247,7 +240,8 @@ def clip_sizes(
 ) -> list[packing_module.ClipSize]:
     """Each training clip's seconds (stated by the data, else its header, read now in threads;
     x `stretch`: the worst-case slowing of --audio-augment) and its transcript's tokens.
-    A clip whose header does not read is given a window of its own: the loader skips it."""
+    A clip whose header does not read is given a window of its own (`plan_training_data` leaves
+    it out of every window, and names it)."""
     unknown = [e.audio for e in examples if e.duration is None and e.end is None]
     headers = read_audio_seconds(unknown) if unknown else {}
     prefix_lengths: dict[str | None, int] = {}
@@ -348,10 +342,11 @@ def plan_training_data(
         prefix, per_clip_tokens = packing_budget(
             label_encoder, examples, packing_timestamps=packing_timestamps
         )
+        sizes = clip_sizes(
+            examples, datasets.label_lengths(label_encoder), label_encoder, stretch=stretch
+        )
         packed = Packing(
-            clip_sizes(
-                examples, datasets.label_lengths(label_encoder), label_encoder, stretch=stretch
-            ),
+            sizes,
             prefix_tokens=prefix,
             timestamp_tokens=per_clip_tokens,
             max_tokens=max_label_tokens,
@@ -362,6 +357,12 @@ def plan_training_data(
             ),
             padding_stride=packing_module.per_clip_padding_stride() if per_clip else 0,
             per_clip=per_clip,
+            unreadable={
+                index: problem
+                for index, size in enumerate(sizes)
+                if math.isinf(size.seconds)  # its header did not read
+                and (problem := clip_problem(examples[index])) is not None
+            },
         )
     plan = WholePlan(
         len(examples),

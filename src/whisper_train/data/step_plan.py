@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import base64
 import math
-from collections.abc import Collection, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from whisper_train.data import packing as packing_module
+from whisper_train.data.examples import Skip
 from whisper_train.data.labels import MAX_DECODER_TOKENS
 from whisper_train.data.sampling import LengthGroupedBatchSampler
 
@@ -111,6 +112,9 @@ class Packing:
     gap_seconds: float = packing_module.DEFAULT_GAP_SECONDS
     padding_stride: int = 0  # --packing per-clip's own padding (`packing.own_padding_seconds`)
     per_clip: bool = False  # each clip decoded on its own (--packing per-clip)
+    # Clips whose audio header did not read when their seconds were: in no window (a window of
+    # their own would be a micro-batch of silence), named by the loader's first report.
+    unreadable: Mapping[int, Skip] = field(default_factory=dict)
 
 
 class WholePlan:
@@ -159,6 +163,8 @@ class WholePlan:
         """The packed windows of `epoch` (clip indices), the clips in `exclude` left out."""
         packing = self.packing
         sizes = packing.clip_sizes
+        if packing.unreadable:
+            exclude = set(exclude) | set(packing.unreadable)
         kept = [i for i in range(self.n_clips) if i not in exclude] if exclude else None
         windows = packing_module.plan_windows(
             sizes if kept is None else [sizes[i] for i in kept],
@@ -248,6 +254,8 @@ class WholePlan:
         items, counts = self.items(0)
         steps = plan_steps(items, counts, self.shape)
         text = f"{self.n_clips} training utterances"
+        if self.packing is not None and self.packing.unreadable:
+            text += f" ({len(self.packing.unreadable)} whose audio does not read left out)"
         if self.packing is not None:
             fill = packing_module.fill_ratio(self.packing.clip_sizes, items)
             decoded = "each clip decoded on its own; " if self.packing.per_clip else ""

@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader
 from whisper_train.audio import CHUNK_LENGTH, SAMPLE_RATE
 from whisper_train.data.examples import Example, Skip, decode_skip
 from whisper_train.data.labels import body_length, decoder_positions, label_positions
+from whisper_train.data.loader_skips import LoaderSkips
 from whisper_train.data.loaders import pins_memory
 from whisper_train.data.packing import PackedWindow
 from whisper_train.data.step_plan import group_steps
@@ -432,6 +433,9 @@ class StreamData:
             packing_timestamps=plan.packing_timestamps,
         )
         self.position = StreamPosition()
+        # The clips skipped, every process's, named once at the end of the run: the processes'
+        # passes end at other steps, so no pass's end is a place they all meet to gather.
+        self.skips = LoaderSkips()
         # Each worker makes its own micro-batches (`SpeechStream`). Not persistent: the workers
         # are started afresh each pass, with that pass's epoch and rows to replay.
         self.loader = DataLoader(
@@ -467,6 +471,7 @@ class StreamData:
             if batch.get("replayed"):
                 continue
             position.count_skips(batch["skipped"])
+            self.skips.add(batch["skipped"])
             usable += batch["size"]
             micro_batches += 1
             yield batch
@@ -493,8 +498,10 @@ class StreamData:
             f"{skip_summary(skipped)}",
         )
 
-    def report_skips(self, when: str) -> None:
-        pass  # each pass reports its own at its end
+    def report_skips(self, when: str, state) -> None:
+        """The clips any process's stream skipped, each named once (every process calls this
+        at the same step: it gathers). Each pass's end line counts its own on process 0."""
+        self.skips.say(self.accelerator, when, self.skips.gather(self.accelerator), state)
 
     def saved_position(self) -> dict | None:
         return self.position.to_dict()

@@ -42,8 +42,8 @@ def say_what_was_skipped(accelerator, state: TrainerState) -> None:
     if state.skipped_clips:
         say(
             accelerator,
-            f"skipped {state.skipped_clips} clips during training (a clip is counted each "
-            "time it is read)",
+            f"skipped {state.skipped_clips} clips during training (each named above, once "
+            "however often it was read)",
         )
     if state.skipped_steps:
         say(

@@ -326,7 +326,7 @@ def _training_section(
     if result is not None:
         clips = f"- training data: {result.train_examples} clips"
         if result.skipped_clips:
-            clips += f" ({result.skipped_clips} clip reads skipped during training)"
+            clips += f" ({result.skipped_clips} clips skipped as unreadable during training)"
         lines.append(clips)
         if result.skipped_steps:
             lines.append(f"- {result.skipped_steps} optimizer steps skipped (NaN or infinite)")

@@ -268,7 +268,6 @@ class FineTuneRecipe:
         backwards and collectives whatever its data.
         """
         accelerator, state = self.accelerator, self.state
-        state.skipped_clips += sum(len(batch["skipped"]) for batch in micro_batches)
         weights, total_tokens = step_loss_weights(micro_batches, accelerator)
         # Cross-entropy x tokens, this process, kept on the device: reading it back would make
         # the host wait for the device after every micro-batch (see `step.read_loss_and_norm`).
@@ -458,7 +457,7 @@ class FineTuneRecipe:
         best_folder = self.output_dir / f"{checkpoints.PREFIX}{choice.step}"
         if choice.step not in (None, state.step) and not best_folder.is_dir():
             choice = FinalChoice(state.step, f"the last step ({best_folder} is missing)")
-        self.data.report_skips(f"step {state.step}")
+        self.data.report_skips(f"step {state.step}", state)
         say_what_was_skipped(accelerator, state)
         say(accelerator, trained_line(self.first_step, state.step, self.train_seconds))
         if self.encoder_cache is not None:

@@ -8,18 +8,31 @@ timestamp ended, and the temperature fallback window by window with openai-whisp
 compression ratio. Optionally each window is conditioned on the previous windows' text
 (`condition_on_previous_text`, openai-whisper's and faster-whisper's name; off by default, as
 `transcribe` decodes).
+
+A recording of any length is decoded in bounded memory by `transcribe_in_pieces`: its audio read
+a piece at a time (`audio.audio_pieces`) and handed to a runtime DECODE_SECONDS at a time, each
+part starting where the last whole window of the one before closed its last segment.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from whisper_train.audio import N_SAMPLES, SAMPLE_RATE
+from whisper_train.audio import CHUNK_LENGTH, N_SAMPLES, SAMPLE_RATE
 from whisper_train.transcription.decoding import DecodingOptions, compression_ratio, seeded
+from whisper_train.transcription.transcripts import Segment
+from whisper_train.transcription.word_timestamps import Word
+
+# A recording is read PIECE_SECONDS at a time and decoded DECODE_SECONDS (8 windows) at a time:
+# what a runtime holds for one call (audio, log-mel, its own copies) is bounded by that, not by
+# the recording's length; each part's last 30 s to 60 s are decoded again with what follows.
+PIECE_SECONDS = 60.0
+DECODE_SECONDS = 240.0
 
 
 def _fallback_arguments(options: DecodingOptions) -> dict:
@@ -143,3 +156,61 @@ def transcribe_long_form(model, processor, audio: np.ndarray, **options) -> str:
     """The text of a recording decoded long-form (`generate_long_form`'s options)."""
     output = generate_long_form(model, processor, audio, **options)
     return " ".join(segment.text for segment in decoded_segments(output, processor.tokenizer))
+
+
+def transcribe_in_pieces(
+    transcribe: Callable[[np.ndarray], tuple[str, list[Segment]]],
+    pieces: Iterable[np.ndarray],
+    *,
+    decode_seconds: float | None = None,
+    progress: Callable[[float], None] | None = None,
+) -> tuple[str, list[Segment]]:
+    """(text, segments) of a recording given as consecutive pieces of 16 kHz audio, decoded by
+    `transcribe` (a backend's: audio of any length → (text, segments timed from its start))
+    at most about `decode_seconds` (None: DECODE_SECONDS) + a piece at a time;
+    `progress(seconds)` after each part.
+
+    A part that is not the recording's last keeps only the segments that end at least 30 s
+    before its end: those came from whole windows, as decoding the recording at once would have
+    made them (a window that reaches the part's end was cut short by it). The next part starts
+    where the last of them ends, so its window starts where sequential decoding's next window
+    would; or, when none ended in the last minute, 60 s before the part's end, which holds the
+    window that was cut short. A recording of at most one part is decoded in one call, as it
+    always was."""
+    limit = round((DECODE_SECONDS if decode_seconds is None else decode_seconds) * SAMPLE_RATE)
+    held, offset, segments, texts = np.zeros(0, np.float32), 0, [], []
+    pieces = iter(pieces)
+    piece = next(pieces, None)
+    while piece is not None:
+        held = np.concatenate([held, piece])
+        piece = next(pieces, None)
+        if piece is not None and len(held) < limit:
+            continue
+        text, found = transcribe(held)
+        if piece is None:  # the recording's end: all of it
+            keep, cut = found, len(held)
+        else:
+            whole_windows = len(held) / SAMPLE_RATE - CHUNK_LENGTH
+            keep = [segment for segment in found if segment.end <= whole_windows]
+            last_end = keep[-1].end if keep else 0.0
+            cut = round(max(last_end, whole_windows - CHUNK_LENGTH) * SAMPLE_RATE)
+        texts.append(text)
+        segments += [_shifted(segment, offset / SAMPLE_RATE) for segment in keep]
+        held, offset = held[cut:], offset + cut
+        if progress is not None:
+            progress(offset / SAMPLE_RATE)
+    if len(texts) == 1:  # decoded in one call: the runtime's own text
+        return texts[0], segments
+    return " ".join(segment.text for segment in segments), segments
+
+
+def _shifted(segment: Segment, seconds: float) -> Segment:
+    """`segment` (and its words) `seconds` later."""
+    if not seconds:
+        return segment
+    words = segment.words
+    if words is not None:
+        words = tuple(
+            Word(w.word, w.start + seconds, w.end + seconds, w.probability) for w in words
+        )
+    return Segment(segment.start + seconds, segment.end + seconds, segment.text, words)

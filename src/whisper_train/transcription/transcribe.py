@@ -6,6 +6,11 @@ faster-whisper, a ggml-model.bin in whisper.cpp, a model.pt in openai-whisper, a
 else `--model` names (a transformers folder, a run folder, a hub id) in transformers.
 
 A file that cannot be read is reported and skipped; the others still get transcribed.
+
+A recording is read and decoded a part at a time (`longform.transcribe_in_pieces`), by every
+runtime: its memory does not grow with its length (faster-whisper, handed a path or a whole
+array, would decode the whole file and compute its whole log-mel before its first window).
+On a terminal, the progress bar's line says how much of the recording is decoded.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from whisper_train.audio import AUDIO_SUFFIXES, load_audio
+from whisper_train.audio import AUDIO_SUFFIXES, audio_pieces
 from whisper_train.data.layouts import load_examples
 from whisper_train.errors import AudioError, UserError, last_line
 from whisper_train.files import check_output_path
@@ -26,6 +31,7 @@ from whisper_train.models import load_model, model_folder
 from whisper_train.runlog import progress_bars_wanted
 from whisper_train.transcription.backends import TransformersBackend, torch_device
 from whisper_train.transcription.decoding import DecodingOptions
+from whisper_train.transcription.longform import PIECE_SECONDS, transcribe_in_pieces
 from whisper_train.transcription.transcripts import TRANSCRIPT_FORMATS, Transcript, render
 
 AUDIO_EXTENSIONS = set(AUDIO_SUFFIXES)
@@ -173,8 +179,11 @@ def transcribe_paths(
             transcript.error = entry.problem
         else:
             try:
-                audio = load_audio(entry.path, start=entry.start, end=entry.end)
-                transcript.text, transcript.segments = backend.transcribe(audio)
+                # Read and decoded a part at a time: memory does not grow with the length.
+                pieces = audio_pieces(entry.path, PIECE_SECONDS, start=entry.start, end=entry.end)
+                transcript.text, transcript.segments = transcribe_in_pieces(
+                    backend.transcribe, pieces, progress=_progress_of(bar, entry.name)
+                )
             except AudioError as exc:  # the line names the path already
                 transcript.error = exc.reason
             except UserError as exc:
@@ -186,3 +195,14 @@ def transcribe_paths(
             target.write_text(render(transcript, format), encoding="utf-8")
         results.append(transcript)
     return results
+
+
+def _progress_of(bar, name: str):
+    """The progress line's account of a long recording: how much of it is decoded (the bar's
+    one line, on a terminal only, as every bar of whisper-train)."""
+
+    def progress(seconds: float) -> None:
+        minutes, rest = divmod(int(seconds), 60)
+        bar.set_postfix_str(f"{name}: {minutes}:{rest:02d} decoded", refresh=True)
+
+    return progress

@@ -140,6 +140,7 @@ CHANGES = {
     "guard": ("evaluated", "general"),
     "max_regression": ("guarded", 5.0),
     "stop_on_regression": ("guarded", True),
+    "max_nonspeech_rise": ("evaluated", 3.0),
     "preserve_base": ("unpacked", 0.5),
     "compare_baseline": ("evaluated", True),
     "logging_steps": ("plain", 2),

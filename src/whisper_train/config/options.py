@@ -45,6 +45,9 @@ SCHEDULERS = ("linear", "constant_with_warmup")
 # Points of guard-set WER a chosen step may lose against the start, when --guard is given and
 # --max-regression is not: a default picked by judgement, not measured.
 DEFAULT_MAX_REGRESSION = 2.0
+# Words per minute a chosen step may invent on a non-speech set over its start: one word a
+# minute, a default picked by judgement (the built-in set is 68 s: one word is 0.88 a minute).
+DEFAULT_MAX_NONSPEECH_RISE = 1.0
 # --report-to: where the metrics rows go besides metrics.jsonl (whisper_train.trackers).
 TRACKERS = ("tensorboard", "mlflow", "wandb", "none")
 
@@ -314,6 +317,13 @@ class TrainConfig:
     stop_on_regression: bool = _help(
         "Stop training (with a checkpoint) at the first evaluation past --max-regression.",
         default=False,
+    )
+    max_nonspeech_rise: float = _help(
+        "Words per minute a step may invent on an --eval-data NAME:nonspeech=PATH set over that "
+        "set's start (measured before step 1); a step past it is never chosen for final/. "
+        "Default 1.0: at most one more invented word per minute of non-speech audio (a default "
+        "chosen, not measured).",
+        default=DEFAULT_MAX_NONSPEECH_RISE,
     )
     preserve_base: float = _help(
         "Weight of a KL term that keeps the model's next-token distribution at label positions "

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import soundfile
 
-from whisper_train.audio import AUDIO_SUFFIXES, SAMPLE_RATE
+from whisper_train.audio import AUDIO_SUFFIXES, SAMPLE_RATE, audio_length
 from whisper_train.data.examples import Example
 from whisper_train.data.layouts import load_examples
-from whisper_train.errors import UserError
+from whisper_train.errors import AudioError, UserError
 from whisper_train.runfolder import user_cache_dir
 
 BUILTIN_SET = "builtin"
@@ -153,4 +153,19 @@ def load_nonspeech(path: str | Path, *, data_format: str | None = None) -> list[
             f"{spoken[0].audio}: {spoken[0].text[:40]!r}); a non-speech set is clips where "
             "nobody speaks: give it a folder of audio alone, or score speech as NAME=PATH"
         )
+    return examples
+
+
+def require_readable(examples: list[Example], name: str) -> list[Example]:
+    """`examples`, each clip's audio header read: a non-speech set is scored on every clip or
+    not at all (a rate over the readable ones would flatter), so one that cannot be read
+    refuses the set, in one line, before training starts."""
+    for example in examples:
+        try:
+            audio_length(example.audio)
+        except AudioError as exc:
+            raise UserError(
+                f"--eval-data {name}: {example.audio} cannot be read ({exc.reason}); a "
+                "non-speech set is scored on every clip: repair or remove it"
+            ) from None
     return examples

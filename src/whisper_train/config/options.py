@@ -84,7 +84,9 @@ class DataConfig:
             "detected in each clip, never in --language. NAME:long=PATH (or NAME:LANG:long=PATH) "
             "is a set of long recordings (audio + .srt/.vtt/.txt of the same name, or manifest "
             "rows of any length), each decoded whole in 30 s windows and scored over its whole "
-            "transcript; it can be the --guard. "
+            "transcript; it can be the --guard. NAME:nonspeech=PATH (a folder of audio, or "
+            "`builtin`) is clips where nobody speaks, scored by the words the model invents a "
+            "minute and held to its start (--max-nonspeech-rise). "
             "Default: a seeded split of --data, named 'eval' (decoded in --language).",
             "repeatable": True,
         },

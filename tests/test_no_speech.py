@@ -16,7 +16,7 @@ import pytest
 import soundfile
 import torch
 from conftest import metric_rows, write_tone_dataset
-from tiny_models import NO_TIMESTAMPS, SOT
+from tiny_models import EOT, NO_TIMESTAMPS, SOT
 
 import whisper_train.training.judge as judge_module
 from whisper_train.commands import evaluate as evaluate_command
@@ -406,3 +406,44 @@ def test_a_damaged_nonspeech_clip_refuses_the_run_before_step_1(tiny_run_config,
     with pytest.raises(UserError, match="--eval-data noise: .*broken.wav cannot be read"):
         train(config)
     assert not list((tmp_path / "out").glob("checkpoint-*"))
+
+
+# -- training on clips where nobody speaks -----------------------------------------------------
+
+
+def _labels_trained(monkeypatch) -> list[list[int]]:
+    """Every label row the loss is given (its masked positions dropped), as the run trains."""
+    import whisper_train.training.recipe as recipe_module
+
+    real, seen = recipe_module.loss_terms, []
+
+    def recording(model, batch, **kwargs):
+        for row in batch["labels"].tolist():
+            seen.append([token for token in row if token != -100])
+        return real(model, batch, **kwargs)
+
+    monkeypatch.setattr(recipe_module, "loss_terms", recording)
+    return seen
+
+
+@pytest.mark.parametrize("packing", ["off", "on", "per-clip"])
+def test_nonspeech_clips_train_with_the_no_speech_label_in_every_packing(
+    tiny_run_config, monkeypatch, packing, capsys
+):
+    """--nonspeech builtin --nonspeech-share 0.25: a quarter of the clips are noise, each
+    trained to predict <|nospeech|> after <|startoftranscript|>; a packed window's noise adds
+    no text to its label. Before, an empty transcript was skipped as bad data."""
+    seen = _labels_trained(monkeypatch)
+    config = tiny_run_config(
+        nonspeech="builtin", nonspeech_share=0.25, packing=packing, max_steps=4
+    )
+    result = train(config)
+    assert result.train_examples == 12 + 4  # the 12 tone clips and 4 of noise (a quarter)
+    assert result.skipped_clips == 0
+    no_speech = [NO_SPEECH, EOT]  # the targets after <|startoftranscript|>
+    if packing == "on":  # the noise shares a window: its label holds the speech's text only
+        assert no_speech not in seen
+        assert all(row[-1] == EOT and NO_SPEECH not in row for row in seen)
+    else:
+        assert no_speech in seen  # its own label (or, per clip, its own decoder pass)
+        assert all(row == no_speech or NO_SPEECH not in row for row in seen)

@@ -48,6 +48,9 @@ DEFAULT_MAX_REGRESSION = 2.0
 # Words per minute a chosen step may invent on a non-speech set over its start: one word a
 # minute, a default picked by judgement (the built-in set is 68 s: one word is 0.88 a minute).
 DEFAULT_MAX_NONSPEECH_RISE = 1.0
+# --nonspeech's share of an epoch's clips: about one clip of a batch of 8, 10% more training
+# compute; a choice (BENCHMARKS.md, "Text where nobody speaks").
+DEFAULT_NONSPEECH_SHARE = 0.1
 # --report-to: where the metrics rows go besides metrics.jsonl (whisper_train.trackers).
 TRACKERS = ("tensorboard", "mlflow", "wandb", "none")
 
@@ -133,6 +136,19 @@ class DataConfig:
         "conditioning working after fine-tuning. 0 is off (the default: BENCHMARKS.md "
         "'Prompts in training').",
         default=0.0,
+    )
+    nonspeech: str | None = _help(
+        "Clips where nobody speaks, mixed into training with empty targets (labelled as "
+        "Whisper labels no speech) so that the model keeps writing nothing on silence, noise "
+        "and tones: a folder of audio (files over 30 s are cut), or `builtin` (synthesised "
+        "noise, hum, tones and chords, other samples than the built-in evaluation set's).",
+        default=None,
+    )
+    nonspeech_share: float = _help(
+        "Share of each epoch's clips that --nonspeech clips make up (their clips repeat to "
+        "fill it). Default 0.1: about one clip of a batch of 8 (a choice, measured in "
+        "BENCHMARKS.md 'Text where nobody speaks').",
+        default=DEFAULT_NONSPEECH_SHARE,
     )
     strict: bool = _help(
         "Stop on the first unusable clip instead of skipping and counting it.", default=False

@@ -101,6 +101,9 @@ class DataRecord:
     task: str = decided(MUST_EQUAL, "task")
     timestamps: bool = decided(MUST_EQUAL, "timestamps")
     prompt_probability: float = decided(MUST_EQUAL, "prompt_probability")
+    # Clips where nobody speaks mixed in (None: none) and their share of an epoch's clips.
+    nonspeech: str | None = decided(MUST_EQUAL, "nonspeech")
+    nonspeech_share: float = decided(MUST_EQUAL, "nonspeech_share")
     audio_augment: bool = decided(MUST_EQUAL, "audio_augment")
     packing: str = decided(MUST_EQUAL, "packing")  # off | on | per-clip (auto resolved)
     packing_timestamps: bool = decided(MUST_EQUAL, "packing_timestamps")

@@ -193,6 +193,8 @@ def _data(config: RunConfig, data: DataFacts, *, device, processes: int) -> Data
         task=d.task,
         timestamps=d.timestamps,
         prompt_probability=d.prompt_probability,
+        nonspeech=d.nonspeech,
+        nonspeech_share=d.nonspeech_share if d.nonspeech else 0.0,
         audio_augment=d.audio_augment,
         packing=data.packing,
         packing_timestamps=data.packing == "on" and d.packing_timestamps == "on",

@@ -250,6 +250,7 @@ class RunConfig:
         d, m, t = self.data, self.model, self.train
         above_0, at_least_0, below_1 = (lambda v: v > 0), (lambda v: v >= 0), (lambda v: 0 <= v < 1)
         probability = lambda v: 0 <= v <= 1  # noqa: E731
+        share = lambda v: 0 < v < 1  # noqa: E731
         for flag, value, in_range, accepted in (
             ("--learning-rate", t.learning_rate, above_0, "a finite number above 0 (e.g. 1e-5)"),
             (
@@ -277,6 +278,7 @@ class RunConfig:
                 at_least_0,
                 "a finite number of points, 0 or more",
             ),
+            ("--nonspeech-share", d.nonspeech_share, share, "a share in (0, 1)"),
             (
                 "--max-nonspeech-rise",
                 t.max_nonspeech_rise,
@@ -380,6 +382,8 @@ class RunConfig:
             ("--cache-encoder", self.memory.cache_encoder, "drop it"),
             # A stream's rows come through a shuffle buffer and carry no previous text.
             ("--prompt-probability", d.prompt_probability, "drop it"),
+            # Its clips are mixed into the list of clips read whole.
+            ("--nonspeech", d.nonspeech, "drop it"),
         ]
         for flag, value, remedy in refused:
             if value:

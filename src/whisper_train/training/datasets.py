@@ -19,7 +19,12 @@ from whisper_train.data import streaming
 from whisper_train.data.examples import Example, PackedExamples
 from whisper_train.data.labels import LabelEncoder, label_length, with_language
 from whisper_train.data.layouts import load_examples
-from whisper_train.data.nonspeech import load_nonspeech, require_readable
+from whisper_train.data.nonspeech import (
+    load_nonspeech,
+    nonspeech_count,
+    require_readable,
+    training_nonspeech,
+)
 from whisper_train.data.recordings import load_recordings
 from whisper_train.data.screening import (
     Screening,
@@ -119,6 +124,13 @@ def prepare_datasets(
         skipped += screening.skips
     if skipped:
         log.warning(summarize_skips(skipped))
+    train_label_tokens = list(train_screening.label_tokens)
+    if d.nonspeech and kept_train:
+        # Clips where nobody speaks, --nonspeech-share of the epoch, their empty transcript
+        # their label; never held out for evaluation.
+        extra = training_nonspeech(d.nonspeech, nonspeech_count(len(kept_train), d.nonspeech_share))
+        kept_train += extra
+        train_label_tokens += label_encoder.decoder_tokens_batch(extra)
     if not kept_train and not streamed:
         raise UserError(
             f"--data {d.data}: no usable training utterances after screening; "
@@ -130,7 +142,7 @@ def prepare_datasets(
     return Datasets(
         PackedExamples(kept_train),
         kept_eval,
-        [label_length(positions) for positions in train_screening.label_tokens],
+        [label_length(positions) for positions in train_label_tokens],
     )
 
 

@@ -11,7 +11,7 @@ synthesised with numpy from fixed seeds, so every machine scores the same sample
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -114,12 +114,15 @@ def builtin_clips(seconds: float = BUILTIN_SECONDS) -> dict[str, np.ndarray]:
     return clips
 
 
-def write_builtin_set(folder: Path | None = None) -> Path:
-    """Write the built-in set as 16-bit WAV files into `folder` (default: the user cache) and
-    return it. Each file is written beside its name, then renamed: a reader never sees half."""
+def write_builtin_set(folder: Path | None = None, names: Sequence[str] | None = None) -> Path:
+    """Write the built-in set (or its clips `names`) as 16-bit WAV files into `folder`
+    (default: the user cache) and return it. Each file is written beside its name, then
+    renamed: a reader never sees half."""
     folder = Path(folder) if folder is not None else user_cache_dir("nonspeech") / BUILTIN_SET
     folder.mkdir(parents=True, exist_ok=True)
     for index, (name, samples) in enumerate(builtin_clips().items()):
+        if names is not None and name not in names:
+            continue
         path = folder / f"{index:02d}-{name}.wav"
         partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
         soundfile.write(partial, samples, SAMPLE_RATE, subtype="PCM_16", format="WAV")

@@ -447,3 +447,40 @@ def test_nonspeech_clips_train_with_the_no_speech_label_in_every_packing(
     else:
         assert no_speech in seen  # its own label (or, per clip, its own decoder pass)
         assert all(row == no_speech or NO_SPEECH not in row for row in seen)
+
+
+def test_noise_in_a_packed_window_carries_no_text_nor_segment():
+    """A --nonspeech clip packed between two spoken ones adds nothing to the window's label,
+    not even an empty timestamped segment: like the gaps between clips, it is silence. A
+    window of noise alone is labelled <|startoftranscript|> <|nospeech|> <|endoftext|>."""
+    from tiny_models import english_tokenizer
+
+    from whisper_train.data.labels import LabelEncoder
+    from whisper_train.data.packing import window_label
+
+    encoder = LabelEncoder(english_tokenizer(), timestamps=True, multilingual=False)
+    spans = [(0.0, 2.0), (2.3, 6.3), (6.6, 8.0)]
+    tokens, n_prefix = window_label(
+        encoder, ["hello there", "", "goodbye"], spans, language=None, timestamps=True
+    )
+    times = [t for t in tokens if t > NO_TIMESTAMPS]
+    assert [encoder.time_token_id(s) for span in (spans[0], spans[2]) for s in span] == times
+    assert encoder.tokenizer.decode(tokens[n_prefix:-1], skip_special_tokens=True).split() == [
+        "hello",
+        "there",
+        "goodbye",
+    ]
+    alone = window_label(encoder, ["", ""], spans[:2], language=None, timestamps=True)
+    assert alone == ([SOT, NO_SPEECH, EOT], 1)
+
+
+def test_a_nonspeech_source_that_cannot_be_read_is_refused_in_one_line(tmp_path):
+    from whisper_train.data.nonspeech import training_nonspeech
+
+    folder = _nonspeech_folder(tmp_path)
+    clips = training_nonspeech(str(folder), 5)
+    assert [c.text for c in clips] == [""] * 5 and clips[3].audio == clips[0].audio  # repeated
+    (folder / "broken.wav").write_bytes(b"RIFF not a wave file")
+    with pytest.raises(UserError, match="--nonspeech .*broken.wav cannot be read") as refused:
+        training_nonspeech(str(folder), 5)
+    assert "\n" not in str(refused.value)

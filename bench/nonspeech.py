@@ -4,21 +4,35 @@ with --no-speech-threshold off and at its default 0.6; and, as the price on spee
 real recordings (../shared/realspeech, when present) with the test off and on.
 
     PYTHONPATH=src .venv/bin/python bench/nonspeech.py [--speech-clips 20] [--realspeech DIR]
+
+With --fine-tunes DIR: the base (tiny.en), the demo's default fine-tune, and the demo's
+fine-tune with --nonspeech builtin, its clips labelled each way (`labels.NOSPEECH_FORM`,
+`labels.EMPTY_FORM`), all on the built-in non-speech set (whose samples --nonspeech builtin
+never trains on) in both decoders at their defaults, with the demo's held-out WER and real
+speech's beside it:
+
+    PYTHONPATH=src .venv/bin/python bench/nonspeech.py --fine-tunes /tmp/ns-bench
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
 from whisper_train.audio import load_audio
 from whisper_train.data.examples import Example
+from whisper_train.data.labels import EMPTY_FORM, NONSPEECH_LABEL, NOSPEECH_FORM
+from whisper_train.data.layouts import load_examples
 from whisper_train.data.nonspeech import load_nonspeech
+from whisper_train.demo import demo_config, prepare_demo_data
+from whisper_train.deploy.export import export_model
 from whisper_train.evaluation.evaluate import evaluate_examples
 from whisper_train.evaluation.nonspeech import evaluate_nonspeech_examples, score_nonspeech
 from whisper_train.models import load_model, resolve_alias
+from whisper_train.training.train import train
 from whisper_train.transcription.backends import CTranslate2Backend
 from whisper_train.transcription.decoding import DecodingOptions
 
@@ -26,11 +40,119 @@ REALSPEECH = Path(__file__).resolve().parents[1] / ".." / "shared" / "realspeech
 SETTINGS = {"off": DecodingOptions(no_speech_threshold=None), "0.6": DecodingOptions()}
 
 
+def _real_speech(folder: Path, clips: int) -> list[Example]:
+    manifest = folder / "manifest.jsonl"
+    if not manifest.exists():
+        return []
+    rows = [json.loads(line) for line in manifest.read_text().splitlines()[:clips]]
+    return [Example(audio=str(folder / row["audio"]), text=row["text"]) for row in rows]
+
+
+def _measure(spec: str, nonspeech: list, held_out: list, speech: list, work: Path) -> dict:
+    """One model's figures: non-speech words/min in both decoders (their defaults), the mean
+    no-speech probability there, and WER (and clips emptied as silence) on `held_out` and
+    `speech` where given."""
+    model, processor = load_model(spec)
+    report = evaluate_nonspeech_examples(model, processor, nonspeech)
+    probabilities = [d.no_speech_prob for d in report.decoded if d.no_speech_prob is not None]
+    figures = {
+        "model": spec,
+        "transformers_wpm": report.scores.words_per_minute,
+        "transformers_with_text": report.scores.clips_with_text,
+        "no_speech_prob": sum(probabilities) / max(1, len(probabilities)),
+        "texts": report.texts,
+    }
+    for name, examples in (("held_out", held_out), ("real", speech)):
+        if examples:
+            scored = evaluate_examples(model, processor, examples)
+            figures[f"{name}_wer"] = scored.wer
+            figures[f"{name}_emptied"] = sum(d.no_speech for d in scored.decoded)
+    if spec == "tiny.en":
+        ct2 = Path(resolve_alias("tiny.en"))
+    else:
+        ct2 = work / "ct2"
+        export_model(spec, format="ct2", output=ct2, check=False, overwrite=True)
+    backend = CTranslate2Backend(ct2, decoding=DecodingOptions())
+    clips = [load_audio(e.audio) for e in nonspeech]
+    texts = [backend.transcribe(audio, timestamps=False)[0] for audio in clips]
+    scores = score_nonspeech(texts, [len(a) / 16_000 for a in clips])
+    figures["faster_whisper_wpm"] = scores.words_per_minute
+    figures["faster_whisper_with_text"] = scores.clips_with_text
+    figures["faster_whisper_texts"] = texts
+    return figures
+
+
+def fine_tunes(root: Path, speech: list[Example], only: list[int] | None = None) -> None:
+    """The base, the demo's fine-tune, and the demo's fine-tune with --nonspeech builtin
+    (each label form), measured alike; a table at the end."""
+    data_dirs = prepare_demo_data(
+        root / "data", train_utterances=192, eval_utterances=40, guard_utterances=40, seed=0
+    )
+    held_out = load_examples(data_dirs["held-out"])  # scored by each run, at step 0 and last
+    nonspeech = load_nonspeech("builtin")
+    runs = {
+        "demo fine-tune": (None, None),
+        "+ --nonspeech builtin (<|nospeech|>)": ("builtin", NOSPEECH_FORM),
+        "+ --nonspeech builtin (empty transcript)": ("builtin", EMPTY_FORM),
+        "tiny.en (base)": ("base", None),
+    }
+    rows, base_wer = [], None
+    for index, (label, (source, form)) in enumerate(runs.items()):
+        if only is not None and index not in only:
+            continue
+        started = time.perf_counter()
+        if source == "base":  # its held-out WER: step 0 of the runs above
+            figures = _measure("tiny.en", nonspeech, [], speech, root / "base")
+            figures["held_out_wer"] = base_wer
+        else:
+            os.environ[NONSPEECH_LABEL] = form or NOSPEECH_FORM
+            config = demo_config(data_dirs, root / f"run{index}", model="tiny.en", nonspeech=source)
+            if only is not None:  # the runs alone: held-out scored once, at the end (no guard)
+                config.update({"eval_data": [f"held-out={data_dirs['held-out']}"], "guard": None})
+            result = train(config)
+            # Held-out WER as the run scored it (decoded as `evaluate` decodes), before and after.
+            base_wer = result.wer_at(0, "held-out")
+            figures = _measure(str(result.final_dir), nonspeech, [], speech, root / f"run{index}")
+            figures["held_out_wer"] = result.wer_at(result.final_step, "held-out")
+            figures["final_reason"] = result.final_reason
+        figures.update(label=label, seconds=time.perf_counter() - started)
+        print(json.dumps(figures), flush=True)
+        rows.append(figures)
+    minutes = sum(len(load_audio(e.audio)) for e in nonspeech) / 16_000 / 60
+    print(
+        f"\nbuilt-in non-speech set: {len(nonspeech)} clips, {minutes:.2f} min; held-out: "
+        f"{len(held_out)} demo clips; real: {len(speech)} clips of ../shared/realspeech"
+    )
+    print(
+        "| model | words/min, whisper-train | words/min, faster-whisper | mean no-speech "
+        "prob. | held-out WER | real-speech WER | real clips emptied as silence |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        real = f"{100 * r['real_wer']:.2f}%" if "real_wer" in r else "-"
+        print(
+            f"| {r['label']} | {r['transformers_wpm']:.1f} | {r['faster_whisper_wpm']:.1f} | "
+            f"{r['no_speech_prob']:.2f} | {100 * r['held_out_wer']:.2f}% | {real} | "
+            f"{r.get('real_emptied', '-')} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--speech-clips", type=int, default=20)
+    parser.add_argument("--speech-clips", type=int, default=20, help="0: no real speech")
     parser.add_argument("--realspeech", type=Path, default=REALSPEECH)
+    parser.add_argument("--fine-tunes", type=Path, default=None, metavar="DIR")
+    parser.add_argument(
+        "--only",
+        type=lambda v: [int(i) for i in v.split(",")],
+        default=None,
+        help="these runs alone (0 default fine-tune, 1 and 2 --nonspeech, 3 base), each "
+        "scored on held-out once, at its end",
+    )
     args = parser.parse_args()
+    if args.fine_tunes is not None:
+        fine_tunes(args.fine_tunes, _real_speech(args.realspeech, args.speech_clips), args.only)
+        return
     examples = load_nonspeech("builtin")
     model, processor = load_model("tiny.en")
     rows = []

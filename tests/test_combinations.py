@@ -77,6 +77,9 @@ FACTORS: dict[str, tuple] = {
     # the training data as it is, or with bad clips among it (`BAD_CLIPS`: a missing, an empty
     # and an unreadable file): each named once, and the good ones trained as the twin trains
     "bad": (False, True),
+    # --nonspeech: a clip of noise with an empty target (<|nospeech|>) mixed into the data, in
+    # place of one speech clip so that a step still holds all of it
+    "nonspeech": (False, True),
 }
 NAMES = list(FACTORS)
 
@@ -93,6 +96,8 @@ REFUSED: dict[tuple[tuple[str, object], tuple[str, object]], tuple[str, ...]] = 
     (("cache", True), ("fsdp", True)): ("--fsdp", "--no-cache-encoder"),
     (("data", "stream"), ("prompts", 1.0)): ("--prompt-probability", "streamed"),
     (("data", "cuts"), ("prompts", 1.0)): ("--prompt-probability", "streamed"),
+    (("data", "stream"), ("nonspeech", True)): ("--nonspeech", "streamed"),
+    (("data", "cuts"), ("nonspeech", True)): ("--nonspeech", "streamed"),
 }
 # Pairs that mean nothing (no flag to refuse): --lora-targets only matters with --mode lora.
 MEANINGLESS = {
@@ -220,6 +225,7 @@ def row_id(row: dict) -> str:
     parts += [f"w{row['workers']}"] * bool(row["workers"]) + ["yaml"] * (row["options"] == "yaml")
     parts += ["trackers"] * (row["trackers"] != "tensorboard")
     parts += ["prompts"] * bool(row.get("prompts"))
+    parts += ["nonspeech"] * bool(row.get("nonspeech"))
     parts += ["decoder-adapters"] * row.get("decoder_adapters", False)
     parts += ["bad"] * row.get("bad", False)
     return "-".join(parts)
@@ -371,6 +377,16 @@ def write_long_clips(folder: Path, n: int, seconds: float, *, shards: int | None
     return folder
 
 
+def write_noise(folder: Path, seconds: float) -> Path:
+    """A folder of one clip of noise, no transcript: --nonspeech's data."""
+    import soundfile as sf
+
+    folder.mkdir(parents=True)
+    noise = 0.05 * np.random.default_rng(2).standard_normal(int(16000 * seconds))
+    sf.write(folder / "noise.wav", noise.astype(np.float32), 16000)
+    return folder
+
+
 def with_previous_texts(folder: Path) -> Path:
     """The audiofolder with a previous_text column (the row before's transcript; none for the
     first row), which --prompt-probability prompts with and every other row ignores."""
@@ -491,6 +507,7 @@ def matrix_data(tmp_path_factory, tiny_whisper_dir):
     }
     return {
         **data,
+        "noise": write_noise(root / "noise", 10.0),
         "model": tiny_whisper_dir,
         "twins": {},  # twin key -> its losses, shared by the rows
         "root": root,
@@ -558,6 +575,10 @@ def row_flags(row: dict, data: dict, workdir: Path) -> list[str]:
                 options.append(f"{flag}={','.join(value)}")
             else:
                 options.append(f"{flag}={value}")
+    if row.get("nonspeech"):  # one speech clip fewer, one of noise: 1 of 4 clips or 8
+        clips = GLOBAL_BATCH * (2 if row["packing"] != "off" and row["data"] == "whole" else 1)
+        options += [f"--nonspeech={data['noise']}", "--nonspeech-share=0.125"]
+        options += [f"--train-subset={clips - 1}"] * (row["data"] == "whole")
     flags = [
         f"--data={data_of(row, data)}",
         *["--streaming"] * (row["data"] == "cuts"),

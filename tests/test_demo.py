@@ -29,10 +29,12 @@ def test_demo_data_holds_out_speakers_and_words(tmp_path):
     dirs = prepare_demo_data(
         tmp_path, train_utterances=4, eval_utterances=3, guard_utterances=2, seed=5
     )
-    rows = {name: _rows(folder) for name, folder in dirs.items()}
+    rows = {name: _rows(dirs[name]) for name in demo_module.SETS}
     assert {name: len(r) for name, r in rows.items()} == {"train": 4, "held-out": 3, "guard": 2}
-    for name, folder in dirs.items():
-        assert all((folder / row["file_name"]).is_file() for row in rows[name])
+    for name in demo_module.SETS:
+        assert all((dirs[name] / row["file_name"]).is_file() for row in rows[name])
+    # Where nobody speaks: six clips of the built-in non-speech set, no transcript.
+    assert len(list(dirs["nonspeech"].glob("*.wav"))) == len(demo_module.NONSPEECH_CLIPS) == 6
 
     voices = {name: {row["voice"] for row in r} for name, r in rows.items()}
     assert voices["train"] <= set(synth.TRAIN_VOICES)
@@ -61,7 +63,7 @@ def test_spanish_demo_data_holds_out_voices_and_words_and_states_its_language(tm
         seed=5,
         language="es",
     )
-    rows = {name: _rows(folder) for name, folder in dirs.items()}
+    rows = {name: _rows(dirs[name]) for name in demo_module.SETS}
     assert {row["language"] for name in ("train", "held-out") for row in rows[name]} == {"es"}
     assert "language" not in rows["guard"][0]  # English, stated by the demo as guard:en=
     assert {row["voice"] for row in rows["train"]} <= set(synth.SPANISH_TRAIN_VOICES)
@@ -112,8 +114,10 @@ def test_printout_says_what_was_unseen_and_shows_before_and_after(tmp_path, caps
     evaluations = [
         row(0, "held-out", 0.6, 0.02),
         row(0, "guard", 0.25, 0.0),
+        {"step": 0, "set": "nonspeech", "words_per_minute": 12.5},
         row(32, "held-out", 0.3, 0.01),
         row(32, "guard", 0.26, 0.0),
+        {"step": 32, "set": "nonspeech", "words_per_minute": 40.0},
     ]
     result = SimpleNamespace(
         evaluations=evaluations,
@@ -129,6 +133,8 @@ def test_printout_says_what_was_unseen_and_shows_before_and_after(tmp_path, caps
     assert "held-out WER (48 utterances)" in out and "60.0%" in out and "30.0%" in out
     assert "-30.0" in out and "+1.0" in out  # points of change, guard included
     assert "repeated 3-grams" in out
+    nonspeech = next(line for line in out.splitlines() if "where nobody speaks (24 s)" in line)
+    assert nonspeech.split()[-3:] == ["12.5", "40.0", "+27.5"]  # words per minute, not %
     assert "content words that training never saw" in out
     assert all(accent in out for accent in synth.HELD_OUT_ACCENTS)
     assert all(variant in out for variant in synth.HELD_OUT_VARIANTS)

@@ -6,24 +6,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import soundfile
 import torch
-from conftest import write_tone_dataset
-from tiny_models import NO_TIMESTAMPS, SOT
+from conftest import metric_rows, write_tone_dataset
+from tiny_models import EOT, NO_TIMESTAMPS, SOT
 
+import whisper_train.training.judge as judge_module
 from whisper_train.commands import evaluate as evaluate_command
-from whisper_train.data.examples import Example
 from whisper_train.data.features import LogMel
 from whisper_train.data.nonspeech import builtin_clips, load_nonspeech, write_builtin_set
 from whisper_train.errors import UserError
 from whisper_train.evaluation import nonspeech as nonspeech_module
-from whisper_train.evaluation.evaluate import evaluate_examples, generate_texts, write_report_json
+from whisper_train.evaluation.evaluate import generate_texts
 from whisper_train.evaluation.nonspeech import score_nonspeech
+from whisper_train.training.final import choose_final_step
+from whisper_train.training.train import train
 from whisper_train.transcription.decoding import (
     Decoded,
     DecodingOptions,
@@ -266,23 +270,217 @@ def test_a_damaged_clip_or_speech_is_refused_with_exit_2(tiny_whisper_dir, tmp_p
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_training_says_a_nonspeech_set_is_for_evaluate(tiny_run_config):
-    with pytest.raises(UserError, match="non-speech set is scored by `whisper-train evaluate"):
-        tiny_run_config(eval_data=["noise:nonspeech=builtin"], only_train=False).validate()
+# -- a non-speech set during training ----------------------------------------------------------
 
 
-def test_evaluate_says_how_many_utterances_were_judged_silence(tiny_whisper, tmp_path, capsys):
-    model, processor = tiny_whisper
-    force_no_speech(model)
+def test_training_scores_a_nonspeech_set_from_its_start_into_the_record_and_card(
+    tiny_run_config, tmp_path, capsys
+):
+    """The tiny random model writes text on noise: training measures it at step 0 (its start)
+    and at every evaluation, prints it, and keeps it in metrics, result.json and the card."""
+    target = write_tone_dataset(tmp_path / "target", n=2, seed=1)
     folder = _nonspeech_folder(tmp_path)
-    examples = [Example(audio=str(p), text="hello there") for p in sorted(folder.iterdir())]
-    greedy = DecodingOptions(temperatures=(0.0,))
-    report = evaluate_examples(
-        model, processor, examples, batch_size=3, max_length=8, decoding=greedy
+    result = train(
+        tiny_run_config(
+            only_train=False,
+            eval_data=[f"target={target}", f"noise:nonspeech={folder}"],
+            eval_steps=2,
+            generation_max_length=4,
+            max_nonspeech_rise=1000.0,
+        )
     )
-    assert report.silenced == 3 and report.wer == 1.0  # every reference word deleted
-    written = json.loads(write_report_json(report, tmp_path / "r.json").read_text())
-    assert written["no_speech_utterances"] == 3
-    assert all(u["no_speech"] for u in written["utterances"])
-    evaluate_command._print_scores("m", report)
-    assert "no speech: 3 of 3 utterance(s) judged silence" in capsys.readouterr().out
+    rows = [row for row in metric_rows(result.output_dir) if row.get("set") == "noise"]
+    assert [row["step"] for row in rows] == [0, 2, 3]
+    assert all(row["clips"] == 3 and row["audio_seconds"] == pytest.approx(3.0) for row in rows)
+    assert rows[-1]["words"] > 0  # the trained random model invents words on noise
+    assert rows[-1]["words_per_minute"] == pytest.approx(rows[-1]["words"] / (3.0 / 60))
+    assert "words/min noise" in capsys.readouterr().out
+    saved = json.loads((result.output_dir / "result.json").read_text())
+    assert [r["step"] for r in saved["evaluations"] if r["set"] == "noise"] == [0, 2, 3]
+    assert "non-speech set 'noise' within 1000 words per minute" in saved["final_reason"]
+    assert saved["record"]["evaluation"]["max_nonspeech_rise"] == 1000.0
+    card = (result.output_dir / "final" / "README.md").read_text()
+    final_row = next(r for r in rows if r["step"] == result.final_step)
+    assert (
+        f"| `noise` | 3 | {rows[0]['words_per_minute']:.1f} → {final_row['words_per_minute']:.1f} |"
+    ) in card
+
+
+def test_a_step_that_invents_more_on_nonspeech_is_vetoed_and_said(
+    tiny_run_config, tmp_path, monkeypatch, capsys
+):
+    """Scripted scores (a random model's cannot be steered): the target's WER falls at every
+    step, the non-speech set's words per minute stay at step 2 and jump at step 3."""
+    target = write_tone_dataset(tmp_path / "target", n=2, seed=1)
+    folder = _nonspeech_folder(tmp_path)
+    wer = iter([0.9, 0.5, 0.2])
+    words = iter([3, 3, 9])  # on 3 s of audio: 60, 60, 180 words per minute
+
+    def scripted_wer(model, loader, processor, accelerator, normalizer, max_length, step, *_, **__):
+        return {"step": step, "eval_loss": 1.0, "wer": next(wer)}
+
+    def scripted_nonspeech(model, processor, examples, **_):
+        return score_nonspeech(["word " * next(words)] + [""] * 2, [1.0] * 3)
+
+    monkeypatch.setattr(judge_module, "run_evaluation", scripted_wer)
+    monkeypatch.setattr(
+        judge_module,
+        "evaluate_nonspeech_examples",
+        lambda *a, **k: SimpleNamespace(scores=scripted_nonspeech(*a, **k)),
+    )
+    result = train(
+        tiny_run_config(
+            only_train=False,
+            eval_data=[f"target={target}", f"noise:nonspeech={folder}"],
+            eval_steps=2,
+            save_steps=2,
+        )
+    )
+    out = capsys.readouterr().out
+    line = (
+        "non-speech set noise: +120.0 words per minute over its start (step 0) at step 3, "
+        "past --max-nonspeech-rise 1: this step will not go to final/"
+    )
+    assert line in out
+    assert result.final_step == 2 and result.final_wer == 0.5
+    assert "non-speech set 'noise' within 1 words per minute" in result.final_reason
+
+
+def test_a_nonspeech_set_first_given_on_resume_is_held_to_the_resume_step():
+    """Its start is the first step it was measured at; a step before it was never measured,
+    and is not chosen."""
+    rows = [{"step": s, "set": "target", "wer": w} for s, w in ((2, 0.2), (4, 0.5), (6, 0.4))]
+    rows += [{"step": s, "set": "noise", "words_per_minute": w} for s, w in ((4, 10.0), (6, 10.5))]
+    choice = choose_final_step(
+        rows,
+        primary_set="target",
+        guard=None,
+        max_regression=None,
+        nonspeech_sets=("noise",),
+        max_nonspeech_rise=1.0,
+    )
+    assert choice.step == 6  # step 2's lower WER was never measured on the non-speech set
+    rows.append({"step": 6, "set": "noise", "words_per_minute": 12.0})
+    rows = [r for r in rows if not (r["step"] == 6 and r.get("words_per_minute") == 10.5)]
+    choice = choose_final_step(
+        rows,
+        primary_set="target",
+        guard=None,
+        max_regression=None,
+        nonspeech_sets=("noise",),
+        max_nonspeech_rise=1.0,
+    )
+    assert choice.step == 4  # step 4 is its start: it holds; step 6 invented 2 more a minute
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"eval_data": ["noise:nonspeech=builtin"]}, "every evaluation set is non-speech"),
+        (
+            {"eval_data": ["t=t/", "noise:nonspeech=builtin"], "metric_for_best": "noise"},
+            "--metric-for-best noise: a non-speech set has no WER",
+        ),
+        (
+            {"eval_data": ["t=t/", "u=u/", "noise:nonspeech=builtin"], "guard": "noise"},
+            "--guard noise: a non-speech set has no WER",
+        ),
+        ({"max_nonspeech_rise": -1.0}, "--max-nonspeech-rise -1: expected a finite number"),
+    ],
+)
+def test_a_nonspeech_set_that_cannot_pick_or_guard_is_refused_in_one_line(
+    tiny_run_config, overrides, message
+):
+    with pytest.raises(UserError, match=re.escape(message)) as refused:
+        tiny_run_config(only_train=False, **overrides).validate()
+    assert "\n" not in str(refused.value)
+
+
+def test_a_damaged_nonspeech_clip_refuses_the_run_before_step_1(tiny_run_config, tmp_path):
+    folder = _nonspeech_folder(tmp_path)
+    (folder / "broken.wav").write_bytes(b"RIFF not a wave file")
+    target = write_tone_dataset(tmp_path / "target", n=2, seed=1)
+    config = tiny_run_config(
+        only_train=False, eval_data=[f"t={target}", f"noise:nonspeech={folder}"]
+    )
+    with pytest.raises(UserError, match="--eval-data noise: .*broken.wav cannot be read"):
+        train(config)
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+
+
+# -- training on clips where nobody speaks -----------------------------------------------------
+
+
+def _labels_trained(monkeypatch) -> list[list[int]]:
+    """Every label row the loss is given (its masked positions dropped), as the run trains."""
+    import whisper_train.training.recipe as recipe_module
+
+    real, seen = recipe_module.loss_terms, []
+
+    def recording(model, batch, **kwargs):
+        for row in batch["labels"].tolist():
+            seen.append([token for token in row if token != -100])
+        return real(model, batch, **kwargs)
+
+    monkeypatch.setattr(recipe_module, "loss_terms", recording)
+    return seen
+
+
+@pytest.mark.parametrize("packing", ["off", "on", "per-clip"])
+def test_nonspeech_clips_train_with_the_no_speech_label_in_every_packing(
+    tiny_run_config, monkeypatch, packing, capsys
+):
+    """--nonspeech builtin --nonspeech-share 0.25: a quarter of the clips are noise, each
+    trained to predict <|nospeech|> after <|startoftranscript|>; a packed window's noise adds
+    no text to its label. Before, an empty transcript was skipped as bad data."""
+    seen = _labels_trained(monkeypatch)
+    config = tiny_run_config(
+        nonspeech="builtin", nonspeech_share=0.25, packing=packing, max_steps=4
+    )
+    result = train(config)
+    assert result.train_examples == 12 + 4  # the 12 tone clips and 4 of noise (a quarter)
+    assert result.skipped_clips == 0
+    no_speech = [NO_SPEECH, EOT]  # the targets after <|startoftranscript|>
+    if packing == "on":  # the noise shares a window: its label holds the speech's text only
+        assert no_speech not in seen
+        assert all(row[-1] == EOT and NO_SPEECH not in row for row in seen)
+    else:
+        assert no_speech in seen  # its own label (or, per clip, its own decoder pass)
+        assert all(row == no_speech or NO_SPEECH not in row for row in seen)
+
+
+def test_noise_in_a_packed_window_carries_no_text_nor_segment():
+    """A --nonspeech clip packed between two spoken ones adds nothing to the window's label,
+    not even an empty timestamped segment: like the gaps between clips, it is silence. A
+    window of noise alone is labelled <|startoftranscript|> <|nospeech|> <|endoftext|>."""
+    from tiny_models import english_tokenizer
+
+    from whisper_train.data.labels import LabelEncoder
+    from whisper_train.data.packing import window_label
+
+    encoder = LabelEncoder(english_tokenizer(), timestamps=True, multilingual=False)
+    spans = [(0.0, 2.0), (2.3, 6.3), (6.6, 8.0)]
+    tokens, n_prefix = window_label(
+        encoder, ["hello there", "", "goodbye"], spans, language=None, timestamps=True
+    )
+    times = [t for t in tokens if t > NO_TIMESTAMPS]
+    assert [encoder.time_token_id(s) for span in (spans[0], spans[2]) for s in span] == times
+    assert encoder.tokenizer.decode(tokens[n_prefix:-1], skip_special_tokens=True).split() == [
+        "hello",
+        "there",
+        "goodbye",
+    ]
+    alone = window_label(encoder, ["", ""], spans[:2], language=None, timestamps=True)
+    assert alone == ([SOT, NO_SPEECH, EOT], 1)
+
+
+def test_a_nonspeech_source_that_cannot_be_read_is_refused_in_one_line(tmp_path):
+    from whisper_train.data.nonspeech import training_nonspeech
+
+    folder = _nonspeech_folder(tmp_path)
+    clips = training_nonspeech(str(folder), 5)
+    assert [c.text for c in clips] == [""] * 5 and clips[3].audio == clips[0].audio  # repeated
+    (folder / "broken.wav").write_bytes(b"RIFF not a wave file")
+    with pytest.raises(UserError, match="--nonspeech .*broken.wav cannot be read") as refused:
+        training_nonspeech(str(folder), 5)
+    assert "\n" not in str(refused.value)

@@ -83,6 +83,7 @@ CONTEXTS = {
     "frozen": {"mode": "freeze-encoder"},
     "epochs": {"max_steps": None, "epochs": 1.0},
     "stream": {"data": "SHARDS", "only_train": True},
+    "noisy": {"nonspeech": "builtin"},
 }
 # option: (context, new value). A value "OTHER_DATA" / "OTHER_MODEL" / "OTHER_DIR" is a folder
 # made for the test; "SETS+" the evaluated sets and one more.
@@ -100,6 +101,8 @@ CHANGES = {
     "task": ("plain", "translate"),
     "timestamps": ("plain", True),
     "prompt_probability": ("plain", 0.5),
+    "nonspeech": ("plain", "builtin"),
+    "nonspeech_share": ("noisy", 0.2),
     "strict": ("plain", True),
     "spec_augment": ("plain", True),
     "audio_augment": ("plain", True),
@@ -140,6 +143,7 @@ CHANGES = {
     "guard": ("evaluated", "general"),
     "max_regression": ("guarded", 5.0),
     "stop_on_regression": ("guarded", True),
+    "max_nonspeech_rise": ("evaluated", 3.0),
     "preserve_base": ("unpacked", 0.5),
     "compare_baseline": ("evaluated", True),
     "logging_steps": ("plain", 2),

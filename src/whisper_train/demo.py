@@ -44,14 +44,26 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from whisper_train.config import RunConfig
+from whisper_train.config import NONSPEECH, RunConfig
 from whisper_train.data import synth
+from whisper_train.data.nonspeech import BUILTIN_SECONDS, write_builtin_set
 from whisper_train.errors import UserError
 from whisper_train.files import check_output_path
 from whisper_train.training.train import TrainResult, train
 
 SETS = ("train", "held-out", "guard")
-SCORED_SETS = ("held-out", "guard")
+# Clips where nobody speaks (`data.nonspeech`'s built-in set, six of its clips: 24 s, a few
+# seconds to decode): the text a fine-tune invents on silence, noise, hum and tones.
+NONSPEECH_SET = "nonspeech"
+NONSPEECH_CLIPS = (
+    "digital-silence",
+    "white-noise-40dB",
+    "hum-50Hz",
+    "tone-425Hz-hold",
+    "beeps-1kHz",
+    "chords",
+)
+SCORED_SETS = ("held-out", "guard", NONSPEECH_SET)
 # Three times the longest sentence's 21 tokens: enough to show a loop without letting one hold
 # up a batch of greedy decoding for the default 225 tokens.
 MAX_TOKENS = 64
@@ -95,10 +107,12 @@ def run_demo(
     learning_rate: float | None = None,
     mode: str = "lora",
     seed: int = 0,
+    nonspeech: str | None = None,
 ) -> DemoResult:
     """Synthesise, fine-tune with held-out and guard sets scored before and after; prints the
     comparison and returns it. `language` en: tiny.en on English; es: the multilingual base on
-    Spanish, with the English guard scored in English. `model` None: the language's default."""
+    Spanish, with the English guard scored in English. `model` None: the language's default.
+    `nonspeech`: --nonspeech of the run (clips where nobody speaks mixed into training)."""
     if language not in DEMO_LANGUAGES:
         raise UserError(f"--language {language}: the demo speaks {' or '.join(DEMO_LANGUAGES)}")
     model = model or ("tiny.en" if language == "en" else "base")
@@ -113,13 +127,48 @@ def run_demo(
         seed=seed,
         language=language,
     )
+    config = demo_config(
+        data_dirs,
+        output_dir / "run",
+        model=model,
+        language=language,
+        epochs=epochs,
+        learning_rate=learning_rate,
+        mode=mode,
+        seed=seed,
+        nonspeech=nonspeech,
+    )
+    result = train(config)
+    demo = DemoResult(result, data_dirs, time.perf_counter() - started)
+    print_comparison(demo, model=model, mode=mode, language=language)
+    return demo
+
+
+def demo_config(
+    data_dirs: dict[str, Path],
+    run_dir: Path,
+    *,
+    model: str,
+    language: str = "en",
+    epochs: float = 1,
+    learning_rate: float | None = None,
+    mode: str = "lora",
+    seed: int = 0,
+    nonspeech: str | None = None,
+) -> RunConfig:
+    """The demo's training run (bench/nonspeech.py trains it too)."""
     # The guard is English whatever the demo's language: stated, so it is decoded in English.
     guard = "guard" if language == "en" else "guard:en"
     config = RunConfig()
     config.update(
         {
             "data": str(data_dirs["train"]),
-            "eval_data": [f"held-out={data_dirs['held-out']}", f"{guard}={data_dirs['guard']}"],
+            "eval_data": [
+                f"held-out={data_dirs['held-out']}",
+                f"{guard}={data_dirs['guard']}",
+                f"{NONSPEECH_SET}:{NONSPEECH}={data_dirs[NONSPEECH_SET]}",
+            ],
+            "nonspeech": nonspeech,
             "guard": "guard",
             "model": model,
             "mode": mode,
@@ -129,15 +178,12 @@ def run_demo(
             "warmup_steps": 10,
             "logging_steps": 8,
             "generation_max_length": MAX_TOKENS,
-            "output_dir": str(output_dir / "run"),
+            "output_dir": str(run_dir),
             "overwrite": True,
             "seed": seed,
         }
     )
-    result = train(config)
-    demo = DemoResult(result, data_dirs, time.perf_counter() - started)
-    print_comparison(demo, model=model, mode=mode, language=language)
-    return demo
+    return config
 
 
 def prepare_demo_data(
@@ -186,7 +232,9 @@ def prepare_demo_data(
             pitch_range=(synth.DEFAULT_PITCH, synth.DEFAULT_PITCH),
         ),
     }
-    return {name: _synthesised(folders[name], plans[name]) for name in SETS}
+    folders = {name: _synthesised(folders[name], plans[name]) for name in SETS}
+    folders[NONSPEECH_SET] = write_builtin_set(data_dir / NONSPEECH_SET, NONSPEECH_CLIPS)
+    return folders
 
 
 def _synthesised(folder: Path, plan: dict) -> Path:
@@ -212,25 +260,29 @@ def print_comparison(demo: DemoResult, *, model: str, mode: str, language: str =
 
     def row(label: str, name: str, key: str) -> str:
         was, now = before[name][key], after[name][key]
+        if key == "words_per_minute":  # a rate, not a share
+            return f"  {label:<36} {was:8.1f}  {now:8.1f}  {now - was:+7.1f}"
         return f"  {label:<36} {100 * was:7.1f}%  {100 * now:7.1f}%  {100 * (now - was):+7.1f}"
 
     if language == "es":
         _print_spanish(demo, row, model=model, mode=mode)
         return
 
-    sizes = {name: _count(demo.data_dirs[name]) for name in SCORED_SETS}
+    sizes = {name: _count(demo.data_dirs[name]) for name in ("held-out", "guard")}
     print()
     print(f"  {'':<36} {'before':>8}  {'after':>8}  {'points':>7}")
     print(row(f"held-out WER ({sizes['held-out']} utterances)", "held-out", "wer"))
     print(row("held-out repeated 3-grams (loops)", "held-out", "repeated_ngram_rate"))
     print(row(f"guard WER ({sizes['guard']} utterances)", "guard", "wer"))
     print(row("guard repeated 3-grams (loops)", "guard", "repeated_ngram_rate"))
+    print(_nonspeech_row(row))
     print()
     print(
         "held-out: speakers and content words that training never saw: espeak-ng accents "
         f"{', '.join(synth.HELD_OUT_ACCENTS)} with variants {', '.join(synth.HELD_OUT_VARIANTS)}"
     )
     print(f"guard: general sentences in espeak-ng's default voice, {synth.GUARD_VOICE}")
+    print(f"where nobody speaks: {', '.join(NONSPEECH_CLIPS)} (`data.nonspeech`, synthesised)")
     print(
         f"before: {model}; after: step {result.final_step} of {result.steps} of --mode {mode} "
         f"({result.final_reason}) on {result.train_examples} utterances in accents "
@@ -245,7 +297,7 @@ def print_comparison(demo: DemoResult, *, model: str, mode: str, language: str =
 
 def _print_spanish(demo: DemoResult, row, *, model: str, mode: str) -> None:
     result = demo.train
-    sizes = {name: _count(demo.data_dirs[name]) for name in SCORED_SETS}
+    sizes = {name: _count(demo.data_dirs[name]) for name in ("held-out", "guard")}
     print()
     print(f"  {'':<36} {'before':>8}  {'after':>8}  {'points':>7}")
     print(row(f"held-out Spanish WER ({sizes['held-out']})", "held-out", "wer"))
@@ -253,6 +305,7 @@ def _print_spanish(demo: DemoResult, row, *, model: str, mode: str) -> None:
     print(row("held-out language ID (es)", "held-out", "language_id_accuracy"))
     print(row(f"English guard WER ({sizes['guard']}, in English)", "guard", "wer"))
     print(row("English guard language ID (en)", "guard", "language_id_accuracy"))
+    print(_nonspeech_row(row))
     print()
     print(
         "held-out: Spanish speakers and content words that training never saw: espeak-ng "
@@ -270,6 +323,13 @@ def _print_spanish(demo: DemoResult, row, *, model: str, mode: str) -> None:
     print(
         f"try it: {this_command()} transcribe --model {result.final_dir} "
         f"{demo.data_dirs['held-out']}/utt_00000.wav"
+    )
+
+
+def _nonspeech_row(row) -> str:
+    seconds = len(NONSPEECH_CLIPS) * BUILTIN_SECONDS
+    return row(
+        f"words/min where nobody speaks ({seconds:.0f} s)", NONSPEECH_SET, "words_per_minute"
     )
 
 

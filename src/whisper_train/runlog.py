@@ -257,8 +257,12 @@ class ProgressTable:
         """One evaluation: a row per set of the same step."""
         if not self.enabled or not evaluations:
             return
+        # A non-speech set has no WER: its column is the words per minute the model invented.
         wer_headers = [
-            "WER" if len(evaluations) == 1 else f"WER {row['set']}" for row in evaluations
+            f"words/min {row['set']}"
+            if "words_per_minute" in row
+            else ("WER" if len(evaluations) == 1 else f"WER {row['set']}")
+            for row in evaluations
         ]
         if not self.header_printed:
             columns = ["Step".rjust(6), "Training Loss", "Validation Loss"]
@@ -267,12 +271,20 @@ class ProgressTable:
         primary = next((r for r in evaluations if r["set"] == self.primary_set), evaluations[0])
         train_loss = "-" if math.isnan(self.last_train_loss) else f"{self.last_train_loss:.4f}"
         wers = [
-            f"{100 * row['wer']:.2f}%".rjust(max(7, len(header)))
+            (
+                f"{row['words_per_minute']:.1f}"
+                if "words_per_minute" in row
+                else f"{100 * row['wer']:.2f}%"
+            ).rjust(max(7, len(header)))
             for row, header in zip(evaluations, wer_headers, strict=True)
         ]
         tqdm.write(
             " | ".join(
-                [f"{primary['step']:>6}", f"{train_loss:>13}", f"{primary['eval_loss']:>15.4f}"]
+                [
+                    f"{primary['step']:>6}",
+                    f"{train_loss:>13}",
+                    f"{primary.get('eval_loss', math.nan):>15.4f}",
+                ]
                 + wers
             )
         )

@@ -45,6 +45,12 @@ SCHEDULERS = ("linear", "constant_with_warmup")
 # Points of guard-set WER a chosen step may lose against the start, when --guard is given and
 # --max-regression is not: a default picked by judgement, not measured.
 DEFAULT_MAX_REGRESSION = 2.0
+# Words per minute a chosen step may invent on a non-speech set over its start: one word a
+# minute, a default picked by judgement (the built-in set is 68 s: one word is 0.88 a minute).
+DEFAULT_MAX_NONSPEECH_RISE = 1.0
+# --nonspeech's share of an epoch's clips: about one clip of a batch of 8, 10% more training
+# compute; a choice (BENCHMARKS.md, "Text where nobody speaks").
+DEFAULT_NONSPEECH_SHARE = 0.1
 # --report-to: where the metrics rows go besides metrics.jsonl (whisper_train.trackers).
 TRACKERS = ("tensorboard", "mlflow", "wandb", "none")
 
@@ -81,7 +87,9 @@ class DataConfig:
             "detected in each clip, never in --language. NAME:long=PATH (or NAME:LANG:long=PATH) "
             "is a set of long recordings (audio + .srt/.vtt/.txt of the same name, or manifest "
             "rows of any length), each decoded whole in 30 s windows and scored over its whole "
-            "transcript; it can be the --guard. "
+            "transcript; it can be the --guard. NAME:nonspeech=PATH (a folder of audio, or "
+            "`builtin`) is clips where nobody speaks, scored by the words the model invents a "
+            "minute and held to its start (--max-nonspeech-rise). "
             "Default: a seeded split of --data, named 'eval' (decoded in --language).",
             "repeatable": True,
         },
@@ -128,6 +136,19 @@ class DataConfig:
         "conditioning working after fine-tuning. 0 is off (the default: BENCHMARKS.md "
         "'Prompts in training').",
         default=0.0,
+    )
+    nonspeech: str | None = _help(
+        "Clips where nobody speaks, mixed into training with empty targets (labelled as "
+        "Whisper labels no speech) so that the model keeps writing nothing on silence, noise "
+        "and tones: a folder of audio (files over 30 s are cut), or `builtin` (synthesised "
+        "noise, hum, tones and chords, other samples than the built-in evaluation set's).",
+        default=None,
+    )
+    nonspeech_share: float = _help(
+        "Share of each epoch's clips that --nonspeech clips make up (their clips repeat to "
+        "fill it). Default 0.1: about one clip of a batch of 8 (a choice, measured in "
+        "BENCHMARKS.md 'Text where nobody speaks').",
+        default=DEFAULT_NONSPEECH_SHARE,
     )
     strict: bool = _help(
         "Stop on the first unusable clip instead of skipping and counting it.", default=False
@@ -314,6 +335,13 @@ class TrainConfig:
     stop_on_regression: bool = _help(
         "Stop training (with a checkpoint) at the first evaluation past --max-regression.",
         default=False,
+    )
+    max_nonspeech_rise: float = _help(
+        "Words per minute a step may invent on an --eval-data NAME:nonspeech=PATH set over that "
+        "set's start (measured before step 1); a step past it is never chosen for final/. "
+        "Default 1.0: at most one more invented word per minute of non-speech audio (a default "
+        "chosen, not measured).",
+        default=DEFAULT_MAX_NONSPEECH_RISE,
     )
     preserve_base: float = _help(
         "Weight of a KL term that keeps the model's next-token distribution at label positions "

@@ -101,6 +101,9 @@ class DataRecord:
     task: str = decided(MUST_EQUAL, "task")
     timestamps: bool = decided(MUST_EQUAL, "timestamps")
     prompt_probability: float = decided(MUST_EQUAL, "prompt_probability")
+    # Clips where nobody speaks mixed in (None: none) and their share of an epoch's clips.
+    nonspeech: str | None = decided(MUST_EQUAL, "nonspeech")
+    nonspeech_share: float = decided(MUST_EQUAL, "nonspeech_share")
     audio_augment: bool = decided(MUST_EQUAL, "audio_augment")
     packing: str = decided(MUST_EQUAL, "packing")  # off | on | per-clip (auto resolved)
     packing_timestamps: bool = decided(MUST_EQUAL, "packing_timestamps")
@@ -172,6 +175,7 @@ class EvalSet:
     language: str | None  # decoded in it where its rows state none (None: detected per clip)
     long_form: bool  # whole recordings, decoded in 30 s windows
     split: bool = False  # a seeded split of --data (the training speakers and conditions)
+    nonspeech: bool = False  # clips where nobody speaks: scored by the words a model invents
 
 
 @dataclass(frozen=True)
@@ -183,6 +187,8 @@ class EvaluationRecord:
     guard: str | None = decided(MAY_CHANGE, "guard")
     max_regression: float | None = decided(MAY_CHANGE, "max_regression")
     stop_on_regression: bool = decided(MAY_CHANGE, "stop_on_regression")
+    # Words per minute a step may invent on each non-speech set over that set's start.
+    max_nonspeech_rise: float = decided(MAY_CHANGE, "max_nonspeech_rise")
     eval_steps: int | None = decided(MAY_CHANGE, "eval_steps")
     eval_at_start: bool = decided(MAY_CHANGE, "eval_at_start")
     compare_baseline: bool = decided(MAY_CHANGE, "compare_baseline")
@@ -195,6 +201,11 @@ class EvaluationRecord:
 
     def set_named(self, name: str) -> EvalSet | None:
         return next((s for s in self.sets if s.name == name), None)
+
+    @property
+    def nonspeech_sets(self) -> tuple[str, ...]:
+        """The names of the non-speech sets: each measured at its start and held to it."""
+        return tuple(s.name for s in self.sets if s.nonspeech)
 
     @property
     def decoding(self):

@@ -35,7 +35,7 @@ from whisper_train.config.record import (
     TrainingRecord,
 )
 from whisper_train.config.run import RunConfig
-from whisper_train.config.values import long_form_sets, named_sets
+from whisper_train.config.values import long_form_sets, named_sets, nonspeech_sets
 from whisper_train.memory import resolve_checkpointing, resolve_precision
 from whisper_train.runfolder import encoder_cache_dir
 from whisper_train.transcription.decoding import parse_temperatures, parse_threshold
@@ -100,8 +100,9 @@ def evaluation_sets(config: RunConfig) -> tuple[EvalSet, ...]:
     if d.eval_data:
         sets = named_sets(d.eval_data, "--eval-data")
         long_form = long_form_sets(d.eval_data, "--eval-data")
+        nonspeech = nonspeech_sets(d.eval_data, "--eval-data")
         return tuple(
-            EvalSet(name, path, language, name in long_form)
+            EvalSet(name, path, language, name in long_form, nonspeech=name in nonspeech)
             for name, (path, language) in sets.items()
         )
     if d.eval_split == 0:
@@ -192,6 +193,8 @@ def _data(config: RunConfig, data: DataFacts, *, device, processes: int) -> Data
         task=d.task,
         timestamps=d.timestamps,
         prompt_probability=d.prompt_probability,
+        nonspeech=d.nonspeech,
+        nonspeech_share=d.nonspeech_share if d.nonspeech else 0.0,
         audio_augment=d.audio_augment,
         packing=data.packing,
         packing_timestamps=data.packing == "on" and d.packing_timestamps == "on",
@@ -247,7 +250,8 @@ def _evaluation(config: RunConfig) -> EvaluationRecord:
     t = config.train
     sets = evaluation_sets(config)
     guard = t.guard
-    names = [s.name for s in sets if s.name != guard]
+    # final/ is picked by a WER: never by a non-speech set's (it has none).
+    names = [s.name for s in sets if s.name != guard and not s.nonspeech]
     if t.max_regression is None and guard is not None:
         max_regression = DEFAULT_MAX_REGRESSION
     else:
@@ -259,6 +263,7 @@ def _evaluation(config: RunConfig) -> EvaluationRecord:
         guard=guard,
         max_regression=max_regression,
         stop_on_regression=t.stop_on_regression,
+        max_nonspeech_rise=t.max_nonspeech_rise,
         eval_steps=t.eval_steps,
         eval_at_start=t.eval_at_start,
         compare_baseline=t.compare_baseline,

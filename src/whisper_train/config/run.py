@@ -250,6 +250,7 @@ class RunConfig:
         d, m, t = self.data, self.model, self.train
         above_0, at_least_0, below_1 = (lambda v: v > 0), (lambda v: v >= 0), (lambda v: 0 <= v < 1)
         probability = lambda v: 0 <= v <= 1  # noqa: E731
+        share = lambda v: 0 < v < 1  # noqa: E731
         for flag, value, in_range, accepted in (
             ("--learning-rate", t.learning_rate, above_0, "a finite number above 0 (e.g. 1e-5)"),
             (
@@ -276,6 +277,13 @@ class RunConfig:
                 t.max_regression,
                 at_least_0,
                 "a finite number of points, 0 or more",
+            ),
+            ("--nonspeech-share", d.nonspeech_share, share, "a share in (0, 1)"),
+            (
+                "--max-nonspeech-rise",
+                t.max_nonspeech_rise,
+                at_least_0,
+                "a finite number of words per minute, 0 or more",
             ),
         ):
             if value is not None and not (math.isfinite(value) and in_range(value)):
@@ -374,6 +382,8 @@ class RunConfig:
             ("--cache-encoder", self.memory.cache_encoder, "drop it"),
             # A stream's rows come through a shuffle buffer and carry no previous text.
             ("--prompt-probability", d.prompt_probability, "drop it"),
+            # Its clips are mixed into the list of clips read whole.
+            ("--nonspeech", d.nonspeech, "drop it"),
         ]
         for flag, value, remedy in refused:
             if value:
@@ -399,13 +409,19 @@ class RunConfig:
         d, t = self.data, self.train
         if t.guard is not None and t.only_train:
             raise UserError("--guard needs evaluation: drop --only-train")
-        if nonspeech := sorted(nonspeech_sets(d.eval_data or [], "--eval-data")):
-            # Its rows would need a metric of their own in the table, the judge and the card.
-            raise UserError(
-                f"--eval-data {nonspeech[0]}:{NONSPEECH}=...: a non-speech set is scored by "
-                f"`whisper-train evaluate --data NAME:{NONSPEECH}=PATH`, not during training yet"
-            )
+        nonspeech = nonspeech_sets(d.eval_data or [], "--eval-data")
         names = list(self.eval_sets())
+        if nonspeech and not set(names) - nonspeech:
+            raise UserError(
+                f"--eval-data {sorted(nonspeech)[0]}:{NONSPEECH}=...: every evaluation set is "
+                "non-speech, and final/ is picked by a WER: add a speech set, NAME=PATH"
+            )
+        for flag, name in (("--metric-for-best", t.metric_for_best), ("--guard", t.guard)):
+            if name in nonspeech:
+                raise UserError(
+                    f"{flag} {name}: a non-speech set has no WER; it guards the run by itself "
+                    "(--max-nonspeech-rise): name a speech set"
+                )
         if not names and not t.only_train and d.eval_split > 0:
             names = ["eval"]  # a split of --data is named "eval"
         for flag, name in (

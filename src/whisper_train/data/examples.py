@@ -15,6 +15,15 @@ from whisper_train.audio import (
 )
 from whisper_train.errors import AudioError
 
+# The origin of a clip of --nonspeech (`data.nonspeech`): where nobody speaks, its empty
+# transcript is its label (`labels.LabelEncoder`), not a row missing its text.
+NONSPEECH_ORIGIN = "nonspeech:"
+
+
+def is_nonspeech(example) -> bool:
+    """Whether `example` is a clip of --nonspeech: trained with an empty target."""
+    return (getattr(example, "origin", "") or "").startswith(NONSPEECH_ORIGIN) and not example.text
+
 
 # slots: a corpus holds one Example a row, and a __dict__ apiece costs ~100 bytes more each.
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 from collections.abc import Sequence
 from dataclasses import replace
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from whisper_train.audio import CHUNK_LENGTH
 from whisper_train.choices import TASKS
+from whisper_train.data.examples import is_nonspeech
 from whisper_train.errors import UserError
 
 if TYPE_CHECKING:
@@ -35,6 +37,14 @@ if TYPE_CHECKING:
 # cover one 30 s window (`audio.CHUNK_LENGTH`): <|0.00|> ... <|30.00|>, 1501 tokens.
 TIME_PRECISION = 0.02
 N_TIME_TOKENS = round(CHUNK_LENGTH / TIME_PRECISION) + 1  # 1501
+# How a clip of --nonspeech is labelled (`LabelEncoder.nonspeech_label`): NOSPEECH_FORM, as
+# Whisper's own training labels no speech (<|startoftranscript|> <|nospeech|> <|endoftext|>:
+# the no-speech probability the runtimes test is the one predicted there), or EMPTY_FORM, the
+# empty transcript after the usual prefix. $WHISPER_TRAIN_NONSPEECH_LABEL picks the other, for
+# the measurement (bench/nonspeech.py).
+NOSPEECH_FORM, EMPTY_FORM = "nospeech", "empty"
+NONSPEECH_LABEL = "WHISPER_TRAIN_NONSPEECH_LABEL"
+DEFAULT_NONSPEECH_FORM = NOSPEECH_FORM
 # Whisper's decoder has 448 positions (`max_target_positions` of every OpenAI checkpoint; where
 # a model is loaded, its config is the authority). What must not exceed it is a label's
 # `decoder_positions` (below).
@@ -160,6 +170,14 @@ class LabelEncoder:
         self.sot_id = self._token_id("<|startoftranscript|>")
         self.eot_id = self._token_id("<|endoftext|>")
         self.no_timestamps_id = self._token_id("<|notimestamps|>")
+        # <|nospeech|> (<|nocaptions|> in older vocabularies): always the token before it.
+        self.no_speech_id = self.no_timestamps_id - 1
+        self.nonspeech_form = os.environ.get(NONSPEECH_LABEL) or DEFAULT_NONSPEECH_FORM
+        if self.nonspeech_form not in (NOSPEECH_FORM, EMPTY_FORM):
+            raise UserError(
+                f"${NONSPEECH_LABEL} {self.nonspeech_form}: expected {NOSPEECH_FORM} or "
+                f"{EMPTY_FORM}"
+            )
         self.task_id = self._token_id(f"<|{task}|>") if multilingual else None
         # Some tokenizer files (tiny.en's among them) do not list the time tokens; they always
         # follow <|notimestamps|> directly, which is also how transformers' generate finds them.
@@ -209,8 +227,23 @@ class LabelEncoder:
         return ids
 
     def text_ids(self, text: str) -> list[int]:
-        """Tokens of one transcript, with the leading space the pretrained model writes."""
+        """Tokens of one transcript, with the leading space the pretrained model writes; none
+        for an empty one (a clip of --nonspeech in a packed window adds nothing)."""
+        if not text.strip():
+            return []
         return self.tokenizer.encode(" " + text.strip(), add_special_tokens=False)
+
+    def nonspeech_label(self, language: str | None = None) -> tuple[list[int], int]:
+        """(ids, n_prefix) of a clip where nobody speaks: <|startoftranscript|> <|nospeech|>
+        <|endoftext|>, the no-speech token the first target (NOSPEECH_FORM), or the empty
+        transcript after the prefix (EMPTY_FORM; a multilingual model without a language
+        states English, as a language must be stated)."""
+        if self.nonspeech_form == NOSPEECH_FORM:
+            return [self.sot_id, self.no_speech_id, self.eot_id], 1
+        if self.multilingual and language_code(language) is None and self.language is None:
+            language = "en"
+        prefix = self.prefix_ids(language)
+        return prefix + [self.eot_id], len(prefix)
 
     def fingerprint(self) -> str:
         """A digest of everything a label's length depends on: the tokenizer's vocabulary and
@@ -266,6 +299,10 @@ class LabelEncoder:
                     texts.append(example.text)
             lengths = iter(self._text_lengths(texts))
             for example, timestamps in zip(chunk, timestamped, strict=True):
+                if is_nonspeech(example):
+                    counts.append(len(self.nonspeech_label(example.language)[0]))
+                    next(lengths)
+                    continue
                 key = (example.language, timestamps)
                 if key not in prefix_lengths:
                     prefix_lengths[key] = len(self.prefix_ids(*key))
@@ -299,6 +336,8 @@ class LabelEncoder:
         return decoder_positions(self.count_tokens(example))
 
     def _encode(self, example: _HasText, *, timestamps: bool) -> tuple[list[int], int]:
+        if is_nonspeech(example):
+            return self.nonspeech_label(example.language)
         prefix = self.prefix_ids(example.language, timestamps=timestamps)
         body = self._timestamped_body(example) if timestamps else self.text_ids(example.text)
         return prefix + body + [self.eot_id], len(prefix)

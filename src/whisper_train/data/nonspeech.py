@@ -11,16 +11,16 @@ synthesised with numpy from fixed seeds, so every machine scores the same sample
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import soundfile
 
-from whisper_train.audio import AUDIO_SUFFIXES, SAMPLE_RATE
-from whisper_train.data.examples import Example
+from whisper_train.audio import AUDIO_SUFFIXES, CHUNK_LENGTH, SAMPLE_RATE, audio_length
+from whisper_train.data.examples import NONSPEECH_ORIGIN, Example
 from whisper_train.data.layouts import load_examples
-from whisper_train.errors import UserError
+from whisper_train.errors import AudioError, UserError
 from whisper_train.runfolder import user_cache_dir
 
 BUILTIN_SET = "builtin"
@@ -114,17 +114,83 @@ def builtin_clips(seconds: float = BUILTIN_SECONDS) -> dict[str, np.ndarray]:
     return clips
 
 
-def write_builtin_set(folder: Path | None = None) -> Path:
-    """Write the built-in set as 16-bit WAV files into `folder` (default: the user cache) and
-    return it. Each file is written beside its name, then renamed: a reader never sees half."""
+def write_builtin_set(folder: Path | None = None, names: Sequence[str] | None = None) -> Path:
+    """Write the built-in set (or its clips `names`) as 16-bit WAV files into `folder`
+    (default: the user cache) and return it. Each file is written beside its name, then
+    renamed: a reader never sees half."""
     folder = Path(folder) if folder is not None else user_cache_dir("nonspeech") / BUILTIN_SET
     folder.mkdir(parents=True, exist_ok=True)
     for index, (name, samples) in enumerate(builtin_clips().items()):
+        if names is not None and name not in names:
+            continue
         path = folder / f"{index:02d}-{name}.wav"
         partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
         soundfile.write(partial, samples, SAMPLE_RATE, subtype="PCM_16", format="WAV")
         os.replace(partial, path)
     return folder
+
+
+# --nonspeech builtin: the same kinds of sound as the evaluation set, other samples (seeds
+# from TRAINING_SEED on) and other lengths, so that a model trained on it and scored on the
+# built-in set is scored on clips it never heard.
+TRAINING_SEED = 1000
+TRAINING_SECONDS = (2.5, 6.0, 11.0)
+
+
+def write_builtin_training_set(folder: Path | None = None) -> Path:
+    """Write --nonspeech builtin's clips (`_CLIPS` at each of TRAINING_SECONDS) into `folder`
+    (default: the user cache), each written beside its name, then renamed."""
+    folder = Path(folder) if folder is not None else user_cache_dir("nonspeech") / "builtin-train"
+    folder.mkdir(parents=True, exist_ok=True)
+    for length, seconds in enumerate(TRAINING_SECONDS):
+        n = int(seconds * SAMPLE_RATE)
+        t = np.arange(n) / SAMPLE_RATE
+        for index, (name, make) in enumerate(_CLIPS.items()):
+            rng = np.random.default_rng(TRAINING_SEED + length * len(_CLIPS) + index)
+            samples = np.clip(make(rng, n, t), -1.0, 1.0).astype(np.float32)
+            path = folder / f"{length}-{index:02d}-{name}.wav"
+            partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+            soundfile.write(partial, samples, SAMPLE_RATE, subtype="PCM_16", format="WAV")
+            os.replace(partial, path)
+    return folder
+
+
+def training_nonspeech(source: str, count: int, max_seconds: float = CHUNK_LENGTH) -> list[Example]:
+    """`count` clips of --nonspeech `source` (a folder of audio, any layout with empty
+    transcripts, or `builtin`) to mix into training: files over `max_seconds` cut into windows
+    of it, repeated in order to fill `count`. Each is marked (`examples.NONSPEECH_ORIGIN`) so
+    that its empty transcript is its label. UserError, in one line, for a clip that cannot be
+    read or a source with speech in it."""
+    path = write_builtin_training_set() if source == BUILTIN_SET else Path(source)
+    if not Path(path).exists():
+        raise UserError(f"--nonspeech {source}: not found; give a folder of audio, or builtin")
+    clips = []
+    for example in load_nonspeech(path):
+        try:
+            seconds = audio_length(example.audio)[0]
+        except AudioError as exc:
+            raise UserError(
+                f"--nonspeech {source}: {example.audio} cannot be read ({exc.reason}); repair "
+                "or remove it"
+            ) from None
+        start = example.start or 0.0
+        end = example.end if example.end is not None else seconds
+        while end - start > 0.1:  # windows of at most max_seconds; a last sliver is dropped
+            piece = min(end, start + max_seconds)
+            clips.append((example.audio, start, piece))
+            start = piece
+    if not clips:
+        raise UserError(f"--nonspeech {source}: no audio found; give a folder of audio, or builtin")
+    return [
+        Example(audio=audio, text="", start=start, end=end, origin=f"{NONSPEECH_ORIGIN}{audio}")
+        for audio, start, end in (clips[i % len(clips)] for i in range(count))
+    ]
+
+
+def nonspeech_count(speech_clips: int, share: float) -> int:
+    """Clips of --nonspeech that make `share` of an epoch of `speech_clips` and them (one at
+    least)."""
+    return max(1, round(speech_clips * share / (1 - share)))
 
 
 def _audio_files(folder: Path) -> list[Path]:
@@ -153,4 +219,19 @@ def load_nonspeech(path: str | Path, *, data_format: str | None = None) -> list[
             f"{spoken[0].audio}: {spoken[0].text[:40]!r}); a non-speech set is clips where "
             "nobody speaks: give it a folder of audio alone, or score speech as NAME=PATH"
         )
+    return examples
+
+
+def require_readable(examples: list[Example], name: str) -> list[Example]:
+    """`examples`, each clip's audio header read: a non-speech set is scored on every clip or
+    not at all (a rate over the readable ones would flatter), so one that cannot be read
+    refuses the set, in one line, before training starts."""
+    for example in examples:
+        try:
+            audio_length(example.audio)
+        except AudioError as exc:
+            raise UserError(
+                f"--eval-data {name}: {example.audio} cannot be read ({exc.reason}); a "
+                "non-speech set is scored on every clip: repair or remove it"
+            ) from None
     return examples

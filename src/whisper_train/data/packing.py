@@ -282,9 +282,13 @@ def window_label(
     writes (`LabelEncoder.text_ids`), so the label decodes to the texts joined by spaces. With
     timestamps each clip is a segment `<|start|> text <|end|>`, times from the window's start.
     """
+    if not any(text.strip() for text in texts):  # clips of --nonspeech alone: nobody speaks
+        return label_encoder.nonspeech_label(language)
     prefix = label_encoder.prefix_ids(language, timestamps=timestamps)
     body: list[int] = []
     for text, (start, end) in zip(texts, spans, strict=True):
+        if not text.strip():  # a clip of --nonspeech: no segment, silence like the gaps
+            continue
         if timestamps:
             body.append(label_encoder.time_token_id(start))
         body += label_encoder.text_ids(text)

@@ -23,7 +23,7 @@ from whisper_train.audio import (
     audio_length,
     load_audio,
 )
-from whisper_train.data.examples import Example, Skip, decode_skip
+from whisper_train.data.examples import Example, Skip, decode_skip, is_nonspeech
 from whisper_train.data.labels import MAX_DECODER_TOKENS
 from whisper_train.data.subtitles import OVERLAP_TOLERANCE
 from whisper_train.errors import AudioError, UserError
@@ -380,7 +380,7 @@ def audio_problem(
         return Skip(origin, "empty audio", f"{seconds:.2f} s")
     if seconds > max_seconds:
         return Skip(origin, f"longer than {max_seconds:g} s", f"{seconds:.1f} s")
-    if not example.text.strip():
+    if not example.text.strip() and not is_nonspeech(example):  # its empty text is its label
         return Skip(origin, "empty transcript", example.audio)
     return None
 

@@ -19,6 +19,12 @@ from whisper_train.data import streaming
 from whisper_train.data.examples import Example, PackedExamples
 from whisper_train.data.labels import LabelEncoder, label_length, with_language
 from whisper_train.data.layouts import load_examples
+from whisper_train.data.nonspeech import (
+    load_nonspeech,
+    nonspeech_count,
+    require_readable,
+    training_nonspeech,
+)
 from whisper_train.data.recordings import load_recordings
 from whisper_train.data.screening import (
     Screening,
@@ -77,13 +83,11 @@ def prepare_datasets(
         # (as on the streamed path: an evaluation set often comes from elsewhere). A set's stated
         # language (NAME:LANG=PATH) is its rows' label prefix too. A long-form set
         # (NAME:long=PATH) is read as whole recordings.
-        eval_sets = {
-            s.name: with_language(
-                (load_recordings if s.long_form else load_examples)(s.path), s.language
-            )
-            for s in sets
-        }
+        # A non-speech set (NAME:nonspeech=PATH) is a folder of audio, any layout with empty
+        # transcripts, or the built-in one.
+        eval_sets = {s.name: with_language(_reader(s)(s.path), s.language) for s in sets}
     long_form = {s.name: s.long_form for s in sets}
+    nonspeech = {s.name for s in sets if s.nonspeech}
     if d.train_subset:
         train_examples = train_examples[: d.train_subset]
     if d.eval_subset:
@@ -102,6 +106,10 @@ def prepare_datasets(
         kept_train, skipped = [], skipped + unusable
     kept_eval = {}
     for name, subset in eval_sets.items():
+        if name in nonspeech:
+            # No transcript to screen; every clip is scored or the set refused before step 1.
+            kept_eval[name] = require_readable(subset, name)
+            continue
         # A long-form set's recordings are decoded whole: no 30 s or label-length limit (its
         # audio is still checked: missing or undecodable files are skipped and said).
         screening = _screen_set(
@@ -116,6 +124,13 @@ def prepare_datasets(
         skipped += screening.skips
     if skipped:
         log.warning(summarize_skips(skipped))
+    train_label_tokens = list(train_screening.label_tokens)
+    if d.nonspeech and kept_train:
+        # Clips where nobody speaks, --nonspeech-share of the epoch, their empty transcript
+        # their label; never held out for evaluation.
+        extra = training_nonspeech(d.nonspeech, nonspeech_count(len(kept_train), d.nonspeech_share))
+        kept_train += extra
+        train_label_tokens += label_encoder.decoder_tokens_batch(extra)
     if not kept_train and not streamed:
         raise UserError(
             f"--data {d.data}: no usable training utterances after screening; "
@@ -127,8 +142,14 @@ def prepare_datasets(
     return Datasets(
         PackedExamples(kept_train),
         kept_eval,
-        [label_length(positions) for positions in train_screening.label_tokens],
+        [label_length(positions) for positions in train_label_tokens],
     )
+
+
+def _reader(eval_set: EvalSet):
+    if eval_set.nonspeech:
+        return load_nonspeech
+    return load_recordings if eval_set.long_form else load_examples
 
 
 def _screen_set(

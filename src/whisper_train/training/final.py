@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,31 @@ def guard_regression(
     return 100 * (wer[step] - wer[start])
 
 
+def nonspeech_rise(evaluations: list[dict], name: str, step: int) -> tuple[float, int] | None:
+    """Words per minute the non-speech set `name` gained at `step` over its start (the first
+    step it was measured at: step 0, or the step a --resume first gave it at), and that start;
+    None before its start or where it was not measured at `step`."""
+    measured = {
+        row["step"]: row["words_per_minute"] for row in evaluations if row.get("set") == name
+    }
+    if not measured or step not in measured:
+        return None
+    start = min(measured)
+    return measured[step] - measured[start], start
+
+
+def _nonspeech_holds(
+    evaluations: list[dict], step: int, names: Sequence[str], max_rise: float
+) -> bool:
+    """Every non-speech set was measured at `step` and stayed within `max_rise` words per
+    minute of its start."""
+    for name in names:
+        rise = nonspeech_rise(evaluations, name, step)
+        if rise is None or rise[0] > max_rise:
+            return False
+    return True
+
+
 def choose_final_step(
     evaluations: list[dict],
     *,
@@ -52,12 +78,15 @@ def choose_final_step(
     guard: str | None,
     max_regression: float | None,
     guard_start: int = 0,
+    nonspeech_sets: Sequence[str] = (),
+    max_nonspeech_rise: float = 0.0,
 ) -> FinalChoice:
     """The evaluated step whose model final/ holds, as `load_best_model_at_end` users expect:
     the lowest WER on `primary_set` among trained steps (not step 0) whose guard WER was
-    measured and stayed within `max_regression` points of its start (`guard_start`); the later
-    step on a tie. Without evaluations: the last step. If no step stays within the guard's
-    limit: the last one, and the reason says so."""
+    measured and stayed within `max_regression` points of its start (`guard_start`), and
+    whose words per minute on each of `nonspeech_sets` stayed within `max_nonspeech_rise` of
+    that set's start; the later step on a tie. Without evaluations: the last step. If no step
+    holds: the last one, and the reason says so."""
     scored = {
         row["step"]: row["wer"]
         for row in evaluations
@@ -67,7 +96,7 @@ def choose_final_step(
     }
     if not scored:
         return FinalChoice(None, "the last step (no evaluation scored a trained step)")
-    allowed = {
+    held = {
         step: wer
         for step, wer in scored.items()
         if guard is None
@@ -76,11 +105,23 @@ def choose_final_step(
             and regression <= max_regression
         )
     }
-    if not allowed:
+    if not held:
         return FinalChoice(
             max(scored),
             f"the last evaluated step: no evaluation stayed within {max_regression:g} points "
             f"of {guard} WER at its start (step {guard_start})",
+        )
+    allowed = {
+        step: wer
+        for step, wer in held.items()
+        if _nonspeech_holds(evaluations, step, nonspeech_sets, max_nonspeech_rise)
+    }
+    if not allowed:
+        return FinalChoice(
+            max(scored),
+            f"the last evaluated step: no evaluation stayed within {max_nonspeech_rise:g} "
+            f"words per minute of its start on the non-speech set "
+            f"{', '.join(map(repr, nonspeech_sets))}",
         )
     best = min(allowed, key=lambda step: (allowed[step], -step))
     reason = f"the lowest {primary_set} WER ({100 * allowed[best]:.2f}%) of {len(scored)} evaluated"
@@ -89,6 +130,11 @@ def choose_final_step(
         reason += (
             f", guard set {guard!r} within {max_regression:g} points of its start "
             f"(step {guard_start})"
+        )
+    if nonspeech_sets:
+        reason += (
+            f", non-speech set {', '.join(map(repr, nonspeech_sets))} within "
+            f"{max_nonspeech_rise:g} words per minute of its start"
         )
     return FinalChoice(best, reason)
 

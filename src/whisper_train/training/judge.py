@@ -1,7 +1,8 @@
 """A run's evaluations and what they decide, apart from the step loop: each evaluation scores
 every set as `evaluate` decodes it (`RunEvaluations.evaluate`), what is measured before the
 first step (`measure_starts`: step 0, or on --resume the sets and the guard it added), the
-guard's verdict on each evaluation, and which evaluated step final/ holds (`final_choice`).
+verdicts of the guard and of each non-speech set (the words it invents, held to its start) on
+each evaluation, and which evaluated step final/ holds (`final_choice`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,14 @@ from whisper_train import memory
 from whisper_train.config.record import EvaluationRecord
 from whisper_train.evaluation.evaluate import run_evaluation
 from whisper_train.evaluation.longform import run_long_form_evaluation
+from whisper_train.evaluation.nonspeech import evaluate_nonspeech_examples
 from whisper_train.runlog import say
-from whisper_train.training.final import FinalChoice, choose_final_step, guard_regression
+from whisper_train.training.final import (
+    FinalChoice,
+    choose_final_step,
+    guard_regression,
+    nonspeech_rise,
+)
 
 
 class RunEvaluations:
@@ -61,7 +68,8 @@ class RunEvaluations:
         evaluation, guard = self.evaluation, self.evaluation.guard
         if not resumed:
             self.guard_start = {"set": guard, "step": 0} if guard else None
-            if evaluation.eval_at_start or guard:
+            # A non-speech set is held to its start as the guard is: measured before step 1.
+            if evaluation.eval_at_start or guard or evaluation.nonspeech_sets:
                 return self.evaluate(model, 0)
             return False
         new = list(new_sets)
@@ -93,7 +101,10 @@ class RunEvaluations:
         """One evaluation set's metrics row at `step`, written to metrics.jsonl."""
         evaluation, accelerator = self.evaluation, self.accelerator
         languages = self.languages[name]
-        if evaluation.set_named(name).long_form:  # whole recordings, decoded in 30 s windows
+        eval_set = evaluation.set_named(name)
+        if eval_set.nonspeech:  # clips where nobody speaks: the words the model invents
+            row = self._score_nonspeech(model, loader, languages)
+        elif eval_set.long_form:  # whole recordings, decoded in 30 s windows
             row = run_long_form_evaluation(
                 model,
                 loader,
@@ -124,9 +135,48 @@ class RunEvaluations:
         self.metrics.write(row)
         return row
 
+    def _score_nonspeech(self, model, examples, language: str | None) -> dict:
+        """A non-speech set's row: every process decodes the whole set (a few clips; no
+        collective, so none waits for another), decoded as `evaluate` decodes it."""
+        evaluation = self.evaluation
+        unwrapped = self.accelerator.unwrap_model(model)
+        was_training = unwrapped.training
+        unwrapped.eval()
+        scores = evaluate_nonspeech_examples(
+            unwrapped,
+            self.processor,
+            examples,
+            max_length=evaluation.max_length,
+            decoding=evaluation.decoding,
+            language=language,
+        ).scores
+        unwrapped.train(was_training)
+        return {
+            "words_per_minute": scores.words_per_minute,
+            "share_with_text": scores.share_with_text,
+            "words": scores.words,
+            "clips": scores.clips,
+            "audio_seconds": scores.seconds,
+        }
+
+    def _nonspeech_vetoes(self, step: int) -> None:
+        """Say so, a line a set, when a non-speech set's words per minute rose past
+        --max-nonspeech-rise over its start."""
+        limit = self.evaluation.max_nonspeech_rise
+        for name in self.evaluation.nonspeech_sets:
+            rise = nonspeech_rise(self.rows, name, step)
+            if rise is not None and rise[0] > limit:
+                say(
+                    self.accelerator,
+                    f"non-speech set {name}: {rise[0]:+.1f} words per minute over its start "
+                    f"(step {rise[1]}) at step {step}, past --max-nonspeech-rise {limit:g}: "
+                    "this step will not go to final/",
+                )
+
     def _guard_stops(self, step: int) -> bool:
         """Say so when the guard set's WER rose past --max-regression points over its start;
         True when --stop-on-regression then stops the run."""
+        self._nonspeech_vetoes(step)
         evaluation = self.evaluation
         guard, start = evaluation.guard, self.start_step
         regression = guard_regression(self.rows, guard, step, start)
@@ -149,4 +199,6 @@ class RunEvaluations:
             guard=evaluation.guard,
             max_regression=evaluation.max_regression,
             guard_start=self.start_step,
+            nonspeech_sets=evaluation.nonspeech_sets,
+            max_nonspeech_rise=evaluation.max_nonspeech_rise,
         )

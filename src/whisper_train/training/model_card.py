@@ -252,7 +252,35 @@ def _results_section(
         f"{before}step {step} (this model). WER: word error rate after text normalisation; "
         "loops: repeated word 3-grams among all 3-grams of the transcripts; insertions: "
         "inserted words per reference word (words the model made up).",
+        *_nonspeech_section(record, result),
         *_what_figures_rest_on(record, result, rows),
+    ]
+
+
+def _nonspeech_section(record: RunRecord, result: TrainResult) -> list[str]:
+    """Each non-speech set's words per minute and share of clips with text, from its start
+    to the step final/ holds."""
+    lines = []
+    for name in record.evaluation.nonspeech_sets:
+        measured = {r["step"]: r for r in result.evaluations if r.get("set") == name}
+        after = measured.get(result.final_step)
+        if after is None:
+            continue
+        start = min(measured)
+        before = measured[start]
+        lines.append(
+            f"| `{name}` | {after['clips']} | {before['words_per_minute']:.1f} → "
+            f"{after['words_per_minute']:.1f} | {_percent(before['share_with_text'])} → "
+            f"{_percent(after['share_with_text'])} |"
+        )
+    if not lines:
+        return []
+    header = "| non-speech set | clips | words per minute | clips with text |\n|---|---|---|---|"
+    return [
+        "\n".join([header, *lines]),
+        "Text the model writes where nobody speaks (silence, noise, tones, music), from each "
+        f"set's start to step {result.final_step}; final/ holds no step that invented more "
+        f"than {record.evaluation.max_nonspeech_rise:g} words per minute over the start.",
     ]
 
 

@@ -371,6 +371,11 @@ def setup_loaders(
     for eval_set in record.evaluation.sets:
         name, examples = eval_set.name, datasets.eval[eval_set.name]
         eval_languages[name] = row_languages(examples, eval_set.language)
+        if eval_set.nonspeech:
+            # Its clips themselves: every process decodes the whole (small) set, in its stated
+            # language or each clip's detected one (`judge.RunEvaluations`).
+            eval_loaders[name], eval_languages[name] = examples, eval_set.language
+            continue
         if eval_set.long_form:
             # Whole recordings, read as each is decoded (no features, labels or encoder cache).
             eval_loaders[name] = evaluation_loader(

@@ -57,6 +57,7 @@ from whisper_train.training.checkpoints.load import (
     load_checkpoint,
     load_weights,
     read_stream_position,
+    read_weights,
     saved_record,
 )
 from whisper_train.training.checkpoints.save import save_checkpoint
@@ -78,6 +79,7 @@ __all__ = [
     "load_checkpoint",
     "load_weights",
     "read_stream_position",
+    "read_weights",
     "save_checkpoint",
     "saved_record",
 ]

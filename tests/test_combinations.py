@@ -3,7 +3,7 @@ invariants, or is refused at start in one line that names the flags.
 
 The factors (`FACTORS`) are the training options that interact: mode, processes, gradient
 accumulation, checkpointing, packing, streamed shards or lhotse cuts, --fsdp, the encoder
-cache, precision, LoRA's targets, --resume, data-loading workers, the trackers of --report-to,
+cache, precision, LoRA's targets (and DoRA), --resume, data-loading workers, the trackers of --report-to,
 settings given as flags or in a YAML --config, and --prompt-probability. A seeded greedy
 generator (`covering_array`) picks rows until every pair of values
 that some valid row can hold is in a row (the 3-wise array is the slow test). Pairs no row may
@@ -63,8 +63,9 @@ FACTORS: dict[str, tuple] = {
     "fsdp": (False, True),
     "cache": (False, True),  # --cache-encoder, else --no-cache-encoder (freeze-encoder's default)
     "precision": ("fp32", "bf16"),
-    # LoRA's --lora-targets: the default (every linear layer), or the HF blog's q_proj,v_proj
-    "targets": ("all-linear", "q,v"),
+    # LoRA's --lora-targets: the default (every linear layer), or the HF blog's q_proj,v_proj;
+    # or every linear layer with --lora-variant dora (a magnitude per output trained beside A, B)
+    "targets": ("all-linear", "q,v", "dora"),
     "resume": (False, True),  # 1 step and a checkpoint, then --resume for the second
     "workers": (0, 2),  # --num-workers
     # --report-to: the default, or every tracker (MLflow to a file store, W&B offline)
@@ -89,10 +90,13 @@ REFUSED: dict[tuple[tuple[str, object], tuple[str, object]], tuple[str, ...]] = 
     (("data", "stream"), ("prompts", 1.0)): ("--prompt-probability", "streamed"),
     (("data", "cuts"), ("prompts", 1.0)): ("--prompt-probability", "streamed"),
 }
-# Pairs that mean nothing (no flag to refuse): --lora-targets only matters with --mode lora.
+# Pairs that mean nothing (no flag to refuse): --lora-targets and --lora-variant only matter
+# with --mode lora.
 MEANINGLESS = {
     (("targets", "q,v"), ("mode", "full")),
     (("targets", "q,v"), ("mode", "freeze-encoder")),
+    (("targets", "dora"), ("mode", "full")),
+    (("targets", "dora"), ("mode", "freeze-encoder")),
 }
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 
@@ -204,7 +208,8 @@ def row_id(row: dict) -> str:
     parts += {"off": [], "on": ["pack"], "per-clip": ["perclip"]}[row["packing"]]
     parts += [row["data"]] * (row["data"] != "whole")
     parts += ["fsdp"] * row["fsdp"] + ["cache"] * row["cache"] + [row["precision"]]
-    parts += ["qv"] * (row["targets"] == "q,v") + ["resume"] * row["resume"]
+    parts += ["qv"] * (row["targets"] == "q,v") + ["dora"] * (row["targets"] == "dora")
+    parts += ["resume"] * row["resume"]
     parts += [f"w{row['workers']}"] * bool(row["workers"]) + ["yaml"] * (row["options"] == "yaml")
     parts += ["trackers"] * (row["trackers"] != "tensorboard")
     parts += ["prompts"] * bool(row.get("prompts"))
@@ -212,7 +217,9 @@ def row_id(row: dict) -> str:
     return "-".join(parts)
 
 
-PAIRWISE = covering_array(2)
+# Seed 1: with DoRA among the targets, seed 0 needed 10 launches of 2 processes (18 rows) and
+# seed 1 needs 7 (17 rows), as many as seed 0 did before DoRA; seed 2 needed 8.
+PAIRWISE = covering_array(2, seed=1)
 
 # -- running a row ---------------------------------------------------------------------------
 
@@ -292,13 +299,15 @@ def adapted_parts(row: dict) -> tuple[str, ...]:
 def expected_trainable(row: dict, model) -> set[str]:
     """The parameters a mode trains, from Whisper's structure (not from whisper-train)."""
     if row["mode"] == "lora":
-        targets = ALL_LINEAR if row["targets"] == "all-linear" else ("q_proj", "v_proj")
+        targets = ("q_proj", "v_proj") if row["targets"] == "q,v" else ALL_LINEAR
+        # DoRA: a magnitude vector per adapted layer besides A and B.
+        parts = ("A", "B", "magnitude_vector") if row["targets"] == "dora" else ("A", "B")
         return {
             f"{name}.lora_{part}.default.weight"
             for name, module in model.named_modules()
             if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets
             if name.startswith(adapted_parts(row))
-            for part in "AB"
+            for part in parts
         }
     # Whisper's encoder positions are fixed sinusoids (transformers freezes them).
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
@@ -310,7 +319,7 @@ def expected_trainable(row: dict, model) -> set[str]:
 def expected_changed_weights(row: dict, saved: dict) -> set[str]:
     """The tensors of final/model.safetensors that 2 steps must change (all others must not)."""
     if row["mode"] == "lora":  # the adapters merged into their linear layers' weights
-        targets = ALL_LINEAR if row["targets"] == "all-linear" else ("q_proj", "v_proj")
+        targets = ("q_proj", "v_proj") if row["targets"] == "q,v" else ALL_LINEAR
         return {
             n
             for n in saved
@@ -420,6 +429,8 @@ def row_settings(row: dict) -> dict[str, object]:
         settings["fsdp"] = True
     if row["targets"] == "q,v":
         settings["lora_targets"] = ["q_proj", "v_proj"]
+    if row["targets"] == "dora":
+        settings["lora_variant"] = "dora"
     return settings
 
 
@@ -656,7 +667,7 @@ def three_wise() -> list[dict]:
     return covering_array(3)
 
 
-THREE_WISE_ROWS = 51
+THREE_WISE_ROWS = 63
 
 
 @pytest.mark.slow

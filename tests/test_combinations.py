@@ -89,14 +89,13 @@ REFUSED: dict[tuple[tuple[str, object], tuple[str, object]], tuple[str, ...]] = 
     (("cache", True), ("fsdp", True)): ("--fsdp", "--no-cache-encoder"),
     (("data", "stream"), ("prompts", 1.0)): ("--prompt-probability", "streamed"),
     (("data", "cuts"), ("prompts", 1.0)): ("--prompt-probability", "streamed"),
+    (("mode", "full"), ("targets", "dora")): ("--lora-variant dora", "--mode full"),
+    (("mode", "freeze-encoder"), ("targets", "dora")): ("--lora-variant dora", "--mode freeze"),
 }
-# Pairs that mean nothing (no flag to refuse): --lora-targets and --lora-variant only matter
-# with --mode lora.
+# Pairs that mean nothing (no flag to refuse): --lora-targets only matters with --mode lora.
 MEANINGLESS = {
     (("targets", "q,v"), ("mode", "full")),
     (("targets", "q,v"), ("mode", "freeze-encoder")),
-    (("targets", "dora"), ("mode", "full")),
-    (("targets", "dora"), ("mode", "freeze-encoder")),
 }
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 

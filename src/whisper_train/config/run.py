@@ -140,6 +140,11 @@ class RunConfig:
         d, m, mem, t = self.data, self.model, self.memory, self.train
         one_of("--mode", m.mode, MODES)
         one_of("--lora-variant", m.lora_variant, LORA_VARIANTS)
+        if m.lora_variant != "lora" and m.mode != "lora":
+            raise UserError(
+                f"--lora-variant {m.lora_variant} sets how LoRA's adapters scale and --mode "
+                f"{m.mode} trains none: add --mode lora, or drop --lora-variant"
+            )
         one_of("--task", d.task, TASKS)
         one_of("--precision", mem.precision, PRECISIONS)
         one_of("--optim", mem.optim, OPTIMIZERS)

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 # --mode: what trains (`memory.prepare_model`).
 MODES = ("full", "lora", "freeze-encoder")
+# --lora-variant: how --mode lora's adapters update a weight (`memory.prepare_model`): plain
+# LoRA (scale alpha / r), DoRA (the update's direction, with a trained magnitude per output) or
+# rsLoRA (LoRA scaled by alpha / sqrt(r)).
+LORA_VARIANTS = ("lora", "dora", "rslora")
 # --optim: AdamW in one of three implementations (`memory.optim`).
 OPTIMIZERS = ("adamw", "adamw-fused", "adamw8bit")
 # --task: Whisper's two (`data.labels`).

@@ -59,6 +59,9 @@ class TrainResult:
     final_step: int | None = None  # the evaluated step final/ holds
     final_reason: str = ""  # why that step: best WER, within the guard's limit, or the last
     primary_set: str = "eval"  # the evaluation set whose WER picked it
+    # The steps whose checkpoints final/ holds averaged (--average-checkpoints; their rows in
+    # `evaluations` are marked `averaged`); None: final/ holds `final_step`'s own weights.
+    final_averaged: list[int] | None = None
     # The guard set and the step its WER was held against ({"set", "step"}; None: no guard).
     guard_start: dict | None = None
     # The run's record (`config.record.RunRecord.to_dict`): every decision it acted on.
@@ -66,18 +69,22 @@ class TrainResult:
 
     def wer_at(self, step: int | None, eval_set: str | None = None) -> float | None:
         """The WER of `eval_set` (default: the primary set) at `step`, if it was evaluated."""
+        return self._wer_of(step, eval_set, None)
+
+    def _wer_of(self, step: int | None, eval_set: str | None, averaged: list | None):
         eval_set = eval_set or self.primary_set
         found = [
             row["wer"]
             for row in self.evaluations
             if row["step"] == step and row.get("set", self.primary_set) == eval_set
+            if row.get("averaged") == averaged  # an average's rows are no step's own
         ]
         return found[-1] if found else None
 
     @property
     def final_wer(self) -> float | None:
         """The primary set's WER of the model in final/."""
-        return self.wer_at(self.final_step)
+        return self._wer_of(self.final_step, None, self.final_averaged)
 
 
 def write_result(result: TrainResult) -> None:

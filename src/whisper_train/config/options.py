@@ -8,7 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from whisper_train.choices import MODES, OPTIMIZERS, PACKING_AUTO, TASKS  # noqa: F401
+from whisper_train.choices import (  # noqa: F401
+    LORA_VARIANTS,
+    MODES,
+    OPTIMIZERS,
+    PACKING_AUTO,
+    TASKS,
+)
 
 # Each mode's learning rate when --learning-rate is not given, from sweeps on tiny.en scored on
 # held-out voices and on real speech no run trained on (BENCHMARKS.md "Learning rates"). Full:
@@ -207,6 +213,13 @@ class ModelConfig:
         "linear layer (q_proj,k_proj,v_proj,out_proj,fc1,fc2): a third fewer held-out errors "
         "than the HF blog's q_proj,v_proj; BENCHMARKS.md 'LoRA on every linear layer'.",
         default_factory=lambda: list(LORA_TARGETS),
+    )
+    lora_variant: str = _help(
+        "How the adapters update a weight: lora (scale alpha / r), dora (DoRA: the update's "
+        "direction with a trained magnitude per output, peft's use_dora) or rslora (scale "
+        "alpha / sqrt(r)). Each is merged into full weights in final/ and the exports; "
+        "BENCHMARKS.md 'DoRA and rsLoRA'.",
+        default="lora",
     )
     attn_implementation: str = _help("sdpa or eager attention.", default="sdpa")
 
@@ -420,6 +433,13 @@ class TrainConfig:
     )
     save_total_limit: int = _help(
         "Keep the newest N checkpoints, plus the one with the best WER.", default=2
+    )
+    average_checkpoints: int | None = _help(
+        "At the end, average the weights (LoRA: the adapters) of the last N checkpoints on disk "
+        "(the end's own included; needs --save-steps and --save-total-limit N or more), "
+        "evaluate the average like a step, and keep it as final/ only where it beats the "
+        "chosen step by the run's own rule (lowest --metric-for-best WER, --guard kept).",
+        default=None,
     )
     resume: str | None = field(
         default=None,

@@ -69,6 +69,8 @@ class ModelRecord:
         MUST_EQUAL, "cache_encoder", label="LoRA's adapters on the decoder only (--cache-encoder)"
     )
     lora_dropout: float = decided(MAY_CHANGE, "lora_dropout")
+    # lora, dora or rslora (None: no LoRA): the adapters' weights differ in kind or in scale.
+    lora_variant: str | None = decided(MUST_EQUAL, "lora_variant")
     attn_implementation: str = decided(MAY_CHANGE, "attn_implementation")
     spec_augment: bool = decided(MAY_CHANGE, "spec_augment")
 
@@ -83,6 +85,7 @@ class ModelRecord:
             dropout=self.lora_dropout,
             targets=self.lora_targets,
             decoder_only=self.lora_decoder_only,
+            variant=self.lora_variant,
         )
 
 
@@ -223,6 +226,8 @@ class OutputRecord:
     output_dir: str = decided(FOLLOWS, "output_dir")  # a resume continues in its own folder
     save_steps: int | None = decided(MAY_CHANGE, "save_steps")
     save_total_limit: int = decided(MAY_CHANGE, "save_total_limit")
+    # The last N checkpoints averaged at the end, kept where the average wins (None: not).
+    average_checkpoints: int | None = decided(MAY_CHANGE, "average_checkpoints")
     logging_steps: int = decided(MAY_CHANGE, "logging_steps")
     report_to: tuple[str, ...] = decided(MAY_CHANGE, "report_to")
 

@@ -150,6 +150,7 @@ def resolve_run(
             output_dir=t.output_dir,
             save_steps=t.save_steps,
             save_total_limit=t.save_total_limit,
+            average_checkpoints=t.average_checkpoints,
             logging_steps=t.logging_steps,
             report_to=tuple(t.report_to or ()),
         ),
@@ -172,6 +173,7 @@ def _model(config: RunConfig, *, width: int, multilingual: bool) -> ModelRecord:
         # The encoder's outputs cached: an adapter inside it would never train.
         lora_decoder_only=lora and config.cache_encoder,
         lora_dropout=m.lora_dropout if lora else 0.0,
+        lora_variant=m.lora_variant if lora else None,
         attn_implementation=m.attn_implementation,
         spec_augment=config.data.spec_augment,
     )

@@ -17,6 +17,7 @@ from whisper_train.choices import PER_CLIP
 from whisper_train.config.options import (
     ENCODER_LR_SCALES,
     GROUPS,
+    LORA_VARIANTS,
     MODES,
     OPTIMIZERS,
     PACKING_AUTO,
@@ -138,6 +139,12 @@ class RunConfig:
         """Reject illegal values and combinations with a message that names the flags."""
         d, m, mem, t = self.data, self.model, self.memory, self.train
         one_of("--mode", m.mode, MODES)
+        one_of("--lora-variant", m.lora_variant, LORA_VARIANTS)
+        if m.lora_variant != "lora" and m.mode != "lora":
+            raise UserError(
+                f"--lora-variant {m.lora_variant} sets how LoRA's adapters scale and --mode "
+                f"{m.mode} trains none: add --mode lora, or drop --lora-variant"
+            )
         one_of("--task", d.task, TASKS)
         one_of("--precision", mem.precision, PRECISIONS)
         one_of("--optim", mem.optim, OPTIMIZERS)
@@ -237,6 +244,7 @@ class RunConfig:
                 "drop one of them"
             )
         self._validate_fsdp()
+        self._validate_averaging()
         if not m.lora_targets:
             raise UserError("--lora-targets: name at least one module, e.g. q_proj,v_proj")
         self._validate_eval_sets()
@@ -334,6 +342,33 @@ class RunConfig:
         for refuse, why in refused:
             if refuse:
                 raise UserError(f"--fsdp with {why}")
+
+    def _validate_averaging(self) -> None:
+        """--average-checkpoints N averages the last N checkpoints rotation keeps, and keeps
+        the average only where its evaluation wins: what it needs, each refused in one line."""
+        d, t = self.data, self.train
+        n = t.average_checkpoints
+        if n is None:
+            return
+        if n < 2:
+            raise UserError(f"--average-checkpoints {n}: expected 2 or more checkpoints")
+        refused = [
+            (t.only_train, "--only-train (the average is kept only where it wins an evaluation)"),
+            (
+                not (self.eval_sets() or d.eval_split > 0),
+                "no evaluation set to judge the average by: add --eval-data NAME=PATH",
+            ),
+            (not t.save_steps, "no --save-steps (the run saves no checkpoints to average)"),
+            (
+                t.save_total_limit < n,
+                f"--save-total-limit {t.save_total_limit} (rotation keeps fewer checkpoints "
+                f"than that): raise --save-total-limit to {n}",
+            ),
+            (t.fsdp, "--fsdp (its checkpoints are sharded): drop one of them"),
+        ]
+        for refuse, why in refused:
+            if refuse:
+                raise UserError(f"--average-checkpoints {n} with {why}")
 
     def _per_clip_refusal(self) -> str | None:
         """Why --packing per-clip cannot run with the other options, or None: it meets what it

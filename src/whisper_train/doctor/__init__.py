@@ -136,7 +136,9 @@ def check_config(config: RunConfig, *, probe_batch_size: int = 2) -> DoctorRepor
         {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()},
         mode=m.mode,
         checkpointing=resolve_checkpointing(config.memory.gradient_checkpointing, device),
-        lora=LoraSettings(m.lora_r, m.lora_alpha, m.lora_dropout, tuple(m.lora_targets)),
+        lora=LoraSettings(
+            m.lora_r, m.lora_alpha, m.lora_dropout, tuple(m.lora_targets), variant=m.lora_variant
+        ),
         ddp={
             "world_size": int(os.environ.get("WORLD_SIZE", "1")),
             "find_unused_parameters": False,

@@ -32,7 +32,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from whisper_train.choices import MODES
+from whisper_train.choices import LORA_VARIANTS, MODES
 from whisper_train.errors import UserError
 from whisper_train.memory.wrappers import is_peft_model, whisper_of
 
@@ -54,6 +54,9 @@ class LoraSettings:
     # No adapters inside the encoder: set when its outputs are cached (`config.record.ModelRecord.lora`),
     # which are computed once, without gradient, so encoder adapters could never train.
     decoder_only: bool = False
+    # lora, dora (peft's use_dora: a magnitude vector per adapted layer, trained with A and B)
+    # or rslora (peft's use_rslora: the update scaled by alpha / sqrt(r), not alpha / r).
+    variant: str = "lora"
 
 
 # -- policies -------------------------------------------------------------------------------
@@ -258,11 +261,17 @@ def _wrap_lora(whisper: nn.Module, settings: LoraSettings) -> nn.Module:
             for name, _ in whisper.named_modules()
             if name.rsplit(".", 1)[-1] in settings.targets and ".encoder." not in f".{name}."
         ] or targets  # none: peft's own message names the targets
+    if settings.variant not in LORA_VARIANTS:
+        raise UserError(
+            f"--lora-variant {settings.variant}: expected one of {', '.join(LORA_VARIANTS)}"
+        )
     config = LoraConfig(
         r=settings.r,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=targets,
+        use_dora=settings.variant == "dora",
+        use_rslora=settings.variant == "rslora",
     )
     try:
         return get_peft_model(whisper, config)

@@ -30,6 +30,15 @@ class FinalChoice:
 
     step: int | None
     reason: str
+    # The checkpoints' steps whose weights final/ holds averaged (`training.averaging`), the
+    # last of them `step`; None: one step's own weights.
+    averaged: tuple[int, ...] | None = None
+
+
+# The average of several checkpoints among the candidates of `choose_final_step`: a step no
+# trained step has (each is a whole number from 1), earlier than all of them, so that it loses
+# every tie (the later step wins one) and is kept only where it is strictly better.
+_AVERAGE = 0.5
 
 
 def guard_regression(
@@ -53,9 +62,10 @@ def nonspeech_rise(evaluations: list[dict], name: str, step: int) -> tuple[float
     measured = {
         row["step"]: row["words_per_minute"] for row in evaluations if row.get("set") == name
     }
-    if not measured or step not in measured:
+    starts = [measured_at for measured_at in measured if measured_at != _AVERAGE]
+    if not starts or step not in measured:
         return None
-    start = min(measured)
+    start = min(starts)  # the average of checkpoints is scored last, whatever its number
     return measured[step] - measured[start], start
 
 
@@ -137,6 +147,52 @@ def choose_final_step(
             f"{max_nonspeech_rise:g} words per minute of its start"
         )
     return FinalChoice(best, reason)
+
+
+def choose_with_average(
+    evaluations: list[dict],
+    averaged: list[dict],
+    steps: tuple[int, ...],
+    chosen: FinalChoice,
+    *,
+    primary_set: str,
+    guard: str | None,
+    max_regression: float | None,
+    guard_start: int = 0,
+    nonspeech_sets: Sequence[str] = (),
+    max_nonspeech_rise: float = 0.0,
+) -> FinalChoice:
+    """`chosen` (the step `choose_final_step` chose), or the average of the checkpoints of
+    `steps` (scored as `averaged`, a row per set) where it wins by the same rule: the lowest
+    `primary_set` WER among the models whose guard stayed within `max_regression` points of
+    its start and whose non-speech sets within `max_nonspeech_rise`, the chosen step winning a
+    tie."""
+    rows = [r for r in evaluations if r["step"] != _AVERAGE]
+    rows += [{**row, "step": _AVERAGE} for row in averaged]
+    best = choose_final_step(
+        rows,
+        primary_set=primary_set,
+        guard=guard,
+        max_regression=max_regression,
+        guard_start=guard_start,
+        nonspeech_sets=nonspeech_sets,
+        max_nonspeech_rise=max_nonspeech_rise,
+    )
+    if best.step != _AVERAGE:
+        return chosen
+    wer = next(r["wer"] for r in averaged if r.get("set", primary_set) == primary_set)
+    was = next(
+        (r["wer"] for r in evaluations if r["step"] == chosen.step and r.get("set") == primary_set),
+        None,
+    )
+    against = f" against step {chosen.step}'s {100 * was:.2f}%" if was is not None else ""
+    reason = (
+        f"the average of the checkpoints of steps {', '.join(map(str, steps))}: "
+        f"{primary_set} WER {100 * wer:.2f}%{against}"
+    )
+    if guard is not None:
+        reason += f", guard set {guard!r} within {max_regression:g} points of its start"
+    return FinalChoice(steps[-1], reason, averaged=tuple(steps))
 
 
 def save_final(

@@ -20,6 +20,7 @@ from whisper_train.runlog import say
 from whisper_train.training.final import (
     FinalChoice,
     choose_final_step,
+    choose_with_average,
     guard_regression,
     nonspeech_rise,
 )
@@ -51,6 +52,8 @@ class RunEvaluations:
         # Batches completed with their frozen encoder's outputs (the encoder cache), or None.
         self.complete = complete
         self.rows = list(rows)
+        # The rows of --average-checkpoints' average: no step to resume at, so kept apart.
+        self.averaged_rows: list[dict] = []
         # The guard set and the step its later WERs are held against ({"set", "step"}).
         self.guard_start = guard_start
 
@@ -97,7 +100,19 @@ class RunEvaluations:
         model.train()
         return self._guard_stops(step)
 
-    def _evaluate_set(self, model, name: str, loader, step: int) -> dict:
+    def evaluate_average(self, model, step: int, steps: tuple[int, ...]) -> list[dict]:
+        """The average of the checkpoints of `steps` (the last `step`), in `model`, scored on
+        every set as a step is: its rows (marked `averaged`) are `averaged_rows`."""
+        with memory.gathered(model):
+            self.averaged_rows = [
+                self._evaluate_set(model, name, loader, step, averaged=list(steps))
+                for name, loader in self.loaders.items()
+            ]
+        self.table.row(self.averaged_rows)
+        model.train()
+        return self.averaged_rows
+
+    def _evaluate_set(self, model, name: str, loader, step: int, averaged=None) -> dict:
         """One evaluation set's metrics row at `step`, written to metrics.jsonl."""
         evaluation, accelerator = self.evaluation, self.accelerator
         languages = self.languages[name]
@@ -131,7 +146,7 @@ class RunEvaluations:
                 evaluation.decoding,
                 languages=languages,
             )
-        row = {"step": step, "set": name, **row}
+        row = {"step": step, "set": name, **({"averaged": averaged} if averaged else {}), **row}
         self.metrics.write(row)
         return row
 
@@ -195,6 +210,22 @@ class RunEvaluations:
         evaluation = self.evaluation
         return choose_final_step(
             self.rows,
+            primary_set=evaluation.primary,
+            guard=evaluation.guard,
+            max_regression=evaluation.max_regression,
+            guard_start=self.start_step,
+            nonspeech_sets=evaluation.nonspeech_sets,
+            max_nonspeech_rise=evaluation.max_nonspeech_rise,
+        )
+
+    def choice_with_average(self, chosen: FinalChoice, steps: tuple[int, ...]) -> FinalChoice:
+        """`chosen`, or the average of `steps` where it wins by the same rule (`final`)."""
+        evaluation = self.evaluation
+        return choose_with_average(
+            self.rows,
+            self.averaged_rows,
+            steps,
+            chosen,
             primary_set=evaluation.primary,
             guard=evaluation.guard,
             max_regression=evaluation.max_regression,

@@ -173,6 +173,7 @@ def _final_rows(result: TrainResult | None) -> dict[str, dict]:
         row.get("set", result.primary_set): row
         for row in result.evaluations
         if row["step"] == result.final_step and math.isfinite(row.get("wer", math.nan))
+        if row.get("averaged") == result.final_averaged  # the average's rows, or the step's
     }
 
 
@@ -247,7 +248,9 @@ def _results_section(
     )
     return [
         "## Results",
-        f"final/ holds step {step} of {result.steps}: {result.final_reason}.",
+        f"final/ holds step {step} of {result.steps}: {result.final_reason}."
+        if not result.final_averaged
+        else f"final/ holds {result.final_reason}.",
         "\n".join(table),
         f"{before}step {step} (this model). WER: word error rate after text normalisation; "
         "loops: repeated word 3-grams among all 3-grams of the transcripts; insertions: "
@@ -324,8 +327,9 @@ def _training_section(
     m, d, mem, training = record.model, record.data, record.memory, record.training
     mode = f"`{m.mode}`"
     if m.lora_r is not None:
+        variant = {"dora": "DoRA, ", "rslora": "rsLoRA, "}.get(m.lora_variant or "", "")
         mode += (
-            f" (r {m.lora_r}, alpha {m.lora_alpha}, dropout {m.lora_dropout:g}, on "
+            f" ({variant}r {m.lora_r}, alpha {m.lora_alpha}, dropout {m.lora_dropout:g}, on "
             f"{', '.join(m.lora_targets)}; merged into full weights here)"
         )
     rate = f"- learning rate: {training.learning_rate:g}"

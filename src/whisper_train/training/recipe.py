@@ -42,6 +42,7 @@ from whisper_train.memory.wrappers import ddp_settings, unwrapped
 from whisper_train.models import is_multilingual
 from whisper_train.runlog import TrainResult, say, step_line
 from whisper_train.training import checkpoints, resume, retention
+from whisper_train.training.averaging import average_at_end
 from whisper_train.training.checkpoints import save as checkpoint_save
 from whisper_train.training.checkpoints.load import load_weights, saved_record
 from whisper_train.training.final import FinalChoice
@@ -457,6 +458,15 @@ class FineTuneRecipe:
         best_folder = self.output_dir / f"{checkpoints.PREFIX}{choice.step}"
         if choice.step not in (None, state.step) and not best_folder.is_dir():
             choice = FinalChoice(state.step, f"the last step ({best_folder} is missing)")
+        choice = average_at_end(
+            record=record,
+            output_dir=self.output_dir,
+            last_step=state.step,
+            chosen=choice,
+            model=self.model,
+            judge=self.judge,
+            accelerator=accelerator,
+        )
         self.data.report_skips(f"step {state.step}", state)
         say_what_was_skipped(accelerator, state)
         say(accelerator, trained_line(self.first_step, state.step, self.train_seconds))
@@ -469,16 +479,17 @@ class FineTuneRecipe:
             getattr(self.data, "stream_samples", None) or len(self.datasets.train),
             sum(len(examples) for examples in self.datasets.eval.values()),
             state.skipped_clips,
-            self.judge.rows,
+            [*self.judge.rows, *self.judge.averaged_rows],
             state.skipped_steps,
             final_step=choice.step if choice.step is not None else state.step,
             final_reason=choice.reason,
+            final_averaged=list(choice.averaged) if choice.averaged else None,
             primary_set=record.evaluation.primary,
             guard_start=self.judge.guard_start,
             record=record.to_dict(),
         )
         accelerator.wait_for_everyone()
-        if choice.step not in (None, state.step):  # an earlier step was better
+        if choice.step not in (None, state.step) and choice.averaged is None:  # an earlier step
             load_weights(best_folder, accelerator=accelerator, model=self.model)
         refuse_nonfinite_final(self.model, accelerator, result.final_step, record, self.output_dir)
         say(accelerator, f"final/: step {result.final_step}: {choice.reason}")

@@ -145,18 +145,26 @@ def read_stream_position(folder: Path, rank: int) -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def load_weights(folder: Path, *, accelerator, model) -> None:
+def load_weights(folder: Path, *, accelerator, model, weights: dict | None = None) -> None:
     """Only the trained weights of checkpoint `folder` into `model` (the best step's, at the end
-    of a run); optimiser, scheduler and random state are left as they are."""
+    of a run), or `weights` in their place (`training.averaging`'s average, of checkpoints of
+    which `folder` is one); optimiser, scheduler and random state are left as they are."""
     if sharded(model):
         _load_shards(folder, model, None)
     else:
-        _load_weights(folder, accelerator.unwrap_model(model, keep_torch_compile=False))
+        _load_weights(folder, accelerator.unwrap_model(model, keep_torch_compile=False), weights)
 
 
-def _load_weights(folder: Path, model: torch.nn.Module) -> None:
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Checkpoint `folder`'s trainable weights by parameter name (a checkpoint saved without
+    --fsdp: sharded/ is read only into a sharded model)."""
     with _loading(folder / WEIGHTS_FILE):
-        saved = load_file(folder / WEIGHTS_FILE)
+        return load_file(folder / WEIGHTS_FILE)
+
+
+def _load_weights(folder: Path, model: torch.nn.Module, saved: dict | None = None) -> None:
+    if saved is None:
+        saved = read_weights(folder)
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if set(saved) != set(trainable):
         raise UserError(

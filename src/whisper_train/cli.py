@@ -142,6 +142,8 @@ def _quiet_libraries(verbose: bool) -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")
     for name in ("transformers", "accelerate", "peft", "huggingface_hub", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    # "Processing audio with duration ..." for every recording `transcribe` hands it.
+    logging.getLogger("faster_whisper").setLevel(logging.WARNING)
     try:
         from transformers.utils import logging as hf_logging
 

@@ -55,6 +55,13 @@ class Parser(argparse.ArgumentParser):
             self.error(f"unrecognized option {unknown[0]}{hint}")
         return namespace, extras
 
+    def _check_value(self, action, value):
+        """A word outside the choices, said as the configuration says it (`--mode partial`
+        in train): what the flag takes, not argparse's "invalid choice"."""
+        if action.choices is not None and value not in action.choices:
+            choices = ", ".join(map(str, action.choices))
+            raise argparse.ArgumentError(action, f"expected one of {choices}, not {value!r}")
+
     def error(self, message: str):
         """One line, not argparse's usage block first (train's alone is 50 lines): the error,
         and where the options are listed."""

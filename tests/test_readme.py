@@ -9,6 +9,7 @@ snippet that passes a file name or an array at the wrong rate or in the wrong la
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -115,3 +116,35 @@ def test_every_file_the_readme_names_exists():
     assert len(named) >= 10
     missing = sorted(path for path in named if not (REPO / path).exists())
     assert not missing, missing
+
+
+# -- what `make setup` leaves out is said in one line, and nothing fails for it -----------------
+
+
+def test_a_run_without_tensorboard_says_so_once_and_logs_metrics(tmp_path, capsys, monkeypatch):
+    from whisper_train.runlog import MetricsLog
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # not installed
+    log = MetricsLog(tmp_path, enabled=True)
+    log.write({"step": 1, "loss": 1.0})
+    log.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "TensorBoard is not installed" in err[0] and "[tensorboard]" in err[0]
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
+    assert not (tmp_path / "tensorboard").exists()
+
+
+def test_without_matplotlib_each_picture_not_drawn_is_one_line(tmp_path, capsys, monkeypatch):
+    from whisper_train import plots
+    from whisper_train.checkdata import DataReport, write_histogram_png
+    from whisper_train.evaluation.report import write_curves_png
+
+    monkeypatch.setattr(plots, "plt", None)  # not installed
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    assert write_curves_png(tmp_path / "metrics.jsonl", tmp_path / "curves.png") is None
+    report = DataReport(path=str(tmp_path), durations=[1.0, 2.0])
+    assert write_histogram_png(report, tmp_path / "histogram.png") is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line.split(":")[0] for line in err] == ["matplotlib is not installed"] * 2
+    assert "curves.png" in err[0] and "histogram.png" in err[1] and "[plots]" in err[0]
+    assert not list(tmp_path.glob("*.png"))

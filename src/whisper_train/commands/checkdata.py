@@ -46,8 +46,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))
     else:
         print(format_report(report))
-    if args.png:
-        print(f"histogram written to {write_histogram_png(report, args.png)}")
+    if args.png and (written := write_histogram_png(report, args.png)) is not None:
+        print(f"histogram written to {written}")
     if report.problems and args.strict:
         return 1
     return 0

@@ -19,6 +19,7 @@ from dataclasses import MISSING, Field, fields
 from typing import Any, Union, get_args, get_origin
 
 from whisper_train.config import GROUPS, RunConfig, field_owners
+from whisper_train.config.options import TRACKERS
 from whisper_train.config.values import whole_number
 
 # What goes where a flag's value goes, when the flag's last word does not say it: a whole
@@ -33,7 +34,7 @@ PLACEHOLDERS = {
     "encoder_cache_dir": "DIR",
     "guard": "SET",
     "metric_for_best": "SET",
-    "report_to": "{tensorboard,mlflow,wandb,none}[,...]",
+    "report_to": "{" + ",".join(TRACKERS) + "}[,...]",
     "gradient_checkpointing": "{off,on,full,encoder,every-N,auto}",
     "resume": "CHECKPOINT",
     "max_memory": "SIZE",
@@ -56,9 +57,9 @@ PLACEHOLDERS = {
 }
 
 
-def placeholder(name: str, annotation: Any = None, choices=None) -> str | None:
-    """The placeholder of a value option: PLACEHOLDERS', a choice's choices (None: argparse
-    shows `choices` itself), N for a whole number, else the flag's last word (`--png FILE`)."""
+def placeholder(name: str, annotation: Any = None, choices=None) -> str:
+    """The placeholder of a value option: PLACEHOLDERS', a choice's choices, N for a whole
+    number, else the flag's last word (`--png FILE`)."""
     if name in PLACEHOLDERS:
         return PLACEHOLDERS[name]
     if choices is not None:

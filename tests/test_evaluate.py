@@ -209,7 +209,7 @@ def test_evaluate_command_with_baseline_writes_comparison(tiny_whisper_dir, tmp_
             str(report_json),
             "--baseline",
             str(tiny_whisper_dir),
-            "--max-length",
+            "--generation-max-length",
             "40",
         ]
     )
@@ -259,7 +259,7 @@ def _evaluate_argv(model, data, *extra) -> list[str]:
         str(data),
         "--eval-subset",
         "2",
-        "--max-length",
+        "--generation-max-length",
         "4",
         *extra,
     ]

@@ -169,7 +169,7 @@ def test_no_function_is_longer_than_a_readable_page():
 # transcription package decodes for evaluation, configuration and the format registry, and its
 # `transcribe` entry loads any model, so the two sit apart.
 LAYERS = (
-    ("errors", "choices", "units", "files", "audio", "runfolder", "trackers", "runlog"),
+    ("errors", "choices", "units", "files", "audio", "runfolder", "trackers", "runlog", "plots"),
     ("data",),
     ("transcription",),
     ("memory",),

@@ -227,7 +227,7 @@ def test_evaluate_scores_a_nonspeech_set_and_silence_lowers_it(
 ):
     folder = _nonspeech_folder(tmp_path)
     report = tmp_path / "report.json"
-    quick = ["--temperatures", "0", "--max-length", "8"]
+    quick = ["--temperatures", "0", "--generation-max-length", "8"]
     args = _evaluate_argv(
         tiny_whisper_dir, f"noise:nonspeech={folder}", *quick, "--output", str(report)
     )

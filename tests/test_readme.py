@@ -9,6 +9,7 @@ snippet that passes a file name or an array at the wrong rate or in the wrong la
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -74,3 +75,76 @@ def test_readme_pipeline_snippet_transcribes_a_44k_stereo_wav(
     # What the snippet handed over is mono 16 kHz audio of the file's length.
     audio = namespace["audio"]
     assert audio.ndim == 1 and abs(audio.size - 16_000 * seconds) <= 16
+
+
+# -- the README's other commands: make targets, extras, files ----------------------------------
+
+REPO = README.parent
+
+
+def test_every_make_command_the_readme_prints_is_a_target():
+    """`make demo`, `make test`, ...: each a target of the Makefile (what a dry run would find)."""
+    printed = set(re.findall(r"^make ([\w-]+)", README.read_text(encoding="utf-8"), re.M))
+    makefile = (REPO / "Makefile").read_text(encoding="utf-8")
+    targets = set(re.findall(r"^([\w-]+):", makefile, re.M))
+    assert {"demo", "test"} <= printed and printed <= targets, printed - targets
+
+
+def _extras() -> set[str]:
+    text = (REPO / "pyproject.toml").read_text(encoding="utf-8")
+    section = text.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    return set(re.findall(r"^([\w-]+) = \[", section, re.M))
+
+
+def test_every_extra_a_user_is_told_to_install_exists():
+    """`pip install 'whisper-train[lhotse]'` in the README, `pip install -e '.[plots]'` in a
+    run's one line: each names an extra of pyproject.toml."""
+    texts = [README, *(REPO / "docs").glob("*.md"), *(REPO / "src").rglob("*.py")]
+    named = set()
+    for path in texts:
+        named |= set(re.findall(r"(?:whisper-train|\.)\[([\w,-]+)\]", path.read_text("utf-8")))
+    named = {extra for group in named for extra in group.split(",")}
+    assert {"lhotse", "tensorboard", "plots"} <= named  # the reader finds them
+    assert named <= _extras(), named - _extras()
+
+
+def test_every_file_the_readme_names_exists():
+    """docs/*.md links, bench/ scripts, configs, examples: a renamed file fails here."""
+    text = README.read_text(encoding="utf-8")
+    named = set(re.findall(r"\]\(([\w./-]+)\)", text))  # markdown links
+    named |= set(re.findall(r"`((?:docs|bench|configs|examples|tests|\.ci)/[\w./-]+)`", text))
+    assert len(named) >= 10
+    missing = sorted(path for path in named if not (REPO / path).exists())
+    assert not missing, missing
+
+
+# -- what `make setup` leaves out is said in one line, and nothing fails for it -----------------
+
+
+def test_a_run_without_tensorboard_says_so_once_and_logs_metrics(tmp_path, capsys, monkeypatch):
+    from whisper_train.runlog import MetricsLog
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # not installed
+    log = MetricsLog(tmp_path, enabled=True)
+    log.write({"step": 1, "loss": 1.0})
+    log.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "TensorBoard is not installed" in err[0] and "[tensorboard]" in err[0]
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
+    assert not (tmp_path / "tensorboard").exists()
+
+
+def test_without_matplotlib_each_picture_not_drawn_is_one_line(tmp_path, capsys, monkeypatch):
+    from whisper_train import plots
+    from whisper_train.checkdata import DataReport, write_histogram_png
+    from whisper_train.evaluation.report import write_curves_png
+
+    monkeypatch.setattr(plots, "plt", None)  # not installed
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    assert write_curves_png(tmp_path / "metrics.jsonl", tmp_path / "curves.png") is None
+    report = DataReport(path=str(tmp_path), durations=[1.0, 2.0])
+    assert write_histogram_png(report, tmp_path / "histogram.png") is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line.split(":")[0] for line in err] == ["matplotlib is not installed"] * 2
+    assert "curves.png" in err[0] and "histogram.png" in err[1] and "[plots]" in err[0]
+    assert not list(tmp_path.glob("*.png"))

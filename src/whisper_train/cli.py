@@ -55,6 +55,13 @@ class Parser(argparse.ArgumentParser):
             self.error(f"unrecognized option {unknown[0]}{hint}")
         return namespace, extras
 
+    def _check_value(self, action, value):
+        """A word outside the choices, said as the configuration says it (`--mode partial`
+        in train): what the flag takes, not argparse's "invalid choice"."""
+        if action.choices is not None and value not in action.choices:
+            choices = ", ".join(map(str, action.choices))
+            raise argparse.ArgumentError(action, f"expected one of {choices}, not {value!r}")
+
     def error(self, message: str):
         """One line, not argparse's usage block first (train's alone is 50 lines): the error,
         and where the options are listed."""
@@ -142,6 +149,8 @@ def _quiet_libraries(verbose: bool) -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")
     for name in ("transformers", "accelerate", "peft", "huggingface_hub", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    # "Processing audio with duration ..." for every recording `transcribe` hands it.
+    logging.getLogger("faster_whisper").setLevel(logging.WARNING)
     try:
         from transformers.utils import logging as hf_logging
 

@@ -59,18 +59,12 @@ def load_model(
     spec: str, *, attn_implementation: str = "sdpa"
 ) -> tuple[WhisperForConditionalGeneration, WhisperProcessor]:
     """`--model` → (model in float32, processor). Raises UserError for anything unusable."""
-    resolved = resolve_alias(spec)
+    resolved = require_model(spec)
     path = _expand(resolved)
     if path.exists():
         model, processor = _load_local(path, spec, attn_implementation)
-    elif could_be_hub_id(resolved):
-        model, processor = _load_hub(resolved, spec, attn_implementation)
     else:
-        raise UserError(
-            f"--model {spec}: no such folder{_looked_in(path)}; pass a Hugging Face or "
-            "CTranslate2 model folder, a whisper-train output folder, a hub id such as "
-            "openai/whisper-small, or tiny.en / base"
-        )
+        model, processor = _load_hub(resolved, spec, attn_implementation)
     if any(p.dtype != torch.float32 for p in model.parameters()):
         model = model.float()
     refuse_nonfinite_weights(model, spec)
@@ -128,6 +122,20 @@ def _load_local(path: Path, spec: str, attn_implementation: str):
         f"--model {spec}: holds neither a Hugging Face model (config.json + weights) nor a "
         "CTranslate2 model (model.bin + config.json); point at the model folder itself"
     )
+
+
+def require_model(spec: str) -> str:
+    """`spec` resolved (`resolve_alias`) if it is a folder here or could be a hub id; else the
+    one-line error, before anything is loaded or said about the run."""
+    resolved = resolve_alias(spec)
+    path = _expand(resolved)
+    if not path.exists() and not could_be_hub_id(resolved):
+        raise UserError(
+            f"--model {spec}: no such folder{_looked_in(path)}; pass a Hugging Face or "
+            "CTranslate2 model folder, a whisper-train output folder, a hub id such as "
+            "openai/whisper-small, or tiny.en / base"
+        )
+    return resolved
 
 
 def could_be_hub_id(spec: str) -> bool:

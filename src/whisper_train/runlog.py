@@ -39,6 +39,13 @@ def progress_bars_wanted() -> bool:
         return False
 
 
+# `make setup` leaves TensorBoard out (the `tensorboard` extra: ~60 MB of a demo's venv).
+TENSORBOARD_MISSING = (
+    "--report-to tensorboard: TensorBoard is not installed, so no OUTPUT/tensorboard/ logs "
+    "(metrics.jsonl holds every figure); pip install -e '.[tensorboard]' turns them on"
+)
+
+
 def say(accelerator, message: str) -> None:
     """One line from the main process, printed above any progress bar."""
     if accelerator.is_main_process:
@@ -149,8 +156,9 @@ class MetricsLog:
             # the way) is met here, before step 1, not as a traceback or as a stop after step 1
             # that advises freeing space.
             self.writer.flush()
-        except ImportError:  # tensorboard is a dependency, but never fail a run over logging
+        except ImportError:  # the `tensorboard` extra: never fail a run over logging
             self.writer = None
+            print(TENSORBOARD_MISSING, file=sys.stderr, flush=True)
         except OSError as exc:
             self.writer = None
             self.close()  # the other trackers' runs, started above, end

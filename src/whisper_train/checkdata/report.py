@@ -11,17 +11,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import matplotlib
 import numpy as np
-
-matplotlib.use("Agg")  # no display on servers; must precede pyplot's import
-import matplotlib.pyplot as plt  # noqa: E402
-
-# The axis-tick rule (round steps, a bounded count) gives the histogram's bins.
-from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from whisper_train.audio import CHUNK_LENGTH
 from whisper_train.data.labels import MAX_DECODER_TOKENS
+from whisper_train.plots import missing as plots_missing
+from whisper_train.plots import plt
 
 # Histogram bins: round widths (1, 2, 2.5 or 5 times a power of ten) spanning the data, at most
 # HISTOGRAM_MAX_BINS of them; bins are sized as if the data spanned at least
@@ -131,12 +126,26 @@ class DataReport:
         return result
 
 
+def _round_ticks(low: float, high: float, bins: int) -> np.ndarray:
+    """Multiples of the narrowest round step (1, 2, 2.5 or 5 times a power of ten) whose
+    ticks from at or below `low` to at or above `high` make at most `bins` bins: an axis's
+    tick rule, without matplotlib (the `plots` extra)."""
+    exponent = math.floor(math.log10((high - low) / bins))
+    for power in range(exponent, exponent + 3):
+        for mantissa in (1, 2, 2.5, 5):
+            step = mantissa * 10.0**power
+            first, last = math.floor(low / step), math.ceil(high / step)
+            if last - first <= bins:
+                return np.arange(first, last + 1) * step
+    raise AssertionError("a step of 100 times the span fits in one bin")
+
+
 def histogram_edges(shortest: float, longest: float) -> np.ndarray:
     """Bin edges of a round width from at or below `shortest` to at or above `longest`."""
     high = max(longest, shortest + HISTOGRAM_MIN_SPAN_SECONDS)
-    locator = MaxNLocator(nbins=HISTOGRAM_MAX_BINS, steps=[1, 2, 2.5, 5, 10])
-    ticks = locator.tick_values(shortest, high)
-    ticks = np.round(ticks, 9)  # 0.30000000000000004 → 0.3, so a clip of 0.3 s starts a bin
+    ticks = np.round(
+        _round_ticks(shortest, high, HISTOGRAM_MAX_BINS), 9
+    )  # 0.30000000000000004 → 0.3, so a clip of 0.3 s starts a bin
     # The locator may add ticks beyond the data (and the minimum span adds more): keep one edge
     # at or outside each end; numpy's last bin includes its right edge.
     first = max(i for i, tick in enumerate(ticks) if tick <= shortest)
@@ -213,9 +222,12 @@ def _counts(counts: dict[Any, int], unit: str) -> str:
     return ", ".join(f"{key}{unit}: {count}" for key, count in ordered)
 
 
-def write_histogram_png(report: DataReport, path: str | Path) -> Path:
-    """Save the duration histogram as a PNG (matplotlib, no display needed)."""
+def write_histogram_png(report: DataReport, path: str | Path) -> Path | None:
+    """Save the duration histogram as a PNG (matplotlib, no display needed); None without
+    matplotlib (one line says so)."""
     histogram = report.histogram()
+    if plots_missing(path):
+        return None
     figure, axes = plt.subplots(figsize=(7, 3.5))
     axes.bar(
         [start for start, _, _ in histogram],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from whisper_train.commands.flags import add_field
 from whisper_train.errors import UserError
 from whisper_train.runfolder import encoder_cache_dir
 from whisper_train.units import format_bytes
@@ -27,10 +28,10 @@ def add_parser(subparsers) -> None:
     ls = actions.add_parser(
         "ls", help="The cache folder, its entries (model keys) and their sizes."
     )
-    ls.add_argument("--encoder-cache-dir", default=None, metavar="DIR", help=DIR_HELP)
+    add_field(ls, "encoder_cache_dir", help=DIR_HELP)
     ls.set_defaults(handler=run_ls)
     clear = actions.add_parser("clear", help="Remove one entry (--model-key) or all (--all).")
-    clear.add_argument("--encoder-cache-dir", default=None, metavar="DIR", help=DIR_HELP)
+    add_field(clear, "encoder_cache_dir", help=DIR_HELP)
     which = clear.add_mutually_exclusive_group()
     which.add_argument(
         "--model-key",

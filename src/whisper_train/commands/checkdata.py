@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from whisper_train.commands.flags import add_field, add_shared
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -17,19 +19,18 @@ def add_parser(subparsers) -> None:
         description="`whisper-train check-data`: look at a dataset before spending GPU hours on "
         "it.",
     )
-    parser.add_argument("data", help="The data, in any layout `train --data` accepts.")
     parser.add_argument(
-        "--data-format", default=None, help="Force a layout instead of detecting it."
+        "data", metavar="PATH", help="The data, in any layout `train --data` accepts."
     )
-    parser.add_argument(
-        "--model",
+    add_field(parser, "data_format", help="Force a layout instead of detecting it.")
+    add_field(
+        parser,
+        "model",
         default=None,
         help="Count label tokens with this model's tokenizer (folder, hub id or tiny.en).",
     )
-    parser.add_argument(
-        "--strict", action="store_true", help="Exit with code 1 when any problem is found."
-    )
-    parser.add_argument("--json", action="store_true", help="Print the report as JSON.")
+    add_field(parser, "strict", help="Exit with code 1 when any problem is found.")
+    add_shared(parser, "json")
     parser.add_argument("--png", default=None, metavar="FILE", help="Save the histogram here.")
     parser.set_defaults(handler=run)
 
@@ -45,8 +46,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))
     else:
         print(format_report(report))
-    if args.png:
-        print(f"histogram written to {write_histogram_png(report, args.png)}")
+    if args.png and (written := write_histogram_png(report, args.png)) is not None:
+        print(f"histogram written to {written}")
     if report.problems and args.strict:
         return 1
     return 0

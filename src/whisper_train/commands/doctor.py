@@ -5,11 +5,37 @@ from __future__ import annotations
 import argparse
 import json
 
-from whisper_train.commands.flags import add_config_arguments, config_from_args
+from whisper_train.commands.flags import add_config_arguments, add_shared, config_from_args
+from whisper_train.config.values import whole_number
+
+# The train options doctor reads (`doctor.check_config`: the model it loads and how, the probe
+# batch, the checkpointing and the compile and packing decisions): no evaluation or data-order
+# option, which it never uses, is offered.
+DOCTOR_OPTIONS = frozenset(
+    {
+        "data",
+        "data_format",
+        "language",
+        "task",
+        "packing",
+        "streaming",
+        "model",
+        "mode",
+        "lora_r",
+        "lora_alpha",
+        "lora_dropout",
+        "lora_targets",
+        "attn_implementation",
+        "gradient_checkpointing",
+        "offload_activations",
+        "cache_encoder",
+        "compile",
+    }
+)
 
 
 def add_parser(subparsers) -> None:
-    """The same model, data, mode and memory flags as `train`."""
+    """The model, data, mode and memory flags of `train` that the checks read."""
     parser = subparsers.add_parser(
         "doctor",
         help="Check that gradient checkpointing is sound for a configuration (seconds).",
@@ -17,14 +43,15 @@ def add_parser(subparsers) -> None:
         "without checkpointing) for the model, mode and memory flags you would train with. "
         "--data is optional: without it a synthetic batch of the right shape is used.",
     )
-    add_config_arguments(parser, groups=("data", "model", "memory"))
+    add_config_arguments(parser, groups=("data", "model", "memory"), only=DOCTOR_OPTIONS)
     parser.add_argument(
         "--probe-batch-size",
-        type=int,
+        type=whole_number(1),
+        metavar="N",
         default=2,
         help="Utterances in the probe batch [default: 2].",
     )
-    parser.add_argument("--json", action="store_true", help="Print the report as JSON.")
+    add_shared(parser, "json")
     parser.set_defaults(handler=run)
 
 

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from whisper_train.commands.flags import PLACEHOLDERS, add_field, add_shared
 from whisper_train.config import long_form_sets, named_sets, nonspeech_sets
 from whisper_train.evaluation.scoring import NORMALIZERS
 from whisper_train.transcription import decoding
@@ -22,13 +23,18 @@ def add_parser(subparsers) -> None:
         help="Transcribe held-out data and report WER/CER (optionally against a baseline model).",
         description="Generate transcripts for --data with --model and score them.",
     )
-    parser.add_argument(
-        "--model", required=True, help="Model folder, hub id, run folder or tiny.en."
+    add_field(
+        parser,
+        "model",
+        required=True,
+        default=None,
+        help="Model folder, hub id, run folder or tiny.en.",
     )
     parser.add_argument(
         "--data",
         required=True,
         action="append",
+        metavar=PLACEHOLDERS["eval_data"],
         help="Data in any layout `check-data` accepts; NAME=PATH, repeated, scores several sets "
         "(each set's reports then go to OUTPUT/NAME/); NAME:LANG=PATH states a set's language "
         "(e.g. general:en=general-english/). NAME:long=PATH is long recordings (audio + "
@@ -40,18 +46,19 @@ def add_parser(subparsers) -> None:
         "and chords), scored by the words the model invents per minute of audio and the share "
         "of clips given any text.",
     )
-    parser.add_argument("--data-format", default=None, help="Force a data layout.")
+    add_field(parser, "data_format", help="Force a data layout.")
     parser.add_argument(
         "--output",
         default=None,
+        metavar="PATH",
         help="Write the JSON report to this file (a folder gets report.json); --baseline adds "
         "report.baseline.json, report.md and report.png beside it. Default: none without "
         "--baseline; with it, RUN/evaluation/report.json when --model is a whisper-train run "
         "folder (RUN or RUN/final), else ./report.json.",
     )
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
+    add_field(
+        parser,
+        "overwrite",
         help="Replace report files that already exist at --output (off by default: refused).",
     )
     parser.add_argument(
@@ -64,33 +71,26 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--baseline",
         default=None,
+        metavar="MODEL",
         help="Also evaluate this model; writes report.md and report.png beside the JSON.",
     )
-    parser.add_argument(
-        "--batch-size", type=int, default=8, help="Clips per generate call [default: 8]."
-    )
-    parser.add_argument(
-        "--eval-subset", type=int, default=None, help="Use only the first N clips (default: all)."
-    )
-    parser.add_argument(
-        "--language",
-        default=None,
+    add_field(parser, "batch_size", default=8, help="Clips per generate call.")
+    add_field(parser, "eval_subset", help="Use only the first N clips (default: all).")
+    add_field(
+        parser,
+        "language",
         help="Language of the speech, e.g. en or de, for rows without a `language` column and "
         "sets without NAME:LANG (default: the model's configured language; with none, each "
         "clip's language is detected, as openai-whisper does). Multilingual models also "
         "report the language they detect in each clip, and language-ID accuracy where the "
         "language is stated.",
     )
-    parser.add_argument(
-        "--beam-size", type=int, default=1, help="1 is greedy decoding [default: 1]."
-    )
-    parser.add_argument(
-        "--max-length", type=int, default=225, help="Longest transcript in tokens [default: 225]."
-    )
+    add_shared(parser, "beam_size")
+    add_field(parser, "generation_max_length", help="Longest transcript in tokens.")
     add_decoding_arguments(parser)
-    parser.add_argument(
-        "--condition-on-previous-text",
-        action="store_true",
+    add_field(
+        parser,
+        "condition_on_previous_text",
         help="Long-form decoding (clips over 30 s, NAME:long sets) gives each window the "
         "previous windows' text as its prompt, as openai-whisper's and faster-whisper's "
         "transcribe do by default (off: each window alone, as `whisper-train transcribe` "
@@ -101,29 +101,11 @@ def add_parser(subparsers) -> None:
 
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     """--temperatures, --compression-ratio-threshold, --logprob-threshold,
-    --no-speech-threshold (evaluate, transcribe)."""
-    temperatures = ",".join("0" if t == 0 else str(t) for t in decoding.DEFAULT_TEMPERATURES)
-    parser.add_argument(
-        "--temperatures",
-        default=temperatures,
-        help=f"{decoding.TEMPERATURES_HELP} [default: {temperatures}].",
-    )
-    parser.add_argument(
-        "--compression-ratio-threshold",
-        default=str(decoding.DEFAULT_COMPRESSION_RATIO_THRESHOLD),
-        help=f"{decoding.COMPRESSION_RATIO_HELP} "
-        f"[default: {decoding.DEFAULT_COMPRESSION_RATIO_THRESHOLD}].",
-    )
-    parser.add_argument(
-        "--logprob-threshold",
-        default=str(decoding.DEFAULT_LOGPROB_THRESHOLD),
-        help=f"{decoding.LOGPROB_HELP} [default: {decoding.DEFAULT_LOGPROB_THRESHOLD}].",
-    )
-    parser.add_argument(
-        "--no-speech-threshold",
-        default=str(decoding.DEFAULT_NO_SPEECH_THRESHOLD),
-        help=f"{decoding.NO_SPEECH_HELP} [default: {decoding.DEFAULT_NO_SPEECH_THRESHOLD}].",
-    )
+    --no-speech-threshold (evaluate, transcribe): train's flags, in decoding's words."""
+    add_field(parser, "temperatures", help=decoding.TEMPERATURES_HELP + ".")
+    add_field(parser, "compression_ratio_threshold", help=decoding.COMPRESSION_RATIO_HELP + ".")
+    add_field(parser, "logprob_threshold", help=decoding.LOGPROB_HELP + ".")
+    add_field(parser, "no_speech_threshold", help=decoding.NO_SPEECH_HELP + ".")
 
 
 def decoding_from_args(args: argparse.Namespace):
@@ -185,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
             eval_subset=args.eval_subset,
             language=set_language or args.language,
             beam_size=args.beam_size,
-            max_length=args.max_length,
+            max_length=args.generation_max_length,
             on_report=show,
             decoding=decoding_options,
             long_form=name in long_form,
@@ -213,7 +195,7 @@ def _evaluate_nonspeech(args, data, language, output, several, decoding_options)
         eval_subset=args.eval_subset,
         language=language or args.language,
         beam_size=args.beam_size,
-        max_length=args.max_length,
+        max_length=args.generation_max_length,
         decoding=decoding_options,
         on_report=show,
     )

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from whisper_train.commands.flags import add_field, add_switch
+from whisper_train.config.values import whole_number
 from whisper_train.deploy.parity import CHECK_CLIPS, ExportParityError
 from whisper_train.formats.registry import DEFAULT_FORMAT, DEVICES, EXPORT_QUANTIZATIONS, FORMATS
 from whisper_train.transcription.word_timestamps import ALIGNMENT_CLIPS
@@ -18,7 +20,13 @@ def add_parser(subparsers) -> None:
         description="Export a model or a whisper-train run folder; ends with a check that the "
         "export, run by its own runtime, transcribes as the source does.",
     )
-    parser.add_argument("--model", required=True, help="Run folder (OUTPUT), model folder or spec.")
+    add_field(
+        parser,
+        "model",
+        required=True,
+        default=None,
+        help="Run folder (OUTPUT), model folder, hub id or tiny.en.",
+    )
     parser.add_argument(
         "--format",
         choices=FORMATS,
@@ -26,10 +34,12 @@ def add_parser(subparsers) -> None:
         help="hf (transformers), ct2 (CTranslate2 / faster-whisper), ggml (whisper.cpp "
         "ggml-model.bin) or openai (openai-whisper model.pt) [default: hf].",
     )
-    parser.add_argument("--output", required=True, help="New folder for the exported model.")
     parser.add_argument(
-        "--overwrite",
-        action="store_true",
+        "--output", required=True, metavar="DIR", help="New folder for the exported model."
+    )
+    add_field(
+        parser,
+        "overwrite",
         help="If --output holds an earlier export, move it aside to OUTPUT.old-<date>-<time> "
         "(nothing is deleted) instead of refusing (off by default).",
     )
@@ -50,23 +60,27 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--check-data",
         default=None,
+        metavar="PATH",
         help="Clips with transcripts for the check (default: --check-clips synthesised English "
         "sentences); their language is forced in both decoders.",
     )
     parser.add_argument(
         "--check-clips",
-        type=int,
+        type=whole_number(1),
+        metavar="N",
         default=CHECK_CLIPS,
         help=f"Clips in the parity check [default: {CHECK_CLIPS}].",
     )
-    parser.add_argument(
-        "--no-check",
-        action="store_true",
-        help="Write the export without checking it (no runtime client needed).",
+    add_switch(
+        parser,
+        "--check",
+        default=True,
+        help="Check that the export, run by its own runtime, transcribes as its source does; "
+        "--no-check writes it unchecked (no runtime client needed).",
     )
     parser.add_argument(
         "--find-alignment-heads",
-        metavar="DATA",
+        metavar="PATH",
         default=None,
         help="Find the fine-tuned model's own alignment heads (word timestamps) on these clips "
         "and export them: the heads whose cross-attention best follows the reference model's "
@@ -94,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
             output=args.output,
             quantization=args.quantization,
             check_data=args.check_data,
-            check=not args.no_check,
+            check=args.check,
             n_check_clips=args.check_clips,
             device=args.device,
             overwrite=args.overwrite,

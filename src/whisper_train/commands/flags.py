@@ -1,22 +1,84 @@
-"""Flags generated from the configuration dataclasses of `config.py`.
+"""One CLI language: every option of every command declared once, here or in `config`.
 
-Every option of `train` (and of the commands that share its flags) is a field of a dataclass in
-`config.py`; the flags are generated from those fields, so a flag, a YAML key and the resolved
-configuration written next to a model always agree.
+Every option of `train` is a field of a dataclass in `config` (its help and the words it takes
+there); `add_config_arguments` makes the flags from those fields, so a flag, a YAML key and the
+resolved configuration written next to a model always agree. Another command that takes one of
+those settings declares it with `add_field` (the same flag, form, choices and placeholder; its
+own default), and the options several commands share that no training run has (`--beam-size`,
+`--json`) are declared once in `SHARED` and added with `add_shared`. Every yes/no option is a
+pair, `--x/--no-x`; every value option's placeholder says what goes there (`PLACEHOLDERS`), a
+choice shows its choices. tests/test_cli_help.py fails when two commands spell one setting
+differently.
 """
 
 from __future__ import annotations
 
 import argparse
 import types
-from dataclasses import MISSING, fields
-from typing import Union, get_args, get_origin
+from dataclasses import MISSING, Field, fields
+from typing import Any, Union, get_args, get_origin
 
 from whisper_train.config import GROUPS, RunConfig, field_owners
+from whisper_train.config.options import TRACKERS
+from whisper_train.config.values import whole_number
+
+# What goes where a flag's value goes, when the flag's last word does not say it: a whole
+# number is N, a choice shows its choices (`{full,lora,freeze-encoder}`).
+PLACEHOLDERS = {
+    "data": "PATH",
+    "eval_data": "[NAME[:LANG]=]PATH",
+    "data_format": "LAYOUT",
+    "language": "LANG",
+    "model": "MODEL",
+    "output_dir": "DIR",
+    "encoder_cache_dir": "DIR",
+    "guard": "SET",
+    "metric_for_best": "SET",
+    "report_to": "{" + ",".join(TRACKERS) + "}[,...]",
+    "gradient_checkpointing": "{off,on,full,encoder,every-N,auto}",
+    "resume": "CHECKPOINT",
+    "max_memory": "SIZE",
+    "encoder_cache_max_size": "SIZE",
+    "lora_targets": "MODULE[,...]",
+    "temperatures": "T[,...]",
+    "compression_ratio_threshold": "RATIO|none",
+    "logprob_threshold": "LOGPROB|none",
+    "no_speech_threshold": "P|none",
+    "learning_rate": "LR",
+    "epochs": "N",
+    "eval_split": "FRACTION",
+    "lora_dropout": "P",
+    "prompt_probability": "P",
+    "max_regression": "POINTS",
+    "preserve_base": "WEIGHT",
+    "weight_decay": "DECAY",
+    "max_grad_norm": "NORM",
+    "encoder_lr_scale": "SCALE",
+}
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, groups=tuple(GROUPS)) -> None:
-    """One flag per dataclass field (`lora_r` → `--lora-r`), grouped as in config.py.
+def placeholder(name: str, annotation: Any = None, choices=None) -> str:
+    """The placeholder of a value option: PLACEHOLDERS', a choice's choices, N for a whole
+    number, else the flag's last word (`--png FILE`)."""
+    if name in PLACEHOLDERS:
+        return PLACEHOLDERS[name]
+    if choices is not None:
+        return "{" + ",".join(choices) + "}"
+    if annotation is not None and str(annotation).startswith("int"):
+        return "N"
+    return name.split("_")[-1].upper()
+
+
+def metavar(name: str) -> str:
+    """The placeholder of an option without a declared type (cli's fallback)."""
+    return placeholder(name)
+
+
+def add_config_arguments(
+    parser: argparse.ArgumentParser, groups=tuple(GROUPS), only: frozenset[str] | None = None
+) -> None:
+    """One flag per dataclass field (`lora_r` → `--lora-r`), grouped as in config.py; with
+    `only`, just those fields (a command shows only the options it uses).
 
     Defaults are suppressed so that only flags the user typed override `--config FILE.yaml`.
     """
@@ -26,42 +88,65 @@ def add_config_arguments(parser: argparse.ArgumentParser, groups=tuple(GROUPS)) 
     for group_name in groups:
         group = parser.add_argument_group(f"{group_name} options")
         for f in fields(GROUPS[group_name]):
-            flag = "--" + f.name.replace("_", "-")
-            factory = f.default_factory
-            default = f.default if f.default is not MISSING else factory()  # type: ignore[misc]
+            if only is not None and f.name not in only:
+                continue
+            default = _default(f)
             # argparse %-formats help text: a percent sign in prose must reach it doubled
             help_text = f.metadata.get("help", "").replace("%", "%%")
             if default not in (None, False, [], ""):
                 shown = ",".join(default) if isinstance(default, list) else default
                 help_text += f" [default: {str(shown).replace('%', '%%')}]"
-            if _is_bool(f.type):
-                group.add_argument(
-                    flag,
-                    action=argparse.BooleanOptionalAction,
-                    default=argparse.SUPPRESS,
-                    help=help_text,
-                )
-            elif f.metadata.get("repeatable"):  # --eval-data A=x --eval-data B=y
-                group.add_argument(
-                    flag,
-                    metavar=metavar(f.name),
-                    action="append",
-                    default=argparse.SUPPRESS,
-                    help=help_text,
-                )
-            elif "const" in f.metadata:  # a flag that may stand alone: --resume
-                group.add_argument(
-                    flag,
-                    metavar=metavar(f.name),
-                    nargs="?",
-                    const=f.metadata["const"],
-                    default=argparse.SUPPRESS,
-                    help=help_text,
-                )
-            else:
-                group.add_argument(
-                    flag, metavar=metavar(f.name), default=argparse.SUPPRESS, help=help_text
-                )
+            # Choices are shown, not enforced here: the configuration checks them (a YAML file's
+            # values too), in one line that names the flag and what it takes.
+            flag, kwargs = _declaration(f, help_text, argparse.SUPPRESS)
+            group.add_argument(flag, **kwargs)
+
+
+def add_field(
+    parser: argparse.ArgumentParser, name: str, *, help: str | None = None, default=MISSING, **kw
+) -> argparse.Action:
+    """A `train` setting that another command takes: train's flag, form, choices and
+    placeholder; the field's default unless `default` is given; its help unless the command
+    needs other words (`help`). A choice is enforced by argparse here (no configuration checks
+    it); `kw` adds argparse arguments (`type`, `required`)."""
+    f = _config_field(name)
+    text = f.metadata.get("help", "") if help is None else help
+    flag, kwargs = _declaration(f, text, _default(f) if default is MISSING else default)
+    if "choices" in f.metadata:
+        kwargs["choices"], kwargs["metavar"] = f.metadata["choices"], None
+    if str(f.type).startswith("int"):  # every whole-number setting counts from 1
+        kwargs["type"] = whole_number(1)
+    return parser.add_argument(flag, **{**kwargs, **kw})
+
+
+# The options several commands share that no training run has: (flag, argparse arguments).
+SHARED: dict[str, tuple[str, dict[str, Any]]] = {
+    "beam_size": (
+        "--beam-size",
+        {"type": whole_number(1), "default": 1, "metavar": "N", "help": "1 is greedy decoding."},
+    ),
+    "json": (
+        "--json",
+        {
+            "action": argparse.BooleanOptionalAction,
+            "default": False,
+            "help": "Print the report as JSON.",
+        },
+    ),
+}
+
+
+def add_shared(parser: argparse.ArgumentParser, name: str, **overrides) -> argparse.Action:
+    """One of `SHARED`'s options; `overrides` (help, default) where the command needs them."""
+    flag, kwargs = SHARED[name]
+    return parser.add_argument(flag, **{**kwargs, **overrides})
+
+
+def add_switch(parser, flag: str, *, help: str, default: bool = False) -> argparse.Action:
+    """A yes/no option, in the one form every command uses: `--x` and `--no-x`."""
+    return parser.add_argument(
+        flag, action=argparse.BooleanOptionalAction, default=default, help=help
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -72,9 +157,32 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     return config.validate()
 
 
-def metavar(name: str) -> str:
-    """The placeholder of a flag: its last word (`--batch-size SIZE`)."""
-    return name.split("_")[-1].upper()
+def _declaration(f: Field, help_text: str, default: Any) -> tuple[str, dict[str, Any]]:
+    """A field's flag and its argparse arguments: a yes/no pair, a repeatable flag, a flag
+    that may stand alone (`--resume`) or a flag with a value."""
+    flag = "--" + f.name.replace("_", "-")
+    shown = placeholder(f.name, f.type, f.metadata.get("choices"))
+    if _is_bool(f.type):
+        return flag, {
+            "action": argparse.BooleanOptionalAction,
+            "default": default,
+            "help": help_text,
+        }
+    kwargs: dict[str, Any] = {"metavar": shown, "default": default, "help": help_text}
+    if f.metadata.get("repeatable"):  # --eval-data A=x --eval-data B=y
+        kwargs["action"] = "append"
+    elif "const" in f.metadata:  # a flag that may stand alone: --resume
+        kwargs.update(nargs="?", const=f.metadata["const"])
+    return flag, kwargs
+
+
+def _config_field(name: str) -> Field:
+    group = GROUPS[field_owners()[name]]
+    return next(f for f in fields(group) if f.name == name)
+
+
+def _default(f: Field) -> Any:
+    return f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
 
 
 def _is_bool(annotation) -> bool:

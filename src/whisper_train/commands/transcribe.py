@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from whisper_train.commands.evaluate import add_decoding_arguments, decoding_from_args
+from whisper_train.commands.flags import add_field, add_shared, add_switch
 from whisper_train.transcription.transcripts import TRANSCRIPT_FORMATS, render
 
 
@@ -18,10 +19,15 @@ def add_parser(subparsers) -> None:
         "30 s window by window with timestamps, and a window whose text loops is decoded again "
         "at higher temperatures (openai-whisper's fallback).",
     )
-    parser.add_argument("inputs", nargs="+", help="Audio files, folders of audio, or a manifest.")
     parser.add_argument(
-        "--model",
-        default="tiny.en",
+        "inputs",
+        nargs="+",
+        metavar="PATH",
+        help="Audio files, folders of audio, or a manifest.",
+    )
+    add_field(
+        parser,
+        "model",
         help="CTranslate2 folder (fast path), Hugging Face folder, hub id, run folder, tiny.en.",
     )
     parser.add_argument(
@@ -31,24 +37,24 @@ def add_parser(subparsers) -> None:
         help="txt: the text; srt/vtt: subtitles with timestamps; json: the text and timed "
         "segments.",
     )
-    parser.add_argument(
-        "--output-dir",
+    add_field(
+        parser,
+        "output_dir",
         default=None,
         help="Write <name>.<format> per recording here (default: print to the terminal).",
     )
-    parser.add_argument(
-        "--language", default=None, help="Language of the speech (default: detect)."
-    )
-    parser.add_argument(
-        "--task",
-        choices=("transcribe", "translate"),
+    add_field(parser, "language", help="Language of the speech (default: detect).")
+    add_field(
+        parser,
+        "task",
         default=None,
-        help="Default: the model's own (transcribe unless it was fine-tuned to translate).",
+        help="transcribe, or translate to English (default: the model's own: transcribe "
+        "unless it was fine-tuned to translate).",
     )
-    parser.add_argument("--beam-size", type=int, default=1, help="1 is greedy decoding.")
-    parser.add_argument(
+    add_shared(parser, "beam_size")
+    add_switch(
+        parser,
         "--word-timestamps",
-        action="store_true",
         help="Time each word from the model's alignment heads: json gives each segment its "
         "words, srt/vtt underline each word while it is spoken (not for whisper.cpp models).",
     )

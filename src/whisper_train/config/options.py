@@ -13,6 +13,7 @@ from whisper_train.choices import (  # noqa: F401
     MODES,
     OPTIMIZERS,
     PACKING_AUTO,
+    PACKINGS,
     TASKS,
 )
 
@@ -71,9 +72,11 @@ def default_learning_rate(mode: str, model_width: int | None = None) -> float:
     return FULL_LEARNING_RATES_BY_WIDTH[at_least[0] if at_least else widths[-1]]
 
 
-def _help(text: str, **kwargs: Any) -> Any:
-    """A dataclass field whose metadata carries its CLI help."""
-    return field(metadata={"help": text}, **kwargs)
+def _help(text: str, *, choices: tuple[str, ...] | None = None, **kwargs: Any) -> Any:
+    """A dataclass field whose metadata carries its CLI help (and the words it takes, which
+    every command's usage line shows: `--mode {full,lora,freeze-encoder}`)."""
+    metadata = {"help": text} if choices is None else {"help": text, "choices": choices}
+    return field(metadata=metadata, **kwargs)
 
 
 @dataclass
@@ -130,7 +133,7 @@ class DataConfig:
         "detects each clip's language, as the base did.",
         default=False,
     )
-    task: str = _help("transcribe or translate (to English).", default="transcribe")
+    task: str = _help("transcribe or translate (to English).", choices=TASKS, default="transcribe")
     timestamps: bool = _help(
         "Train with timestamp tokens where segment times are known.", default=False
     )
@@ -181,6 +184,7 @@ class DataConfig:
         "of at most 448 label tokens, each labelled with its clips' transcripts joined; off: "
         "one clip a window (the encoder always runs on 30 s: packed, it runs on speech, not "
         "padding). Evaluation is never packed.",
+        choices=(PACKING_AUTO, *PACKINGS),
         default="auto",
     )
     packing_timestamps: str = _help(
@@ -188,6 +192,7 @@ class DataConfig:
         "form, each clip a segment at its place in the window, with or without --timestamps; "
         "off: packed windows follow --timestamps as single clips do (the default: "
         "always-timestamped windows measured no better, BENCHMARKS.md).",
+        choices=("on", "off"),
         default="off",
     )
 
@@ -202,6 +207,7 @@ class ModelConfig:
     mode: str = _help(
         "full: train every weight; lora: low-rank adapters (peft); freeze-encoder: train the "
         "decoder only.",
+        choices=MODES,
         default="full",
     )
     lora_r: int = _help("LoRA rank.", default=32)
@@ -219,9 +225,12 @@ class ModelConfig:
         "direction with a trained magnitude per output, peft's use_dora) or rslora (scale "
         "alpha / sqrt(r)). Each is merged into full weights in final/ and the exports; "
         "BENCHMARKS.md 'DoRA and rsLoRA'.",
+        choices=LORA_VARIANTS,
         default="lora",
     )
-    attn_implementation: str = _help("sdpa or eager attention.", default="sdpa")
+    attn_implementation: str = _help(
+        "sdpa or eager attention.", choices=("sdpa", "eager"), default="sdpa"
+    )
 
 
 @dataclass
@@ -240,11 +249,13 @@ class MemoryConfig:
     precision: str = _help(
         "auto (bf16 where supported, fp16 + loss scaling on older GPUs, fp32 on CPU), fp32, "
         "bf16 or fp16.",
+        choices=PRECISIONS,
         default="auto",
     )
     optim: str = _help(
         "adamw (torch's fused kernel where the weights allow it), adamw-fused (that kernel or "
         "an error) or adamw8bit (bitsandbytes).",
+        choices=OPTIMIZERS,
         default="adamw",
     )
     cache_encoder: bool | None = _help(
@@ -311,6 +322,7 @@ class TrainConfig:
     lr_scheduler: str = _help(
         "linear or constant_with_warmup (linear by default: a constant rate cost real speech "
         "0.5-1.4 points of WER; BENCHMARKS.md 'Warm-up and schedule').",
+        choices=SCHEDULERS,
         default="linear",
     )
     warmup_steps: int = _help(

@@ -1,9 +1,12 @@
 """Reading option values: YAML with YAML 1.2's booleans, flag and YAML text made the field's
 declared type (`coerce`), named evaluation sets (NAME[:LANG][:long]=PATH), and the one-line errors that
-name a flag (`require_positive`, `one_of`, `on_off`)."""
+name a flag (`require_positive`, `one_of`, `on_off`), and the value types of the commands'
+own options (`whole_number`, `number_above`), whose errors say what the flag takes."""
 
 from __future__ import annotations
 
+import argparse
+import math
 import re
 from dataclasses import fields
 from typing import Any
@@ -165,7 +168,9 @@ def coerce(group: Any, name: str, value: Any, source: str) -> Any:
             if word in _TRUE_WORDS or word in _FALSE_WORDS:
                 return word in _TRUE_WORDS
             flag = "--" + name.replace("_", "-")
-            raise UserError(f"{source}: {flag} {value}: expected true or false (or yes/no, on/off)")
+            raise UserError(
+                f"{_where(source)}{flag} {value}: expected true or false (or yes/no, on/off)"
+            )
         if annotation.startswith("int"):
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError(value)
@@ -181,8 +186,51 @@ def coerce(group: Any, name: str, value: Any, source: str) -> Any:
         flag = "--" + name.replace("_", "-")
         kind = "a whole number" if annotation.startswith("int") else "a number"
         raise UserError(
-            f"{source}: {flag} {value!r}: expected {kind}, such as {_EXAMPLES[kind]}"
+            f"{_where(source)}{flag} {value!r}: expected {kind}, such as {_EXAMPLES[kind]}"
         ) from None
+
+
+def _where(source: str) -> str:
+    """A YAML file's name before the flag its key stands for; nothing for a typed flag."""
+    return "" if source == "flag" else f"{source}: "
+
+
+def whole_number(minimum: int):
+    """argparse's `type` for a count: `argument --train-utterances: expected a whole number
+    of at least 1, not '-5'` rather than `n_utterances must be at least 1` from deep inside."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number of at least {minimum}, such as {max(minimum, 8)}, "
+                f"not {text!r}"
+            )
+        return value
+
+    parse.__name__ = "whole number"  # argparse's fallback wording names the type by this
+    return parse
+
+
+def number_above(minimum: float, example: str):
+    """argparse's `type` for a finite number above `minimum` (`--learning-rate`, `--epochs`)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value <= minimum:
+            raise argparse.ArgumentTypeError(
+                f"expected a number above {minimum:g}, such as {example}, not {text!r}"
+            )
+        return value
+
+    parse.__name__ = "number"
+    return parse
 
 
 # What an expected value looks like, in the user's words rather than a Python type's.

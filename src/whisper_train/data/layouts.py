@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from whisper_train.audio import AUDIO_SUFFIXES
 from whisper_train.data.examples import Example
 from whisper_train.data.hf_datasets import DATASETS_EXTRA, detect_hf, read_hf_disk, read_hf_hub
 from whisper_train.data.lhotse_cuts import LHOTSE_EXTRA, detect_cuts, read_cuts
@@ -264,6 +265,13 @@ def load_examples(path: str | os.PathLike, *, data_format: str | None = None) ->
         layout = LAYOUTS[data_format]
     else:
         layout = next((lay for lay in LAYOUTS.values() if lay.detect(location)), None)
+        if layout is None and location.is_file() and location.suffix.lower() in AUDIO_SUFFIXES:
+            raise UserError(
+                f"{path}: one recording, not a data set; pass the folder of your clips with "
+                "their transcripts (metadata.csv with file_name,text beside them) or a manifest "
+                "(.csv/.jsonl with audio and text columns); `whisper-train transcribe` reads "
+                "a single recording"
+            )
         if layout is None:
             looked_for = "; ".join(f"{lay.name}: {lay.looks_for}" for lay in LAYOUTS.values())
             raise UserError(

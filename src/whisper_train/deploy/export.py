@@ -52,7 +52,7 @@ from whisper_train.formats.registry import (
     EXPORT_QUANTIZATIONS,
     export_format,
 )
-from whisper_train.models import HUB_ID, load_model, model_folder, resolve_alias
+from whisper_train.models import HUB_ID, load_model, model_folder, require_model, resolve_alias
 from whisper_train.runfolder import CONFIG_FILE, aside_path
 from whisper_train.training.model_card import CARD_FILE, export_card
 from whisper_train.transcription.word_timestamps import (
@@ -162,6 +162,7 @@ def export_model(
     `alignment_reference`'s word times (default: the run's base model) and export them.
     """
     exported = export_format(format)
+    require_model(model_spec)  # a mistyped --model is the first thing said, and the only one
     device = device or default_device()
     if device not in DEVICES:
         raise UserError(f"--device {device}: expected one of {', '.join(DEVICES)}")

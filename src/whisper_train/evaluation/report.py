@@ -1,4 +1,5 @@
-"""Pictures and a markdown page from training metrics and evaluation reports (matplotlib Agg).
+"""Pictures and a markdown page from training metrics and evaluation reports (matplotlib Agg, the
+`plots` extra: without it, no picture).
 
 `write_curves_png` draws OUTPUT/metrics.jsonl: one line per optimizer step
 `{"step", "loss", "lr", "epoch"}` and one per evaluation `{"step", "eval_loss", "wer"}`
@@ -10,12 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only: never needs a display
-import matplotlib.pyplot as plt  # noqa: E402
-
-from whisper_train.errors import UserError  # noqa: E402
+from whisper_train.errors import UserError
+from whisper_train.plots import missing as plots_missing
+from whisper_train.plots import plt
 
 
 def read_metrics(metrics_jsonl: str | Path) -> list[dict]:
@@ -39,9 +37,11 @@ def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def write_curves_png(metrics_jsonl: str | Path, path: str | Path) -> Path:
+def write_curves_png(metrics_jsonl: str | Path, path: str | Path) -> Path | None:
     """Training loss (and eval loss) by step on the left, WER (%) by step on the right."""
     rows = read_metrics(metrics_jsonl)
+    if plots_missing(path):
+        return None
     figure, (loss_axes, wer_axes) = plt.subplots(1, 2, figsize=(10, 4))
     for key, label in (("loss", "training loss"), ("eval_loss", "eval loss")):
         steps, values = _series(rows, key)
@@ -91,7 +91,7 @@ def changed_utterances(before, after) -> tuple[list[tuple], list[tuple]]:
 
 def write_comparison(
     before, after, *, markdown_path: str | Path, png_path: str | Path, top: int = 10
-) -> tuple[Path, Path]:
+) -> tuple[Path, Path | None]:
     """report.md (figures side by side; the utterances that got better and worse) and
     report.png (WER and CER before vs after) from two `EvalReport`s on the same data."""
     figures = [
@@ -139,7 +139,8 @@ def write_comparison(
     markdown_path, png_path = Path(markdown_path), Path(png_path)
     markdown_path.parent.mkdir(parents=True, exist_ok=True)
     markdown_path.write_text("\n".join(lines), encoding="utf-8")
-
+    if plots_missing(png_path):
+        return markdown_path, None
     figure, axes = plt.subplots(figsize=(6, 4))
     labels = ["WER", "CER"]
     width = 0.38

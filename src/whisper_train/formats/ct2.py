@@ -202,9 +202,16 @@ def check_ct2_folder(model_dir: str | Path) -> None:
         ) from None
 
 
+def weight_dtypes(model_dir: str | Path) -> set[torch.dtype]:
+    """The dtypes model.bin stores its weights and biases in (headers read, data skipped)."""
+    variables = _read_model_bin(Path(model_dir), keep=False)
+    return {t.dtype for name, t in variables.items() if name.endswith(("weight", "bias"))}
+
+
 def _read_model_bin(model_dir: Path, *, keep: bool) -> dict[str, torch.Tensor | None]:
-    """model.bin's variables by name, aliases resolved; None for each when not `keep`ing the
-    data (then only the headers are read, and every count checked against the file)."""
+    """model.bin's variables by name, aliases resolved; when not `keep`ing the data, an empty
+    tensor of each one's dtype (then only the headers are read, and every count checked
+    against the file)."""
     path = model_dir / CT2_MODEL_FILE
     if not is_ct2_model_dir(model_dir):
         raise UserError(
@@ -240,7 +247,7 @@ def _read_model_bin(model_dir: Path, *, keep: bool) -> dict[str, torch.Tensor | 
                 )
             if not keep:
                 reader.skip(n_bytes)
-                variables[name] = None
+                variables[name] = torch.empty(0, dtype=dtype)
                 continue
             data = reader.raw(n_bytes)
             if data:

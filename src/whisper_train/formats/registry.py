@@ -129,6 +129,13 @@ def _as_its_runtime_ships(name: str) -> Callable[[str], tuple[str, str]]:
     return default
 
 
+def _faster_whisper_backend(model_dir, **options) -> CTranslate2Backend:
+    """transcribe's faster-whisper, in the compute type chosen for this machine's device."""
+    return CTranslate2Backend(
+        model_dir, compute_type=runtimes.ct2_compute_type(model_dir), **options
+    )
+
+
 def _ctranslate2_default(device: str) -> tuple[str, str]:
     """float16 on cuda: half the size at no measurable WER cost. float32 on a CPU: CTranslate2
     has no fast float16 there and converts a float16 model to float32 (with a warning) on every
@@ -175,7 +182,7 @@ EXPORT_FORMATS = (
         arithmetic=_ctranslate2_arithmetic,
         greedy=runtimes.faster_whisper_greedy,
         scores=runtimes.faster_whisper_scores,
-        backend=CTranslate2Backend,
+        backend=_faster_whisper_backend,
         client="faster_whisper",
     ),
     ExportFormat(

@@ -37,6 +37,7 @@ from faster_whisper import WhisperModel
 
 from whisper_train.audio import N_SAMPLES, SAMPLE_RATE
 from whisper_train.errors import UserError
+from whisper_train.formats import ct2
 from whisper_train.formats.hf import load_hf, refuse_nonfinite_weights
 
 
@@ -91,10 +92,44 @@ def _threads() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
+def ct2_device() -> str:
+    return "cuda" if ctranslate2.get_cuda_device_count() > 0 else "cpu"
+
+
+def ct2_compute_type(model_dir: str | Path, device: str | None = None) -> str:
+    """The compute type to run `model_dir` in on `device` (this machine's by default): its
+    weights' stored type (int8 matrices with float16 others: int8_float16) where the device
+    computes it, else the type CTranslate2 falls back to (a CPU computes float16 in float32).
+    Chosen here, not by CTranslate2, which warns on every load of a float16 model on a CPU."""
+    stored = ct2.weight_dtypes(model_dir)
+    floats = [name for dtype, name in _FLOAT_NAMES if dtype in stored] or ["float32"]
+    chosen = f"int8_{floats[0]}" if torch.int8 in stored else floats[0]
+    if chosen not in ctranslate2.get_supported_compute_types(device or ct2_device()):
+        chosen = "int8_float32" if torch.int8 in stored else "float32"
+    return chosen
+
+
+# The float types a model.bin stores, named as CTranslate2 names compute types; the narrowest
+# that holds any weight is the model's.
+_FLOAT_NAMES = (
+    (torch.float16, "float16"),
+    (torch.bfloat16, "bfloat16"),
+    (torch.float32, "float32"),
+)
+
+
+def _faster_whisper(model_dir: Path) -> WhisperModel:
+    return WhisperModel(
+        str(model_dir),
+        device=ct2_device(),
+        compute_type=ct2_compute_type(model_dir),
+        cpu_threads=_threads(),
+    )
+
+
 def faster_whisper_greedy(model_dir: Path, clips, language: str | None) -> list[str]:
     logging.getLogger("faster_whisper").setLevel(logging.WARNING)  # a line per clip otherwise
-    device = "cuda" if ctranslate2.get_cuda_device_count() > 0 else "cpu"
-    model = WhisperModel(str(model_dir), device=device, cpu_threads=_threads())
+    model = _faster_whisper(model_dir)
     texts = []
     for audio in clips:
         segments, _ = model.transcribe(
@@ -259,8 +294,7 @@ def transformers_scores(model, processor, clips, prompt: list[int], tokens: list
 def faster_whisper_scores(model_dir: Path, clips, prompt, tokens) -> list[TokenScores]:
     """CTranslate2's `Whisper.align` scores the text tokens (and <|eot|>) after `prompt`, on
     faster-whisper's log-mel computed with the folder's preprocessor_config.json."""
-    device = "cuda" if ctranslate2.get_cuda_device_count() > 0 else "cpu"
-    model = WhisperModel(str(model_dir), device=device, cpu_threads=_threads())
+    model = _faster_whisper(model_dir)
     frames = N_SAMPLES // model.feature_extractor.hop_length
     scores = []
     for audio, text_tokens in zip(clips, tokens, strict=True):

@@ -162,6 +162,7 @@ class CTranslate2Backend:
         beam_size=1,
         decoding: DecodingOptions | None = None,
         word_timestamps: bool = False,
+        compute_type: str = "default",  # the format registry chooses it for the device
     ):
         model_dir = Path(model_dir)
         if not (model_dir / "tokenizer.json").is_file():
@@ -171,7 +172,7 @@ class CTranslate2Backend:
                 "model.bin (`whisper-train export --format ct2` writes one)"
             )
         device = "cuda" if ctranslate2.get_cuda_device_count() > 0 else "cpu"
-        self.model = WhisperModel(str(model_dir), device=device)
+        self.model = WhisperModel(str(model_dir), device=device, compute_type=compute_type)
         if not (model_dir / "preprocessor_config.json").exists():
             # Without it faster-whisper assumes 80 mel bins; large-v3 has 128.
             self.model.feature_extractor = FeatureExtractor(feature_size=self.model.model.n_mels)

@@ -159,6 +159,13 @@ def transcribe_paths(
     recordings = collect_inputs(inputs)
     if not recordings:
         raise UserError("no inputs given; pass audio files, folders or a manifest")
+    if all(entry.problem for entry in recordings):  # said before the model loads
+        first, more = recordings[0], len(recordings) - 1
+        raise UserError(
+            f"{first.path}: {first.problem}"
+            + (f" (and {more} more)" if more else "")
+            + "; pass audio files, folders of audio or a manifest"
+        )
     backend = load_backend(
         model,
         language=language,

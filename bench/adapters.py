@@ -2,7 +2,9 @@
 demo's sets (tiny.en, synthesised speech: `whisper-train demo`'s data and settings).
 
     PYTHONPATH=src .venv/bin/python bench/adapters.py --dir /tmp/adapters \
-        [--variants lora dora] [--average-seeds 0 1] [--average 3 --every 6]
+        [--variants lora dora] [--average-seeds 0 1] [--average 3 --every 6] [--fast]
+    PYTHONPATH=src .venv/bin/python bench/adapters.py --dir /tmp/adapters --step-time 5 \
+        --variants lora dora rslora
 
 Each run is the demo's (`demo.run_demo`'s options: 192 training sentences, batch 8, one epoch,
 held-out and guard sets scored before step 1 and at the end) in a process of its own, so that
@@ -123,6 +125,64 @@ def one_run(args) -> None:
     print("FIGURES " + json.dumps(figures), flush=True)
 
 
+def step_figures(data_dir: Path, variants: list[str], *, clips: int, repeats: int) -> None:
+    """Per variant, on the real tiny.en with the default LoRA settings: the seconds of one
+    optimizer step (forward, backward, AdamW) on `clips` training clips in 30-s windows (as
+    --packing off batches them; medians of `repeats`, the variants interleaved so that a shared
+    machine's load falls on each alike) and the bytes the forward keeps for backward
+    (`memory.probe`, no checkpointing: a CPU's default)."""
+    import csv
+    import statistics
+
+    import torch
+
+    from whisper_train.audio import load_audio
+    from whisper_train.memory import LoraSettings, build_optimizer, prepare_model, training_loss
+    from whisper_train.memory.probe import probe_saved_bytes
+    from whisper_train.models import load_model
+
+    with (data_dir / "train" / "metadata.csv").open(encoding="utf-8") as file:
+        rows = list(csv.DictReader(file))[:clips]
+    models, optimizers, batch = {}, {}, None
+    for variant in variants:
+        torch.manual_seed(0)
+        model, processor = load_model("tiny.en")
+        model = prepare_model(model, mode="lora", lora=LoraSettings(variant=variant)).train()
+        models[variant] = model
+        optimizers[variant] = build_optimizer(model, lr=1.5e-4)
+    audio = [load_audio(data_dir / "train" / row["file_name"]) for row in rows]
+    features = processor.feature_extractor(audio, sampling_rate=16000, return_tensors="pt")
+    ids = [processor.tokenizer(row["transcription"]).input_ids for row in rows]
+    longest = max(map(len, ids))
+    eot = processor.tokenizer.eos_token_id
+    inputs = torch.tensor([i[:-1] + [eot] * (longest - len(i)) for i in ids])
+    labels = torch.tensor([i[1:] + [-100] * (longest - len(i)) for i in ids])
+    batch = {
+        "input_features": features.input_features,
+        "decoder_input_ids": inputs,
+        "labels": labels,
+    }
+    seconds = {variant: [] for variant in variants}
+    for repeat in range(repeats + 1):  # the first of each is a warm-up
+        for variant in variants:
+            started = time.perf_counter()
+            training_loss(models[variant], batch).backward()
+            optimizers[variant].step()
+            optimizers[variant].zero_grad(set_to_none=True)
+            if repeat:
+                seconds[variant].append(time.perf_counter() - started)
+    print(f"| variant | s/step ({clips} clips) | kept for backward (MiB) | trainable parameters |")
+    print("|---|---:|---:|---:|")
+    for variant, model in models.items():
+        kept = probe_saved_bytes(model, batch["input_features"], batch["decoder_input_ids"])
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        print(
+            f"| {variant} | {statistics.median(seconds[variant]):.2f} | {kept / 2**20:.0f} | "
+            f"{trainable:,} |",
+            flush=True,
+        )
+
+
 def child(args, **extra) -> dict:
     argv = [sys.executable, __file__, "--one", "--data", str(args.dir / "data")]
     argv += ["--fast"] * args.fast
@@ -152,6 +212,13 @@ def main() -> None:
         help="the sets scored at the end only, greedily (no guard veto, no temperature "
         "fallback): for a machine shared with other work",
     )
+    parser.add_argument(
+        "--step-time",
+        type=int,
+        default=0,
+        metavar="REPEATS",
+        help="only each variant's step time (median of REPEATS) and activations kept",
+    )
     # a child's own options
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
@@ -161,6 +228,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.one:
         one_run(args)
+        return
+    if args.step_time:
+        prepare_demo_data(
+            args.dir / "data", train_utterances=192, eval_utterances=40, guard_utterances=40, seed=0
+        )
+        step_figures(args.dir / "data", args.variants, clips=8, repeats=args.step_time)
         return
     started = time.perf_counter()
     prepare_demo_data(

@@ -186,7 +186,7 @@ TRAIN_FIELDS = {f.name: f for group in GROUPS.values() for f in fields(group)}
 FREE_TEXT = {
     "config", "data", "eval_data", "data_format", "language", "model", "output_dir",
     "encoder_cache_dir", "resume", "output", "baseline", "check_data", "find_alignment_heads",
-    "alignment_reference", "png", "model_key", "lora_targets",
+    "alignment_reference", "png", "model_key", "lora_targets", "nonspeech",
 }  # fmt: skip
 DECODING = {"temperatures", "compression_ratio_threshold", "logprob_threshold"}
 

@@ -54,6 +54,9 @@ PLACEHOLDERS = {
     "weight_decay": "DECAY",
     "max_grad_norm": "NORM",
     "encoder_lr_scale": "SCALE",
+    "nonspeech": "PATH|builtin",
+    "nonspeech_share": "FRACTION",
+    "max_nonspeech_rise": "WORDS",
 }
 
 

@@ -53,7 +53,7 @@ class ExportFormat:
     arithmetic: Callable[[str], str]  # float precision -> what its runtime computes in
     greedy: Callable[..., list[str]]  # (what its runtime loads, clips, language) -> transcripts
     scores: Callable[..., list]  # (what its runtime loads, clips, prompt, tokens) -> TokenScores
-    backend: type  # `transcribe`'s runner of it
+    backend: Callable  # `transcribe`'s runner of it: its class, or a function making one
     client: str | None = None  # the runtime's Python module; None: transformers, always there
     extra: str | None = None  # the pip extra that installs the client; None: a dependency
     carries_alignment_heads: bool = True  # its files keep a model's heads (word timestamps)

@@ -321,13 +321,16 @@ class LabelEncoder:
         """len(text_ids(text)) of every text, in one tokenizer call."""
         if not texts:
             return []
+        empty = [not text.strip() for text in texts]  # no tokens, as `text_ids` gives them
         texts = [" " + text.strip() for text in texts]
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is not None:  # the Rust tokenizer itself: transformers' wrapping costs more
             encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # no offsets
-            return [len(encoding.ids) for encoding in encode(texts, add_special_tokens=False)]
-        encoded = self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)
-        return [len(ids) for ids in encoded["input_ids"]]
+            lengths = [len(encoding.ids) for encoding in encode(texts, add_special_tokens=False)]
+        else:
+            encoded = self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)
+            lengths = [len(ids) for ids in encoded["input_ids"]]
+        return [0 if none else length for none, length in zip(empty, lengths, strict=True)]
 
     def decoder_tokens(self, example: _HasText) -> int:
         """`decoder_positions` of the longest label `encode` may produce for `example`. This,

@@ -487,9 +487,10 @@ def with_bad_clips(path: Path, folder: Path) -> tuple[Path, list[str]]:
 
 def data_of(row: dict, data: dict) -> Path:
     """The training data of `row`: its (data, packing)'s, with BAD_CLIPS among it if asked;
-    with --nonspeech, one speech clip fewer (a clip of noise takes its place in a step)."""
+    with --nonspeech, one speech clip fewer (a clip of noise takes its place in a step; a
+    stream refuses --nonspeech, its rows keep their data)."""
     key = (row["data"], row["packing"])
-    speech = data["fewer"] if row.get("nonspeech") else data
+    speech = data["fewer"] if row.get("nonspeech") and row["data"] == "whole" else data
     return speech["bad"][key][0] if row.get("bad") else speech[key]
 
 
@@ -727,7 +728,7 @@ def check_row(row: dict, data: dict, tmp_path: Path, monkeypatch, capsys) -> Non
     assert len(losses) == 2, metric_rows(out)
     np.testing.assert_allclose(losses, expected, rtol=0, atol=loss_tolerance(row))
     if row["bad"]:  # every step reads them all: each run names them in one report, each once
-        speech = data["fewer"] if row.get("nonspeech") else data
+        speech = data["fewer"] if row.get("nonspeech") and row["data"] == "whole" else data
         origins = speech["bad"][row["data"], row["packing"]][1]
         for text in printed:
             assert text.count(f"clips skipped as they were read: {len(BAD_CLIPS)} skipped") == 1

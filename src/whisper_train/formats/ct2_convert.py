@@ -13,7 +13,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ctranslate2.converters import TransformersConverter
 from transformers import WhisperFeatureExtractor, WhisperTokenizerFast
 
 from whisper_train.errors import UserError
@@ -26,6 +25,7 @@ from whisper_train.formats.ct2 import (
     language_token_ids,
 )
 from whisper_train.formats.hf import save_model_folder
+from whisper_train.transcription.backends import faster_whisper_runtime
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 
@@ -65,7 +65,8 @@ def save_ct2(
     if output_dir.exists() and any(output_dir.iterdir()) and not overwrite:
         raise UserError(f"{output_dir} is not empty: choose a new folder or delete it")
 
-    TransformersConverter(str(model_dir_hf)).convert(
+    ctranslate2, _ = faster_whisper_runtime()
+    ctranslate2.converters.TransformersConverter(str(model_dir_hf)).convert(
         str(output_dir), quantization=quantization, force=True
     )
 

@@ -19,8 +19,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import ctranslate2
-
 from whisper_train.errors import UserError
 from whisper_train.formats import ct2, ct2_convert, ggml, hf, openai, runtimes
 from whisper_train.formats.runtimes import MissingRuntimeError
@@ -29,6 +27,7 @@ from whisper_train.transcription.backends import (
     OpenAIWhisperBackend,
     TransformersBackend,
     WhisperCppBackend,
+    ct2_device,
 )
 
 # Where an export will run: it picks a format's default precision.
@@ -55,7 +54,8 @@ class ExportFormat:
     scores: Callable[..., list]  # (what its runtime loads, clips, prompt, tokens) -> TokenScores
     backend: Callable  # `transcribe`'s runner of it: its class, or a function making one
     client: str | None = None  # the runtime's Python module; None: transformers, always there
-    extra: str | None = None  # the pip extra that installs the client; None: a dependency
+    extra: str | None = None  # the pip extra that installs the client
+    writes_with_client: bool = False  # its writer needs the client too (CTranslate2's converter)
     carries_alignment_heads: bool = True  # its files keep a model's heads (word timestamps)
     model_card: bool = False  # its folder carries the source's model card (README.md)
     # Precisions its runtime cannot check, and why: `export` then asks for --no-check.
@@ -78,20 +78,31 @@ class ExportFormat:
         self.check(path)
         return self.runtime_input(path)
 
-    def require_client(self) -> None:
-        """One line naming the extra that installs this format's runtime client when it is
-        missing (`MissingRuntimeError`)."""
+    def client_installed(self) -> bool:
         if self.client is None:
-            return
+            return True
         try:
             importlib.import_module(self.client)
         except ImportError:
-            extra = f"pip install 'whisper-train[{self.extra}]'"
-            how = extra if self.extra else f"pip install {self.runtime}"  # a dependency, gone
+            return False
+        return True
+
+    def require_client(self, *, check: bool = True) -> None:
+        """One line naming the extra that installs this format's runtime client when the export
+        needs it (`MissingRuntimeError`): to be checked, or, for a format whose writer is the
+        client's (`writes_with_client`), to be written at all."""
+        if self.client_installed() or not (check or self.writes_with_client):
+            return
+        how = f"pip install 'whisper-train[{self.extra}]'"
+        if self.writes_with_client:
             raise MissingRuntimeError(
-                f"--format {self.name}: checking the export needs {self.runtime}, which is not "
-                f"installed: {how} (or pass --no-check to only write the export)"
-            ) from None
+                f"--format {self.name}: writing it needs {self.runtime}, which is not "
+                f"installed: {how}"
+            )
+        raise MissingRuntimeError(
+            f"--format {self.name}: checking the export needs {self.runtime}, which is not "
+            f"installed: {how} (or pass --no-check to only write the export)"
+        )
 
 
 def _check_hf(path: Path) -> None:
@@ -110,7 +121,7 @@ def _whisper_cpp_arithmetic(quantization: str) -> str:
 
 def _ctranslate2_arithmetic(quantization: str) -> str:
     """CTranslate2 computes float16 weights in float16 on a GPU, in float32 on a CPU."""
-    if quantization == "float16" and ctranslate2.get_cuda_device_count() > 0:
+    if quantization == "float16" and ct2_device() == "cuda":
         return "float16"
     return "float32"
 
@@ -184,6 +195,8 @@ EXPORT_FORMATS = (
         scores=runtimes.faster_whisper_scores,
         backend=_faster_whisper_backend,
         client="faster_whisper",
+        extra="faster-whisper",
+        writes_with_client=True,
     ),
     ExportFormat(
         name="ggml",

@@ -1,7 +1,7 @@
 """Each runtime people deploy Whisper with, decoding a model all the same way, for the export check.
 
     transformers     `generate`                                  (whisper-train itself)
-    faster-whisper   on CTranslate2                              (dependency)
+    faster-whisper   on CTranslate2                              (extra: whisper-train[faster-whisper])
     whisper.cpp      through pywhispercpp                        (extra: whisper-train[whispercpp])
     openai-whisper   `decode`                                    (extra: whisper-train[openai])
 
@@ -17,7 +17,7 @@ token forced (none for English-only models), the non-speech tokens suppressed an
 OpenAI's checkpoints, and each runtime's `suppress_blank` / `suppress_tokens=-1`). Words still
 differ now and then where two tokens are nearly tied, so the check's verdict rests on the
 teacher-forced scores below (`*_scores`); the greedy transcripts are reported beside them.
-The two optional clients are imported where they run, so that this module loads without them.
+The three optional clients are imported where they run, so that this module loads without them.
 """
 
 from __future__ import annotations
@@ -30,15 +30,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import ctranslate2
 import numpy as np
 import torch
-from faster_whisper import WhisperModel
 
 from whisper_train.audio import N_SAMPLES, SAMPLE_RATE
 from whisper_train.errors import UserError
 from whisper_train.formats import ct2
 from whisper_train.formats.hf import load_hf, refuse_nonfinite_weights
+from whisper_train.transcription.backends import ct2_device, faster_whisper_runtime
 
 
 class MissingRuntimeError(UserError):
@@ -92,10 +91,6 @@ def _threads() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def ct2_device() -> str:
-    return "cuda" if ctranslate2.get_cuda_device_count() > 0 else "cpu"
-
-
 def ct2_compute_type(model_dir: str | Path, device: str | None = None) -> str:
     """The compute type to run `model_dir` in on `device` (this machine's by default): its
     weights' stored type (int8 matrices with float16 others: int8_float16) where the device
@@ -104,6 +99,7 @@ def ct2_compute_type(model_dir: str | Path, device: str | None = None) -> str:
     stored = ct2.weight_dtypes(model_dir)
     floats = [name for dtype, name in _FLOAT_NAMES if dtype in stored] or ["float32"]
     chosen = f"int8_{floats[0]}" if torch.int8 in stored else floats[0]
+    ctranslate2, _ = faster_whisper_runtime()
     if chosen not in ctranslate2.get_supported_compute_types(device or ct2_device()):
         chosen = "int8_float32" if torch.int8 in stored else "float32"
     return chosen
@@ -118,8 +114,9 @@ _FLOAT_NAMES = (
 )
 
 
-def _faster_whisper(model_dir: Path) -> WhisperModel:
-    return WhisperModel(
+def _faster_whisper(model_dir: Path):
+    _, faster_whisper = faster_whisper_runtime()
+    return faster_whisper.WhisperModel(
         str(model_dir),
         device=ct2_device(),
         compute_type=ct2_compute_type(model_dir),

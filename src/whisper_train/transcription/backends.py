@@ -4,8 +4,9 @@ timed segments), any length.
   * `TransformersBackend`: `WhisperForConditionalGeneration.generate` runs Whisper's own
     sequential long-form decoding on the un-truncated features (`longform`), for every model
     whisper-train reads into transformers;
-  * `CTranslate2Backend`: faster-whisper (`faster_whisper.WhisperModel`, on CTranslate2), for a
-    CTranslate2 folder: the fast path on a CPU, and the client users deploy with. Its
+  * `CTranslate2Backend`: faster-whisper (`faster_whisper.WhisperModel`, on CTranslate2; extra
+    `whisper-train[faster-whisper]`), for a CTranslate2 folder: the fast path on a CPU, and the
+    client users deploy with. Its
     `transcribe` walks long recordings 30 s window by window (seeking to the last closed
     timestamp, as OpenAI's `transcribe` does) and has the temperature fallback built in;
   * `WhisperCppBackend`: whisper.cpp (pywhispercpp, extra `whisper-train[whispercpp]`), for a
@@ -14,7 +15,7 @@ timed segments), any length.
   * `OpenAIWhisperBackend`: openai-whisper (extra `whisper-train[openai]`), for a `model.pt`:
     its `transcribe()` with its fallback.
 
-Which format each runs is a row of `formats.registry`; the two optional clients are imported
+Which format each runs is a row of `formats.registry`; the three optional clients are imported
 where a backend is made, so that this module loads without them.
 
 Each decodes loop-proof (`decoding`): greedy (or beam search), and again at temperatures
@@ -32,11 +33,8 @@ import logging
 import warnings
 from pathlib import Path
 
-import ctranslate2
 import numpy as np
 import torch
-from faster_whisper import WhisperModel
-from faster_whisper.feature_extractor import FeatureExtractor
 from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
 
 from whisper_train.audio import N_SAMPLES, SAMPLE_RATE
@@ -150,6 +148,26 @@ class TransformersBackend:
         return " ".join(s.text for s in segments), segments
 
 
+def faster_whisper_runtime():
+    """The faster-whisper extra's modules, `ctranslate2` and `faster_whisper`, imported where a
+    CTranslate2 model is written or run: whisper-train trains, evaluates and exports the other
+    formats without them (`make setup` leaves out their 228 MiB, onnxruntime's included)."""
+    try:
+        import ctranslate2  # the faster-whisper extra
+        import faster_whisper
+    except ImportError:
+        raise UserError(
+            "faster-whisper (CTranslate2) is not installed: pip install "
+            "'whisper-train[faster-whisper]'"
+        ) from None
+    return ctranslate2, faster_whisper
+
+
+def ct2_device() -> str:
+    ctranslate2, _ = faster_whisper_runtime()
+    return "cuda" if ctranslate2.get_cuda_device_count() > 0 else "cpu"
+
+
 class CTranslate2Backend:
     """faster-whisper's `WhisperModel` on a CTranslate2 folder: its long-form loop and fallback."""
 
@@ -171,11 +189,15 @@ class CTranslate2Backend:
                 f"--model {model_dir}: a CTranslate2 folder needs its tokenizer.json beside "
                 "model.bin (`whisper-train export --format ct2` writes one)"
             )
-        device = "cuda" if ctranslate2.get_cuda_device_count() > 0 else "cpu"
-        self.model = WhisperModel(str(model_dir), device=device, compute_type=compute_type)
+        self._ctranslate2, faster_whisper = faster_whisper_runtime()
+        self.model = faster_whisper.WhisperModel(
+            str(model_dir), device=ct2_device(), compute_type=compute_type
+        )
         if not (model_dir / "preprocessor_config.json").exists():
             # Without it faster-whisper assumes 80 mel bins; large-v3 has 128.
-            self.model.feature_extractor = FeatureExtractor(feature_size=self.model.model.n_mels)
+            self.model.feature_extractor = faster_whisper.feature_extractor.FeatureExtractor(
+                feature_size=self.model.model.n_mels
+            )
         # Like transformers, default to the language/task the model was fine-tuned for.
         saved_language, saved_task = _saved_language_and_task(model_dir)
         self.language = language or saved_language  # None: detected on the first window
@@ -190,7 +212,7 @@ class CTranslate2Backend:
         """(n_samples,) float32 16 kHz audio → (text, segments); any length when `timestamps`."""
         duration = len(audio) / SAMPLE_RATE
         options = self.decoding
-        ctranslate2.set_random_seed(options.seed)  # the fallback samples: repeatable runs
+        self._ctranslate2.set_random_seed(options.seed)  # the fallback samples: repeatable runs
         found, _ = self.model.transcribe(
             np.ascontiguousarray(audio if timestamps else audio[:N_SAMPLES], dtype=np.float32),
             language=self.language,

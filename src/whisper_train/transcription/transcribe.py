@@ -3,7 +3,8 @@
 Each `--model` runs in the runtime its format is deployed with (`load_backend`: the format's
 row of `formats.registry` names its backend, `backends`): a CTranslate2 folder in
 faster-whisper, a ggml-model.bin in whisper.cpp, a model.pt in openai-whisper, and whatever
-else `--model` names (a transformers folder, a run folder, a hub id) in transformers.
+else `--model` names (a transformers folder, a run folder, a hub id) in transformers; so does a
+format whose runtime is not installed (whisper-train reads it), said in one line.
 
 A file that cannot be read is reported and skipped; the others still get transcribed.
 
@@ -52,7 +53,16 @@ def load_backend(
     path = model_folder(str(model))
     export_format = format_of(path)
     if export_format is not None and export_format.backend is not TransformersBackend:
-        return _runtime_backend(export_format, path, word_timestamps, options)
+        cannot_time_words = word_timestamps and not export_format.carries_alignment_heads
+        if export_format.client_installed() or cannot_time_words:
+            return _runtime_backend(export_format, path, word_timestamps, options)
+        # whisper-train reads every format itself: a missing runtime costs speed, not the run.
+        print(
+            f"--model {model}: {export_format.runtime} is not installed (pip install "
+            f"'whisper-train[{export_format.extra}]'), so transformers runs it",
+            file=sys.stderr,
+            flush=True,
+        )
     # Everything transformers runs is read as `--model` reads it: any folder, a hub id too.
     hf_model, processor = load_model(str(model))
     return TransformersBackend(

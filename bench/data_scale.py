@@ -170,6 +170,7 @@ def startup_worker(manifest: str, model: str, output_dir: str, mode: str) -> dic
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
     import whisper_train.training.recipe as recipe_module
+    import whisper_train.training.setup_phases as setup_phases
     from whisper_train.config import RunConfig
     from whisper_train.training.recipe import FineTuneRecipe
 
@@ -199,8 +200,10 @@ def startup_worker(manifest: str, model: str, output_dir: str, mode: str) -> dic
 
         return run
 
-    # The recipe's set-up, each phase timed where `FineTuneRecipe.setup` calls it.
+    # The recipe's set-up, each phase timed where `FineTuneRecipe.setup` calls it (an older
+    # --source names its phases otherwise: those it has), and "data": reading and screening.
     for phase in (
+        "gather_facts",
         "load_model_and_labels",
         "prepare_data",
         "plan_data",
@@ -209,7 +212,9 @@ def startup_worker(manifest: str, model: str, output_dir: str, mode: str) -> dic
         "setup_memory",
         "setup_loaders",
     ):
-        setattr(recipe_module, phase, timed(phase, getattr(recipe_module, phase)))
+        if hasattr(recipe_module, phase):
+            setattr(recipe_module, phase, timed(phase, getattr(recipe_module, phase)))
+    setup_phases.prepare_datasets = timed("data", setup_phases.prepare_datasets)
     recipe.setup()
     seconds = time.perf_counter() - start
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

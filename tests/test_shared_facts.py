@@ -175,12 +175,11 @@ def _skipped_by_train(tmp_path: Path, data_path: Path, model: str, **options) ->
         }
     )
     recipe = FineTuneRecipe(config)
-    # The sets need the model's labels, not the accelerator.
-    model, _, label_encoder = setup_phases.load_model_and_labels(recipe.asked)
-    kept = {
-        example.origin
-        for example in setup_phases.prepare_data(recipe.asked, model, label_encoder).train
-    }
+    # The sets are facts gathered before the record: no accelerator is needed.
+    facts = setup_phases.gather_facts(
+        recipe.asked, process=setup_phases.join_processes(), saved_packing=None
+    )
+    kept = {example.origin for example in facts.datasets.train}
     return {example.origin for example in layouts.load_examples(data_path)} - kept
 
 

@@ -209,29 +209,20 @@ def prepare_demo_data(
     if language == "es":
         folders.update({name: data_dir / "es" / name for name in ("train", "held-out")})
     plans = {
-        "train": dict(
-            n_utterances=train_utterances,
-            seed=seed,
-            voices=train_voices,
-            words=train_words,
-            **spoken,
-        ),
-        "held-out": dict(
-            n_utterances=eval_utterances,
-            seed=seed + 1,
-            voices=held_out_voices,
-            words=held_out_words,
-            **spoken,
-        ),
-        # The default voice at its default speed and pitch, words from the whole vocabulary.
-        "guard": dict(
-            n_utterances=guard_utterances,
-            seed=seed + 2,
-            voices=(synth.GUARD_VOICE,),
-            speed_wpm_range=(synth.DEFAULT_SPEED_WPM, synth.DEFAULT_SPEED_WPM),
-            pitch_range=(synth.DEFAULT_PITCH, synth.DEFAULT_PITCH),
-        ),
+        name: dict(n_utterances=n, seed=seed + offset, voices=voices, words=words, **spoken)
+        for name, n, offset, voices, words in (
+            ("train", train_utterances, 0, train_voices, train_words),
+            ("held-out", eval_utterances, 1, held_out_voices, held_out_words),
+        )
     }
+    # The default voice at its default speed and pitch, words from the whole vocabulary.
+    plans["guard"] = dict(
+        n_utterances=guard_utterances,
+        seed=seed + 2,
+        voices=(synth.GUARD_VOICE,),
+        speed_wpm_range=(synth.DEFAULT_SPEED_WPM, synth.DEFAULT_SPEED_WPM),
+        pitch_range=(synth.DEFAULT_PITCH, synth.DEFAULT_PITCH),
+    )
     folders = {name: _synthesised(folders[name], plans[name]) for name in SETS}
     folders[NONSPEECH_SET] = write_builtin_set(data_dir / NONSPEECH_SET, NONSPEECH_CLIPS)
     return folders
@@ -255,7 +246,8 @@ def _synthesised(folder: Path, plan: dict) -> Path:
 
 
 def print_comparison(demo: DemoResult, *, model: str, mode: str, language: str = "en") -> None:
-    """The demo's closing table: each figure before and after fine-tuning."""
+    """The demo's closing table: each figure before and after fine-tuning; then what each set
+    holds, what trained, and the command that tries the fine-tuned model."""
     before, after, result = demo.before, demo.after, demo.train
 
     def row(label: str, name: str, key: str) -> str:
@@ -264,73 +256,64 @@ def print_comparison(demo: DemoResult, *, model: str, mode: str, language: str =
             return f"  {label:<36} {was:8.1f}  {now:8.1f}  {now - was:+7.1f}"
         return f"  {label:<36} {100 * was:7.1f}%  {100 * now:7.1f}%  {100 * (now - was):+7.1f}"
 
+    held_out, guard = (_count(demo.data_dirs[name]) for name in ("held-out", "guard"))
+    loops = ("held-out repeated 3-grams (loops)", "held-out", "repeated_ngram_rate")
     if language == "es":
-        _print_spanish(demo, row, model=model, mode=mode)
-        return
-
-    sizes = {name: _count(demo.data_dirs[name]) for name in ("held-out", "guard")}
-    print()
-    print(f"  {'':<36} {'before':>8}  {'after':>8}  {'points':>7}")
-    print(row(f"held-out WER ({sizes['held-out']} utterances)", "held-out", "wer"))
-    print(row("held-out repeated 3-grams (loops)", "held-out", "repeated_ngram_rate"))
-    print(row(f"guard WER ({sizes['guard']} utterances)", "guard", "wer"))
-    print(row("guard repeated 3-grams (loops)", "guard", "repeated_ngram_rate"))
-    print(_nonspeech_row(row))
-    print()
-    print(
-        "held-out: speakers and content words that training never saw: espeak-ng accents "
-        f"{', '.join(synth.HELD_OUT_ACCENTS)} with variants {', '.join(synth.HELD_OUT_VARIANTS)}"
-    )
-    print(f"guard: general sentences in espeak-ng's default voice, {synth.GUARD_VOICE}")
-    print(f"where nobody speaks: {', '.join(NONSPEECH_CLIPS)} (`data.nonspeech`, synthesised)")
-    print(
-        f"before: {model}; after: step {result.final_step} of {result.steps} of --mode {mode} "
-        f"({result.final_reason}) on {result.train_examples} utterances in accents "
-        f"{', '.join(synth.TRAIN_ACCENTS)} with {len(synth.TRAIN_VARIANTS)} other variants"
-    )
-    print(f"fine-tuned model: {result.final_dir}   (whole demo: {demo.seconds / 60:.1f} min)")
-    print(
-        f"try it: {this_command()} evaluate --model {result.final_dir} "
-        f"--data {demo.data_dirs['held-out']}"
-    )
-
-
-def _print_spanish(demo: DemoResult, row, *, model: str, mode: str) -> None:
-    result = demo.train
-    sizes = {name: _count(demo.data_dirs[name]) for name in ("held-out", "guard")}
-    print()
-    print(f"  {'':<36} {'before':>8}  {'after':>8}  {'points':>7}")
-    print(row(f"held-out Spanish WER ({sizes['held-out']})", "held-out", "wer"))
-    print(row("held-out repeated 3-grams (loops)", "held-out", "repeated_ngram_rate"))
-    print(row("held-out language ID (es)", "held-out", "language_id_accuracy"))
-    print(row(f"English guard WER ({sizes['guard']}, in English)", "guard", "wer"))
-    print(row("English guard language ID (en)", "guard", "language_id_accuracy"))
-    print(_nonspeech_row(row))
-    print()
-    print(
-        "held-out: Spanish speakers and content words that training never saw: espeak-ng "
-        f"{', '.join(synth.SPANISH_HELD_OUT_ACCENTS)} with variants "
-        f"{', '.join(synth.HELD_OUT_VARIANTS)}; language ID: the language the model detects "
-        "in each clip, whatever it was told to decode in"
-    )
-    print(f"guard: general English sentences in espeak-ng's default voice, {synth.GUARD_VOICE}")
-    print(
-        f"before: {model}; after: step {result.final_step} of {result.steps} of --mode {mode} "
-        f"({result.final_reason}) on {result.train_examples} utterances in espeak-ng "
-        f"{', '.join(synth.SPANISH_TRAIN_ACCENTS)} with {len(synth.TRAIN_VARIANTS)} variants"
-    )
-    print(f"fine-tuned model: {result.final_dir}   (whole demo: {demo.seconds / 60:.1f} min)")
-    print(
-        f"try it: {this_command()} transcribe --model {result.final_dir} "
-        f"{demo.data_dirs['held-out']}/utt_00000.wav"
-    )
-
-
-def _nonspeech_row(row) -> str:
+        rows = [
+            (f"held-out Spanish WER ({held_out})", "held-out", "wer"),
+            loops,
+            ("held-out language ID (es)", "held-out", "language_id_accuracy"),
+            (f"English guard WER ({guard}, in English)", "guard", "wer"),
+            ("English guard language ID (en)", "guard", "language_id_accuracy"),
+        ]
+        sets = [
+            "held-out: Spanish speakers and content words that training never saw: espeak-ng "
+            f"{', '.join(synth.SPANISH_HELD_OUT_ACCENTS)} with variants "
+            f"{', '.join(synth.HELD_OUT_VARIANTS)}; language ID: the language the model detects "
+            "in each clip, whatever it was told to decode in",
+            f"guard: general English sentences in espeak-ng's default voice, {synth.GUARD_VOICE}",
+        ]
+        trained_on = (
+            f"espeak-ng {', '.join(synth.SPANISH_TRAIN_ACCENTS)} with "
+            f"{len(synth.TRAIN_VARIANTS)} variants"
+        )
+        try_it = f"transcribe --model {result.final_dir} {demo.data_dirs['held-out']}/utt_00000.wav"
+    else:
+        rows = [
+            (f"held-out WER ({held_out} utterances)", "held-out", "wer"),
+            loops,
+            (f"guard WER ({guard} utterances)", "guard", "wer"),
+            ("guard repeated 3-grams (loops)", "guard", "repeated_ngram_rate"),
+        ]
+        sets = [
+            "held-out: speakers and content words that training never saw: espeak-ng accents "
+            f"{', '.join(synth.HELD_OUT_ACCENTS)} with variants "
+            f"{', '.join(synth.HELD_OUT_VARIANTS)}",
+            f"guard: general sentences in espeak-ng's default voice, {synth.GUARD_VOICE}",
+            f"where nobody speaks: {', '.join(NONSPEECH_CLIPS)} (`data.nonspeech`, synthesised)",
+        ]
+        trained_on = (
+            f"accents {', '.join(synth.TRAIN_ACCENTS)} with {len(synth.TRAIN_VARIANTS)} other "
+            "variants"
+        )
+        try_it = f"evaluate --model {result.final_dir} --data {demo.data_dirs['held-out']}"
     seconds = len(NONSPEECH_CLIPS) * BUILTIN_SECONDS
-    return row(
-        f"words/min where nobody speaks ({seconds:.0f} s)", NONSPEECH_SET, "words_per_minute"
+    rows.append(
+        (f"words/min where nobody speaks ({seconds:.0f} s)", NONSPEECH_SET, "words_per_minute")
     )
+    print()
+    print(f"  {'':<36} {'before':>8}  {'after':>8}  {'points':>7}")
+    for label, name, key in rows:
+        print(row(label, name, key))
+    print()
+    for line in sets:
+        print(line)
+    print(
+        f"before: {model}; after: step {result.final_step} of {result.steps} of --mode {mode} "
+        f"({result.final_reason}) on {result.train_examples} utterances in {trained_on}"
+    )
+    print(f"fine-tuned model: {result.final_dir}   (whole demo: {demo.seconds / 60:.1f} min)")
+    print(f"try it: {this_command()} {try_it}")
 
 
 def this_command() -> str:

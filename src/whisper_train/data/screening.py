@@ -24,7 +24,7 @@ from whisper_train.audio import (
     load_audio,
 )
 from whisper_train.data.examples import Example, Skip, decode_skip, is_nonspeech
-from whisper_train.data.labels import MAX_DECODER_TOKENS
+from whisper_train.data.labels import MAX_DECODER_TOKENS, LabelEncoder
 from whisper_train.data.subtitles import OVERLAP_TOLERANCE
 from whisper_train.errors import AudioError, UserError
 from whisper_train.files import write_atomically
@@ -246,6 +246,33 @@ def screen(
         return screening
     finally:
         lock.release()
+
+
+def screen_set(
+    examples: Sequence[Example],
+    label_encoder: LabelEncoder,
+    max_label_tokens: int,
+    *,
+    strict: bool,
+    read_headers: bool,
+    max_seconds: float = CHUNK_LENGTH,
+) -> Screening:
+    """One set's screening for a training run, shared through the screening cache by every
+    process and later runs; labels counted in batches as check-data counts them
+    (`LabelEncoder.decoder_tokens_batch`). `strict` (--strict): its first problem stops the
+    run, in one line."""
+    screening = screen(
+        examples,
+        count_all=label_encoder.decoder_tokens_batch,
+        max_label_tokens=max_label_tokens,
+        max_seconds=max_seconds,
+        read_headers=read_headers,
+        cache_folder=screening_cache_folder(),
+        cache_salt=label_encoder.fingerprint(),
+    )
+    if strict:
+        raise_first_skip(screening.skips)
+    return screening
 
 
 def raise_first_skip(skips: Sequence[Skip]) -> None:

@@ -13,8 +13,9 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from whisper_train.config import RunConfig
+from whisper_train.audio import CHUNK_LENGTH
 from whisper_train.config.record import EvalSet
+from whisper_train.config.run import RunConfig
 from whisper_train.data import streaming
 from whisper_train.data.examples import Example, PackedExamples
 from whisper_train.data.labels import LabelEncoder, label_length, with_language
@@ -25,12 +26,10 @@ from whisper_train.data.nonspeech import (
     require_readable,
     training_nonspeech,
 )
+from whisper_train.data.prompts import longest_prompted_label
 from whisper_train.data.recordings import load_recordings
 from whisper_train.data.screening import (
-    Screening,
-    raise_first_skip,
-    screen,
-    screening_cache_folder,
+    screen_set,
     split_examples,
     summarize_skips,
     unusable_until_one_passes,
@@ -46,6 +45,10 @@ class Datasets:
     eval: dict[str, list[Example]]  # evaluation set name → its utterances, in --eval-data order
     # `LabelEncoder.count_tokens` of each training utterance, counted once (by screening)
     train_label_tokens: list[int] | None = None
+    # The longest label a training step may hold, a prompt counted where --prompt-probability
+    # adds one: what the memory plan must fit (a stream's labels are unknown before step 1:
+    # the longest the workers let through).
+    longest_label_tokens: int | None = None
 
     def label_lengths(self, label_encoder: LabelEncoder) -> list[int]:
         """Every training label's length in tokens, counted at most once."""
@@ -97,8 +100,8 @@ def prepare_datasets(
     # stop on the first bad file); otherwise `SpeechDataset` checks each clip as it reads it, so
     # start-up costs no file access per row. Evaluation sets are read whole before step 1: each
     # evaluation scores the same utterances.
-    train_screening = _screen_set(
-        train_examples, label_encoder, max_label_tokens, d.strict, read_headers=d.strict
+    train_screening = screen_set(
+        train_examples, label_encoder, max_label_tokens, strict=d.strict, read_headers=d.strict
     )
     kept_train = [train_examples[index] for index in train_screening.kept]
     skipped = list(train_screening.skips)
@@ -112,13 +115,13 @@ def prepare_datasets(
             continue
         # A long-form set's recordings are decoded whole: no 30 s or label-length limit (its
         # audio is still checked: missing or undecodable files are skipped and said).
-        screening = _screen_set(
+        screening = screen_set(
             subset,
             label_encoder,
             sys.maxsize if long_form[name] else max_label_tokens,
-            d.strict,
+            strict=d.strict,
             read_headers=True,
-            max_seconds=math.inf if long_form[name] else None,
+            max_seconds=math.inf if long_form[name] else CHUNK_LENGTH,
         )
         kept_eval[name] = [subset[index] for index in screening.kept]
         skipped += screening.skips
@@ -138,43 +141,18 @@ def prepare_datasets(
         )
     # Screening counted decoder positions; the memory plan and the length sampler take whole
     # labels (`LabelEncoder.count_tokens`).
-    # Packed now, so that no list of objects outlives start-up (see PackedExamples).
-    return Datasets(
-        PackedExamples(kept_train),
-        kept_eval,
-        [label_length(positions) for positions in train_label_tokens],
+    label_tokens = [label_length(positions) for positions in train_label_tokens]
+    longest = longest_prompted_label(
+        max(label_tokens, default=max_label_tokens + 1), d.prompt_probability, max_label_tokens
     )
+    # Packed now, so that no list of objects outlives start-up (see PackedExamples).
+    return Datasets(PackedExamples(kept_train), kept_eval, label_tokens, longest)
 
 
 def _reader(eval_set: EvalSet):
     if eval_set.nonspeech:
         return load_nonspeech
     return load_recordings if eval_set.long_form else load_examples
-
-
-def _screen_set(
-    examples: list[Example],
-    label_encoder: LabelEncoder,
-    max_label_tokens: int,
-    strict: bool,
-    *,
-    read_headers: bool,
-    max_seconds: float | None = None,
-) -> Screening:
-    """One set's screening, shared through the screening cache by every rank and later runs;
-    labels counted in batches as check-data counts them (`LabelEncoder.decoder_tokens`)."""
-    screening = screen(
-        examples,
-        count_all=label_encoder.decoder_tokens_batch,
-        max_label_tokens=max_label_tokens,
-        read_headers=read_headers,
-        **({"max_seconds": max_seconds} if max_seconds is not None else {}),
-        cache_folder=screening_cache_folder(),
-        cache_salt=label_encoder.fingerprint(),
-    )
-    if strict:
-        raise_first_skip(screening.skips)
-    return screening
 
 
 __all__ = ["Datasets", "prepare_datasets"]

@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
 from whisper_train import runfolder
-from whisper_train.config import RunConfig
+from whisper_train.config.run import RunConfig
 from whisper_train.errors import AlreadySaid, UserError
 from whisper_train.runlog import StopRequest, TrainingInterrupted, TrainResult, read_result
 from whisper_train.training import checkpoints

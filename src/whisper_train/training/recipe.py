@@ -32,14 +32,13 @@ from accelerate.utils import send_to_device
 from tqdm.auto import tqdm
 
 from whisper_train import memory, runfolder
-from whisper_train.config import RunConfig
 from whisper_train.config.record import ResumeChanges, resume_changes
 from whisper_train.config.resolve import resolve_run
+from whisper_train.config.run import RunConfig
 from whisper_train.data.source import stand_in_batch
 from whisper_train.evaluation.scoring import get_normalizer
 from whisper_train.memory import loss_terms
 from whisper_train.memory.wrappers import ddp_settings, unwrapped
-from whisper_train.models import is_multilingual
 from whisper_train.runlog import TrainResult, say, step_line
 from whisper_train.training import checkpoints, resume, retention
 from whisper_train.training.averaging import average_at_end
@@ -57,11 +56,9 @@ from whisper_train.training.finish import (
 from whisper_train.training.judge import RunEvaluations
 from whisper_train.training.setup_phases import (
     check_processes,
+    gather_facts,
     join_processes,
-    load_model_and_labels,
     open_run_log,
-    plan_data,
-    prepare_data,
     restore,
     setup_accelerator,
     setup_encoder_cache,
@@ -115,27 +112,25 @@ class FineTuneRecipe:
         saved, saved_options = saved_record(self.resume_from) if self.resume_from else (None, {})
         if self.resume_from is not None and saved is None:
             resume.check_recordless_options(self.resume_from, saved_options, asked)
-        model, self.processor, self.label_encoder = load_model_and_labels(asked)
-        self.multilingual = is_multilingual(model)
-        # A multilingual model's sets are normalised by the languages they are decoded in
-        # (None: `evaluate.normalizer_for`), which need not be the training language.
-        self.normalizer = None if self.multilingual else get_normalizer("english")
-        self.datasets = prepare_data(asked, model, self.label_encoder)
-        self.plan, data_facts = plan_data(
+        facts = gather_facts(
             asked,
-            model,
-            datasets=self.datasets,
-            label_encoder=self.label_encoder,
             process=process,
             saved_packing=saved.data.packing if saved else resume.recordless_packing(saved_options),
         )
+        model = facts.model
+        self.processor, self.label_encoder = facts.processor, facts.label_encoder
+        self.datasets, self.plan = facts.datasets, facts.plan
+        self.multilingual = facts.multilingual
+        # A multilingual model's sets are normalised by the languages they are decoded in
+        # (None: `evaluate.normalizer_for`), which need not be the training language.
+        self.normalizer = None if self.multilingual else get_normalizer("english")
         record = resolve_run(
             asked,
             width=model.config.d_model,
             multilingual=self.multilingual,
             device=process.device,
             processes=process.num_processes,
-            data=data_facts,
+            data=facts.data,
         )
         changes = ResumeChanges()
         if saved is not None:
@@ -155,7 +150,6 @@ class FineTuneRecipe:
             accelerator=accelerator,
             precision=self.precision,
             datasets=self.datasets,
-            label_encoder=self.label_encoder,
         )
         # Every decision is made: from here on the record is read, never what was asked.
         self.record = record

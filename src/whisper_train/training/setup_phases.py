@@ -2,17 +2,18 @@
 calls in order: each takes what it needs and returns what it builds, so the order of the calls
 is the order in which they depend on one another.
 
-The first phases gather the facts the run's decisions rest on, reading what was asked: the
-model (`load_model_and_labels`), the data (`prepare_data`) and its plan (`plan_data`). Then
-`config.resolve.resolve_run` makes every decision into the frozen `RunRecord`, and the later
-phases read only that: the accelerator, memory, the encoder cache, the loaders, the optimizer,
-the restore of a checkpoint and the run log.
+The first phase gathers, in one pass, the facts the run's decisions rest on, reading what was
+asked: the model, the data and its plan (`gather_facts`). Then `config.resolve.resolve_run`
+makes every decision into the frozen `RunRecord`, and the later phases read only that: the
+accelerator, memory, the encoder cache, the loaders, the optimizer, the restore of a
+checkpoint and the run log.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,15 +25,14 @@ from tqdm.auto import tqdm
 from transformers import WhisperProcessor, get_scheduler
 
 from whisper_train import doctor, memory, runfolder
-from whisper_train.config import RunConfig
 from whisper_train.config.record import RunRecord
 from whisper_train.config.resolve import DataFacts, choose_packing, evaluation_sets
+from whisper_train.config.run import RunConfig
 from whisper_train.data.augment import spec_augment_overrides
 from whisper_train.data.collate import SpeechCollator
 from whisper_train.data.features import LogMel, SpeechDataset
 from whisper_train.data.labels import LabelEncoder, configure_generation
 from whisper_train.data.loaders import evaluation_loader
-from whisper_train.data.prompts import longest_prompted_label
 from whisper_train.data.source import (
     TrainingData,
     TrainingPlan,
@@ -64,12 +64,30 @@ def join_processes() -> PartialState:
     return PartialState(cpu=inside_launcher() and not torch.cuda.is_available())
 
 
-def load_model_and_labels(
-    config: RunConfig,
-) -> tuple[torch.nn.Module, WhisperProcessor, LabelEncoder]:
-    """The model to train and its processor, with its generation settings (language, task)
-    and SpecAugment; the encoder of the labels it learns."""
-    d, m = config.data, config.model
+@dataclass(frozen=True)
+class RunFacts:
+    """What the run's decisions rest on, gathered before any is made (`gather_facts`)."""
+
+    model: torch.nn.Module  # with its generation settings (language, task) and SpecAugment
+    multilingual: bool  # the model's tokenizer has language tokens
+    processor: WhisperProcessor
+    label_encoder: LabelEncoder  # the labels the model learns
+    datasets: Datasets  # the evaluation sets, and the training set when it is read whole
+    plan: TrainingPlan  # what every epoch trains
+    data: DataFacts  # the facts of the plan that the record keeps
+
+
+def gather_facts(
+    config: RunConfig, *, process: PartialState, saved_packing: str | None
+) -> RunFacts:
+    """The facts, in one pass: the model to train and the encoder of its labels, then the data
+    read (a stream is opened by the training data source, `setup_loaders`) and planned
+    (`data.source.plan_training_data`). What the data phase reads and how it packs are decided
+    first, from what was asked alone (`config.resolve`): --packing auto continues as the
+    checkpoint trained (`saved_packing`) where it can."""
+    d, m, t = config.data, config.model, config.train
+    sets = evaluation_sets(config)
+    packing, packing_note = choose_packing(config, saved_packing)
     model, processor = load_model(m.model, attn_implementation=m.attn_implementation)
     multilingual = is_multilingual(model)
     label_encoder = LabelEncoder(
@@ -85,34 +103,8 @@ def load_model_and_labels(
     if d.spec_augment:
         for key, value in spec_augment_overrides().items():
             setattr(model.config, key, value)
-    return model, processor, label_encoder
-
-
-def prepare_data(config: RunConfig, model, label_encoder: LabelEncoder) -> Datasets:
-    """The evaluation sets, and the training set when it is read whole (a stream is opened
-    by the training data source, `setup_loaders`)."""
-    return prepare_datasets(
-        config,
-        evaluation_sets(config),
-        label_encoder,
-        max_label_tokens=model.config.max_target_positions,
-    )
-
-
-def plan_data(
-    config: RunConfig,
-    model,
-    *,
-    datasets: Datasets,
-    label_encoder: LabelEncoder,
-    process: PartialState,
-    saved_packing: str | None,
-) -> tuple[TrainingPlan, DataFacts]:
-    """What every epoch trains (`data.source.plan_training_data`), with --packing auto
-    resolved (on --resume, to the checkpoint's packing, `saved_packing`), and the facts of it
-    the record keeps."""
-    d, t = config.data, config.train
-    packing, packing_note = choose_packing(config, saved_packing)
+    max_label_tokens = model.config.max_target_positions
+    datasets = prepare_datasets(config, sets, label_encoder, max_label_tokens=max_label_tokens)
     stream = config.stream_source()
     plan = plan_training_data(
         datasets,
@@ -126,11 +118,11 @@ def plan_data(
         seed=t.seed,
         audio_augment=d.audio_augment,
         shuffle_buffer=d.shuffle_buffer,
-        max_label_tokens=model.config.max_target_positions,
+        max_label_tokens=max_label_tokens,
         counted=t.max_steps is None,
         process=process,
     )
-    facts = DataFacts(
+    data = DataFacts(
         packing=packing,
         packing_note=packing_note,
         streamed=stream is not None,
@@ -138,7 +130,7 @@ def plan_data(
         steps_per_epoch=plan.steps_per_epoch,
         batch_note=None if stream else plan.batch_note(t.gradient_accumulation),
     )
-    return plan, facts
+    return RunFacts(model, multilingual, processor, label_encoder, datasets, plan, data)
 
 
 # -- the phases that read the record -------------------------------------------------------------
@@ -204,7 +196,6 @@ def setup_memory(
     accelerator: Accelerator,
     precision: memory.Precision,
     datasets: Datasets,
-    label_encoder: LabelEncoder,
 ) -> tuple[torch.nn.Module, memory.BasePreservation | None, RunRecord]:
     """Freezing, LoRA and checkpointing in the one order that works (`memory`), then the
     checks that refuse, before step 1, what would fail later. Returns the prepared model, the
@@ -214,6 +205,7 @@ def setup_memory(
     lora = m.lora  # on the decoder only with the encoder cache
     checkpointing, offload = mem.checkpointing, mem.offload_activations
     if checkpointing == "auto":
+        encoder_rows = _encoder_rows(record)
         plan_lines = _encoder_cache_plan_line(record, model, datasets)
         model, plan = memory.prepare_model_within_budget(
             model,
@@ -221,18 +213,10 @@ def setup_memory(
             lora=lora,
             batch_size=record.data.clips_per_micro_batch,
             max_memory_bytes=parse_bytes(mem.max_memory, flag="--max-memory"),
-            # A stream's labels are unknown before step 1: the longest the workers let through.
-            label_tokens=longest_prompted_label(
-                max(
-                    datasets.label_lengths(label_encoder),
-                    default=model.config.max_target_positions + 1,
-                ),
-                record.data.prompt_probability,  # a prompted label is longer: count its prompt
-                model.config.max_target_positions,
-            ),
+            label_tokens=datasets.longest_label_tokens,
             precision=precision.name,
             optimizer=mem.optim,
-            encoder_rows=_encoder_rows(record),
+            encoder_rows=encoder_rows,
         )
         checkpointing, offload = plan.policy, offload or plan.offload
         record = record.replace("memory", checkpointing=checkpointing, offload_activations=offload)

@@ -14,7 +14,7 @@ import torch.distributed
 from tqdm.auto import tqdm
 
 from whisper_train import runfolder
-from whisper_train.config import RunConfig
+from whisper_train.config.run import RunConfig
 from whisper_train.errors import UserError, last_line
 from whisper_train.formats.packaged import resolve_alias
 from whisper_train.runlog import TrainResult

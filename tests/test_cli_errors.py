@@ -308,5 +308,5 @@ def test_the_ct2_compute_type_is_the_models_where_the_device_has_it(
     monkeypatch, stored, supported, chosen
 ):
     monkeypatch.setattr(runtimes.ct2, "weight_dtypes", lambda model_dir: stored)
-    monkeypatch.setattr(runtimes.ctranslate2, "get_supported_compute_types", lambda d: supported)
+    monkeypatch.setattr("ctranslate2.get_supported_compute_types", lambda d: supported)
     assert runtimes.ct2_compute_type("model", "cpu") == chosen

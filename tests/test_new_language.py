@@ -4,10 +4,12 @@ tokens), detected and decoded in; refused in one line where it cannot work."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 import torch
+from conftest import write_tone_dataset
 from multilingual import (
     EOT,
     MULTILINGUAL_VOCAB,
@@ -23,7 +25,9 @@ from whisper_train import memory
 from whisper_train.config import RunConfig
 from whisper_train.data.collate import IGNORE_INDEX, SpeechCollator
 from whisper_train.data.labels import LabelEncoder, language_code
+from whisper_train.deploy.export import export_model
 from whisper_train.errors import UserError
+from whisper_train.models import load_model
 from whisper_train.training.new_language import add_language
 from whisper_train.transcription.decoding import DecodingOptions, generate_decoded
 from whisper_train.transcription.languages import detect_languages
@@ -167,3 +171,58 @@ def test_an_english_only_model_or_a_second_addition_is_refused():
     config.update({"new_language_init": "es"})
     with pytest.raises(UserError, match="add --new-language CODE"):
         config.validate()
+
+
+@pytest.fixture(scope="module")
+def esperanto_folder(tmp_path_factory):
+    """A saved tiny multilingual model that has <|eo|>, and one clip said to be Esperanto."""
+    folder = tmp_path_factory.mktemp("esperanto")
+    model, processor, _ = with_esperanto()
+    letter = processor.tokenizer.convert_tokens_to_ids("a")
+    with torch.no_grad():  # it writes 'a' whatever it hears: a transcript the check can score
+        decoder = model.model.decoder
+        decoder.layer_norm.weight.zero_()  # every position's output is the bias: e0
+        decoder.layer_norm.bias.zero_()
+        decoder.layer_norm.bias[0] = 1.0
+        decoder.embed_tokens.weight[:, 0] = -10.0  # tied with proj_out: logit i = E[i, 0]
+        decoder.embed_tokens.weight[letter, 0] = 2.0
+    model.generation_config.max_length = 10
+    model.save_pretrained(folder / "model")
+    processor.save_pretrained(folder / "model")
+    clips = write_tone_dataset(folder / "clips", n=1, layout="manifest")
+    row = json.loads(clips.read_text())
+    clips.write_text(json.dumps({**row, "language": "eo"}) + "\n")
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("format", "runtime"),
+    [("ct2", "faster-whisper"), ("ggml", "whisper.cpp"), ("openai", "openai-whisper")],
+)
+def test_a_runtime_with_a_fixed_language_table_is_refused_before_anything_is_written(
+    format, runtime, esperanto_folder, tmp_path
+):
+    output = tmp_path / "export"
+    with pytest.raises(UserError) as refused:
+        export_model(str(esperanto_folder / "model"), format=format, output=output)
+    said = str(refused.value)
+    assert f"--format {format}" in said and "adds the language eo" in said
+    assert runtime in said and "--format hf" in said and "\n" not in said
+    assert not output.exists()
+
+
+def test_the_transformers_export_runs_the_new_language_and_passes_its_check(
+    esperanto_folder, tmp_path
+):
+    result = export_model(
+        str(esperanto_folder / "model"),
+        format="hf",
+        output=tmp_path / "export",
+        check_data=str(esperanto_folder / "clips" / "manifest.jsonl"),
+        n_check_clips=1,
+        device="cpu",
+    )
+    assert result.parity is not None and result.parity.passed
+    model, processor = load_model(str(tmp_path / "export"))
+    assert model.generation_config.lang_to_id["<|eo|>"] == NEW
+    assert processor.tokenizer.convert_tokens_to_ids("<|eo|>") == NEW

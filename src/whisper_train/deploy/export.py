@@ -25,6 +25,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import yaml
@@ -33,6 +34,7 @@ from transformers import GenerationConfig, WhisperProcessor
 
 from whisper_train.audio import N_SAMPLES, load_audio
 from whisper_train.config import require_positive
+from whisper_train.data.labels import added_languages
 from whisper_train.data.layouts import load_examples
 from whisper_train.deploy.parity import (
     CHECK_CLIPS,
@@ -45,11 +47,13 @@ from whisper_train.deploy.parity import (
 )
 from whisper_train.errors import UserError
 from whisper_train.files import check_output_path, write_atomically
+from whisper_train.formats.hf import read_json_object
 from whisper_train.formats.registry import (
     DEFAULT_FORMAT,
     DEVICES,
     EXPORT_FORMATS,
     EXPORT_QUANTIZATIONS,
+    ExportFormat,
     export_format,
 )
 from whisper_train.models import HUB_ID, load_model, model_folder, require_model, resolve_alias
@@ -205,6 +209,7 @@ def export_model(
                 f"--model {model_spec} is inside --output {output}, which --overwrite would "
                 "move aside; export to a new folder"
             )
+    refuse_new_languages(exported, model_spec)
     check_output_path(output, "--output", folder=True)  # before the model is read
     moved_aside = _clear_output(output, overwrite=overwrite)
 
@@ -232,6 +237,24 @@ def export_model(
         if not parity.passed:
             raise parity_failure(parity, format)
     return ExportResult(output, format, quantization, merged, parity, moved_aside, alignment)
+
+
+def refuse_new_languages(exported: ExportFormat, model_spec: str) -> None:
+    """One line, before anything is read or written, where the model adds a language (train
+    --new-language) and `exported`'s runtime cannot run one (`ExportFormat.no_new_language`)."""
+    if exported.no_new_language is None:
+        return
+    config_file = model_folder(model_spec) / "generation_config.json"
+    if not config_file.is_file():
+        return
+    lang_to_id = read_json_object(config_file, str(config_file)).get("lang_to_id") or {}
+    added = added_languages(SimpleNamespace(lang_to_id=lang_to_id))
+    if added:
+        raise UserError(
+            f"--format {exported.name}: --model {model_spec} adds the language "
+            f"{', '.join(added)} (train --new-language), and {exported.runtime} cannot run it: "
+            f"{exported.no_new_language}; export as --format hf (transformers)"
+        )
 
 
 def find_export_heads(model, processor, model_spec: str, data: str, reference: str | None):

@@ -29,6 +29,7 @@ from whisper_train.deploy.export import export_model
 from whisper_train.errors import UserError
 from whisper_train.models import load_model
 from whisper_train.training.new_language import add_language
+from whisper_train.training.train import train
 from whisper_train.transcription.decoding import DecodingOptions, generate_decoded
 from whisper_train.transcription.languages import detect_languages
 
@@ -226,3 +227,42 @@ def test_the_transformers_export_runs_the_new_language_and_passes_its_check(
     model, processor = load_model(str(tmp_path / "export"))
     assert model.generation_config.lang_to_id["<|eo|>"] == NEW
     assert processor.tokenizer.convert_tokens_to_ids("<|eo|>") == NEW
+
+
+def test_a_lora_run_trains_under_the_new_token_evaluates_in_it_and_saves_it(tmp_path, tone_dataset):
+    """The CLI's path end to end: labels and an evaluation set stated in the new language
+    (refused without --new-language), LoRA, final/ and its card."""
+    model, processor = make_tiny_multilingual_whisper(seed=0)
+    model.save_pretrained(tmp_path / "base")
+    processor.save_pretrained(tmp_path / "base")
+    settings = {
+        "data": str(tone_dataset),
+        "eval_data": [f"held:eo={tone_dataset}"],
+        "eval_subset": 2,
+        "model": str(tmp_path / "base"),
+        "output_dir": str(tmp_path / "out"),
+        "mode": "lora",
+        "language": "eo",
+        "max_steps": 1,
+        "batch_size": 4,
+        "learning_rate": 1e-3,
+        "seed": 0,
+        "generation_max_length": 6,
+        "temperatures": "0",
+    }
+    config = RunConfig()
+    config.update(settings)
+    with pytest.raises(UserError, match="'eo' is not one Whisper knows"):
+        config.validate()
+    config.update({"new_language": "eo", "new_language_init": "es"})
+    result = train(config)
+    rows = [row for row in result.evaluations if row["set"] == "held"]
+    assert rows and rows[-1]["clips"] == 2
+    saved, saved_processor = load_model(str(result.final_dir))
+    assert saved.generation_config.lang_to_id["<|eo|>"] == NEW
+    assert saved_processor.tokenizer.convert_ids_to_tokens(NEW) == "<|eo|>"
+    card = (result.final_dir / "README.md").read_text()
+    assert (
+        "- added language: `eo` (the token <|eo|>, its embedding row initialised from <|es|>'s"
+        in card
+    )

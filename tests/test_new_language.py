@@ -22,12 +22,12 @@ from tiny_models import make_tiny_whisper
 from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
 from whisper_train import memory
-from whisper_train.config import RunConfig
+from whisper_train.config import RunConfig, named_sets
 from whisper_train.data.collate import IGNORE_INDEX, SpeechCollator
 from whisper_train.data.labels import LabelEncoder, language_code
 from whisper_train.deploy.export import export_model
 from whisper_train.errors import UserError
-from whisper_train.models import load_model
+from whisper_train.models import folder_added_languages, load_model
 from whisper_train.training.new_language import add_language
 from whisper_train.training.train import train
 from whisper_train.transcription.decoding import DecodingOptions, generate_decoded
@@ -224,6 +224,10 @@ def test_the_transformers_export_runs_the_new_language_and_passes_its_check(
         device="cpu",
     )
     assert result.parity is not None and result.parity.passed
+    # `evaluate --data NAME:eo=PATH` reads the languages a model adds from its small files.
+    added = folder_added_languages(str(tmp_path / "export"))
+    assert added == ("eo",)
+    assert named_sets(["held:eo=clips/"], "--data", added) == {"held": ("clips/", "eo")}
     model, processor = load_model(str(tmp_path / "export"))
     assert model.generation_config.lang_to_id["<|eo|>"] == NEW
     assert processor.tokenizer.convert_tokens_to_ids("<|eo|>") == NEW

@@ -25,7 +25,6 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import yaml
@@ -34,7 +33,6 @@ from transformers import GenerationConfig, WhisperProcessor
 
 from whisper_train.audio import N_SAMPLES, load_audio
 from whisper_train.config import require_positive
-from whisper_train.data.labels import added_languages
 from whisper_train.data.layouts import load_examples
 from whisper_train.deploy.parity import (
     CHECK_CLIPS,
@@ -47,7 +45,6 @@ from whisper_train.deploy.parity import (
 )
 from whisper_train.errors import UserError
 from whisper_train.files import check_output_path, write_atomically
-from whisper_train.formats.hf import read_json_object
 from whisper_train.formats.registry import (
     DEFAULT_FORMAT,
     DEVICES,
@@ -56,7 +53,14 @@ from whisper_train.formats.registry import (
     ExportFormat,
     export_format,
 )
-from whisper_train.models import HUB_ID, load_model, model_folder, require_model, resolve_alias
+from whisper_train.models import (
+    HUB_ID,
+    folder_added_languages,
+    load_model,
+    model_folder,
+    require_model,
+    resolve_alias,
+)
 from whisper_train.runfolder import CONFIG_FILE, aside_path
 from whisper_train.training.model_card import CARD_FILE, export_card
 from whisper_train.transcription.word_timestamps import (
@@ -244,11 +248,7 @@ def refuse_new_languages(exported: ExportFormat, model_spec: str) -> None:
     --new-language) and `exported`'s runtime cannot run one (`ExportFormat.no_new_language`)."""
     if exported.no_new_language is None:
         return
-    config_file = model_folder(model_spec) / "generation_config.json"
-    if not config_file.is_file():
-        return
-    lang_to_id = read_json_object(config_file, str(config_file)).get("lang_to_id") or {}
-    added = added_languages(SimpleNamespace(lang_to_id=lang_to_id))
+    added = folder_added_languages(model_spec)
     if added:
         raise UserError(
             f"--format {exported.name}: --model {model_spec} adds the language "

@@ -172,6 +172,9 @@ def test_an_english_only_model_or_a_second_addition_is_refused():
     config.update({"new_language_init": "es"})
     with pytest.raises(UserError, match="add --new-language CODE"):
         config.validate()
+    config.update({"new_language": "eo", "compare_baseline": True})
+    with pytest.raises(UserError, match="the base has no token to decode that language in"):
+        config.validate()
 
 
 @pytest.fixture(scope="module")

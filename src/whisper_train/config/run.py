@@ -446,6 +446,12 @@ class RunConfig:
         m = self.model
         if m.new_language is not None:
             check_new_language(m.new_language, m.new_language_init)
+            if self.train.compare_baseline:
+                raise UserError(
+                    f"--compare-baseline with --new-language {m.new_language}: the base has no "
+                    "token to decode that language in; drop --compare-baseline, and score the "
+                    f"base with `whisper-train evaluate --language {m.new_language_init}`"
+                )
         elif m.new_language_init is not None:
             raise UserError(
                 "--new-language-init names the token --new-language starts from: add "

@@ -5,7 +5,8 @@ The factors (`FACTORS`) are the training options that interact: mode, processes,
 accumulation, checkpointing, packing, streamed shards or lhotse cuts, --fsdp, the encoder
 cache, precision, LoRA's targets (and DoRA), --resume, data-loading workers, the trackers of
 --report-to, settings given as flags or in a YAML --config, --prompt-probability, --nonspeech,
-and bad clips among the training data (missing, empty, unreadable). A seeded greedy
+bad clips among the training data (missing, empty, unreadable), and --new-language (a
+language token added to a multilingual model). A seeded greedy
 generator (`covering_array`) picks rows until every pair of values
 that some valid row can hold is in a row (the 3-wise array is the slow test). Pairs no row may
 hold (`REFUSED`) are each tested to be refused.
@@ -81,6 +82,9 @@ FACTORS: dict[str, tuple] = {
     # --nonspeech: a clip of noise with an empty target (<|nospeech|>) mixed into the data, in
     # place of one speech clip so that a step still holds all of it
     "nonspeech": (False, True),
+    # --new-language eo --new-language-init es --language eo on a tiny multilingual model (the
+    # English-only one has no language tokens): its row trained (LoRA: peft's trainable token)
+    "new_language": (False, True),
 }
 NAMES = list(FACTORS)
 
@@ -232,12 +236,14 @@ def row_id(row: dict) -> str:
     parts += ["nonspeech"] * bool(row.get("nonspeech"))
     parts += ["decoder-adapters"] * row.get("decoder_adapters", False)
     parts += ["bad"] * row.get("bad", False)
+    parts += ["newlang"] * row.get("new_language", False)
     return "-".join(parts)
 
 
 # Seed 5: of seeds 0-11 the cheapest in launches of 2 processes (`row_cost`) with DoRA,
 # --nonspeech and bad clips among the factors: 7 (18 rows, 6 of them 2-process), where seed 0
-# needs 10 and seed 1 needs 9.
+# needs 10 and seed 1 needs 9. With --new-language a factor: 8 (19 rows; other seeds not
+# compared again).
 PAIRWISE = covering_array(2, seed=5)
 
 # -- running a row ---------------------------------------------------------------------------
@@ -321,13 +327,15 @@ def expected_trainable(row: dict, model) -> set[str]:
         targets = ("q_proj", "v_proj") if row["targets"] == "q,v" else ALL_LINEAR
         # DoRA: a magnitude vector per adapted layer besides A and B.
         parts = ("A", "B", "magnitude_vector") if row["targets"] == "dora" else ("A", "B")
+        # --new-language: the new token's row, beside the adapters (peft's trainable tokens).
+        token = {"model.decoder.embed_tokens.token_adapter.trainable_tokens_delta.default"}
         return {
             f"{name}.lora_{part}.default.weight"
             for name, module in model.named_modules()
             if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets
             if name.startswith(adapted_parts(row))
             for part in parts
-        }
+        } | (token if row.get("new_language") else set())
     # Whisper's encoder positions are fixed sinusoids (transformers freezes them).
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     if row["mode"] == "freeze-encoder":
@@ -339,12 +347,14 @@ def expected_changed_weights(row: dict, saved: dict) -> set[str]:
     """The tensors of final/model.safetensors that 2 steps must change (all others must not)."""
     if row["mode"] == "lora":  # the adapters merged into their linear layers' weights
         targets = ("q_proj", "v_proj") if row["targets"] == "q,v" else ALL_LINEAR
+        # --new-language: the token embedding (one row more, that row trained).
+        embedding = {"model.decoder.embed_tokens.weight"} if row.get("new_language") else set()
         return {
             n
             for n in saved
             if n.endswith(".weight") and n.split(".")[-2] in targets
             if n.startswith(adapted_parts(row))
-        }
+        } | embedding
     if row["mode"] == "freeze-encoder":
         return {n for n in saved if n.startswith("model.decoder.")}
     return {n for n in saved if n != "model.encoder.embed_positions.weight"}
@@ -504,6 +514,16 @@ def without_last_clip(path: Path, folder: Path) -> Path:
     return folder
 
 
+def multilingual_model(folder: Path) -> Path:
+    """A saved seeded tiny multilingual Whisper (the --new-language rows' model)."""
+    from multilingual import make_tiny_multilingual_whisper
+
+    model, processor = make_tiny_multilingual_whisper(seed=0)
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def matrix_data(tmp_path_factory, tiny_whisper_dir):
     """The tiny model and the training data of each (data, packing), each step all of it:
@@ -536,6 +556,7 @@ def matrix_data(tmp_path_factory, tiny_whisper_dir):
         **data,
         "noise": write_noise(root / "noise", 10.0),
         "model": tiny_whisper_dir,
+        "multilingual": multilingual_model(root / "multilingual"),
         "twins": {},  # twin key -> its losses, shared by the rows
         "root": root,
         # the same data with the bad clips among it (`with_bad_clips`); their origins
@@ -582,6 +603,8 @@ def row_settings(row: dict) -> dict[str, object]:
         settings["lora_targets"] = ["q_proj", "v_proj"]
     if row["targets"] == "dora":
         settings["lora_variant"] = "dora"
+    if row.get("new_language"):
+        settings.update(new_language="eo", new_language_init="es", language="eo")
     return settings
 
 
@@ -621,7 +644,7 @@ def row_flags(row: dict, data: dict, workdir: Path) -> list[str]:
     flags = [
         f"--data={data_of(row, data)}",
         *["--streaming"] * (row["data"] == "cuts"),
-        f"--model={data['model']}",
+        f"--model={data['multilingual' if row.get('new_language') else 'model']}",
         f"--output-dir={workdir / 'out'}",
         *options,
         f"--encoder-cache-dir={workdir / 'encoder-cache'}",
@@ -742,7 +765,9 @@ def check_row(row: dict, data: dict, tmp_path: Path, monkeypatch, capsys) -> Non
     assert trainable == expected_names, trainable ^ expected_names
     assert nonzero == expected_names, ("without a gradient", sorted(expected_names - nonzero))
 
-    initial = load_file(data["model"] / "model.safetensors")
+    initial = load_file(
+        data["multilingual" if row.get("new_language") else "model"] / "model.safetensors"
+    )
     final = load_file(out / "final" / "model.safetensors")
     assert set(final) == set(initial)
     changed = {n for n in initial if not torch.equal(initial[n], final[n])}

@@ -116,6 +116,10 @@ CHANGES = {
     "lora_targets": ("lora", ["q_proj", "v_proj"]),
     "lora_variant": ("lora", "dora"),
     "attn_implementation": ("plain", "eager"),
+    # Each alone is refused by the other's absence; both on the English-only tiny model by it
+    # (tests/test_new_language.py): a model's vocabulary does not change mid-run.
+    "new_language": ("plain", "eo"),
+    "new_language_init": ("plain", "es"),
     "gradient_checkpointing": ("plain", "full"),
     "max_memory": ("planned", "16GB"),
     "offload_activations": ("checkpointed", True),

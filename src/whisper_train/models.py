@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from huggingface_hub import constants
@@ -34,6 +35,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
+from whisper_train.data.labels import added_languages
 from whisper_train.errors import UserError
 from whisper_train.formats import ct2
 from whisper_train.formats.hf import from_pretrained, read_json_object, refuse_nonfinite_weights
@@ -69,6 +71,16 @@ def load_model(
         model = model.float()
     refuse_nonfinite_weights(model, spec)
     return model, processor
+
+
+def folder_added_languages(spec: str) -> tuple[str, ...]:
+    """The languages the model `--model spec` adds to Whisper's (train --new-language), read
+    from its generation_config.json alone (no weights); none where it has no such file."""
+    config_file = model_folder(spec) / "generation_config.json"
+    if not config_file.is_file():
+        return ()
+    lang_to_id = read_json_object(config_file, str(config_file)).get("lang_to_id") or {}
+    return added_languages(SimpleNamespace(lang_to_id=lang_to_id))
 
 
 def is_multilingual(model) -> bool:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from whisper_train.commands.flags import PLACEHOLDERS, add_field, add_shared
 from whisper_train.config import long_form_sets, named_sets, nonspeech_sets
 from whisper_train.evaluation.scoring import NORMALIZERS
+from whisper_train.models import folder_added_languages
 from whisper_train.transcription import decoding
 
 if TYPE_CHECKING:
@@ -140,9 +141,10 @@ def run(args: argparse.Namespace) -> int:
             where = "see the JSON report" if writes_json else "--output FILE.json lists them"
             print(f"skipped {len(report.skipped)} unreadable clip(s); {where}")
 
-    sets = named_sets(args.data, "--data")
-    long_form = long_form_sets(args.data, "--data")
-    nonspeech = nonspeech_sets(args.data, "--data")
+    added = folder_added_languages(args.model)  # NAME:LANG may name a language it adds
+    sets = named_sets(args.data, "--data", added)
+    long_form = long_form_sets(args.data, "--data", added)
+    nonspeech = nonspeech_sets(args.data, "--data", added)
     several = len(sets) > 1
     default_reports = report_paths(args.model, output=None, baseline=args.baseline)
     reports_root = Path(args.output) if args.output else None

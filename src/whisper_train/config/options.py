@@ -231,6 +231,19 @@ class ModelConfig:
     attn_implementation: str = _help(
         "sdpa or eager attention.", choices=("sdpa", "eager"), default="sdpa"
     )
+    new_language: str | None = _help(
+        "Teach the model a language Whisper lacks: add the token <|CODE|> (e.g. eo) to its "
+        "tokenizer and embedding, trained with the rest (under LoRA too), so that --language "
+        "CODE, language detection, evaluate, transcribe and the exports that can hold it "
+        "know it. Multilingual models only; needs --new-language-init.",
+        default=None,
+    )
+    new_language_init: str | None = _help(
+        "The language whose token --new-language's starts from (a neighbour, e.g. es for "
+        "Esperanto); required with it: the neighbour is a linguistic choice the tool cannot "
+        "make.",
+        default=None,
+    )
 
 
 @dataclass

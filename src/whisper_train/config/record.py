@@ -73,6 +73,10 @@ class ModelRecord:
     lora_variant: str | None = decided(MUST_EQUAL, "lora_variant")
     attn_implementation: str = decided(MAY_CHANGE, "attn_implementation")
     spec_augment: bool = decided(MAY_CHANGE, "spec_augment")
+    # A language token added (None: none) and the language its row starts from: the model's
+    # shape and its labels' prefix depend on both.
+    new_language: str | None = decided(MUST_EQUAL, "new_language", default=None)
+    new_language_init: str | None = decided(MUST_EQUAL, "new_language_init", default=None)
 
     @property
     def lora(self):
@@ -86,6 +90,7 @@ class ModelRecord:
             targets=self.lora_targets,
             decoder_only=self.lora_decoder_only,
             variant=self.lora_variant,
+            new_languages=() if self.new_language is None else (self.new_language,),
         )
 
 

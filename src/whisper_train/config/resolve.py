@@ -98,9 +98,10 @@ def evaluation_sets(config: RunConfig) -> tuple[EvalSet, ...]:
     if t.only_train:
         return ()
     if d.eval_data:
-        sets = named_sets(d.eval_data, "--eval-data")
-        long_form = long_form_sets(d.eval_data, "--eval-data")
-        nonspeech = nonspeech_sets(d.eval_data, "--eval-data")
+        added = config.added_languages()
+        sets = named_sets(d.eval_data, "--eval-data", added)
+        long_form = long_form_sets(d.eval_data, "--eval-data", added)
+        nonspeech = nonspeech_sets(d.eval_data, "--eval-data", added)
         return tuple(
             EvalSet(name, path, language, name in long_form, nonspeech=name in nonspeech)
             for name, (path, language) in sets.items()
@@ -176,6 +177,8 @@ def _model(config: RunConfig, *, width: int, multilingual: bool) -> ModelRecord:
         lora_variant=m.lora_variant if lora else None,
         attn_implementation=m.attn_implementation,
         spec_augment=config.data.spec_augment,
+        new_language=next(iter(config.added_languages()), None),
+        new_language_init=m.new_language_init if m.new_language else None,
     )
 
 

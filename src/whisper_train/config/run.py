@@ -41,6 +41,7 @@ from whisper_train.config.values import (
     read_yaml,
     require_positive,
 )
+from whisper_train.data.labels import check_new_language
 from whisper_train.errors import UserError
 from whisper_train.units import parse_bytes
 
@@ -156,6 +157,7 @@ class RunConfig:
             raise UserError("--report-to none turns every tracker off: name no other with it")
         if d.pin_language and d.language is None:
             raise UserError("--pin-language saves --language in the model: add --language")
+        self._validate_new_language()
         policy = mem.gradient_checkpointing
         if policy is not None and not is_checkpoint_policy(policy):
             raise UserError(
@@ -440,11 +442,27 @@ class RunConfig:
         d = self.data
         return stream_source(d.data, data_format=d.data_format, streaming=d.streaming)
 
+    def _validate_new_language(self) -> None:
+        m = self.model
+        if m.new_language is not None:
+            check_new_language(m.new_language, m.new_language_init)
+            if self.train.compare_baseline:
+                raise UserError(
+                    f"--compare-baseline with --new-language {m.new_language}: the base has no "
+                    "token to decode that language in; drop --compare-baseline, and score the "
+                    f"base with `whisper-train evaluate --language {m.new_language_init}`"
+                )
+        elif m.new_language_init is not None:
+            raise UserError(
+                "--new-language-init names the token --new-language starts from: add "
+                "--new-language CODE, or drop --new-language-init"
+            )
+
     def _validate_eval_sets(self) -> None:
         d, t = self.data, self.train
         if t.guard is not None and t.only_train:
             raise UserError("--guard needs evaluation: drop --only-train")
-        nonspeech = nonspeech_sets(d.eval_data or [], "--eval-data")
+        nonspeech = nonspeech_sets(d.eval_data or [], "--eval-data", self.added_languages())
         names = list(self.eval_sets())
         if nonspeech and not set(names) - nonspeech:
             raise UserError(
@@ -486,7 +504,13 @@ class RunConfig:
 
     def eval_sets(self) -> dict[str, str]:
         """{name: path} of --eval-data, in the order given (empty: split --data instead)."""
-        return named_paths(self.data.eval_data or [], "--eval-data")
+        return named_paths(self.data.eval_data or [], "--eval-data", self.added_languages())
+
+    def added_languages(self) -> tuple[str, ...]:
+        """The language codes this run adds to Whisper's (--new-language), as tokens spell
+        them: languages its data and evaluation sets may state."""
+        code = self.model.new_language
+        return () if code is None else (code.strip().lower(),)
 
     @property
     def cache_encoder(self) -> bool:

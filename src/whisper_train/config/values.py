@@ -53,9 +53,12 @@ NONSPEECH = "nonspeech"
 SET_KINDS = (LONG_FORM, NONSPEECH)
 
 
-def _parse_sets(entries: list[str], flag: str) -> dict[str, tuple[str, str | None, str | None]]:
+def _parse_sets(
+    entries: list[str], flag: str, added: tuple[str, ...] = ()
+) -> dict[str, tuple[str, str | None, str | None]]:
     """{name: (path, language, kind)} of NAME[:LANG][:KIND]=PATH entries, in order; kind is
-    one of SET_KINDS, or None for clips with transcripts."""
+    one of SET_KINDS, or None for clips with transcripts. `added`: languages the model adds to
+    Whisper's (train's --new-language), accepted as LANG."""
     sets: dict[str, tuple[str, str | None, str | None]] = {}
     for entry in entries:
         label, sep, path = entry.partition("=")
@@ -80,14 +83,16 @@ def _parse_sets(entries: list[str], flag: str) -> dict[str, tuple[str, str | Non
         language = tags[0] if tags else ""
         if language:
             try:
-                language = language_code(language)
+                language = language_code(language, added)
             except UserError as exc:
                 raise UserError(f"{flag} {entry}: {exc}") from None
         sets[name] = (path, language or None, kinds[0] if kinds else None)
     return sets
 
 
-def named_sets(entries: list[str], flag: str) -> dict[str, tuple[str, str | None]]:
+def named_sets(
+    entries: list[str], flag: str, added: tuple[str, ...] = ()
+) -> dict[str, tuple[str, str | None]]:
     """["target:es=t/", "general=g/"] → {"target": ("t/", "es"), "general": ("g/", None)}, in
     order: NAME=PATH, or NAME:LANG=PATH to state the set's language (a code or name Whisper
     knows); a bare PATH is named "eval". The one reading of NAME[:LANG]=PATH for `train
@@ -95,23 +100,26 @@ def named_sets(entries: list[str], flag: str) -> dict[str, tuple[str, str | None
     (and hub ids such as `name:config:split`) are never split. A `:long` tag
     (`long_form_sets`) may sit beside the language."""
     return {
-        name: (path, language) for name, (path, language, _) in _parse_sets(entries, flag).items()
+        name: (path, language)
+        for name, (path, language, _) in _parse_sets(entries, flag, added).items()
     }
 
 
-def long_form_sets(entries: list[str], flag: str) -> set[str]:
+def long_form_sets(entries: list[str], flag: str, added: tuple[str, ...] = ()) -> set[str]:
     """The names of the sets tagged NAME[:LANG]:long=PATH: long recordings, decoded whole."""
-    return {name for name, (_, _, kind) in _parse_sets(entries, flag).items() if kind == LONG_FORM}
+    sets = _parse_sets(entries, flag, added)
+    return {name for name, (_, _, kind) in sets.items() if kind == LONG_FORM}
 
 
-def nonspeech_sets(entries: list[str], flag: str) -> set[str]:
+def nonspeech_sets(entries: list[str], flag: str, added: tuple[str, ...] = ()) -> set[str]:
     """The names of the sets tagged NAME:nonspeech=PATH: clips where nobody speaks."""
-    return {name for name, (_, _, kind) in _parse_sets(entries, flag).items() if kind == NONSPEECH}
+    sets = _parse_sets(entries, flag, added)
+    return {name for name, (_, _, kind) in sets.items() if kind == NONSPEECH}
 
 
-def named_paths(entries: list[str], flag: str) -> dict[str, str]:
+def named_paths(entries: list[str], flag: str, added: tuple[str, ...] = ()) -> dict[str, str]:
     """{name: path} of `named_sets`."""
-    return {name: path for name, (path, _) in named_sets(entries, flag).items()}
+    return {name: path for name, (path, _) in named_sets(entries, flag, added).items()}
 
 
 def require_positive(flag: str, value: int, *, alternative: str | None = None) -> None:

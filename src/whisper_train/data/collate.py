@@ -11,12 +11,18 @@ is given at inference time, never predicted, so its labels are masked with -100 
 loss; padding is masked too. Labels are padded to the longest in the batch, not to 448.
 A prompted label (`prompts`, --prompt-probability) starts with <|startofprev|> and the previous
 text before SOT, and its prefix length counts them: given, never predicted, they are masked too.
+
+One exception, `language_targets`: a run that adds a language (--new-language) must teach the
+decoder to name it after SOT, which is all language detection reads, so there the language
+token is a target (as in Whisper's own pretraining), for every clip's language alike (the
+others' keep their detection calibrated against the new one); the rest of the prefix stays
+masked.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -46,9 +52,17 @@ class SpeechCollator:
     `LogMel`, else the `audio` arrays.
     """
 
-    def __init__(self, pad_token_id: int, *, log_mel: LogMel | None = None):
+    def __init__(
+        self,
+        pad_token_id: int,
+        *,
+        log_mel: LogMel | None = None,
+        language_targets: Collection[int] = (),
+    ):
         self.pad_token_id = pad_token_id
         self.log_mel = log_mel
+        # The ids of the language tokens predicted after SOT, not masked (none: all masked).
+        self.language_targets = frozenset(language_targets)
 
     def __call__(self, items: Sequence[dict | Skip]) -> dict:
         skipped = [item for item in items if isinstance(item, Skip)]
@@ -103,4 +117,7 @@ class SpeechCollator:
             labels[row, : len(tokens) - 1] = tokens[1:]
             # labels[j] is tokens[j + 1]: the prefix after SOT sits at labels[: prefix - 1].
             labels[row, : prefix - 1] = IGNORE_INDEX
+            for j in range(prefix - 1) if self.language_targets else ():
+                if int(tokens[j + 1]) in self.language_targets:
+                    labels[row, j] = tokens[j + 1]
         return {"decoder_input_ids": decoder_input_ids, "labels": labels}

@@ -21,7 +21,8 @@ import hashlib
 import json
 import os
 import random
-from collections.abc import Sequence
+import re
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -91,13 +92,18 @@ class _HasText(Protocol):
     origin: str
 
 
-def language_code(language: str | None) -> str | None:
+def language_code(language: str | None, added: Collection[str] = ()) -> str | None:
     """'en', 'english', 'German', '<|de|>' → 'en' / 'de'; None stays None.
 
+    `added`: codes a model adds to Whisper's (a run's --new-language, a model trained with one:
+    `added_languages`); they pass too, and only where that model is the one in use.
     Raises UserError for a language Whisper does not know, with the spellings it accepts.
     """
     if language is None:
         return None
+    added_key = language.strip().lower().removeprefix("<|").removesuffix("|>")
+    if added_key in added:
+        return added_key
     # Imported here: transformers takes a second or more to import, and `data` and `checkdata`
     # read this module's limits without needing it.
     from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE
@@ -110,8 +116,72 @@ def language_code(language: str | None) -> str | None:
     raise UserError(
         f"language {language!r} is not one Whisper knows; use a code such as en, de, fr, zh "
         f"or a name such as english, german (all {len(LANGUAGES)} codes: "
-        f"{', '.join(sorted(LANGUAGES))})"
+        f"{', '.join(sorted(LANGUAGES))}), or teach the model a new one with train "
+        "--new-language CODE"
     )
+
+
+def added_languages(generation_config) -> tuple[str, ...]:
+    """The language codes a model's generation config maps to a token that Whisper's own
+    table lacks: those a run added with --new-language (`lang_to_id` is what generate and
+    language detection read, so it is the model's list of languages)."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    tokens = getattr(generation_config, "lang_to_id", None) or {}
+    codes = (token.removeprefix("<|").removesuffix("|>") for token in tokens)
+    return tuple(code for code in codes if code not in LANGUAGES)
+
+
+# A code as it goes into a token and a --language flag: lower-case letters, 2 to 8 of them
+# (ISO 639-1/-3 codes and Whisper's own, such as haw and yue, all fit).
+NEW_LANGUAGE_CODE = re.compile(r"[a-z]{2,8}")
+
+
+def check_new_language(code: str, init: str | None, *, multilingual: bool | None = None) -> str:
+    """The code --new-language adds, checked without a model where a model is not needed:
+    its spelling, a language Whisper has already (named), --new-language-init given and a
+    language Whisper knows. `multilingual` False: an English-only model, refused."""
+    key = code.strip().lower()
+    if not NEW_LANGUAGE_CODE.fullmatch(key):
+        raise UserError(
+            f"--new-language {code}: expected a language code of 2 to 8 letters (e.g. eo)"
+        )
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE
+
+    if key in LANGUAGES or key in TO_LANGUAGE_CODE:
+        known = TO_LANGUAGE_CODE.get(key, key)
+        raise UserError(
+            f"--new-language {code}: Whisper already has {LANGUAGES[known].title()} ({known}); "
+            f"train under its own token with --language {known}"
+        )
+    if init is None:
+        raise UserError(
+            f"--new-language {key} needs --new-language-init LANG: the language whose token "
+            "the new one starts from (a neighbour, e.g. es for Esperanto)"
+        )
+    language_code(init)  # one line naming the codes Whisper knows
+    if multilingual is False:
+        raise UserError(
+            f"--new-language {key} on an English-only checkpoint (*.en): it has no language "
+            "tokens to add to; use a multilingual checkpoint such as base or "
+            "openai/whisper-small"
+        )
+    return key
+
+
+def generate_language(code: str) -> str:
+    """transformers generate's `language` for a code: the code itself for Whisper's own
+    languages, the token (<|eo|>) for an added one, which generate finds in `lang_to_id` only
+    in that form (it checks every other spelling against its own table)."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    return code if code in LANGUAGES else f"<|{code}|>"
+
+
+def model_generate_language(language: str, generation_config) -> str:
+    """`generate_language` of a language as a user spells it (a code or a name), the model's
+    added languages accepted."""
+    return generate_language(language_code(language, added_languages(generation_config)))
 
 
 def _check_language_and_task(language: str | None, task: str, *, multilingual: bool) -> None:
@@ -142,6 +212,8 @@ class LabelEncoder:
         task: "transcribe" or "translate".
         timestamps: emit time tokens for examples whose `segments` are known.
         multilingual: whether the checkpoint is multilingual (prefix carries language + task).
+        added_languages: codes the model adds to Whisper's (`added_languages`), accepted as
+            languages of rows and as the default.
         timestamp_probability: share of timestamped examples that get the timestamp form; the
             rest get the plain form, so the model keeps both skills (Whisper was trained on a
             mix; distil-whisper uses 50%).
@@ -155,12 +227,14 @@ class LabelEncoder:
         task: str = "transcribe",
         timestamps: bool = False,
         multilingual: bool,
+        added_languages: Collection[str] = (),
         timestamp_probability: float = 0.5,
     ) -> None:
         if not 0.0 <= timestamp_probability <= 1.0:
             raise UserError(f"timestamp_probability {timestamp_probability}: must be in [0, 1]")
         self.tokenizer = tokenizer
-        self.language = language_code(language)
+        self.added_languages = tuple(added_languages)
+        self.language = language_code(language, self.added_languages)
         self.task = task
         self.timestamps = timestamps
         self.multilingual = multilingual
@@ -211,7 +285,7 @@ class LabelEncoder:
         `language` (a code or name) defaults to the encoder's language; a multilingual model
         needs one.
         """
-        code = language_code(language) or self.language
+        code = language_code(language, self.added_languages) or self.language
         _check_language_and_task(code, self.task, multilingual=self.multilingual)
         ids = [self.sot_id]
         if self.multilingual:
@@ -240,7 +314,11 @@ class LabelEncoder:
         states English, as a language must be stated)."""
         if self.nonspeech_form == NOSPEECH_FORM:
             return [self.sot_id, self.no_speech_id, self.eot_id], 1
-        if self.multilingual and language_code(language) is None and self.language is None:
+        if (
+            self.multilingual
+            and language_code(language, self.added_languages) is None
+            and self.language is None
+        ):
             language = "en"
         prefix = self.prefix_ids(language)
         return prefix + [self.eot_id], len(prefix)
@@ -386,10 +464,10 @@ def configure_generation(
     English-only checkpoints get `None` for both (transformers refuses either on them), after
     checking that the request makes sense there. Returns the same (mutated) config.
     """
-    code = language_code(language)
+    code = language_code(language, added_languages(generation_config))
     _check_language_and_task(code, task, multilingual=multilingual)
     if multilingual:
-        generation_config.language = code
+        generation_config.language = None if code is None else generate_language(code)
         generation_config.task = task
     else:
         generation_config.language = None

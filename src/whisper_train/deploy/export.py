@@ -50,9 +50,17 @@ from whisper_train.formats.registry import (
     DEVICES,
     EXPORT_FORMATS,
     EXPORT_QUANTIZATIONS,
+    ExportFormat,
     export_format,
 )
-from whisper_train.models import HUB_ID, load_model, model_folder, require_model, resolve_alias
+from whisper_train.models import (
+    HUB_ID,
+    folder_added_languages,
+    load_model,
+    model_folder,
+    require_model,
+    resolve_alias,
+)
 from whisper_train.runfolder import CONFIG_FILE, aside_path
 from whisper_train.training.model_card import CARD_FILE, export_card
 from whisper_train.transcription.word_timestamps import (
@@ -205,6 +213,7 @@ def export_model(
                 f"--model {model_spec} is inside --output {output}, which --overwrite would "
                 "move aside; export to a new folder"
             )
+    refuse_new_languages(exported, model_spec)
     check_output_path(output, "--output", folder=True)  # before the model is read
     moved_aside = _clear_output(output, overwrite=overwrite)
 
@@ -232,6 +241,20 @@ def export_model(
         if not parity.passed:
             raise parity_failure(parity, format)
     return ExportResult(output, format, quantization, merged, parity, moved_aside, alignment)
+
+
+def refuse_new_languages(exported: ExportFormat, model_spec: str) -> None:
+    """One line, before anything is read or written, where the model adds a language (train
+    --new-language) and `exported`'s runtime cannot run one (`ExportFormat.no_new_language`)."""
+    if exported.no_new_language is None:
+        return
+    added = folder_added_languages(model_spec)
+    if added:
+        raise UserError(
+            f"--format {exported.name}: --model {model_spec} adds the language "
+            f"{', '.join(added)} (train --new-language), and {exported.runtime} cannot run it: "
+            f"{exported.no_new_language}; export as --format hf (transformers)"
+        )
 
 
 def find_export_heads(model, processor, model_spec: str, data: str, reference: str | None):

@@ -22,7 +22,7 @@ from whisper_train.audio import N_SAMPLES, load_audio
 from whisper_train.config import require_positive
 from whisper_train.data.collate import IGNORE_INDEX
 from whisper_train.data.features import LogMel
-from whisper_train.data.labels import language_code
+from whisper_train.data.labels import added_languages, language_code
 from whisper_train.data.layouts import load_examples
 from whisper_train.data.recordings import load_recordings
 from whisper_train.errors import AudioError, UserError
@@ -145,11 +145,14 @@ def detected_counts(decoded: Iterable[Decoded]) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-def row_languages(examples: Iterable, default: str | None) -> list[str | None]:
+def row_languages(
+    examples: Iterable, default: str | None, added: tuple[str, ...] = ()
+) -> list[str | None]:
     """The language each example is decoded in on a multilingual model: its own `language`
-    (the data's column), else `default` (the set's), else None: detected from its audio."""
-    default = language_code(default)
-    return [language_code(example.language) or default for example in examples]
+    (the data's column), else `default` (the set's), else None: detected from its audio.
+    `added`: the model's languages beyond Whisper's (`added_languages`)."""
+    default = language_code(default, added)
+    return [language_code(example.language, added) or default for example in examples]
 
 
 def _feature_batches(
@@ -160,6 +163,7 @@ def _feature_batches(
     kept: list,
     default_language: str | None = None,
     longer: list | None = None,
+    added: tuple[str, ...] = (),
 ):
     """Examples → batches {"input_features": (batch, n_mels, 3000), "texts", "languages"}
     (`row_languages`); bad clips skipped; clips over 30 s appended to `longer` (to be decoded
@@ -180,7 +184,7 @@ def _feature_batches(
             texts.append(example.text)
             kept.append(example)
         if clips:
-            languages = row_languages(kept[-len(clips) :], default_language)
+            languages = row_languages(kept[-len(clips) :], default_language, added)
             yield {
                 "input_features": log_mel(clips),
                 "texts": texts,
@@ -304,14 +308,17 @@ def evaluate_examples(
     decoding = DecodingOptions() if decoding is None else decoding
 
     started = time.perf_counter()
-    language = language_code(language)
-    default = language or language_code(getattr(model.generation_config, "language", None))
+    added = added_languages(model.generation_config)
+    language = language_code(language, added)
+    default = language or language_code(getattr(model.generation_config, "language", None), added)
     skipped: list[dict] = []
     kept: list = []
     examples = list(examples)
     longer: list = list(examples) if long_form else []
     windowed = [] if long_form else examples
-    batches = _feature_batches(windowed, processor, batch_size, skipped, kept, default, longer)
+    batches = _feature_batches(
+        windowed, processor, batch_size, skipped, kept, default, longer, added
+    )
     total = -(-len(windowed) // batch_size)
     show_bar = progress and progress_bars_wanted()
     if progress and not show_bar:
@@ -336,7 +343,7 @@ def evaluate_examples(
             beam_size=num_beams,
             decoding=decoding,
             condition_on_previous_text=condition_on_previous_text,
-            languages=row_languages(longer, default),
+            languages=row_languages(longer, default, added),
             skipped=skipped,
             progress=progress,
         )
@@ -356,7 +363,7 @@ def evaluate_examples(
         model=model_name,
         normalizer=normalizer,
         language=language,
-        expected_languages=row_languages(kept, language),
+        expected_languages=row_languages(kept, language, added),
         scores=scores,
         audio=[e.audio for e in kept],
         skipped=skipped,

@@ -60,6 +60,9 @@ class ExportFormat:
     model_card: bool = False  # its folder carries the source's model card (README.md)
     # Precisions its runtime cannot check, and why: `export` then asks for --no-check.
     unchecked: Mapping[str, str] = field(default_factory=dict)
+    # Why its runtime cannot run a language a model adds (train --new-language), read in the
+    # runtime's own code; None: it runs one (the token and lang_to_id travel in its files).
+    no_new_language: str | None = None
 
     def holds(self, folder: Path) -> bool:
         """Whether `folder` holds this format's files."""
@@ -197,6 +200,11 @@ EXPORT_FORMATS = (
         client="faster_whisper",
         extra="faster-whisper",
         writes_with_client=True,
+        # faster_whisper/tokenizer.py: Tokenizer() raises ValueError for a code outside its
+        # _LANGUAGE_CODES, whether given or detected (transcribe builds one from the detected
+        # token), so CTranslate2's files could hold the token but the runtime never runs it.
+        no_new_language="its tokenizer refuses every language code outside its own fixed "
+        "table, given or detected",
     ),
     ExportFormat(
         name="ggml",
@@ -223,6 +231,11 @@ EXPORT_FORMATS = (
             "float32": "whisper.cpp's CPU build (pywhispercpp 1.5.1) aborts on float32 "
             "convolution kernels"
         },
+        # whisper.cpp looks a language up in its fixed table ("unknown language") and numbers
+        # the special tokens from n_vocab (a 51,866-token model reads as large-v3's 100
+        # languages, every task token one off).
+        no_new_language="it looks languages up in a fixed table and numbers its special "
+        "tokens from the vocabulary's size (one token more reads as large-v3's)",
     ),
     ExportFormat(
         name="openai",
@@ -240,6 +253,10 @@ EXPORT_FORMATS = (
         backend=OpenAIWhisperBackend,
         client="whisper",
         extra="openai",
+        # whisper/tokenizer.py builds its special tokens from its LANGUAGES table, cut to
+        # n_vocab - 51765 - 1 languages (model.py), and get_tokenizer refuses other codes.
+        no_new_language="its tokenizer is built from a fixed language table sized by the "
+        "vocabulary (one token more reads as large-v3's) and refuses other codes",
     ),
 )
 FORMATS = tuple(fmt.name for fmt in EXPORT_FORMATS)

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from whisper_train.audio import N_SAMPLES, SAMPLE_RATE
+from whisper_train.data.labels import model_generate_language
 from whisper_train.errors import UserError
 from whisper_train.formats import ct2
 from whisper_train.formats.hf import load_hf, refuse_nonfinite_weights
@@ -55,6 +56,7 @@ def transformers_greedy(model, processor, clips: Sequence[np.ndarray], language:
     weight = next(p for p in model.parameters() if p.is_floating_point())
     options: dict = {"return_timestamps": False, "num_beams": 1, "do_sample": False}
     if language is not None:
+        language = model_generate_language(language, model.generation_config)
         options.update(language=language, task="transcribe")
     texts = []
     for audio in clips:
@@ -73,6 +75,7 @@ def transformers_greedy_tokens(model, processor, clips, language: str | None):
     eot = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
     options: dict = {"return_timestamps": False, "num_beams": 1, "do_sample": False}
     if language is not None:
+        language = model_generate_language(language, model.generation_config)
         options.update(language=language, task="transcribe")
     texts, tokens = [], []
     with torch.inference_mode():

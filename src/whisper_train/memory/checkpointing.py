@@ -57,6 +57,10 @@ class LoraSettings:
     # lora, dora (peft's use_dora: a magnitude vector per adapted layer, trained with A and B)
     # or rslora (peft's use_rslora: the update scaled by alpha / sqrt(r), not alpha / r).
     variant: str = "lora"
+    # Language tokens a run added (--new-language): their embedding rows train beside the
+    # adapters (peft's trainable_token_indices, tied to the output projection as Whisper ties
+    # it), the rest of the vocabulary frozen as LoRA leaves it.
+    new_languages: tuple[str, ...] = ()
 
 
 # -- policies -------------------------------------------------------------------------------
@@ -272,6 +276,7 @@ def _wrap_lora(whisper: nn.Module, settings: LoraSettings) -> nn.Module:
         target_modules=targets,
         use_dora=settings.variant == "dora",
         use_rslora=settings.variant == "rslora",
+        **_trainable_tokens(whisper, settings.new_languages),
     )
     try:
         return get_peft_model(whisper, config)
@@ -280,6 +285,17 @@ def _wrap_lora(whisper: nn.Module, settings: LoraSettings) -> nn.Module:
             f"--lora-targets {','.join(settings.targets)}: {str(exc).splitlines()[0]} "
             "(Whisper's linear layers: q_proj, k_proj, v_proj, out_proj, fc1, fc2)"
         ) from None
+
+
+def _trainable_tokens(whisper: nn.Module, languages: tuple[str, ...]) -> dict:
+    """LoraConfig's `trainable_token_indices` for the rows of added language tokens (none:
+    nothing, so a plain LoRA run's config is as it was)."""
+    if not languages:
+        return {}
+    lang_to_id = whisper.generation_config.lang_to_id
+    return {
+        "trainable_token_indices": {"embed_tokens": [lang_to_id[f"<|{c}|>"] for c in languages]}
+    }
 
 
 def _narrow_checkpointing(whisper: nn.Module, policy: str) -> None:

@@ -45,7 +45,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -318,8 +318,16 @@ class EncoderCacheCollator:
     listed in `encoder_missing` (their keys in `encoder_keys`), and their log-mel features are
     in `input_features`, for `EncoderCache.complete` to encode. Runs in loader workers."""
 
-    def __init__(self, pad_token_id: int, log_mel, cache: EncoderCache, examples: Sequence):
-        self.collator = SpeechCollator(pad_token_id)  # no LogMel: it hands the waveforms over
+    def __init__(
+        self,
+        pad_token_id: int,
+        log_mel,
+        cache: EncoderCache,
+        examples: Sequence,
+        language_targets: Collection[int] = (),
+    ):
+        # No LogMel: it hands the waveforms over.
+        self.collator = SpeechCollator(pad_token_id, language_targets=language_targets)
         self.log_mel = log_mel
         self.cache = cache
         self.examples = examples

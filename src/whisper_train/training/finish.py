@@ -21,6 +21,7 @@ from whisper_train.training.checkpoints import TrainerState
 from whisper_train.training.datasets import Datasets
 from whisper_train.training.encoder_cache import EncoderCache
 from whisper_train.training.final import compare_with_baseline, save_final
+from whisper_train.training.new_language import add_language
 from whisper_train.training.step import lower_learning_rate_advice, nonfinite_tensors
 
 
@@ -96,7 +97,9 @@ def whole_model(model: torch.nn.Module, model_record: ModelRecord, accelerator):
     # A fresh model as setup made it (LoRA included), unsharded, with the trained weights
     # and the trained model's configuration (generation settings, SpecAugment's).
     m = model_record
-    fresh, _ = load_model(m.model, attn_implementation=m.attn_implementation)
+    fresh, processor = load_model(m.model, attn_implementation=m.attn_implementation)
+    if m.new_language is not None:  # its shape as setup made it: the added row
+        add_language(fresh, processor.tokenizer, m.new_language, init=m.new_language_init)
     fresh = memory.prepare_model(fresh, mode=m.mode, checkpointing="off", lora=m.lora)
     fresh.load_state_dict(weights)
     whole, trained = memory.whisper_of(fresh), memory.whisper_of(unwrapped(model))

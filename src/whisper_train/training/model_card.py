@@ -355,6 +355,12 @@ def _training_section(
         + (" (--pin-language: saved in the model)" if d.pin_language else ""),
         f"- seed: {training.seed}",
     ]
+    if m.new_language is not None:
+        lines.append(
+            f"- added language: `{m.new_language}` (the token <|{m.new_language}|>, its "
+            f"embedding row initialised from <|{m.new_language_init}|>'s and trained; "
+            f"transcribe with language `{m.new_language}`)"
+        )
     if result is not None:
         clips = f"- training data: {result.train_examples} clips"
         if result.skipped_clips:

@@ -31,7 +31,7 @@ from whisper_train.config.run import RunConfig
 from whisper_train.data.augment import spec_augment_overrides
 from whisper_train.data.collate import SpeechCollator
 from whisper_train.data.features import LogMel, SpeechDataset
-from whisper_train.data.labels import LabelEncoder, configure_generation
+from whisper_train.data.labels import LabelEncoder, added_languages, configure_generation
 from whisper_train.data.loaders import evaluation_loader
 from whisper_train.data.source import (
     TrainingData,
@@ -52,6 +52,7 @@ from whisper_train.training.checkpoints.load import read_stream_position
 from whisper_train.training.datasets import Datasets, prepare_datasets
 from whisper_train.training.encoder_cache import CachedClip, EncoderCache, EncoderCacheCollator
 from whisper_train.training.launch import inside_launcher
+from whisper_train.training.new_language import add_language
 from whisper_train.units import parse_bytes
 
 # -- the facts: model, data, its plan ------------------------------------------------------------
@@ -90,12 +91,15 @@ def gather_facts(
     packing, packing_note = choose_packing(config, saved_packing)
     model, processor = load_model(m.model, attn_implementation=m.attn_implementation)
     multilingual = is_multilingual(model)
+    if m.new_language is not None:
+        add_language(model, processor.tokenizer, m.new_language, init=m.new_language_init)
     label_encoder = LabelEncoder(
         processor.tokenizer,
         language=d.language,
         task=d.task,
         timestamps=d.timestamps,
         multilingual=multilingual,
+        added_languages=added_languages(model.generation_config),
     )
     configure_generation(
         model.generation_config, language=d.language, task=d.task, multilingual=multilingual
@@ -342,10 +346,15 @@ def setup_loaders(
     log_mel = LogMel(processor.feature_extractor)
     pad_id = processor.tokenizer.pad_token_id
 
+    # A run that adds a language learns to name each clip's (`data.collate`).
+    targets = (
+        tuple(model.generation_config.lang_to_id.values()) if record.model.new_language else ()
+    )
+
     def collator(examples):
         if encoder_cache is None:
-            return SpeechCollator(pad_id, log_mel=log_mel)
-        return EncoderCacheCollator(pad_id, log_mel, encoder_cache, examples)
+            return SpeechCollator(pad_id, log_mel=log_mel, language_targets=targets)
+        return EncoderCacheCollator(pad_id, log_mel, encoder_cache, examples, targets)
 
     # A clip whose encoder output is cached is not decoded at all (`CachedClip`).
     cached = CachedClip(encoder_cache) if encoder_cache is not None else None
@@ -354,7 +363,9 @@ def setup_loaders(
     # one: never the training language by default (issue 24).
     for eval_set in record.evaluation.sets:
         name, examples = eval_set.name, datasets.eval[eval_set.name]
-        eval_languages[name] = row_languages(examples, eval_set.language)
+        eval_languages[name] = row_languages(
+            examples, eval_set.language, label_encoder.added_languages
+        )
         if eval_set.nonspeech:
             # Its clips themselves: every process decodes the whole (small) set, in its stated
             # language or each clip's detected one (`judge.RunEvaluations`).

@@ -38,6 +38,7 @@ import torch
 from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
 
 from whisper_train.audio import N_SAMPLES, SAMPLE_RATE
+from whisper_train.data.labels import model_generate_language
 from whisper_train.errors import UserError
 from whisper_train.transcription.decoding import DecodingOptions, generate_decoded
 from whisper_train.transcription.longform import decoded_segments, generate_long_form
@@ -67,7 +68,7 @@ def set_language(model, language: str | None, task: str | None = None) -> None:
     if not getattr(config, "is_multilingual", False):
         return
     if language is not None:
-        config.language = language
+        config.language = model_generate_language(language, config)
     if task is not None:
         config.task = task
 

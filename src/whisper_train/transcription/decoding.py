@@ -47,8 +47,16 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from transformers.modeling_outputs import BaseModelOutput
 
-from whisper_train.data.labels import language_code
 from whisper_train.errors import UserError
+from whisper_train.transcription.languages import (
+    batch_size,
+    chosen_languages,
+    detect_languages,
+    is_multilingual_generation,
+    language_argument,
+    no_speech_probabilities,
+    sot_logits,
+)
 
 DEFAULT_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 DEFAULT_COMPRESSION_RATIO_THRESHOLD = 2.4
@@ -321,12 +329,6 @@ def _rows_of(inputs: dict, rows: list[int], n: int) -> dict:
 ONE_WINDOW = {"force_unique_generate_call": True}
 
 
-def _batch_size(inputs: dict) -> int:
-    if "encoder_outputs" in inputs:
-        return int(inputs["encoder_outputs"].last_hidden_state.shape[0])
-    return int(inputs["input_features"].shape[0])
-
-
 def decoded_from_output(output, tokenizer, temperature: float) -> list[Decoded]:
     """generate's output (`return_dict_in_generate=True, output_scores=True`) → one Decoded per
     row: its tokens up to <|endoftext|>, text, mean log-prob and compression ratio."""
@@ -377,7 +379,7 @@ class _Window:
     def __init__(self, model, inputs: dict):
         self.model = model
         self.inputs = inputs
-        self.n = _batch_size(inputs)
+        self.n = batch_size(inputs)
         self.encoded: dict[int, torch.Tensor] = {}
 
     def rows(self, rows: list[int]) -> dict:
@@ -396,74 +398,6 @@ class _Window:
             self.encoded.update(zip(missing, hidden, strict=True))
         hidden = torch.stack([self.encoded[row] for row in rows])
         return {"encoder_outputs": BaseModelOutput(last_hidden_state=hidden)}
-
-
-def is_multilingual_generation(model) -> bool:
-    """Whether generate takes a language (and task) token: a multilingual checkpoint."""
-    config = model.generation_config
-    return bool(getattr(config, "is_multilingual", False)) and bool(
-        getattr(config, "lang_to_id", None)
-    )
-
-
-def sot_logits(model, inputs: dict) -> torch.Tensor:
-    """(batch, vocab) logits of the decoder's step on <|startoftranscript|> alone, on each row's
-    encoder output: what language detection and the no-speech probability both read."""
-    config = model.generation_config
-    if "encoder_outputs" in inputs:
-        hidden = inputs["encoder_outputs"].last_hidden_state
-        batch, device = {"encoder_outputs": inputs["encoder_outputs"]}, hidden.device
-    else:
-        batch, device = (
-            {"input_features": inputs["input_features"]},
-            inputs["input_features"].device,
-        )
-    start = torch.full(
-        (_batch_size(inputs), 1), config.decoder_start_token_id, dtype=torch.long, device=device
-    )
-    with torch.no_grad():
-        return model(**batch, decoder_input_ids=start, use_cache=False).logits[:, -1]
-
-
-def no_speech_probabilities(model, logits: torch.Tensor) -> list[float]:
-    """Each row's probability of <|nospeech|> from `sot_logits`: the softmax over the whole
-    vocabulary, as openai-whisper's `probs_at_sot` (the token before <|notimestamps|>)."""
-    token = model.generation_config.no_timestamps_token_id - 1
-    return torch.softmax(logits.float(), dim=-1)[:, token].tolist()
-
-
-def detect_languages(
-    model, inputs: dict, logits: torch.Tensor | None = None
-) -> list[tuple[str, float]]:
-    """(language code, probability) of each row of `inputs`, as openai-whisper detects it: the
-    decoder's distribution over the language tokens after <|startoftranscript|>, on the
-    window's encoder output (`logits`: that step's, when already computed). Multilingual only."""
-    config = model.generation_config
-    codes = {token_id: token.strip("<|>") for token, token_id in config.lang_to_id.items()}
-    language_ids = sorted(codes)
-    logits = sot_logits(model, inputs) if logits is None else logits
-    probabilities = torch.softmax(logits[:, language_ids].float(), dim=-1)
-    best, index = probabilities.max(dim=-1)
-    return [
-        (codes[language_ids[i]], float(p))
-        for i, p in zip(index.tolist(), best.tolist(), strict=True)
-    ]
-
-
-def _chosen_languages(
-    model, detected: list[tuple[str, float]], languages: Sequence[str | None] | None
-) -> list[str]:
-    """The language each row is decoded in: its given one, else (None) the detected one.
-    `languages` None: the model's generation config decides (its language, else detection)."""
-    if languages is None:
-        forced = getattr(model.generation_config, "language", None)
-        languages = [forced] * len(detected)
-    if len(languages) != len(detected):
-        raise ValueError(f"{len(languages)} languages for a batch of {len(detected)}")
-    return [
-        language_code(given) if given is not None else code
-        for given, (code, _) in zip(languages, detected, strict=True)
-    ]
 
 
 def hf_decoder(
@@ -492,7 +426,7 @@ def hf_decoder(
         else:
             kwargs.update(num_beams=num_beams)
         if languages is not None:
-            kwargs["language"] = _language_argument([languages[row] for row in rows])
+            kwargs["language"] = language_argument([languages[row] for row in rows])
         # Sampled passes reuse the encoder outputs of the first (run once per row); so does a
         # first pass that detection already encoded.
         encoded = temperature > 0 or all(row in window.encoded for row in rows)
@@ -511,11 +445,6 @@ def hf_decoder(
         ]
 
     return decode
-
-
-def _language_argument(codes: list[str]) -> str | list[str]:
-    """generate's `language`: one code for a batch in one language, else one per row."""
-    return codes[0] if len(set(codes)) == 1 else codes
 
 
 def generate_decoded(
@@ -555,13 +484,13 @@ def generate_decoded(
         logits = sot_logits(model, every)
         if multilingual:
             detected = detect_languages(model, every, logits)
-            chosen = _chosen_languages(model, detected, languages)
+            chosen = chosen_languages(model, detected, languages)
         if options.no_speech_threshold is not None:
             no_speech = no_speech_probabilities(model, logits)
     if not options.fallback and options.temperatures[0] == 0 and no_speech is None:
         limit = {} if max_length is None else {"max_length": max_length}
         if chosen is not None:
-            limit["language"] = _language_argument(chosen)
+            limit["language"] = language_argument(chosen)
         batch = window.encoder_outputs(list(range(window.n))) if chosen is not None else inputs
         ids = model.generate(**batch, num_beams=num_beams, **ONE_WINDOW, **limit)
         texts = [text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True)]

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from whisper_train.audio import CHUNK_LENGTH, N_SAMPLES, SAMPLE_RATE
+from whisper_train.data.labels import model_generate_language
 from whisper_train.transcription.decoding import DecodingOptions, compression_ratio, seeded
 from whisper_train.transcription.transcripts import Segment
 from whisper_train.transcription.word_timestamps import Word
@@ -115,7 +116,7 @@ def generate_long_form(
     if word_timestamps:  # each token's end time, from the alignment heads' cross-attention
         options["return_token_timestamps"] = True
     if language is not None and getattr(model.generation_config, "is_multilingual", False):
-        options["language"] = language
+        options["language"] = model_generate_language(language, model.generation_config)
     with seeded(decoding.seed, weight.device), _text_compression_ratio(model, processor.tokenizer):
         return model.generate(
             input_features=inputs.input_features.to(weight.device, weight.dtype),

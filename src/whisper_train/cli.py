@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import sys
+import warnings
 from types import ModuleType
 
 from whisper_train import __version__
@@ -143,8 +144,6 @@ def _quiet_libraries(verbose: bool) -> None:
     """Library chatter (deprecation notes, hub retries) buries the one line a user needs."""
     if verbose:
         return
-    import warnings
-
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")
     for name in ("transformers", "accelerate", "peft", "huggingface_hub", "torch.distributed"):

@@ -92,6 +92,14 @@ class _HasText(Protocol):
     origin: str
 
 
+def whisper_language_tables() -> tuple[dict[str, str], dict[str, str]]:
+    """transformers' tables of Whisper's own languages: (code -> name, name -> code). Imported here: transformers takes a second or more to import, and `data` and
+    `checkdata` read this module's limits without needing it."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE
+
+    return LANGUAGES, TO_LANGUAGE_CODE
+
+
 def language_code(language: str | None, added: Collection[str] = ()) -> str | None:
     """'en', 'english', 'German', '<|de|>' → 'en' / 'de'; None stays None.
 
@@ -101,22 +109,18 @@ def language_code(language: str | None, added: Collection[str] = ()) -> str | No
     """
     if language is None:
         return None
-    added_key = language.strip().lower().removeprefix("<|").removesuffix("|>")
-    if added_key in added:
-        return added_key
-    # Imported here: transformers takes a second or more to import, and `data` and `checkdata`
-    # read this module's limits without needing it.
-    from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE
-
     key = language.strip().lower().removeprefix("<|").removesuffix("|>")
-    if key in LANGUAGES:
+    if key in added:
         return key
-    if key in TO_LANGUAGE_CODE:
-        return TO_LANGUAGE_CODE[key]
+    names, codes = whisper_language_tables()
+    if key in names:
+        return key
+    if key in codes:
+        return codes[key]
     raise UserError(
         f"language {language!r} is not one Whisper knows; use a code such as en, de, fr, zh "
-        f"or a name such as english, german (all {len(LANGUAGES)} codes: "
-        f"{', '.join(sorted(LANGUAGES))}), or teach the model a new one with train "
+        f"or a name such as english, german (all {len(names)} codes: "
+        f"{', '.join(sorted(names))}), or teach the model a new one with train "
         "--new-language CODE"
     )
 
@@ -125,11 +129,10 @@ def added_languages(generation_config) -> tuple[str, ...]:
     """The language codes a model's generation config maps to a token that Whisper's own
     table lacks: those a run added with --new-language (`lang_to_id` is what generate and
     language detection read, so it is the model's list of languages)."""
-    from transformers.models.whisper.tokenization_whisper import LANGUAGES
-
+    names, _ = whisper_language_tables()
     tokens = getattr(generation_config, "lang_to_id", None) or {}
-    codes = (token.removeprefix("<|").removesuffix("|>") for token in tokens)
-    return tuple(code for code in codes if code not in LANGUAGES)
+    mapped = (token.removeprefix("<|").removesuffix("|>") for token in tokens)
+    return tuple(code for code in mapped if code not in names)
 
 
 # A code as it goes into a token and a --language flag: lower-case letters, 2 to 8 of them
@@ -146,12 +149,11 @@ def check_new_language(code: str, init: str | None, *, multilingual: bool | None
         raise UserError(
             f"--new-language {code}: expected a language code of 2 to 8 letters (e.g. eo)"
         )
-    from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE
-
-    if key in LANGUAGES or key in TO_LANGUAGE_CODE:
-        known = TO_LANGUAGE_CODE.get(key, key)
+    names, codes = whisper_language_tables()
+    if key in names or key in codes:
+        known = codes.get(key, key)
         raise UserError(
-            f"--new-language {code}: Whisper already has {LANGUAGES[known].title()} ({known}); "
+            f"--new-language {code}: Whisper already has {names[known].title()} ({known}); "
             f"train under its own token with --language {known}"
         )
     if init is None:
@@ -173,9 +175,8 @@ def generate_language(code: str) -> str:
     """transformers generate's `language` for a code: the code itself for Whisper's own
     languages, the token (<|eo|>) for an added one, which generate finds in `lang_to_id` only
     in that form (it checks every other spelling against its own table)."""
-    from transformers.models.whisper.tokenization_whisper import LANGUAGES
-
-    return code if code in LANGUAGES else f"<|{code}|>"
+    names, _ = whisper_language_tables()
+    return code if code in names else f"<|{code}|>"
 
 
 def model_generate_language(language: str, generation_config) -> str:

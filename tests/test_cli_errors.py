@@ -187,6 +187,7 @@ FREE_TEXT = {
     "config", "data", "eval_data", "data_format", "language", "model", "output_dir",
     "encoder_cache_dir", "resume", "output", "baseline", "check_data", "find_alignment_heads",
     "alignment_reference", "png", "model_key", "lora_targets", "nonspeech",
+    "new_language", "new_language_init",  # a code of the user's choosing, a language as --language
 }  # fmt: skip
 DECODING = {"temperatures", "compression_ratio_threshold", "logprob_threshold"}
 

@@ -55,6 +55,8 @@ PLACEHOLDERS = {
     "max_grad_norm": "NORM",
     "encoder_lr_scale": "SCALE",
     "nonspeech": "PATH|builtin",
+    "new_language": "CODE",
+    "new_language_init": "LANG",
     "nonspeech_share": "FRACTION",
     "max_nonspeech_rise": "WORDS",
 }

@@ -67,7 +67,7 @@ def test_every_option_has_help_and_shows_its_default(command):
 PLACEHOLDER_WORDS = {
     "N", "PATH", "DIR", "FILE", "MODEL", "LANG", "LAYOUT", "NAME", "SET", "SIZE", "LR", "P",
     "FRACTION", "POINTS", "WEIGHT", "DECAY", "NORM", "SCALE", "CHECKPOINT", "KEY", "T",
-    "RATIO", "LOGPROB", "MODULE", "WORDS", "none", "builtin",
+    "RATIO", "LOGPROB", "MODULE", "WORDS", "CODE", "none", "builtin",
 }  # fmt: skip
 
 

@@ -259,7 +259,12 @@ def test_the_memory_estimate_counts_what_dora_keeps_for_backward():
 
 
 def test_the_average_is_judged_by_the_runs_rule_guard_and_ties_included():
-    from whisper_train.training.final import FinalChoice, choose_final_step, choose_with_average
+    from whisper_train.training.final import (
+        FinalChoice,
+        FinalRule,
+        choose_final_step,
+        choose_with_average,
+    )
 
     rows = [
         {"step": 0, "set": "target", "wer": 0.50},
@@ -267,8 +272,8 @@ def test_the_average_is_judged_by_the_runs_rule_guard_and_ties_included():
         {"step": 2, "set": "target", "wer": 0.30},
         {"step": 2, "set": "guard", "wer": 0.11},
     ]
-    rule = {"primary_set": "target", "guard": "guard", "max_regression": 2.0}
-    chosen = choose_final_step(rows, **rule)
+    rule = FinalRule(primary_set="target", guard="guard", max_regression=2.0)
+    chosen = choose_final_step(rows, rule)
     assert chosen.step == 2
 
     def judged(target: float, guard: float) -> FinalChoice:
@@ -276,7 +281,7 @@ def test_the_average_is_judged_by_the_runs_rule_guard_and_ties_included():
             {"step": 2, "set": "target", "wer": target},
             {"step": 2, "set": "guard", "wer": guard},
         ]
-        return choose_with_average(rows, averaged, (1, 2), chosen, **rule)
+        return choose_with_average(rows, averaged, (1, 2), chosen, rule)
 
     assert judged(0.20, 0.115).averaged == (1, 2)  # lower, guard 1.5 points over its start
     assert judged(0.20, 0.125).averaged is None  # lower, but the guard 2.5 points over

@@ -24,6 +24,7 @@ from whisper_train.training.final import (
     choose_with_average,
     guard_regression,
     nonspeech_rise,
+    ranked_steps,
 )
 
 
@@ -214,6 +215,13 @@ class RunEvaluations:
 
     def final_choice(self) -> FinalChoice:
         return choose_final_step(self.rows, self.final_rule())
+
+    def steps_to_keep(self, best: int) -> set[int]:
+        """The evaluated steps whose checkpoints rotation keeps beside the newest: the one
+        final/ would hold and the `best` best by the final rule (--average-by best's)."""
+        chosen = self.final_choice().step
+        ranked = ranked_steps(self.rows, self.final_rule())[:best]
+        return {*ranked, *([chosen] if chosen is not None else [])}
 
     def choice_with_average(self, chosen: FinalChoice, steps: tuple[int, ...]) -> FinalChoice:
         """`chosen`, or the average of `steps` where it wins by the same rule (`final`)."""

@@ -146,3 +146,58 @@ def test_what_a_user_can_get_wrong_is_one_line_and_exit_2(runs, tmp_path, capsys
 def main_err(run, capsys) -> str:
     main(["average", str(run), "--average-checkpoints", "2"])
     return capsys.readouterr().err
+
+
+class Killed(BaseException):
+    """A kill at a file operation: nothing after it runs (no handler catches a BaseException)."""
+
+
+def test_a_kill_while_the_average_is_written_loses_nothing(runs, tmp_path, monkeypatch):
+    """Killed at each rename of writing final/ and result.json (the old final/ moved aside,
+    the new one put in place, result.json replaced): the checkpoints are untouched, a whole
+    final/ (or the old one moved aside, whole) is on disk, and the command run again leaves
+    final/ the average and result.json saying so."""
+    import os
+
+    real = judge_module.RunEvaluations.evaluate_average
+
+    def evaluate_average(self, model, step, steps):  # a win, so that final/ is replaced
+        rows = real(self, model, step, steps)
+        rows[0]["wer"] = min(r["wer"] for r in self.rows if r["step"] > 0) - 0.01
+        return rows
+
+    monkeypatch.setattr(judge_module.RunEvaluations, "evaluate_average", evaluate_average)
+    real_rename, real_replace = type(tmp_path).rename, os.replace
+    for kill_at in (1, 2, 3):  # final/ -> final.old, final.tmp -> final, result.json's
+        run = _copy(runs, "full", tmp_path / f"kill-{kill_at}")
+        checkpoints = {p: p.read_bytes() for p in run.glob("checkpoint-*/*") if p.is_file()}
+        old_final = load_file(run / "final" / "model.safetensors")
+        count = [0]
+
+        def counted(real, count=count, kill_at=kill_at):
+            def call(*args):
+                names = ("final", "final.tmp", "result.json")
+                if any(str(a).endswith(names) for a in args):
+                    count[0] += 1
+                    if count[0] == kill_at:
+                        raise Killed
+                return real(*args)
+
+            return call
+
+        with monkeypatch.context() as patch:
+            patch.setattr(type(tmp_path), "rename", counted(real_rename))
+            patch.setattr(os, "replace", counted(real_replace))
+            with pytest.raises(Killed):
+                average_run(run, count=2)
+        assert {p: p.read_bytes() for p in checkpoints} == checkpoints
+        whole = [run / "final", run / "final.old"]
+        saved = [load_file(f / "model.safetensors") for f in whole if f.is_dir()]
+        assert any(all(torch.equal(s[n], w) for n, w in old_final.items()) for s in saved) or (
+            kill_at == 3 and saved
+        )
+        average_run(run, count=2)
+        assert json.loads((run / "result.json").read_text())["final_averaged"] == [1, 2]
+        expected = average_weights([run / "checkpoint-1", run / "checkpoint-2"])
+        final = load_file(run / "final" / "model.safetensors")
+        assert all(torch.equal(final[n], w) for n, w in expected.items() if n in final)

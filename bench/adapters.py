@@ -28,7 +28,7 @@ from pathlib import Path
 
 from whisper_train.config import RunConfig
 from whisper_train.demo import MAX_TOKENS, prepare_demo_data
-from whisper_train.training.final import choose_final_step
+from whisper_train.training.final import FinalRule, choose_final_step
 from whisper_train.training.train import train
 
 TRAINED = re.compile(r"trained (\d+) steps in ([0-9.]+) s")
@@ -80,7 +80,8 @@ def one_run(args) -> None:
             save_steps=args.every,
             eval_steps=args.every,
             average_checkpoints=args.average,
-            save_total_limit=args.average,
+            # every checkpoint kept, so that `whisper-train average` can average others later
+            save_total_limit=max(args.average, args.keep),
         )
     config.update(settings)
     tee = Tee(sys.stdout)
@@ -91,12 +92,8 @@ def one_run(args) -> None:
     rows = result.evaluations
     single = [r for r in rows if not r.get("averaged")]
     evaluation = result.record["evaluation"]
-    best = choose_final_step(
-        single,
-        primary_set="held-out",
-        guard=evaluation["guard"],
-        max_regression=evaluation["max_regression"],
-    ).step
+    rule = FinalRule("held-out", evaluation["guard"], evaluation["max_regression"])
+    best = choose_final_step(single, rule).step
 
     def wer(name, step, averaged=None):
         found = [
@@ -120,6 +117,7 @@ def one_run(args) -> None:
         "average": {n: wer(n, result.final_step, averaged) for n in ("held-out", "guard")}
         if averaged
         else None,
+        "last": {n: wer(n, int(steps)) for n in ("held-out", "guard")},
         "kept": "average" if result.final_averaged else f"step {result.final_step}",
     }
     print("FIGURES " + json.dumps(figures), flush=True)
@@ -207,6 +205,13 @@ def main() -> None:
     parser.add_argument("--average", type=int, default=None, help="checkpoints averaged (3)")
     parser.add_argument("--every", type=int, default=6)
     parser.add_argument(
+        "--average-variants",
+        nargs="*",
+        default=["lora"],
+        help="the variants the averaging runs train (each on every --average-seeds seed)",
+    )
+    parser.add_argument("--keep", type=int, default=4, help="checkpoints an averaging run keeps")
+    parser.add_argument(
         "--fast",
         action="store_true",
         help="the sets scored at the end only, greedily (no guard veto, no temperature "
@@ -251,26 +256,30 @@ def main() -> None:
         )
     print()
     print(
-        "| seed | best single step | its held-out / guard WER | average of steps | "
-        "its held-out / guard WER | final/ kept |"
+        "| variant | seed | start held-out / guard WER | last step's | best single step | "
+        "its held-out / guard WER | average of steps | its held-out / guard WER | final/ kept |"
     )
-    print("|---:|---:|---:|---|---:|---|", flush=True)
+    print("|---|---:|---:|---:|---:|---:|---|---:|---|", flush=True)
     for seed in args.average_seeds:
-        f = child(
-            args,
-            variant="lora",
-            seed=seed,
-            out=args.dir / f"run-average-{seed}",
-            average=args.average or 3,
-            every=args.every,
-        )
-        average = f["average"] or {}
-        print(
-            f"| {seed} | {f['best_step']} | {pct(f['best']['held-out'])} / "
-            f"{pct(f['best']['guard'])} | {f['averaged_steps']} | "
-            f"{pct(average.get('held-out'))} / {pct(average.get('guard'))} | {f['kept']} |",
-            flush=True,
-        )
+        for variant in args.average_variants:
+            f = child(
+                args,
+                variant=variant,
+                seed=seed,
+                out=args.dir / f"run-average-{variant}-{seed}",
+                average=args.average or 3,
+                every=args.every,
+                keep=args.keep,
+            )
+            average = f["average"] or {}
+            print(
+                f"| {variant} | {seed} | {pct(f['start']['held-out'])} / "
+                f"{pct(f['start']['guard'])} | {pct(f['last']['held-out'])} / "
+                f"{pct(f['last']['guard'])} | {f['best_step']} | {pct(f['best']['held-out'])} / "
+                f"{pct(f['best']['guard'])} | {f['averaged_steps']} | "
+                f"{pct(average.get('held-out'))} / {pct(average.get('guard'))} | {f['kept']} |",
+                flush=True,
+            )
     print(f"\n{time.perf_counter() - started:.0f} s in all")
 
 

@@ -154,12 +154,16 @@ def test_averaging_two_checkpoints_gives_their_mean_weights(tmp_path):
         assert bool(((mean[name].double() - exact).abs() <= bound).all()), name
 
 
-def averaged_run(tiny_run_config, monkeypatch, *, wins: bool):
-    """A 2-step full fine-tuning of the tiny model, a checkpoint and an evaluation at each
-    step, and the 2 averaged. The average is evaluated for real; its primary WER is then put
-    just above (`wins` False) or below (True) the best step's, which the random model's equal
-    WERs could not decide."""
-    real = judge_module.RunEvaluations.evaluate_average
+def averaged_run(tiny_run_config, monkeypatch, *, wins: bool, by: str = "last"):
+    """A 2-step full fine-tuning of the tiny model (3 with `by` "best"), a checkpoint and an
+    evaluation at each step, and 2 averaged. The average is evaluated for real; its primary
+    WER is then put just above (`wins` False) or below (True) the best step's, which the random
+    model's equal WERs could not decide. With "best", step 2's WER is made the worst (the
+    random model's would tie): the best 2 are steps 1 and 3."""
+    real, real_set = (
+        judge_module.RunEvaluations.evaluate_average,
+        judge_module.RunEvaluations._evaluate_set,
+    )
 
     def evaluate_average(self, model, step, steps):
         rows = real(self, model, step, steps)
@@ -167,14 +171,23 @@ def averaged_run(tiny_run_config, monkeypatch, *, wins: bool):
         rows[0]["wer"] = best + (-0.01 if wins else 0.01)
         return rows
 
+    def evaluate_set(self, model, name, loader, step, averaged=None):
+        row = real_set(self, model, name, loader, step, averaged)
+        if by == "best" and not averaged:
+            row["wer"] = {1: 0.30, 2: 0.90, 3: 0.50}.get(step, row["wer"])
+        return row
+
     monkeypatch.setattr(judge_module.RunEvaluations, "evaluate_average", evaluate_average)
+    monkeypatch.setattr(judge_module.RunEvaluations, "_evaluate_set", evaluate_set)
     config = tiny_run_config(
-        max_steps=2,
+        max_steps=3 if by == "best" else 2,
         save_steps=1,
         eval_steps=1,
         eval_subset=1,
         only_train=False,
         average_checkpoints=2,
+        average_by=by,
+        save_total_limit=1 if by == "best" else 2,
         generation_max_length=2,
     )
     result = train(config)
@@ -203,21 +216,27 @@ def test_an_average_that_wins_is_kept_as_final(tiny_run_config, monkeypatch, tmp
     assert "final/: step 2: the average of the checkpoints of steps 1, 2" in said
 
 
-def test_an_average_that_loses_is_evaluated_and_not_kept(
+def test_the_best_checkpoints_are_kept_and_averaged_and_a_losing_average_is_not_kept(
     tiny_run_config, monkeypatch, tmp_path, capsys
 ):
-    result, _ = averaged_run(tiny_run_config, monkeypatch, wins=False)
+    """--average-by best: rotation keeps the best 2 evaluated steps' checkpoints beside the
+    newest (1 and 3; 2 was the worst), they are averaged, and the average, losing, is
+    evaluated and not kept."""
+    result, _ = averaged_run(tiny_run_config, monkeypatch, wins=False, by="best")
     out = tmp_path / "out"
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-3"]
     assert result.final_averaged is None
-    assert [r["averaged"] for r in metric_rows(out) if r.get("averaged")] == [[1, 2]]
-    # final/ holds the chosen step's own weights (2 on the random model's tie: the later).
+    assert [r["averaged"] for r in metric_rows(out) if r.get("averaged")] == [[1, 3]]
+    # final/ holds the chosen step's own weights (step 1: the lowest WER).
+    assert result.final_step == 1
     kept = load_file(out / f"checkpoint-{result.final_step}" / WEIGHTS_FILE)
     final = load_file(out / "final" / "model.safetensors")
     for name, weight in kept.items():
         if name in final:
             assert torch.equal(final[name], weight), name
     said = capsys.readouterr().out
-    assert "the average of steps 1, 2 does not beat step" in said
+    assert "averaging the checkpoints of steps 1, 3" in said
+    assert "the average of steps 1, 3 does not beat step 1" in said
 
 
 @pytest.mark.parametrize(
@@ -227,6 +246,8 @@ def test_an_average_that_loses_is_evaluated_and_not_kept(
         ({}, "--save-steps"),
         ({"save_steps": 2, "only_train": True}, "--only-train"),
         ({"save_steps": 2, "fsdp": True, "nproc": 2}, "--fsdp"),
+        ({"save_steps": 2, "average_by": "best"}, "add --eval-steps"),
+        ({"save_steps": 2, "average_by": "worst"}, "--average-by"),
     ],
 )
 def test_averaging_what_the_run_cannot_average_is_refused_in_one_line(
@@ -259,7 +280,12 @@ def test_the_memory_estimate_counts_what_dora_keeps_for_backward():
 
 
 def test_the_average_is_judged_by_the_runs_rule_guard_and_ties_included():
-    from whisper_train.training.final import FinalChoice, choose_final_step, choose_with_average
+    from whisper_train.training.final import (
+        FinalChoice,
+        FinalRule,
+        choose_final_step,
+        choose_with_average,
+    )
 
     rows = [
         {"step": 0, "set": "target", "wer": 0.50},
@@ -267,8 +293,8 @@ def test_the_average_is_judged_by_the_runs_rule_guard_and_ties_included():
         {"step": 2, "set": "target", "wer": 0.30},
         {"step": 2, "set": "guard", "wer": 0.11},
     ]
-    rule = {"primary_set": "target", "guard": "guard", "max_regression": 2.0}
-    chosen = choose_final_step(rows, **rule)
+    rule = FinalRule(primary_set="target", guard="guard", max_regression=2.0)
+    chosen = choose_final_step(rows, rule)
     assert chosen.step == 2
 
     def judged(target: float, guard: float) -> FinalChoice:
@@ -276,7 +302,7 @@ def test_the_average_is_judged_by_the_runs_rule_guard_and_ties_included():
             {"step": 2, "set": "target", "wer": target},
             {"step": 2, "set": "guard", "wer": guard},
         ]
-        return choose_with_average(rows, averaged, (1, 2), chosen, **rule)
+        return choose_with_average(rows, averaged, (1, 2), chosen, rule)
 
     assert judged(0.20, 0.115).averaged == (1, 2)  # lower, guard 1.5 points over its start
     assert judged(0.20, 0.125).averaged is None  # lower, but the guard 2.5 points over

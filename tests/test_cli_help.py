@@ -131,6 +131,10 @@ DIFFERENT_ON_PURPOSE = {
     ("evaluate", "data"): "named sets, repeated, as train's --eval-data takes them",
     ("demo", "language"): "the demo has sentences in these two languages only",
     ("export", "output"): "the export's folder; evaluate's --output is its report (a file)",
+    (
+        "average",
+        "output",
+    ): "the average's model folder, as export's (optional here: final/ is the default)",
 }
 
 

@@ -15,7 +15,7 @@ import whisper_train.training.judge as judge_module
 from whisper_train.cli import build_parser
 from whisper_train.commands.flags import config_from_args
 from whisper_train.errors import UserError
-from whisper_train.training.final import choose_final_step
+from whisper_train.training.final import FinalRule, choose_final_step
 from whisper_train.training.train import train
 
 
@@ -38,23 +38,38 @@ def test_final_is_the_lowest_primary_wer_among_steps_within_the_guard():
             "guard": {0: 0.10, 2: 0.11, 4: 0.15, 6: 0.115},  # step 4 lost 5 points
         }
     )
-    choice = choose_final_step(rows, primary_set="target", guard="guard", max_regression=2.0)
+    choice = choose_final_step(
+        rows, FinalRule(primary_set="target", guard="guard", max_regression=2.0)
+    )
     assert choice.step == 6 and "guard set 'guard' within 2 points" in choice.reason
     # Without the guard, step 4's lower WER wins.
-    assert choose_final_step(rows, primary_set="target", guard=None, max_regression=None).step == 4
+    assert (
+        choose_final_step(
+            rows, FinalRule(primary_set="target", guard=None, max_regression=None)
+        ).step
+        == 4
+    )
 
 
 def test_final_never_picks_the_untrained_start_and_prefers_the_later_step_on_a_tie():
     rows = _rows({"eval": {0: 0.05, 2: 0.30, 4: 0.30}})
-    assert choose_final_step(rows, primary_set="eval", guard=None, max_regression=None).step == 4
+    assert (
+        choose_final_step(rows, FinalRule(primary_set="eval", guard=None, max_regression=None)).step
+        == 4
+    )
 
 
 def test_when_every_step_breaks_the_guard_final_is_the_last_and_says_why():
     rows = _rows({"target": {0: 0.9, 2: 0.5, 4: 0.4}, "guard": {0: 0.1, 2: 0.2, 4: 0.3}})
-    choice = choose_final_step(rows, primary_set="target", guard="guard", max_regression=2.0)
+    choice = choose_final_step(
+        rows, FinalRule(primary_set="target", guard="guard", max_regression=2.0)
+    )
     assert choice.step == 4
     assert "no evaluation stayed within 2 points of guard WER at its start" in choice.reason
-    assert choose_final_step([], primary_set="eval", guard=None, max_regression=None).step is None
+    assert (
+        choose_final_step([], FinalRule(primary_set="eval", guard=None, max_regression=None)).step
+        is None
+    )
 
 
 # -- options -------------------------------------------------------------------------------

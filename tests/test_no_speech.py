@@ -26,7 +26,7 @@ from whisper_train.errors import UserError
 from whisper_train.evaluation import nonspeech as nonspeech_module
 from whisper_train.evaluation.evaluate import generate_texts
 from whisper_train.evaluation.nonspeech import score_nonspeech
-from whisper_train.training.final import choose_final_step
+from whisper_train.training.final import FinalRule, choose_final_step
 from whisper_train.training.train import train
 from whisper_train.transcription.decoding import (
     Decoded,
@@ -351,25 +351,12 @@ def test_a_nonspeech_set_first_given_on_resume_is_held_to_the_resume_step():
     and is not chosen."""
     rows = [{"step": s, "set": "target", "wer": w} for s, w in ((2, 0.2), (4, 0.5), (6, 0.4))]
     rows += [{"step": s, "set": "noise", "words_per_minute": w} for s, w in ((4, 10.0), (6, 10.5))]
-    choice = choose_final_step(
-        rows,
-        primary_set="target",
-        guard=None,
-        max_regression=None,
-        nonspeech_sets=("noise",),
-        max_nonspeech_rise=1.0,
-    )
+    rule = FinalRule(primary_set="target", nonspeech_sets=("noise",), max_nonspeech_rise=1.0)
+    choice = choose_final_step(rows, rule)
     assert choice.step == 6  # step 2's lower WER was never measured on the non-speech set
     rows.append({"step": 6, "set": "noise", "words_per_minute": 12.0})
     rows = [r for r in rows if not (r["step"] == 6 and r.get("words_per_minute") == 10.5)]
-    choice = choose_final_step(
-        rows,
-        primary_set="target",
-        guard=None,
-        max_regression=None,
-        nonspeech_sets=("noise",),
-        max_nonspeech_rise=1.0,
-    )
+    choice = choose_final_step(rows, rule)
     assert choice.step == 4  # step 4 is its start: it holds; step 6 invented 2 more a minute
 
 

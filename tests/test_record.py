@@ -164,6 +164,7 @@ CHANGES = {
     "save_steps": ("plain", 3),
     "save_total_limit": ("plain", 1),
     "average_checkpoints": ("evaluated", 2),
+    "average_by": ("evaluated", "best"),
     "max_bad_steps": ("plain", 3),
     "nproc": ("plain", 2),
     "fsdp": ("plain", True),

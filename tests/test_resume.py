@@ -69,13 +69,13 @@ def test_rotation_keeps_the_newest_and_the_best_step(tmp_path):
         folder.mkdir()
         checkpoints.TrainerState(step=step).write(folder)
     (tmp_path / "checkpoint-6.tmp").mkdir()  # an interrupted write is never a checkpoint
-    retention.rotate_checkpoints(tmp_path, keep_last=2, keep_step=2, saved_step=5)
+    retention.rotate_checkpoints(tmp_path, keep_last=2, keep_steps=(2,), saved_step=5)
     assert [p.name for p in checkpoints.list_checkpoints(tmp_path)] == [
         "checkpoint-2",
         "checkpoint-4",
         "checkpoint-5",
     ]
-    retention.rotate_checkpoints(tmp_path, keep_last=1, keep_step=None, saved_step=5)
+    retention.rotate_checkpoints(tmp_path, keep_last=1, keep_steps=(), saved_step=5)
     assert [p.name for p in checkpoints.list_checkpoints(tmp_path)] == ["checkpoint-5"]
 
 
@@ -84,7 +84,7 @@ def test_rotation_never_deletes_the_checkpoint_just_saved_for_a_later_one(tmp_pa
         folder = tmp_path / f"checkpoint-{step}"
         folder.mkdir()
         checkpoints.TrainerState(step=step).write(folder)
-    retention.rotate_checkpoints(tmp_path, keep_last=1, keep_step=None, saved_step=6)
+    retention.rotate_checkpoints(tmp_path, keep_last=1, keep_steps=(), saved_step=6)
     assert [p.name for p in checkpoints.list_checkpoints(tmp_path)] == [
         "checkpoint-6",
         "checkpoint-8",

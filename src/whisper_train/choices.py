@@ -10,6 +10,9 @@ MODES = ("full", "lora", "freeze-encoder")
 # LoRA (scale alpha / r), DoRA (the update's direction, with a trained magnitude per output) or
 # rsLoRA (LoRA scaled by alpha / sqrt(r)).
 LORA_VARIANTS = ("lora", "dora", "rslora")
+# --average-by: which checkpoints --average-checkpoints N averages: the last N saved (icefall's
+# --avg) or the N best evaluated by the run's final rule (ESPnet's valid.acc.ave).
+AVERAGE_BY = ("last", "best")
 # --optim: AdamW in one of three implementations (`memory.optim`).
 OPTIMIZERS = ("adamw", "adamw-fused", "adamw8bit")
 # --task: Whisper's two (`data.labels`).

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from whisper_train import runfolder
 from whisper_train.errors import UserError
+from whisper_train.files import write_atomically
 from whisper_train.trackers import Trackers, scalars
 
 
@@ -95,10 +96,9 @@ class TrainResult:
 
 
 def write_result(result: TrainResult) -> None:
+    """result.json, written whole or not at all (`whisper-train average` rewrites it)."""
     values = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
-    (result.output_dir / runfolder.RESULT_FILE).write_text(
-        json.dumps(values, indent=1) + "\n", encoding="utf-8"
-    )
+    write_atomically(result.output_dir / runfolder.RESULT_FILE, json.dumps(values, indent=1) + "\n")
 
 
 def read_result(output_dir: Path) -> TrainResult:

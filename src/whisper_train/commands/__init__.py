@@ -10,4 +10,14 @@ The library modules they call take typed arguments and never see the command lin
 
 # The command modules, in the order `whisper-train --help` lists them; `commands.X` is the
 # command line of the library module `whisper_train.X`.
-COMMANDS = ("train", "evaluate", "doctor", "checkdata", "export", "transcribe", "demo", "cache")
+COMMANDS = (
+    "train",
+    "evaluate",
+    "average",
+    "doctor",
+    "checkdata",
+    "export",
+    "transcribe",
+    "demo",
+    "cache",
+)

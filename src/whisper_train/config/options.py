@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from whisper_train.choices import (  # noqa: F401
+    AVERAGE_BY,
     LORA_VARIANTS,
     MODES,
     OPTIMIZERS,
@@ -460,11 +461,18 @@ class TrainConfig:
         "Keep the newest N checkpoints, plus the one with the best WER.", default=2
     )
     average_checkpoints: int | None = _help(
-        "At the end, average the weights (LoRA: the adapters) of the last N checkpoints on disk "
-        "(the end's own included; needs --save-steps and --save-total-limit N or more), "
-        "evaluate the average like a step, and keep it as final/ only where it beats the "
-        "chosen step by the run's own rule (lowest --metric-for-best WER, --guard kept).",
+        "At the end, average the weights (LoRA: the adapters) of N checkpoints on disk "
+        "(--average-by: the last N, the end's own included, or the best N), evaluate the "
+        "average like a step, and keep it as final/ only where it beats the chosen step by the "
+        "run's own rule (lowest --metric-for-best WER, --guard kept). Needs --save-steps.",
         default=None,
+    )
+    average_by: str = _help(
+        "Which checkpoints --average-checkpoints N averages: the last N saved (needs "
+        "--save-total-limit N or more), or the N best evaluated by the run's own rule (needs "
+        "--eval-steps; rotation keeps them).",
+        choices=AVERAGE_BY,
+        default="last",
     )
     resume: str | None = field(
         default=None,

@@ -235,6 +235,9 @@ class OutputRecord:
     average_checkpoints: int | None = decided(MAY_CHANGE, "average_checkpoints")
     logging_steps: int = decided(MAY_CHANGE, "logging_steps")
     report_to: tuple[str, ...] = decided(MAY_CHANGE, "report_to")
+    # Which checkpoints: the last N or the best N evaluated (`choices.AVERAGE_BY`); a record
+    # written before the option reads as the last N, all it did then.
+    average_by: str = decided(MAY_CHANGE, "average_by", default="last")
 
 
 SLICES = {

@@ -152,6 +152,7 @@ def resolve_run(
             save_steps=t.save_steps,
             save_total_limit=t.save_total_limit,
             average_checkpoints=t.average_checkpoints,
+            average_by=t.average_by,
             logging_steps=t.logging_steps,
             report_to=tuple(t.report_to or ()),
         ),

@@ -15,6 +15,7 @@ import yaml
 
 from whisper_train.choices import PER_CLIP
 from whisper_train.config.options import (
+    AVERAGE_BY,
     ENCODER_LR_SCALES,
     GROUPS,
     LORA_VARIANTS,
@@ -350,8 +351,10 @@ class RunConfig:
         the average only where its evaluation wins: what it needs, each refused in one line."""
         d, t = self.data, self.train
         n = t.average_checkpoints
+        one_of("--average-by", t.average_by, AVERAGE_BY)
         if n is None:
             return
+        best = t.average_by == "best"
         if n < 2:
             raise UserError(f"--average-checkpoints {n}: expected 2 or more checkpoints")
         refused = [
@@ -362,7 +365,12 @@ class RunConfig:
             ),
             (not t.save_steps, "no --save-steps (the run saves no checkpoints to average)"),
             (
-                t.save_total_limit < n,
+                best and not t.eval_steps,
+                "--average-by best and no --eval-steps (no checkpoint is evaluated to rank it): "
+                "add --eval-steps",
+            ),
+            (
+                not best and t.save_total_limit < n,
                 f"--save-total-limit {t.save_total_limit} (rotation keeps fewer checkpoints "
                 f"than that): raise --save-total-limit to {n}",
             ),

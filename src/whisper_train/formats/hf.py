@@ -189,7 +189,8 @@ def save_model_folder(
     folder CTranslate2 converts): safetensors weights, config, generation config, tokenizer and
     feature extractor, then `extra_files` (name -> text). Written beside `folder` and renamed
     over it, so a crash never leaves half a model where a loader would find it. `dtype`
-    converts `model` in place."""
+    converts `model` in place. A folder already at `folder` is moved aside (`.old`) until the
+    new one is in place: a kill between leaves both whole, none lost."""
     staging = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     if dtype is not None:
@@ -201,9 +202,12 @@ def save_model_folder(
     processor.feature_extractor.save_pretrained(staging)
     for name, text in (extra_files or {}).items():
         (staging / name).write_text(text, encoding="utf-8")
+    previous = folder.with_name(folder.name + ".old")
     if folder.exists():
-        shutil.rmtree(folder)
+        shutil.rmtree(previous, ignore_errors=True)
+        folder.rename(previous)
     staging.rename(folder)
+    shutil.rmtree(previous, ignore_errors=True)
     return folder
 
 

@@ -1,12 +1,13 @@
-"""--average-checkpoints N: at the end of a run, the trained weights of its last N checkpoints
+"""--average-checkpoints N: at the end of a run, the trained weights of N of its checkpoints
 averaged (`average_weights`: all of them for full fine-tuning, the decoder's for
 freeze-encoder, the adapters for LoRA, DoRA's magnitudes included), evaluated like a step, and
 kept as final/ only where the judge says the average wins (`average_at_end`).
 
-The last N, as icefall's --avg does, not the best N by WER as ESPnet's valid.acc.ave: the
-average is judged on the run's own evaluation sets, and checkpoints chosen by their WER there
-would be chosen twice by the same clips; the last N also need no evaluation at every save, and
-rotation (`training.retention`) keeps the newest --save-total-limit anyway.
+Which N (`--average-by`, `checkpoints_to_average`): the last N by default, as icefall's --avg
+does; or the best N by the run's own rule, as ESPnet's valid.acc.ave (`final.ranked_steps`).
+The last N are the default: the average is judged on the run's own evaluation sets, and
+checkpoints chosen by their WER there are chosen twice by the same clips; the last N also need
+no evaluation at every save, and rotation (`training.retention`) keeps the newest anyway.
 """
 
 from __future__ import annotations
@@ -19,18 +20,25 @@ from whisper_train.config.record import RunRecord
 from whisper_train.runlog import say
 from whisper_train.training import checkpoints
 from whisper_train.training.checkpoints.load import load_weights, read_weights
-from whisper_train.training.final import FinalChoice
+from whisper_train.training.final import FinalChoice, ranked_steps
 
 
-def checkpoints_to_average(output_dir: Path, count: int, last_step: int) -> list[Path]:
-    """The newest `count` checkpoints of the run up to `last_step`, oldest first (fewer where
-    the run saved fewer)."""
+def checkpoints_to_average(
+    output_dir: Path, count: int, last_step: int, *, ranked: list[int] | None = None
+) -> list[Path]:
+    """The checkpoints of the run up to `last_step` to average, oldest first: the newest
+    `count`, or with `ranked` (the evaluated steps best first: `final.ranked_steps`) the
+    `count` best of those on disk (fewer where the run saved fewer)."""
     found = [
         folder
         for folder in checkpoints.list_checkpoints(output_dir)
         if checkpoints.checkpoint_step(folder) <= last_step
     ]
-    return found[-count:]
+    if ranked is None:
+        return found[-count:]
+    by_step = {checkpoints.checkpoint_step(folder): folder for folder in found}
+    best = [step for step in ranked if step in by_step][:count]
+    return [by_step[step] for step in sorted(best)]
 
 
 def average_weights(folders: list[Path]) -> dict[str, torch.Tensor]:
@@ -59,21 +67,23 @@ def average_at_end(
     judge,
     accelerator,
 ) -> FinalChoice:
-    """With --average-checkpoints N: the last N checkpoints' weights averaged into `model`,
+    """With --average-checkpoints N: N checkpoints' weights (--average-by) averaged into `model`,
     scored on every evaluation set (`judge.evaluate_average`), and the judge's choice between
     the average and `chosen` (the best single step). Where the average loses, `model` holds
     the last step's weights again, as it did before. Every process calls this."""
-    count = record.output.average_checkpoints
+    count, by = record.output.average_checkpoints, record.output.average_by
     if not count:
         return chosen
-    folders = checkpoints_to_average(output_dir, count, last_step)
+    ranked = ranked_steps(judge.rows, judge.final_rule()) if by == "best" else None
+    folders = checkpoints_to_average(output_dir, count, last_step, ranked=ranked)
     steps = tuple(checkpoints.checkpoint_step(folder) for folder in folders)
-    if len(folders) < count or steps[-1] != last_step:
+    if len(folders) < count or (ranked is None and steps[-1] != last_step):
+        which = "evaluated checkpoint(s) that hold the run's rule" if ranked else "checkpoint(s)"
         say(
             accelerator,
-            f"--average-checkpoints {count}: the run ended with {len(folders)} checkpoint(s) "
-            f"(steps {', '.join(map(str, steps)) or 'none'}, the last step {last_step}): "
-            "nothing averaged",
+            f"--average-checkpoints {count} --average-by {by}: the run ended with "
+            f"{len(folders)} {which} (steps {', '.join(map(str, steps)) or 'none'}, the last "
+            f"step {last_step}): nothing averaged",
         )
         return chosen
     say(accelerator, f"averaging the checkpoints of steps {', '.join(map(str, steps))}")
@@ -88,7 +98,8 @@ def average_at_end(
             f"{chosen.step if chosen.step is not None else last_step} by the run's rule "
             f"({chosen.reason}): final/ keeps that step",
         )
-        load_weights(folders[-1], accelerator=accelerator, model=model)
+        last = output_dir / f"{checkpoints.PREFIX}{last_step}"
+        load_weights(last, accelerator=accelerator, model=model)
     return choice
 
 

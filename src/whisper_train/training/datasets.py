@@ -3,6 +3,8 @@ evaluation set read, split, subset and screened before step 1, with what was ski
 
 The recipe calls `prepare_datasets` and never needs to know how the data arrives: a streamed
 `--data` is not read here but opened by its training data source (`data.source.StreamData`).
+Each evaluation set's loader (`evaluation_loaders`) is made here too, for a run and for
+`whisper-train average` over a finished one alike.
 """
 
 from __future__ import annotations
@@ -13,13 +15,20 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+from transformers import WhisperProcessor
+
 from whisper_train.audio import CHUNK_LENGTH
-from whisper_train.config.record import EvalSet
+from whisper_train.config.record import EvalSet, RunRecord
 from whisper_train.config.run import RunConfig
 from whisper_train.data import streaming
+from whisper_train.data.collate import SpeechCollator
 from whisper_train.data.examples import Example, PackedExamples
+from whisper_train.data.features import LogMel, SpeechDataset
 from whisper_train.data.labels import LabelEncoder, label_length, with_language
 from whisper_train.data.layouts import load_examples
+from whisper_train.data.loaders import evaluation_loader
 from whisper_train.data.nonspeech import (
     load_nonspeech,
     nonspeech_count,
@@ -35,6 +44,9 @@ from whisper_train.data.screening import (
     unusable_until_one_passes,
 )
 from whisper_train.errors import UserError
+from whisper_train.evaluation.evaluate import row_languages
+from whisper_train.evaluation.longform import RECORDINGS_PER_BATCH, collate_recordings
+from whisper_train.training.encoder_cache import CachedClip, EncoderCache, EncoderCacheCollator
 
 log = logging.getLogger(__name__)
 
@@ -156,3 +168,85 @@ def _reader(eval_set: EvalSet):
 
 
 __all__ = ["Datasets", "prepare_datasets"]
+
+
+# -- loaders ------------------------------------------------------------------------------
+
+
+def batch_collator(
+    processor: WhisperProcessor,
+    encoder_cache: EncoderCache | None,
+    language_targets: tuple[int, ...] = (),
+):
+    """What makes a batch of a list of examples: log-mels and labels, or with the encoder
+    cache, the cached encoder outputs in place of the clips'. `language_targets`: a run that
+    adds a language learns to name each clip's (`data.collate`)."""
+    log_mel = LogMel(processor.feature_extractor)
+    pad_id = processor.tokenizer.pad_token_id
+
+    def collator(examples):
+        if encoder_cache is None:
+            return SpeechCollator(pad_id, log_mel=log_mel, language_targets=language_targets)
+        return EncoderCacheCollator(pad_id, log_mel, encoder_cache, examples, language_targets)
+
+    return collator
+
+
+def language_targets(record: RunRecord, model) -> tuple[int, ...]:
+    """The language tokens a run that adds a language learns to predict after SOT (`data.collate`):
+    every language the model maps; none for any other run."""
+    return tuple(model.generation_config.lang_to_id.values()) if record.model.new_language else ()
+
+
+def evaluation_loaders(
+    record: RunRecord,
+    *,
+    processor: WhisperProcessor,
+    label_encoder: LabelEncoder,
+    datasets: Datasets,
+    encoder_cache: EncoderCache | None,
+    accelerator: Accelerator,
+    targets: tuple[int, ...] = (),
+) -> tuple[dict[str, DataLoader | list], dict[str, list | str | None]]:
+    """This process's share of each evaluation set and the language each set is decoded in
+    (a run's, and `whisper-train average`'s over a finished run). `targets`: the run's
+    `language_targets`, so that a set's loss is the one training measures."""
+    d = record.data
+    collator = batch_collator(processor, encoder_cache, targets)
+    cached = CachedClip(encoder_cache) if encoder_cache is not None else None
+    eval_loaders, eval_languages = {}, {}
+    # Each set is decoded in its rows' languages, else its own, else each clip's detected
+    # one: never the training language by default (issue 24).
+    for eval_set in record.evaluation.sets:
+        name, examples = eval_set.name, datasets.eval[eval_set.name]
+        eval_languages[name] = row_languages(
+            examples, eval_set.language, label_encoder.added_languages
+        )
+        if eval_set.nonspeech:
+            # Its clips themselves: every process decodes the whole (small) set, in its stated
+            # language or each clip's detected one (`judge.RunEvaluations`).
+            eval_loaders[name], eval_languages[name] = examples, eval_set.language
+            continue
+        if eval_set.long_form:
+            # Whole recordings, read as each is decoded (no features, labels or encoder cache).
+            eval_loaders[name] = evaluation_loader(
+                list(enumerate(examples)),
+                collate_recordings,
+                batch_size=RECORDINGS_PER_BATCH,
+                rank=accelerator.process_index,
+                world=accelerator.num_processes,
+                num_workers=0,
+            )
+            continue
+        eval_dataset = SpeechDataset(
+            examples, label_encoder, seed=record.training.seed, cached=cached
+        )
+        eval_loaders[name] = evaluation_loader(
+            eval_dataset,
+            collator(eval_dataset.examples),
+            batch_size=d.clips_per_micro_batch,
+            rank=accelerator.process_index,
+            world=accelerator.num_processes,
+            num_workers=d.num_workers,
+        )
+    return eval_loaders, eval_languages

@@ -81,70 +81,86 @@ def _nonspeech_holds(
     return True
 
 
-def choose_final_step(
-    evaluations: list[dict],
-    *,
-    primary_set: str,
-    guard: str | None,
-    max_regression: float | None,
-    guard_start: int = 0,
-    nonspeech_sets: Sequence[str] = (),
-    max_nonspeech_rise: float = 0.0,
-) -> FinalChoice:
-    """The evaluated step whose model final/ holds, as `load_best_model_at_end` users expect:
-    the lowest WER on `primary_set` among trained steps (not step 0) whose guard WER was
-    measured and stayed within `max_regression` points of its start (`guard_start`), and
-    whose words per minute on each of `nonspeech_sets` stayed within `max_nonspeech_rise` of
-    that set's start; the later step on a tie. Without evaluations: the last step. If no step
-    holds: the last one, and the reason says so."""
-    scored = {
+@dataclass(frozen=True)
+class FinalRule:
+    """What a model must hold to go to final/, said once so that a step and an average of
+    checkpoints are judged alike (`judge.RunEvaluations.final_rule`): the lowest WER on
+    `primary_set` among the models whose guard WER was measured and stayed within
+    `max_regression` points of its start (`guard_start`), and whose words per minute on each
+    of `nonspeech_sets` stayed within `max_nonspeech_rise` of that set's start."""
+
+    primary_set: str
+    guard: str | None = None
+    max_regression: float | None = None
+    guard_start: int = 0
+    nonspeech_sets: Sequence[str] = ()
+    max_nonspeech_rise: float = 0.0
+
+
+def _scored_steps(evaluations: list[dict], rule: FinalRule) -> dict[int, float]:
+    """The primary set's WER at each trained step (not step 0) it was scored at."""
+    primary = rule.primary_set
+    return {
         row["step"]: row["wer"]
         for row in evaluations
-        if row.get("set", primary_set) == primary_set
-        and row["step"] > 0
-        and math.isfinite(row["wer"])
+        if row.get("set", primary) == primary and row["step"] > 0 and math.isfinite(row["wer"])
     }
-    if not scored:
-        return FinalChoice(None, "the last step (no evaluation scored a trained step)")
-    held = {
-        step: wer
-        for step, wer in scored.items()
-        if guard is None
-        or (
-            (regression := guard_regression(evaluations, guard, step, guard_start)) is not None
-            and regression <= max_regression
-        )
-    }
-    if not held:
-        return FinalChoice(
-            max(scored),
-            f"the last evaluated step: no evaluation stayed within {max_regression:g} points "
-            f"of {guard} WER at its start (step {guard_start})",
-        )
+
+
+def _holds_guard(evaluations: list[dict], step: int, rule: FinalRule) -> bool:
+    if rule.guard is None:
+        return True
+    regression = guard_regression(evaluations, rule.guard, step, rule.guard_start)
+    return regression is not None and regression <= rule.max_regression
+
+
+def ranked_steps(evaluations: list[dict], rule: FinalRule) -> list[int]:
+    """The evaluated steps that hold `rule`, best first: lowest WER, the later step on a tie
+    (`--average-by best` averages the first N)."""
     allowed = {
         step: wer
-        for step, wer in held.items()
-        if _nonspeech_holds(evaluations, step, nonspeech_sets, max_nonspeech_rise)
+        for step, wer in _scored_steps(evaluations, rule).items()
+        if _holds_guard(evaluations, step, rule)
+        and _nonspeech_holds(evaluations, step, rule.nonspeech_sets, rule.max_nonspeech_rise)
     }
-    if not allowed:
+    return sorted(allowed, key=lambda step: (allowed[step], -step))
+
+
+def choose_final_step(evaluations: list[dict], rule: FinalRule) -> FinalChoice:
+    """The evaluated step whose model final/ holds, as `load_best_model_at_end` users expect:
+    the best of `ranked_steps` by `rule`. Without evaluations: the last step. If no step
+    holds: the last one, and the reason says so."""
+    scored = _scored_steps(evaluations, rule)
+    if not scored:
+        return FinalChoice(None, "the last step (no evaluation scored a trained step)")
+    if not any(_holds_guard(evaluations, step, rule) for step in scored):
         return FinalChoice(
             max(scored),
-            f"the last evaluated step: no evaluation stayed within {max_nonspeech_rise:g} "
+            f"the last evaluated step: no evaluation stayed within {rule.max_regression:g} "
+            f"points of {rule.guard} WER at its start (step {rule.guard_start})",
+        )
+    ranked = ranked_steps(evaluations, rule)
+    if not ranked:
+        return FinalChoice(
+            max(scored),
+            f"the last evaluated step: no evaluation stayed within {rule.max_nonspeech_rise:g} "
             f"words per minute of its start on the non-speech set "
-            f"{', '.join(map(repr, nonspeech_sets))}",
+            f"{', '.join(map(repr, rule.nonspeech_sets))}",
         )
-    best = min(allowed, key=lambda step: (allowed[step], -step))
-    reason = f"the lowest {primary_set} WER ({100 * allowed[best]:.2f}%) of {len(scored)} evaluated"
+    best = ranked[0]
+    reason = (
+        f"the lowest {rule.primary_set} WER ({100 * scored[best]:.2f}%) of {len(scored)} evaluated"
+    )
     reason += " steps" if len(scored) > 1 else " step"
-    if guard is not None:
+    if rule.guard is not None:
         reason += (
-            f", guard set {guard!r} within {max_regression:g} points of its start "
-            f"(step {guard_start})"
+            f", guard set {rule.guard!r} within {rule.max_regression:g} points of its start "
+            f"(step {rule.guard_start})"
         )
-    if nonspeech_sets:
+    if rule.nonspeech_sets:
         reason += (
-            f", non-speech set {', '.join(map(repr, nonspeech_sets))} within "
-            f"{max_nonspeech_rise:g} words per minute of its start"
+            f", non-speech set {', '.join(map(repr, rule.nonspeech_sets))} within "
+            f"{rule.max_nonspeech_rise:g} words per minute of its start"
         )
     return FinalChoice(best, reason)
 
@@ -154,44 +170,28 @@ def choose_with_average(
     averaged: list[dict],
     steps: tuple[int, ...],
     chosen: FinalChoice,
-    *,
-    primary_set: str,
-    guard: str | None,
-    max_regression: float | None,
-    guard_start: int = 0,
-    nonspeech_sets: Sequence[str] = (),
-    max_nonspeech_rise: float = 0.0,
+    rule: FinalRule,
 ) -> FinalChoice:
     """`chosen` (the step `choose_final_step` chose), or the average of the checkpoints of
-    `steps` (scored as `averaged`, a row per set) where it wins by the same rule: the lowest
-    `primary_set` WER among the models whose guard stayed within `max_regression` points of
-    its start and whose non-speech sets within `max_nonspeech_rise`, the chosen step winning a
-    tie."""
+    `steps` (scored as `averaged`, a row per set) where it wins by the same `rule`, the
+    chosen step winning a tie."""
     rows = [r for r in evaluations if r["step"] != _AVERAGE]
     rows += [{**row, "step": _AVERAGE} for row in averaged]
-    best = choose_final_step(
-        rows,
-        primary_set=primary_set,
-        guard=guard,
-        max_regression=max_regression,
-        guard_start=guard_start,
-        nonspeech_sets=nonspeech_sets,
-        max_nonspeech_rise=max_nonspeech_rise,
-    )
-    if best.step != _AVERAGE:
+    if choose_final_step(rows, rule).step != _AVERAGE:
         return chosen
-    wer = next(r["wer"] for r in averaged if r.get("set", primary_set) == primary_set)
+    primary = rule.primary_set
+    wer = next(r["wer"] for r in averaged if r.get("set", primary) == primary)
     was = next(
-        (r["wer"] for r in evaluations if r["step"] == chosen.step and r.get("set") == primary_set),
+        (r["wer"] for r in evaluations if r["step"] == chosen.step and r.get("set") == primary),
         None,
     )
     against = f" against step {chosen.step}'s {100 * was:.2f}%" if was is not None else ""
     reason = (
         f"the average of the checkpoints of steps {', '.join(map(str, steps))}: "
-        f"{primary_set} WER {100 * wer:.2f}%{against}"
+        f"{primary} WER {100 * wer:.2f}%{against}"
     )
-    if guard is not None:
-        reason += f", guard set {guard!r} within {max_regression:g} points of its start"
+    if rule.guard is not None:
+        reason += f", guard set {rule.guard!r} within {rule.max_regression:g} points of its start"
     return FinalChoice(steps[-1], reason, averaged=tuple(steps))
 
 

@@ -19,10 +19,12 @@ from whisper_train.evaluation.nonspeech import evaluate_nonspeech_examples
 from whisper_train.runlog import say
 from whisper_train.training.final import (
     FinalChoice,
+    FinalRule,
     choose_final_step,
     choose_with_average,
     guard_regression,
     nonspeech_rise,
+    ranked_steps,
 )
 
 
@@ -206,24 +208,33 @@ class RunEvaluations:
         )
         return stop
 
-    def final_rule(self) -> dict:
-        """What a model must hold to go to final/ (`final.choose_final_step`'s rule), said once
-        so that a step and an average of checkpoints are judged alike."""
-        evaluation = self.evaluation
-        return {
-            "primary_set": evaluation.primary,
-            "guard": evaluation.guard,
-            "max_regression": evaluation.max_regression,
-            "guard_start": self.start_step,
-            "nonspeech_sets": evaluation.nonspeech_sets,
-            "max_nonspeech_rise": evaluation.max_nonspeech_rise,
-        }
+    def final_rule(self) -> FinalRule:
+        """What a model must hold to go to final/, said once so that a step and an average
+        of checkpoints are judged alike."""
+        return rule_of(self.evaluation, self.start_step)
 
     def final_choice(self) -> FinalChoice:
-        return choose_final_step(self.rows, **self.final_rule())
+        return choose_final_step(self.rows, self.final_rule())
+
+    def steps_to_keep(self, best: int) -> set[int]:
+        """The evaluated steps whose checkpoints rotation keeps beside the newest: the one
+        final/ would hold and the `best` best by the final rule (--average-by best's)."""
+        chosen = self.final_choice().step
+        ranked = ranked_steps(self.rows, self.final_rule())[:best]
+        return {*ranked, *([chosen] if chosen is not None else [])}
 
     def choice_with_average(self, chosen: FinalChoice, steps: tuple[int, ...]) -> FinalChoice:
         """`chosen`, or the average of `steps` where it wins by the same rule (`final`)."""
-        return choose_with_average(
-            self.rows, self.averaged_rows, steps, chosen, **self.final_rule()
-        )
+        return choose_with_average(self.rows, self.averaged_rows, steps, chosen, self.final_rule())
+
+
+def rule_of(evaluation: EvaluationRecord, guard_start: int) -> FinalRule:
+    """The final rule of a run's evaluation record, its guard held to `guard_start`."""
+    return FinalRule(
+        primary_set=evaluation.primary,
+        guard=evaluation.guard,
+        max_regression=evaluation.max_regression,
+        guard_start=guard_start,
+        nonspeech_sets=evaluation.nonspeech_sets,
+        max_nonspeech_rise=evaluation.max_nonspeech_rise,
+    )

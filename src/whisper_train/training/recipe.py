@@ -423,7 +423,7 @@ class FineTuneRecipe:
             retention.rotate_checkpoints(
                 self.output_dir,
                 keep_last=self.record.output.save_total_limit,
-                keep_step=self.judge.final_choice().step,
+                keep_steps=self.judge.steps_to_keep(retention.best_kept(self.record)),
                 saved_step=self.state.step,
             )
         if reason:  # none when the caller's own line names the checkpoint

@@ -5,6 +5,7 @@ newest and the best), and the room they and final/ need at their peak, checked b
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -24,16 +25,16 @@ from whisper_train.units import format_bytes
 
 
 def rotate_checkpoints(
-    output_dir: Path, *, keep_last: int, keep_step: int | None, saved_step: int
+    output_dir: Path, *, keep_last: int, keep_steps: Sequence[int], saved_step: int
 ) -> None:
     """Delete all but the newest `keep_last` checkpoints up to `saved_step` (the one just
-    saved) and the one of `keep_step` (the best evaluated step, which final/ will hold:
-    `final.choose_final_step`). A checkpoint after `saved_step` is never the newest, and is
+    saved) and those of `keep_steps` (the best evaluated step, which final/ will hold:
+    `final.choose_final_step`; with --average-by best, the best N). A checkpoint after `saved_step` is never the newest, and is
     not deleted: only a run abandoned by a resume leaves one, and the resume moves those aside
     (`resume.set_aside_later_checkpoints`)."""
     found = [p for p in list_checkpoints(output_dir) if checkpoint_step(p) <= saved_step]
     keep = set(found[-keep_last:])
-    keep.update(p for p in found if keep_step is not None and checkpoint_step(p) == keep_step)
+    keep.update(p for p in found if checkpoint_step(p) in keep_steps)
     for folder in found:
         if folder not in keep:
             _delete_checkpoint(folder)
@@ -95,13 +96,20 @@ def check_room_for_run(
 
 def checkpoints_kept(record: RunRecord) -> int:
     """How many checkpoints rotation keeps: --save-total-limit, plus the best one when
-    evaluations during the run can make an older step the best; none when nothing but a
-    stop saves one (the run ends there, before final/ is written)."""
+    evaluations during the run can make an older step the best (the best N with
+    --average-by best); none when nothing but a stop saves one (the run ends there, before
+    final/ is written)."""
     evaluation, output = record.evaluation, record.output
     evaluating_during = bool(evaluation.evaluating and evaluation.eval_steps)
     if not (output.save_steps or evaluating_during):
         return 0
-    return output.save_total_limit + (1 if evaluating_during else 0)
+    return output.save_total_limit + (best_kept(record) if evaluating_during else 0)
+
+
+def best_kept(record: RunRecord) -> int:
+    """How many of the best evaluated steps' checkpoints rotation keeps beside the newest."""
+    output = record.output
+    return output.average_checkpoints if output.average_by == "best" else 1
 
 
 def disk_needed_text(record: RunRecord) -> str:
@@ -109,7 +117,9 @@ def disk_needed_text(record: RunRecord) -> str:
     kept, limit = checkpoints_kept(record), record.output.save_total_limit
     if kept == 0:
         return "the final model (or a checkpoint, when the run is stopped)"
-    best = " + the best" if kept > limit else ""
+    best = (
+        f" + the best {kept - limit}" if kept > limit + 1 else " + the best" if kept > limit else ""
+    )
     return (
         f"the {kept} checkpoints rotation keeps (--save-total-limit {limit}{best}), with "
         "one more being written or the final model,"

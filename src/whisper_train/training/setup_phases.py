@@ -29,10 +29,7 @@ from whisper_train.config.record import RunRecord
 from whisper_train.config.resolve import DataFacts, choose_packing, evaluation_sets
 from whisper_train.config.run import RunConfig
 from whisper_train.data.augment import spec_augment_overrides
-from whisper_train.data.collate import SpeechCollator
-from whisper_train.data.features import LogMel, SpeechDataset
 from whisper_train.data.labels import LabelEncoder, added_languages, configure_generation
-from whisper_train.data.loaders import evaluation_loader
 from whisper_train.data.source import (
     TrainingData,
     TrainingPlan,
@@ -40,8 +37,6 @@ from whisper_train.data.source import (
     plan_training_data,
 )
 from whisper_train.errors import UserError
-from whisper_train.evaluation.evaluate import row_languages
-from whisper_train.evaluation.longform import RECORDINGS_PER_BATCH, collate_recordings
 from whisper_train.memory import clip_attention
 from whisper_train.memory.plan import encoder_cache_line
 from whisper_train.models import is_multilingual, load_model
@@ -49,8 +44,14 @@ from whisper_train.runlog import MetricsLog, ProgressTable, StopRequest, progres
 from whisper_train.trackers import Trackers, accelerate_trackers
 from whisper_train.training import checkpoints, resume
 from whisper_train.training.checkpoints.load import read_stream_position
-from whisper_train.training.datasets import Datasets, prepare_datasets
-from whisper_train.training.encoder_cache import CachedClip, EncoderCache, EncoderCacheCollator
+from whisper_train.training.datasets import (
+    Datasets,
+    batch_collator,
+    evaluation_loaders,
+    language_targets,
+    prepare_datasets,
+)
+from whisper_train.training.encoder_cache import CachedClip, EncoderCache
 from whisper_train.training.launch import inside_launcher
 from whisper_train.training.new_language import add_language
 from whisper_train.units import parse_bytes
@@ -343,56 +344,19 @@ def setup_loaders(
     (both split over the processes by `data.source`), and the language each set is decoded
     in."""
     d = record.data
-    log_mel = LogMel(processor.feature_extractor)
-    pad_id = processor.tokenizer.pad_token_id
-
-    # A run that adds a language learns to name each clip's (`data.collate`).
-    targets = (
-        tuple(model.generation_config.lang_to_id.values()) if record.model.new_language else ()
-    )
-
-    def collator(examples):
-        if encoder_cache is None:
-            return SpeechCollator(pad_id, log_mel=log_mel, language_targets=targets)
-        return EncoderCacheCollator(pad_id, log_mel, encoder_cache, examples, targets)
-
+    targets = language_targets(record, model)
+    collator = batch_collator(processor, encoder_cache, targets)
     # A clip whose encoder output is cached is not decoded at all (`CachedClip`).
     cached = CachedClip(encoder_cache) if encoder_cache is not None else None
-    eval_loaders, eval_languages = {}, {}
-    # Each set is decoded in its rows' languages, else its own, else each clip's detected
-    # one: never the training language by default (issue 24).
-    for eval_set in record.evaluation.sets:
-        name, examples = eval_set.name, datasets.eval[eval_set.name]
-        eval_languages[name] = row_languages(
-            examples, eval_set.language, label_encoder.added_languages
-        )
-        if eval_set.nonspeech:
-            # Its clips themselves: every process decodes the whole (small) set, in its stated
-            # language or each clip's detected one (`judge.RunEvaluations`).
-            eval_loaders[name], eval_languages[name] = examples, eval_set.language
-            continue
-        if eval_set.long_form:
-            # Whole recordings, read as each is decoded (no features, labels or encoder cache).
-            eval_loaders[name] = evaluation_loader(
-                list(enumerate(examples)),
-                collate_recordings,
-                batch_size=RECORDINGS_PER_BATCH,
-                rank=accelerator.process_index,
-                world=accelerator.num_processes,
-                num_workers=0,
-            )
-            continue
-        eval_dataset = SpeechDataset(
-            examples, label_encoder, seed=record.training.seed, cached=cached
-        )
-        eval_loaders[name] = evaluation_loader(
-            eval_dataset,
-            collator(eval_dataset.examples),
-            batch_size=d.clips_per_micro_batch,
-            rank=accelerator.process_index,
-            world=accelerator.num_processes,
-            num_workers=d.num_workers,
-        )
+    eval_loaders, eval_languages = evaluation_loaders(
+        record,
+        processor=processor,
+        label_encoder=label_encoder,
+        datasets=datasets,
+        encoder_cache=encoder_cache,
+        accelerator=accelerator,
+        targets=targets,
+    )
     data = open_training_data(
         plan,
         datasets,

@@ -90,13 +90,18 @@ class ExportFormat:
             return False
         return True
 
+    @property
+    def install(self) -> str:
+        """The command that installs this format's runtime client."""
+        return f"pip install 'whisper-train[{self.extra}]'"
+
     def require_client(self, *, check: bool = True) -> None:
         """One line naming the extra that installs this format's runtime client when the export
         needs it (`MissingRuntimeError`): to be checked, or, for a format whose writer is the
         client's (`writes_with_client`), to be written at all."""
         if self.client_installed() or not (check or self.writes_with_client):
             return
-        how = f"pip install 'whisper-train[{self.extra}]'"
+        how = self.install
         if self.writes_with_client:
             raise MissingRuntimeError(
                 f"--format {self.name}: writing it needs {self.runtime}, which is not "

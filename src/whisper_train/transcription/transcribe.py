@@ -58,8 +58,8 @@ def load_backend(
             return _runtime_backend(export_format, path, word_timestamps, options)
         # whisper-train reads every format itself: a missing runtime costs speed, not the run.
         print(
-            f"--model {model}: {export_format.runtime} is not installed (pip install "
-            f"'whisper-train[{export_format.extra}]'), so transformers runs it",
+            f"--model {model}: {export_format.runtime} is not installed "
+            f"({export_format.install}), so transformers runs it",
             file=sys.stderr,
             flush=True,
         )

@@ -57,7 +57,11 @@ def test_the_new_token_starts_as_its_neighbour_and_is_one_of_the_models_language
     # The output projection shares the row: the new token's logit is Spanish's, everywhere.
     with torch.no_grad():
         logits = model(input_features=features(), decoder_input_ids=torch.tensor([[SOT]] * 2))
-    assert torch.equal(logits.logits[:, -1, NEW], logits.logits[:, -1, SPANISH])
+    # Equal rows, but the last column of the vocabulary may fall in another BLAS tile than
+    # Spanish's (another summation order on another CPU): float32 rounding at the logits' scale.
+    torch.testing.assert_close(
+        logits.logits[:, -1, NEW], logits.logits[:, -1, SPANISH], rtol=1e-5, atol=1e-5
+    )
     assert model.generation_config.lang_to_id["<|eo|>"] == NEW
     assert NEW in model.generation_config.suppress_tokens  # never written in text
     assert processor.tokenizer.decode([NEW, 65], skip_special_tokens=True) == "b"

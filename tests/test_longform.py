@@ -19,10 +19,10 @@ from whisper_train.data.layouts import load_examples
 from whisper_train.data.recordings import load_recordings
 from whisper_train.errors import UserError
 from whisper_train.evaluation import longform
-from whisper_train.evaluation.evaluate import evaluate_examples
+from whisper_train.evaluation.evaluate import evaluate_examples, report_to_dict
 from whisper_train.evaluation.scoring import get_normalizer
 from whisper_train.transcription.decoding import NO_FALLBACK
-from whisper_train.transcription.longform import transcribe_long_form
+from whisper_train.transcription.longform import DecodedSegment, transcribe_long_form
 
 RATE = 16_000
 # espeak-ng sentences with 2 s pauses: about 47 s, so two windows at least.
@@ -136,9 +136,11 @@ def test_a_joined_recording_is_scored_whole_against_its_reference(tmp_path, monk
 
     def stub(model, processor, audio, **options):
         heard.append(len(audio))
-        return hypothesis
+        return {"segments": [[]]}
 
-    monkeypatch.setattr(longform, "transcribe_long_form", stub)
+    monkeypatch.setattr(longform, "generate_long_form", stub)
+    segments = [DecodedSegment(0.0, 70.0, hypothesis, [])]
+    monkeypatch.setattr(longform, "decoded_segments", lambda output, tokenizer: segments)
     long_clip = _noise(tmp_path / "joined.wav", 70.0)
     short_clip = _noise(tmp_path / "short.wav", 2.0)
     examples = [Example(str(short_clip), "hello"), Example(str(long_clip), reference)]
@@ -162,6 +164,58 @@ def test_a_joined_recording_is_scored_whole_against_its_reference(tmp_path, monk
     short = report.scores.rows[0]
     assert report.scores.deletion_rate == (3 + short.deletions) / 14
     assert report.scores.insertion_rate == (2 + short.insertions) / 14
+    assert report.pauses is None, "no cue times, no pauses to score"
+
+
+def test_pauses_are_where_the_cues_say_nobody_speaks():
+    """Gaps of at least 2 s between cues once 0.5 s is taken off each end that meets a cue
+    (subtitle and segment times are good to a few hundred ms); the lead-in and the tail count."""
+    cues = [(3.0, 10.0, "a"), (11.0, 20.0, "b"), (24.0, 30.0, "c"), (29.0, 31.0, "d")]
+    assert longform.pauses(cues, 40.0) == [(0.0, 2.5), (20.5, 23.5), (31.5, 40.0)]
+    # A 1 s breath between cues, 2.5 s of lead-in (2 s once trimmed), no tail: no pause but one.
+    assert longform.pauses([(2.5, 5.0, "a"), (6.0, 9.8, "b")], 10.0) == [(0.0, 2.0)]
+    assert longform.pauses([], 5.0) == [(0.0, 5.0)]
+    # A segment belongs to the span its middle lies in: speech that spills past a cue is not
+    # counted, a hallucination inside a pause is.
+    segments = [
+        DecodedSegment(2.0, 10.0, "first words", []),  # middle 6.0: speech
+        DecodedSegment(21.0, 23.0, "Thank you.", []),  # middle 22.0: in the pause
+        DecodedSegment(30.0, 34.0, "and then", []),  # middle 32.0: in the tail
+    ]
+    spans = longform.pauses(cues, 40.0)
+    assert longform.text_in_pauses(segments, spans) == ["", "Thank you.", "and then"]
+
+
+def test_words_written_in_a_recordings_pauses_are_counted_per_minute(tmp_path, monkeypatch):
+    """A recording with subtitles: the text of the decoded segments in its pauses, per minute
+    of pause, in the report (report.json's figures) and in a training row alike."""
+    audio = _noise(tmp_path / "talk.wav", 40.0)
+    (tmp_path / "talk.srt").write_text(
+        "1\n00:00:00,000 --> 00:00:10,000\nhello there\n\n"
+        "2\n00:00:20,000 --> 00:00:30,000\ngood night\n",
+        encoding="utf-8",
+    )
+    (example,) = load_recordings(tmp_path)
+    assert example.segments == ((0.0, 10.0, "hello there"), (20.0, 30.0, "good night"))
+    segments = [
+        DecodedSegment(0.0, 9.0, "hello there", []),
+        DecodedSegment(12.0, 14.0, "thank you for watching", []),  # a pause of 9 s
+        DecodedSegment(20.0, 30.0, "good night", []),
+    ]  # nothing in the tail's 9.5 s
+    monkeypatch.setattr(longform, "generate_long_form", lambda *a, **k: {})
+    monkeypatch.setattr(longform, "decoded_segments", lambda output, tokenizer: segments)
+    from tiny_models import make_tiny_whisper
+
+    model, processor = make_tiny_whisper()
+    found = longform.decode_recordings(model, processor, [example])
+    assert found.texts == ["hello there thank you for watching good night"]
+    assert found.pause_texts == ["thank you for watching", ""]
+    assert found.pause_seconds == [9.0, 9.5]
+    report = evaluate_examples(model, processor, [example], long_form=True)
+    assert report.audio == [str(audio)] and report.scores.wer == 4 / 4  # 4 words inserted
+    figures = report_to_dict(report)
+    assert figures["pause_minutes"] == round(18.5 / 60, 4) and figures["pause_words"] == 4
+    assert figures["pause_words_per_minute"] == round(4 / (18.5 / 60), 4)
 
 
 def test_previous_text_conditioning_reaches_generate_only_when_asked(tiny_en, monkeypatch):
@@ -213,6 +267,62 @@ def test_evaluate_scores_a_long_set_as_transcribe_decodes_it(spoken_recording, t
     assert "garden" in utterance["normalized_hypothesis"]  # the last sentence, at ~45 s
     comparison = (out / "report.md").read_text()
     assert "deletion rate" in comparison and "1 recordings decoded long-form" in comparison
+
+
+def _srt_time(seconds: float) -> str:
+    ms = round(seconds * 1000)
+    return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d},{ms % 1000:03d}"
+
+
+# Its assertions (the pauses' length from the cues, the figures reported) hold for any spoken
+# audio: CI's second speech pass leaves it out.
+@pytest.mark.speech
+@pytest.mark.any_speech
+def test_evaluate_reports_the_words_written_in_a_recordings_pauses(
+    spoken_recording, tmp_path, capsys
+):
+    """The recording of the tests above with 12 s of room noise after its last sentence and an
+    .srt of its sentences: `evaluate` prints and writes what tiny.en wrote in the pauses."""
+    from whisper_train.cli import main
+
+    folder, _, ends = spoken_recording
+    speech, rate = soundfile.read(folder / "talk.wav", dtype="float32")
+    speech = speech[: round(ends[-1] * rate)]
+    noise = 10 ** (-40 / 20) * np.random.default_rng(1).standard_normal(12 * rate)
+    recordings = tmp_path / "talks"
+    recordings.mkdir()
+    soundfile.write(recordings / "talk.wav", np.concatenate([speech, noise]), rate)
+    starts = [0.0] + [end + 2.0 for end in ends[:-1]]
+    cues = zip(starts, ends, SENTENCES, strict=True)
+    (recordings / "talk.srt").write_text(
+        "\n".join(
+            f"{i}\n{_srt_time(a)} --> {_srt_time(b)}\n{text}\n"
+            for i, (a, b, text) in enumerate(cues, start=1)
+        ),
+        encoding="utf-8",
+    )
+    out = tmp_path / "report"
+    assert (
+        main(
+            [
+                "evaluate",
+                "--model",
+                "tiny.en",
+                "--data",
+                f"talks:long={recordings}",
+                "--output",
+                f"{out}/",
+            ]
+        )
+        == 0
+    )
+    report = json.loads((out / "report.json").read_text())
+    # The 2 s between sentences are breaths (1 s once trimmed); the tail is the one pause.
+    assert report["pause_minutes"] == round(11.5 / 60, 4)
+    words = report["pause_words"]
+    assert report["pause_words_per_minute"] == round(words / (11.5 / 60), 4)
+    line = f"in the pauses between subtitle cues (1 pause(s), 0.2 min): {words / (11.5 / 60):.1f}"
+    assert line in capsys.readouterr().out
 
 
 # -- during training: a long-form set as the guard ----------------------------------------

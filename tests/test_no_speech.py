@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -20,15 +21,17 @@ from tiny_models import EOT, NO_TIMESTAMPS, SOT
 
 import whisper_train.training.judge as judge_module
 from whisper_train.commands import evaluate as evaluate_command
-from whisper_train.data.features import LogMel
+from whisper_train.data.features import LogMel, content_frames
 from whisper_train.data.nonspeech import builtin_clips, load_nonspeech, write_builtin_set
 from whisper_train.errors import UserError
 from whisper_train.evaluation import nonspeech as nonspeech_module
 from whisper_train.evaluation.evaluate import generate_texts
 from whisper_train.evaluation.nonspeech import score_nonspeech
+from whisper_train.models import load_model
 from whisper_train.training.final import FinalRule, choose_final_step
 from whisper_train.training.train import train
 from whisper_train.transcription.decoding import (
+    NO_FALLBACK,
     Decoded,
     DecodingOptions,
     decode_with_fallback,
@@ -121,6 +124,106 @@ def test_a_clip_that_sounds_like_silence_gets_no_text_and_is_not_decoded_again(
     # Off: the same clip gets its text back, as before the test existed.
     monkeypatch.undo()
     assert generate_texts(model, processor, [batch], max_length=8, decoding=off)[0]
+
+
+WORD = 400  # a text token of the tiny model's vocabulary
+
+
+def confident_unless_runtime_padded(model):
+    """Make the model write WORD then <|endoftext|> with near-certainty (a mean log-prob ~0),
+    except on a window padded as the runtimes pad it (its last frame exactly 0; training's
+    padding there is the log-mel floor), where the random model's own unlikely text stays.
+    Records each encoder input it sees."""
+    seen: list[torch.Tensor] = []
+    state = {"runtime": False}
+
+    def encoder_hook(module, args, kwargs):
+        features = args[0] if args else kwargs["input_features"]
+        seen.append(features.detach().clone())
+        state["runtime"] = bool((features[..., -1] == 0).all())
+
+    def decoder_hook(module, args, kwargs, output):
+        ids = kwargs.get("decoder_input_ids")
+        if ids is None or state["runtime"]:
+            return output
+        boost = torch.zeros_like(output.logits)
+        boost[..., WORD] += 60.0 * (ids == NO_TIMESTAMPS)
+        boost[..., EOT] += 60.0 * (ids == WORD)
+        output.logits.add_(boost)
+        return output
+
+    handles = [
+        model.get_encoder().register_forward_pre_hook(encoder_hook, with_kwargs=True),
+        model.register_forward_hook(decoder_hook, with_kwargs=True),
+    ]
+    return seen, handles
+
+
+def test_a_window_believed_silent_is_judged_again_as_the_runtimes_pad_it(tiny_whisper):
+    """A confident decode of a window the model believes silent (tiny.en's "you" on digital
+    silence and hum) is decoded again with the log-mel padded with 0 past the clip, as
+    openai-whisper and faster-whisper pad it, and emptied when that decode is unlikely; a row
+    the model believes speech is never decoded again."""
+    model, processor = tiny_whisper
+    rng = np.random.default_rng(0)
+    clips = [(0.1 * rng.standard_normal(16_000 * n)).astype(np.float32) for n in (1, 2)]
+    features = LogMel(processor.feature_extractor)(clips)
+    frames = content_frames(clips)
+    assert frames == [100, 200]
+    force_no_speech(model, rows=[0])
+    seen, handles = confident_unless_runtime_padded(model)
+    options = DecodingOptions(temperatures=(0.0,))
+    details: list[Decoded] = []
+    batch = {"input_features": features, "size": 2}
+    # Without the clips' lengths (no second look), the confident text stays.
+    texts = generate_texts(model, processor, [batch], max_length=8, decoding=options)
+    assert texts[0] and texts[1]
+    seen.clear()
+    texts = generate_texts(
+        model,
+        processor,
+        [{**batch, "content_frames": frames}],
+        max_length=8,
+        decoding=options,
+        details=details,
+    )
+    assert texts == ["", texts[1]] and texts[1]
+    assert details[0].no_speech and details[0].passed and not details[1].no_speech
+    # The second look saw row 0 alone, its own frames as trained, zeros past them.
+    (looked,) = [f for f in seen if (f[..., -1] == 0).all()]
+    assert looked.shape[0] == 1
+    torch.testing.assert_close(looked[0, :, :100], features[0, :, :100], rtol=0, atol=0)
+    assert (looked[0, :, 100:] == 0).all() and (features[0, :, 100:] != 0).all()
+    for handle in handles:
+        handle.remove()
+
+
+def test_a_window_of_digital_silence_gets_no_text(tiny_whisper):
+    model, processor = tiny_whisper
+    clips = [np.zeros(16_000, np.float32), 0.1 * np.ones(16_000, np.float32)]
+    clips[1][::2] *= -1  # a loud 8 kHz square wave: not silence
+    batch = {"input_features": LogMel(processor.feature_extractor)(clips), "size": 2}
+    off = DecodingOptions(temperatures=(0.0,), no_speech_threshold=None)
+    assert all(generate_texts(model, processor, [batch], max_length=8, decoding=off))
+    # The random model's no-speech probability is low on both: the flat window alone decides.
+    texts = generate_texts(model, processor, [batch], max_length=8, decoding=NO_FALLBACK)
+    assert texts[0] == "" and texts[1]
+
+
+def test_tiny_en_writes_nothing_where_it_wrote_you(tmp_path):
+    """The real tiny.en on the built-in clips it wrote a confident "you" on (BENCHMARKS.md, "Text
+    where nobody speaks"): no word with the defaults; the same model without the clips'
+    lengths (training's padding only) still writes one, so the runtimes' look is what helps."""
+    model, processor = load_model("tiny.en")
+    names = ["digital-silence", "dither", "hum-50Hz"]
+    examples = load_nonspeech(write_builtin_set(tmp_path / "set", names=names))
+    report = nonspeech_module.evaluate_nonspeech_examples(model, processor, examples)
+    assert report.texts == [""] * len(names) and report.scores.words == 0
+    log_mel = LogMel(processor.feature_extractor)
+    clips = [nonspeech_module._read(example) for example in examples[1:]]  # no digital silence
+    batch = {"input_features": log_mel(clips), "size": len(clips)}
+    without = generate_texts(model, processor, [batch])
+    assert all(nonspeech_module.words_in(text) for text in without)
 
 
 def _candidate(no_speech_prob, avg_logprob, text="thank you"):
@@ -233,9 +336,13 @@ def test_evaluate_scores_a_nonspeech_set_and_silence_lowers_it(
     )
     assert args.handler(args) == 0
     out = capsys.readouterr().out
-    assert "words per minute where nobody speaks; text on 3 of 3 clips (100%)" in out
+    # The random model writes on the noise; digital silence, a window without one non-zero
+    # sample, gets no text whatever the model.
+    assert "words per minute where nobody speaks; text on 2 of 3 clips (67%)" in out
     written = json.loads(report.read_text())
     assert written["kind"] == "nonspeech" and written["clips"] == 3
+    texts = {Path(row["audio"]).stem: row["text"] for row in written["utterances"]}
+    assert texts["digital-silence"] == "" and texts["dither"] and texts["white-noise-60dB"]
     assert written["words_per_minute"] == pytest.approx(written["words"] / (3.0 / 60), rel=1e-3)
     assert written["decoding"]["no_speech_threshold"] == 0.6
 

@@ -69,7 +69,10 @@ def test_stored_notebook_has_no_outputs():
             assert cell.outputs == [] and cell.execution_count is None, cell.source[:80]
 
 
+# What it checks (every cell ran, numbers in the table, a CTranslate2 folder, a transcript not
+# empty) holds for either espeak-ng engine's audio: CI's second speech pass leaves it out.
 @pytest.mark.speech
+@pytest.mark.any_speech
 @pytest.mark.timeout(2 * CELL_TIMEOUT_S)
 def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     notebook = nbformat.read(NOTEBOOK, as_version=4)

@@ -246,6 +246,13 @@ def _print_scores(name: str, report: EvalReport) -> None:
             f"{100 * s.insertion_rate:.2f}%, deletions {100 * s.deletion_rate:.2f}% of "
             f"{s.reference_words} reference words"
         )
+    if report.pauses is not None:  # recordings with subtitles: where their cues say nobody speaks
+        pauses = report.pauses
+        print(
+            f"  in the pauses between subtitle cues ({pauses.clips} pause(s), "
+            f"{pauses.seconds / 60:.1f} min): {pauses.words_per_minute:.1f} words a minute "
+            f"invented, text in {pauses.clips_with_text} of them"
+        )
     # Long-form recordings fall back window by window inside generate, which does not say
     # which windows did: the count is of the other utterances.
     windowed = s.n - report.long_form_recordings

@@ -28,7 +28,7 @@ import torch
 
 from whisper_train.audio import CHUNK_LENGTH, ENCODER_POSITIONS
 from whisper_train.data.examples import Skip
-from whisper_train.data.features import LogMel
+from whisper_train.data.features import LogMel, content_frames
 from whisper_train.data.labels import decoder_positions
 
 IGNORE_INDEX = -100  # ignored by torch's cross-entropy
@@ -82,6 +82,7 @@ class SpeechCollator:
         batch["indices"] = torch.tensor([item["index"] for item in good])
         if self.log_mel is not None:
             batch["input_features"] = self.log_mel([item["audio"] for item in good])
+            batch["content_frames"] = content_frames([item["audio"] for item in good])
         else:
             batch["audio"] = [item["audio"] for item in good]
         return batch

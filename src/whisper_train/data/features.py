@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from whisper_train.audio import load_audio
+from whisper_train.audio import HOP_LENGTH, N_FRAMES, load_audio
 from whisper_train.data.examples import Example, PackedExamples, Skip, decode_skip
 from whisper_train.data.packing import PackedWindow
 from whisper_train.data.screening import clip_problem
@@ -108,6 +108,23 @@ class LogMel:
         peak = out.amax(dim=(1, 2), keepdim=True)
         torch.maximum(out, peak - 8.0, out=out)
         return out.add_(4.0).div_(4.0)
+
+
+def content_frames(clips: Sequence) -> list[int]:
+    """The frames of each clip's own audio in its window: len // hop, at most the window's 3000
+    (openai-whisper's `content_frames`), the log-mel frames the runtimes keep before padding."""
+    return [min(N_FRAMES, len(clip) // HOP_LENGTH) for clip in clips]
+
+
+def runtime_padded(features: torch.Tensor, frames: Sequence[int]) -> torch.Tensor:
+    """`features` (batch, n_mels, 3000) with every frame past row i's `frames[i]` set to 0: the
+    padding openai-whisper and faster-whisper give a window (their `pad_or_trim` of the log-mel),
+    where transformers' feature extractor, and so training, pads the audio with zeros (those
+    frames at the log-mel's floor). A new tensor; `features` is left alone."""
+    padded = features.clone()
+    for row, end in enumerate(frames):
+        padded[row, :, end:] = 0.0
+    return padded
 
 
 def _audio_end(samples: np.ndarray, block: int = 16_000) -> int:

@@ -78,7 +78,11 @@ def load_recordings(path: str | os.PathLike, *, data_format: str | None = None) 
         text = _reference(transcript)
         if not text:
             raise UserError(f"{transcript}: empty transcript; a recording needs its reference")
-        examples.append(Example(audio=os.path.abspath(audio), text=text, origin=str(transcript)))
+        # Subtitles' cue times ride along: long-form scoring counts the text written between them.
+        cues = () if transcript.suffix.lower() == ".txt" else tuple(parse_subtitles(transcript))
+        examples.append(
+            Example(audio=os.path.abspath(audio), text=text, segments=cues, origin=str(transcript))
+        )
     return examples
 
 

@@ -21,15 +21,16 @@ from tqdm.auto import tqdm
 from whisper_train.audio import N_SAMPLES, load_audio
 from whisper_train.config import require_positive
 from whisper_train.data.collate import IGNORE_INDEX
-from whisper_train.data.features import LogMel
+from whisper_train.data.features import LogMel, content_frames
 from whisper_train.data.labels import added_languages, language_code
 from whisper_train.data.layouts import load_examples
 from whisper_train.data.recordings import load_recordings
 from whisper_train.errors import AudioError, UserError
 from whisper_train.evaluation.generation import generate_texts
-from whisper_train.evaluation.longform import decode_recordings
+from whisper_train.evaluation.longform import decode_recordings, pause_figures
 from whisper_train.evaluation.report import write_comparison
 from whisper_train.evaluation.scoring import (
+    NonSpeechScores,
     Normalizer,
     Scores,
     get_normalizer,
@@ -71,6 +72,8 @@ class EvalReport:
     # 30 s, or every row of a NAME:long set), and whether windows saw the previous text.
     long_form: list[bool] = field(default_factory=list)
     condition_on_previous_text: bool = False
+    # What was written in the pauses of the recordings with cue times (None: no such pause).
+    pauses: NonSpeechScores | None = None
 
     @property
     def long_form_recordings(self) -> int:
@@ -187,6 +190,7 @@ def _feature_batches(
             languages = row_languages(kept[-len(clips) :], default_language, added)
             yield {
                 "input_features": log_mel(clips),
+                "content_frames": content_frames(clips),
                 "texts": texts,
                 "languages": languages,
                 "size": len(clips),
@@ -335,6 +339,7 @@ def evaluate_examples(
         details=decoded,
     )
     short = len(kept)
+    pause_scores = None
     if longer:
         recordings = decode_recordings(
             model,
@@ -350,6 +355,7 @@ def evaluate_examples(
         kept += recordings.examples
         hypotheses += recordings.texts
         decoded += recordings.decoded
+        pause_scores = recordings.pause_scores
     if not kept:
         first = skipped[0] if skipped else {"audio": "?", "reason": "no clips"}
         raise UserError(
@@ -372,6 +378,7 @@ def evaluate_examples(
         decoding=decoding,
         long_form=[index >= short for index in range(len(kept))],
         condition_on_previous_text=condition_on_previous_text,
+        pauses=pause_scores,
     )
 
 
@@ -427,6 +434,7 @@ def report_to_dict(report: EvalReport) -> dict:
         "no_speech_utterances": report.silenced,
         "fallback_unresolved": report.unresolved,
         "long_form_recordings": report.long_form_recordings,
+        **(pause_figures(report.pauses) if report.pauses is not None else {}),
         "condition_on_previous_text": report.condition_on_previous_text,
         "decoding": report.decoding.to_dict() if report.decoding is not None else None,
         "seconds": round(report.seconds, 3),

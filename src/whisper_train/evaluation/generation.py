@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import torch
 from transformers.modeling_outputs import BaseModelOutput
 
-from whisper_train.data.features import LogMel
+from whisper_train.data.features import LogMel, content_frames
 from whisper_train.transcription.decoding import Decoded, DecodingOptions, generate_decoded
 
 log = logging.getLogger(__name__)
@@ -33,12 +33,14 @@ def _generate_batch(
     decoding: DecodingOptions | None = None,
 ) -> list[Decoded]:
     weight = _first_parameter(model)
+    frames = batch.get("content_frames")  # for the no-speech test's second look
     if "input_features" in batch:
         inputs = {"input_features": batch["input_features"].to(weight.device, weight.dtype)}
     elif "audio" in batch:
         # A collator without a LogMel hands over waveforms: compute features where the model is.
         features = LogMel(processor.feature_extractor, device=weight.device)(batch["audio"])
         inputs = {"input_features": features.to(weight.dtype)}
+        frames = content_frames(batch["audio"])
     else:
         # A batch from the encoder cache: the encoder already ran, skip it.
         hidden = batch["encoder_hidden_states"].to(weight.device, weight.dtype)
@@ -51,6 +53,7 @@ def _generate_batch(
         num_beams=num_beams,
         options=decoding,
         languages=batch.get("languages"),
+        content_frames=frames,
     )
 
 
@@ -66,7 +69,8 @@ def generate_texts(
 ) -> list[str]:
     """Transcribe each batch with `model.generate` and return the texts, in batch order.
 
-    `batches` are dicts from `SpeechCollator`: `input_features` (batch, n_mels, 3000),
+    `batches` are dicts from `SpeechCollator`: `input_features` (batch, n_mels, 3000) with
+    `content_frames` (each row's frames of audio, for the no-speech test's second look),
     `encoder_hidden_states` (batch, 1500, d_model) from an encoder cache, or `audio` (a list of
     16 kHz waveforms), and optionally `languages`: each row's language on a multilingual model
     (a code, or None: detect it). Without `languages`, language and task come from

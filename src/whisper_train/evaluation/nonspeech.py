@@ -10,7 +10,6 @@ clips over 30 s long-form, `transcription.longform`).
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,50 +19,15 @@ import torch
 
 from whisper_train.audio import N_SAMPLES, SAMPLE_RATE, load_audio
 from whisper_train.config import require_positive
-from whisper_train.data.features import LogMel
+from whisper_train.data.features import LogMel, content_frames
 from whisper_train.data.nonspeech import load_nonspeech
 from whisper_train.errors import AudioError, UserError
 from whisper_train.evaluation.evaluate import report_paths, write_json
 from whisper_train.evaluation.generation import generate_texts
+from whisper_train.evaluation.scoring import NonSpeechScores, score_nonspeech, words_in
 from whisper_train.models import load_model
 from whisper_train.transcription.decoding import Decoded, DecodingOptions
 from whisper_train.transcription.longform import transcribe_long_form
-
-_WORD = re.compile(r"\w+")
-
-
-def words_in(text: str) -> int:
-    """Words of a transcript: runs of letters or digits (punctuation alone is none)."""
-    return len(_WORD.findall(text))
-
-
-@dataclass(frozen=True)
-class NonSpeechScores:
-    """What a model wrote on `clips` clips of non-speech lasting `seconds` in all."""
-
-    clips: int
-    seconds: float
-    words: int
-    clips_with_text: int
-
-    @property
-    def words_per_minute(self) -> float:
-        return self.words / (self.seconds / 60) if self.seconds > 0 else 0.0
-
-    @property
-    def share_with_text(self) -> float:
-        return self.clips_with_text / self.clips if self.clips else 0.0
-
-
-def score_nonspeech(texts: Sequence[str], seconds: Sequence[float]) -> NonSpeechScores:
-    """The scores of `texts[i]`, written on a clip of `seconds[i]` where nobody speaks."""
-    counts = [words_in(text) for text in texts]
-    return NonSpeechScores(
-        clips=len(texts),
-        seconds=float(sum(seconds)),
-        words=sum(counts),
-        clips_with_text=sum(count > 0 for count in counts),
-    )
 
 
 @dataclass
@@ -136,7 +100,11 @@ def evaluate_nonspeech_examples(
     def batches():
         for first in range(0, len(short), batch_size):
             part = [samples for _, samples in short[first : first + batch_size]]
-            batch = {"input_features": log_mel(part), "size": len(part)}
+            batch = {
+                "input_features": log_mel(part),
+                "content_frames": content_frames(part),
+                "size": len(part),
+            }
             if language is not None:
                 batch["languages"] = [language] * len(part)
             yield batch

@@ -21,6 +21,7 @@ divides all errors by all reference words; if every reference is empty it is und
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -216,4 +217,43 @@ def score(
         empty_output_rate=empty_outputs / len(rows),
         n=len(rows),
         rows=rows,
+    )
+
+
+# -- text where nobody speaks (`evaluation.nonspeech`, and the pauses of long recordings) --
+
+_WORD = re.compile(r"\w+")
+
+
+def words_in(text: str) -> int:
+    """Words of a transcript: runs of letters or digits (punctuation alone is none)."""
+    return len(_WORD.findall(text))
+
+
+@dataclass(frozen=True)
+class NonSpeechScores:
+    """What a model wrote on `clips` clips of non-speech lasting `seconds` in all."""
+
+    clips: int
+    seconds: float
+    words: int
+    clips_with_text: int
+
+    @property
+    def words_per_minute(self) -> float:
+        return self.words / (self.seconds / 60) if self.seconds > 0 else 0.0
+
+    @property
+    def share_with_text(self) -> float:
+        return self.clips_with_text / self.clips if self.clips else 0.0
+
+
+def score_nonspeech(texts: Sequence[str], seconds: Sequence[float]) -> NonSpeechScores:
+    """The scores of `texts[i]`, written on a clip of `seconds[i]` where nobody speaks."""
+    counts = [words_in(text) for text in texts]
+    return NonSpeechScores(
+        clips=len(texts),
+        seconds=float(sum(seconds)),
+        words=sum(counts),
+        clips_with_text=sum(count > 0 for count in counts),
     )

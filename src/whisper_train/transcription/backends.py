@@ -38,6 +38,7 @@ import torch
 from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
 
 from whisper_train.audio import N_SAMPLES, SAMPLE_RATE
+from whisper_train.data.features import content_frames
 from whisper_train.data.labels import model_generate_language
 from whisper_train.errors import UserError
 from whisper_train.transcription.decoding import DecodingOptions, generate_decoded
@@ -113,6 +114,7 @@ class TransformersBackend:
                 max_length=None,
                 num_beams=self.beam_size,
                 options=self.decoding,
+                content_frames=content_frames([audio[:N_SAMPLES]]),
             )
             text = decoded[0].text
             return text, [Segment(0.0, len(audio) / SAMPLE_RATE, text)] if text else []

@@ -18,6 +18,10 @@ the token before <|notimestamps|>) at the position of <|startoftranscript|> (ope
 `probs_at_sot`): one decoder step on [SOT], the step that detects the language. A decode over
 `no_speech_threshold` AND under `logprob_threshold` (that test off: the probability alone) is
 silence: no text, not decoded again. Without it every clip gets text, even digital silence.
+A window judged speech only by its confident text is judged again as the runtimes pad it
+(`_runtime_look`): tiny.en writes a confident "you" on digital silence, dither, hum and quiet
+noise from training's padding, an unlikely "." from theirs (BENCHMARKS.md, "Text where nobody
+speaks"); no speech clip of 80 came near the threshold, so speech pays nothing.
 
 Definitions, as openai-whisper has them (whisper/utils.py, whisper/decoding.py):
   compression ratio  len(text bytes) / len(zlib.compress(text bytes)), on the decoded TEXT
@@ -47,6 +51,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from transformers.modeling_outputs import BaseModelOutput
 
+from whisper_train.data.features import runtime_padded
 from whisper_train.errors import UserError
 from whisper_train.transcription.languages import (
     batch_size,
@@ -280,8 +285,8 @@ def decode_with_fallback(decode: DecodeFn, n: int, options: DecodingOptions) -> 
     kept = []
     for i, candidates in enumerate(tries):
         best = choose(candidates, options) if i in fell_back else candidates[0]
-        if options.silent(best):  # passed: nothing loops in silence
-            best = replace(best, text="", tokens=(), compression_ratio=0.0, no_speech=True)
+        if options.silent(best):
+            best = _emptied(best)
         silent = best.no_speech
         kept.append(
             replace(best, fallback=i in fell_back, passed=silent or not options.fails(best))
@@ -456,6 +461,7 @@ def generate_decoded(
     num_beams: int = 1,
     options: DecodingOptions | None = None,
     languages: Sequence[str | None] | None = None,
+    content_frames: Sequence[int] | None = None,
 ) -> list[Decoded]:
     """Decode one batch of generate inputs with `options` (default: the fallback on).
 
@@ -467,7 +473,9 @@ def generate_decoded(
     be None or all None/"en").
 
     With `options.no_speech_threshold`, every row's no-speech probability is measured the same
-    way, and a row judged silence (`DecodingOptions.silent`) is kept with no text.
+    way, and a row judged silence (`DecodingOptions.silent`) is kept with no text; with
+    `content_frames` (each row's frames of audio, `data.features.content_frames`) a row the model
+    believes silent gets the runtimes' second look (`_runtime_look`).
 
     Without a fallback or the no-speech test, one plain generate call, as before either existed
     (no scores asked for: `avg_logprob` None, `tokens` the text tokens).
@@ -514,12 +522,67 @@ def generate_decoded(
         device = _first_device(inputs)
         with seeded(options.seed, device):
             kept = decode_with_fallback(decode, window.n, options)
+        if "input_features" in inputs:
+            kept = _runtime_look(
+                model, inputs, tokenizer, kept, content_frames, chosen, options, max_length
+            )
     if chosen is None:
         return kept
     return [
         replace(item, language=code, detected_language=found, detected_probability=p)
         for item, code, (found, p) in zip(kept, chosen, detected, strict=True)
     ]
+
+
+def _runtime_look(
+    model,
+    inputs: dict,
+    tokenizer,
+    kept: list[Decoded],
+    content_frames: Sequence[int] | None,
+    languages: Sequence[str] | None,
+    options: DecodingOptions,
+    max_length: int | None,
+) -> list[Decoded]:
+    """`kept`, each row of digital silence emptied, and each the model believes silent (over
+    the no-speech threshold) but decoded confidently judged as openai-whisper and faster-whisper
+    judge it, from a greedy decode of its window padded their way (`runtime_padded`): silence
+    under `logprob_threshold`, else that decode's text if it passes the tests."""
+    if options.no_speech_threshold is None:
+        return kept
+    features = inputs["input_features"]
+    kept = list(kept)
+    # A window without one non-zero sample (its log-mel one value throughout) holds nothing to
+    # hear: no text, whatever the model guesses there (tiny.en and base: a confident "you").
+    flat = (features.amax(dim=(1, 2)) == features.amin(dim=(1, 2))).tolist()
+    for row in (row for row, is_flat in enumerate(flat) if is_flat and not kept[row].no_speech):
+        kept[row] = _emptied(kept[row])
+    if options.logprob_threshold is None or content_frames is None:
+        return kept  # the probability alone decides (and did), or no clip lengths to pad at
+    believed = options.no_speech_threshold
+    rows = [r for r, d in enumerate(kept) if not d.no_speech and (d.no_speech_prob or 0) > believed]
+    if not rows:
+        return kept
+    picked = _rows_of(inputs, rows, len(kept))["input_features"]
+    padded = {"input_features": runtime_padded(picked, [content_frames[row] for row in rows])}
+    decode = hf_decoder(
+        model,
+        padded,
+        tokenizer,
+        max_length=max_length,
+        languages=None if languages is None else [languages[row] for row in rows],
+    )
+    for row, look in zip(rows, decode(list(range(len(rows))), 0.0), strict=True):
+        if look.avg_logprob is not None and look.avg_logprob < options.logprob_threshold:
+            kept[row] = _emptied(kept[row])
+        elif not options.fails(look):  # the runtimes' text, often none (<|endoftext|> at once)
+            kept[row] = replace(look, no_speech_prob=kept[row].no_speech_prob)
+    return kept
+
+
+def _emptied(item: Decoded) -> Decoded:
+    """`item` judged silence: no text, passing (nothing loops in silence)."""
+    return replace(item, text="", tokens=(), compression_ratio=0.0, no_speech=True, passed=True)
 
 
 def _first_device(inputs: dict) -> torch.device:

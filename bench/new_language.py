@@ -15,11 +15,11 @@ and speakers no step saw.
 Three models, each measured on the same held-out clips: base as it is (Esperanto decoded
 under <|es|>), base trained N steps with --language es on the Esperanto clips (the
 neighbour's token), and base trained N steps with --new-language eo --new-language-init es
-(its own token), both with the same data, seed and settings: --mode freeze-encoder (its
+(its own token; `--init LANG` starts it from another language's), both with the same data, seed and settings: --mode freeze-encoder (its
 cached encoder makes a step affordable on a CPU; the encoder is then the same in all three,
 so every clip is encoded once here), a fifth of the training clips in the other four
 languages with their own labels (rehearsal, so that the decoder is not taught that every clip
-is Esperanto), learning rate 1e-4. Decoding is greedy, no fallback.
+is Esperanto; `--rehearsal N`: N clips a language), learning rate 1e-4. Decoding is greedy, no fallback.
 """
 
 from __future__ import annotations
@@ -206,7 +206,9 @@ def share(detected: list[str], code: str) -> float:
     return 100 * sum(found == code for found in detected) / len(detected)
 
 
-def train_arm(work: Path, name: str, manifest: Path, steps: int, new_language: bool) -> Path:
+def train_arm(
+    work: Path, name: str, manifest: Path, steps: int, new_language: bool, init: str = "es"
+) -> Path:
     out = work / name
     if (out / "final" / "model.safetensors").exists():
         return out
@@ -226,7 +228,7 @@ def train_arm(work: Path, name: str, manifest: Path, steps: int, new_language: b
         "language": "eo" if new_language else "es",
     }
     if new_language:
-        settings.update(new_language="eo", new_language_init="es")
+        settings.update(new_language="eo", new_language_init=init)
     config.update(settings)
     started = time.perf_counter()
     train(config.validate())
@@ -241,12 +243,23 @@ def main() -> None:
     parser.add_argument("--train-clips", type=int, default=96, help="Esperanto clips to train on")
     parser.add_argument("--held-out", type=int, default=32, help="held-out clips of Esperanto")
     parser.add_argument("--others", type=int, default=16, help="held-out clips a language")
+    parser.add_argument(
+        "--rehearsal",
+        type=int,
+        default=None,
+        help="training clips in each other language (default: --train-clips / 16)",
+    )
+    parser.add_argument(
+        "--init", default="es", help="the language whose token the new one starts from"
+    )
     args = parser.parse_args()
+    rehearsal = args.train_clips // 16 if args.rehearsal is None else args.rehearsal
+    init = args.init
     work = Path(args.work)
     clips = work / "clips"
     train_rows = synthesise(clips, "eo", False, args.train_clips, seed=1)
-    for index, language in enumerate(OTHERS):  # rehearsal: a fifth of the training clips
-        train_rows += synthesise(clips, language, False, args.train_clips // 16, seed=10 + index)
+    for index, language in enumerate(OTHERS):  # rehearsal: by default a fifth of the clips
+        train_rows += synthesise(clips, language, False, rehearsal, seed=10 + index)
     held = {"eo": synthesise(clips, "eo", True, args.held_out, seed=2)}
     for index, language in enumerate(OTHERS):
         held[language] = synthesise(clips, language, True, args.others, seed=20 + index)
@@ -263,7 +276,9 @@ def main() -> None:
         str(train_arm(work, "neighbour", neighbour_data, args.steps, new_language=False))
     )
     models["own token (eo)"] = load_model(
-        str(train_arm(work, "own-token", own_data, args.steps, new_language=True))
+        str(
+            train_arm(work, f"own-token-{init}", own_data, args.steps, new_language=True, init=init)
+        )
     )
     rows = []
     for name, (model, model_processor) in models.items():

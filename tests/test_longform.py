@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import jiwer
 import numpy as np
@@ -216,6 +217,14 @@ def test_words_written_in_a_recordings_pauses_are_counted_per_minute(tmp_path, m
     figures = report_to_dict(report)
     assert figures["pause_minutes"] == round(18.5 / 60, 4) and figures["pause_words"] == 4
     assert figures["pause_words_per_minute"] == round(4 / (18.5 / 60), 4)
+    # A training row of the set (one process) carries the same figures.
+    one_process = SimpleNamespace(num_processes=1, unwrap_model=lambda m: m)
+    loader = [longform.collate_recordings([(0, example)])]
+    row = longform.run_long_form_evaluation(model, loader, processor, one_process, None, 3)
+    assert {key: row[key] for key in figures if key.startswith("pause")} == {
+        key: value for key, value in figures.items() if key.startswith("pause")
+    }
+    assert row["step"] == 3 and row["wer"] == 1.0
 
 
 def test_previous_text_conditioning_reaches_generate_only_when_asked(tiny_en, monkeypatch):

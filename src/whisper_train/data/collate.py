@@ -80,11 +80,12 @@ class SpeechCollator:
         )
         batch["texts"] = [item["text"] for item in good]
         batch["indices"] = torch.tensor([item["index"] for item in good])
+        audio = [item["audio"] for item in good]
         if self.log_mel is not None:
-            batch["input_features"] = self.log_mel([item["audio"] for item in good])
-            batch["content_frames"] = content_frames([item["audio"] for item in good])
+            batch["input_features"] = self.log_mel(audio)
+            batch["content_frames"] = content_frames(audio)
         else:
-            batch["audio"] = [item["audio"] for item in good]
+            batch["audio"] = audio
         return batch
 
     def _per_clip(self, batch: dict, windows: list[dict]) -> dict:

@@ -11,7 +11,7 @@ fine-tune with --nonspeech builtin, its clips labelled each way (`labels.NOSPEEC
 never trains on) in both decoders at their defaults, with the demo's held-out WER and real
 speech's beside it:
 
-    PYTHONPATH=src .venv/bin/python bench/nonspeech.py --fine-tunes /tmp/ns-bench
+    PYTHONPATH=src .venv/bin/python bench/nonspeech.py --fine-tunes /tmp/ns-bench [--seed 1]
 """
 
 from __future__ import annotations
@@ -82,16 +82,19 @@ def _measure(spec: str, nonspeech: list, held_out: list, speech: list, work: Pat
     return figures
 
 
-def fine_tunes(root: Path, speech: list[Example], only: list[int] | None = None) -> None:
+def fine_tunes(
+    root: Path, speech: list[Example], only: list[int] | None = None, seed: int = 0
+) -> None:
     """The base, the demo's fine-tune, and the demo's fine-tune with --nonspeech builtin
-    (each label form), measured alike; a table at the end."""
+    (each label form), measured alike; a table at the end. `seed`: the demo's (its data
+    synthesised and its run seeded with it)."""
     data_dirs = prepare_demo_data(
-        root / "data", train_utterances=192, eval_utterances=40, guard_utterances=40, seed=0
+        root / "data", train_utterances=192, eval_utterances=40, guard_utterances=40, seed=seed
     )
     held_out = load_examples(data_dirs["held-out"])  # scored by each run, at step 0 and last
     nonspeech = load_nonspeech("builtin")
     runs = {
-        "demo fine-tune": (None, None),
+        "demo fine-tune (--nonspeech none)": ("none", None),
         "+ --nonspeech builtin (<|nospeech|>)": ("builtin", NOSPEECH_FORM),
         "+ --nonspeech builtin (empty transcript)": ("builtin", EMPTY_FORM),
         "tiny.en (base)": ("base", None),
@@ -106,7 +109,9 @@ def fine_tunes(root: Path, speech: list[Example], only: list[int] | None = None)
             figures["held_out_wer"] = base_wer
         else:
             os.environ[NONSPEECH_LABEL] = form or NOSPEECH_FORM
-            config = demo_config(data_dirs, root / f"run{index}", model="tiny.en", nonspeech=source)
+            config = demo_config(
+                data_dirs, root / f"run{index}", model="tiny.en", nonspeech=source, seed=seed
+            )
             if only is not None:  # the runs alone: held-out scored once, at the end (no guard)
                 config.update({"eval_data": [f"held-out={data_dirs['held-out']}"], "guard": None})
             result = train(config)
@@ -142,6 +147,7 @@ def main() -> None:
     parser.add_argument("--speech-clips", type=int, default=20, help="0: no real speech")
     parser.add_argument("--realspeech", type=Path, default=REALSPEECH)
     parser.add_argument("--fine-tunes", type=Path, default=None, metavar="DIR")
+    parser.add_argument("--seed", type=int, default=0, help="the demo's, with --fine-tunes")
     parser.add_argument(
         "--only",
         type=lambda v: [int(i) for i in v.split(",")],
@@ -151,7 +157,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.fine_tunes is not None:
-        fine_tunes(args.fine_tunes, _real_speech(args.realspeech, args.speech_clips), args.only)
+        speech = _real_speech(args.realspeech, args.speech_clips)
+        fine_tunes(args.fine_tunes, speech, args.only, args.seed)
         return
     examples = load_nonspeech("builtin")
     model, processor = load_model("tiny.en")

@@ -19,7 +19,11 @@ import torch
 # Tests run offline, like CI and a user's sandbox: never wait on a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Under pytest-xdist (`make test` runs the suite in two workers), one thread each: two workers
+# of two threads on a 2-core machine would oversubscribe it.
+torch.set_num_threads(
+    1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads())
+)
 
 from tiny_models import make_tiny_whisper, tiny_en_dir  # noqa: E402
 
@@ -35,7 +39,7 @@ from whisper_train.config import RunConfig  # noqa: E402
 SAME_RUN_LOSS_ATOL = 1e-4
 # What a run says before its first step: the data screened, the notes of its record (where it
 # does other than asked: --packing auto's choice), the model and the data.
-START_LINES = ("screening:", "packing auto ->", "model:", "data:")
+START_LINES = ("screening:", "packing auto ->", "nonspeech auto ->", "model:", "data:")
 
 
 # One `whisper-train train` in its own process (--nproc launches, streams): two imports of torch
@@ -108,6 +112,28 @@ def fill_disk_on_write(monkeypatch) -> None:
         return FullDisk(file) if any(flag in mode for flag in "wxa+") else file
 
     monkeypatch.setattr(Path, "open", opening)
+
+
+def _launcher_logs() -> set[Path]:
+    """The log folders torch's launcher (torch.distributed.run) makes, one per launch."""
+    import tempfile
+
+    return set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
+
+
+@pytest.fixture(autouse=True)
+def _launches_are_marked(request):
+    """A test that launches training processes (--nproc) is marked `processes`: `make test`
+    runs the marked ones after the rest, one at a time, while the rest run in two workers,
+    where a launch would put four training processes on two cores (and a collective timeout
+    within reach). Read from the launcher's log folders, which each launch makes."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # one test at a time: nothing to keep apart
+        yield
+        return
+    before = _launcher_logs()
+    yield
+    if _launcher_logs() - before and not request.node.get_closest_marker("processes"):
+        pytest.fail("this test launched training processes: mark it @pytest.mark.processes")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -198,7 +224,8 @@ def tone_dataset(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def tiny_run_config(tmp_path, tone_dataset, tiny_whisper_dir):
-    """Builds the RunConfig of a seconds-long run: 3 steps of the tiny model on the tone clips.
+    """Builds the RunConfig of a seconds-long run: 3 steps of the tiny model on the tone clips
+    (no --nonspeech clips mixed in).
 
     A quarter of the 12 clips is held out, leaving 9 to train on: 3 micro-batches of 4 an epoch.
     The run only trains unless given only_train=False, and writes to tmp_path / "out" unless
@@ -223,6 +250,10 @@ def tiny_run_config(tmp_path, tone_dataset, tiny_whisper_dir):
                 # fallback; tests/test_decoding.py covers that path).
                 "generation_max_length": 8,
                 "temperatures": "0",
+                # The tone clips alone, so that each test counts its own clips: the default's
+                # built-in noise (--nonspeech auto) is tried in tests/test_no_speech.py and on
+                # the combination matrix's nonspeech axis.
+                "nonspeech": "none",
                 **overrides,
             }
         )
@@ -236,12 +267,20 @@ def record_of(config: RunConfig, *, width: int = 384, device: str = "cpu", **fac
     override DataFacts: packing, streamed, steps_per_epoch, ...); nothing is loaded."""
     import torch
 
-    from whisper_train.config.resolve import DataFacts, choose_packing, resolve_run
+    from whisper_train.config.resolve import (
+        DataFacts,
+        choose_nonspeech,
+        choose_packing,
+        resolve_run,
+    )
 
     packing, note = choose_packing(config)
+    nonspeech, nonspeech_note = choose_nonspeech(config)
     data = {
         "packing": packing,
         "packing_note": note,
+        "nonspeech": nonspeech,
+        "nonspeech_note": nonspeech_note,
         "streamed": config.stream_source() is not None,
         "items_per_micro_batch": config.train.batch_size,
         "steps_per_epoch": 10,

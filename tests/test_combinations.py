@@ -80,8 +80,9 @@ FACTORS: dict[str, tuple] = {
     # the training data as it is, or with bad clips among it (`BAD_CLIPS`: a missing, an empty
     # and an unreadable file): each named once, and the good ones trained as the twin trains
     "bad": (False, True),
-    # --nonspeech: a clip of noise with an empty target (<|nospeech|>) mixed into the data, in
-    # place of one speech clip so that a step still holds all of it
+    # --nonspeech: none, or a clip of noise with an empty target (<|nospeech|>) mixed into the
+    # data, in place of one speech clip so that a step still holds all of it (the default,
+    # auto, is such a clip of the built-in set: tests/test_no_speech.py)
     "nonspeech": (False, True),
     # --new-language eo --new-language-init es --language eo on a tiny multilingual model (the
     # English-only one has no language tokens): its row trained (LoRA: peft's trainable token)
@@ -251,6 +252,10 @@ def row_id(row: dict) -> str:
 # cheapest in launches of 2 processes (`row_cost`): 7 in 18 rows (seed 3: 9 in 17; seeds 0-10:
 # 8 to 11). 9 rows are judged, 9 add a language.
 PAIRWISE = covering_array(2, seed=11)
+# A 2-process row launches training processes: run by `make test` after the rest, one at a time.
+LAUNCHES_MARKED = [
+    pytest.param(row, marks=pytest.mark.processes) if row["nproc"] == 2 else row for row in PAIRWISE
+]
 
 # -- running a row ---------------------------------------------------------------------------
 
@@ -647,6 +652,8 @@ def row_flags(row: dict, data: dict, workdir: Path) -> list[str]:
         # the listed clips, rounded) makes one clip of noise of each, as of the twin's 3 or 7;
         # 0.125 made two of 11 (step 1 moved by 1e-2).
         options += [f"--nonspeech={data['noise']}", "--nonspeech-share=0.09"]
+    else:  # the default (auto) would mix a clip of builtin noise into data read whole
+        options.append("--nonspeech=none")
     flags = [
         f"--data={data_of(row, data)}",
         *["--streaming"] * (row["data"] == "cuts"),
@@ -761,7 +768,7 @@ def loss_tolerance(row: dict) -> float:
     return SAME_RUN_LOSS_ATOL if row["precision"] == "fp32" else BF16_LOSS_ATOL
 
 
-@pytest.mark.parametrize("row", PAIRWISE, ids=row_id)
+@pytest.mark.parametrize("row", LAUNCHES_MARKED, ids=row_id)
 def test_a_combination_trains_as_its_plain_twin(row, matrix_data, tmp_path, monkeypatch, capsys):
     check_row(row, matrix_data, tmp_path, monkeypatch, capsys)
 
@@ -911,6 +918,7 @@ THREE_WISE_ROWS = 67  # with --new-language and the judged rows among the factor
 
 
 @pytest.mark.slow
+@pytest.mark.processes  # some rows launch two (which: known only once the array is made)
 @pytest.mark.parametrize("index", range(THREE_WISE_ROWS))
 def test_every_triple_of_options_trains_as_its_plain_twin(
     index, matrix_data, tmp_path, monkeypatch, capsys

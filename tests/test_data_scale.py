@@ -80,7 +80,9 @@ def test_prepare_datasets_counts_each_label_once_and_hands_the_counts_on(
     calls = []
     monkeypatch.setattr(encoder, "count_tokens", lambda e: calls.append(e) or 0)
 
-    datasets = prepare_datasets(config, evaluation_sets(config), encoder, max_label_tokens=448)
+    datasets = prepare_datasets(
+        config, evaluation_sets(config), encoder, nonspeech=None, max_label_tokens=448
+    )
 
     assert not calls  # no per-example tokenisation: screening counted them in one batch
     expected = [_encoder().count_tokens(example) for example in datasets.train]
@@ -300,7 +302,9 @@ def test_training_audio_is_not_read_before_step_one_unless_strict(tmp_path, monk
         config = RunConfig()
         config.update({"data": str(manifest), "output_dir": str(tmp_path), **settings})
         reads.clear()
-        sets = prepare_datasets(config, evaluation_sets(config), _encoder(), max_label_tokens=448)
+        sets = prepare_datasets(
+            config, evaluation_sets(config), _encoder(), nonspeech=None, max_label_tokens=448
+        )
         return len(reads), len(sets.train), sum(len(e) for e in sets.eval.values())
 
     # The held-out evaluation set's headers are read (each evaluation scores the same clips);
@@ -377,7 +381,9 @@ def test_the_training_set_reaches_the_loader_packed(tmp_path, monkeypatch, tone_
     monkeypatch.setenv("WHISPER_TRAIN_CACHE", str(tmp_path / "cache"))
     config = RunConfig()
     config.update({"data": str(tone_dataset), "only_train": True, "output_dir": str(tmp_path)})
-    sets = prepare_datasets(config, evaluation_sets(config), _encoder(), max_label_tokens=448)
+    sets = prepare_datasets(
+        config, evaluation_sets(config), _encoder(), nonspeech=None, max_label_tokens=448
+    )
     assert isinstance(sets.train, PackedExamples)
     assert list(sets.train) == load_examples(tone_dataset)
     assert SpeechDataset(sets.train, _encoder()).examples is sets.train

@@ -212,7 +212,9 @@ def test_an_evaluation_set_in_another_layout_than_a_forced_data_format_is_read(
     config.update({"eval_data": [str(manifest)]})
     encoder = LabelEncoder(english_tokenizer(), language=None, multilingual=False)
 
-    datasets = prepare_datasets(config, evaluation_sets(config), encoder, max_label_tokens=448)
+    datasets = prepare_datasets(
+        config, evaluation_sets(config), encoder, nonspeech=None, max_label_tokens=448
+    )
 
     assert len(datasets.eval["eval"]) == 3
 

@@ -40,6 +40,7 @@ def _runs(tmp_path, tiny_whisper_dir, **extra):
         # Clips one by one: 4 clips split 1 x 2 x 2 (whole windows cannot be); the matrix
         # trains per-clip packing sharded.
         "packing": "off",
+        "nonspeech": "none",  # its own clips alone: the counts above
         **extra,
     }
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in common.items()]
@@ -52,6 +53,7 @@ def _one_process(common: dict, output_dir, steps: int):
     return train(config)
 
 
+@pytest.mark.processes
 def test_sharded_two_processes_equal_one_with_an_unusable_share_and_resume_exactly(
     tmp_path, tiny_whisper_dir
 ):
@@ -100,6 +102,7 @@ def test_sharded_two_processes_equal_one_with_an_unusable_share_and_resume_exact
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_sharded_lora_equals_one_process(tmp_path, tiny_whisper_dir):
     # LoRA dropout off: each process draws its own masks, which one process cannot repeat.
     common, flags = _runs(tmp_path, tiny_whisper_dir, mode="lora", lora_dropout=0.0)

@@ -16,11 +16,13 @@ import numpy as np
 import pytest
 import soundfile
 import torch
+import yaml
 from conftest import metric_rows, write_tone_dataset
 from tiny_models import EOT, NO_TIMESTAMPS, SOT
 
 import whisper_train.training.judge as judge_module
 from whisper_train.commands import evaluate as evaluate_command
+from whisper_train.config import RunConfig
 from whisper_train.data.features import LogMel, content_frames
 from whisper_train.data.nonspeech import builtin_clips, load_nonspeech, write_builtin_set
 from whisper_train.errors import UserError
@@ -541,6 +543,117 @@ def test_nonspeech_clips_train_with_the_no_speech_label_in_every_packing(
     else:
         assert no_speech in seen  # its own label (or, per clip, its own decoder pass)
         assert all(row == no_speech or NO_SPEECH not in row for row in seen)
+
+
+def test_by_default_a_tenth_of_the_epoch_is_builtin_noise_and_the_start_says_so(
+    tiny_run_config, monkeypatch, capsys, tmp_path
+):
+    """--nonspeech auto, the default: the built-in clips join data read whole (1 of 13: a
+    tenth, rounded) with the no-speech label; the record says builtin and the start says why;
+    `none` trains on the clips alone. Before, the default trained on speech alone and the
+    demo's fine-tune wrote words on hum that tiny.en never wrote."""
+    seen = _labels_trained(monkeypatch)
+    result = train(tiny_run_config(nonspeech="auto", packing="off", max_steps=4))
+    assert result.train_examples == 12 + 1
+    assert [NO_SPEECH, EOT] in seen
+    said = capsys.readouterr().out
+    assert "nonspeech auto -> builtin: noise, hum and tones with empty targets, 10%" in said
+    record = yaml.safe_load((tmp_path / "out" / "whisper-train.yaml").read_text())["record"]
+    assert (record["data"]["nonspeech"], record["data"]["nonspeech_share"]) == ("builtin", 0.1)
+
+    seen.clear()
+    off = train(tiny_run_config(nonspeech="off", output_dir=str(tmp_path / "off")))
+    assert off.train_examples == 12 and all(NO_SPEECH not in row for row in seen)
+    record = yaml.safe_load((tmp_path / "off" / "whisper-train.yaml").read_text())["record"]
+    assert record["data"]["nonspeech"] is None
+
+
+def test_auto_resumes_as_the_checkpoint_trained_and_a_stream_trains_alone(
+    tiny_run_config, capsys, tmp_path
+):
+    """A run saved without non-speech clips (`none`, or by a version whose default had none)
+    resumes under the default auto without them, and says so, instead of being refused for a
+    changed --nonspeech; a stream, whose rows cannot be mixed with others, trains on its own
+    under auto, and says so, where --nonspeech builtin is refused."""
+    from test_streaming import write_shards
+
+    from whisper_train.config.resolve import choose_nonspeech
+
+    train(tiny_run_config(max_steps=1, save_steps=1))  # --nonspeech none
+    capsys.readouterr()
+    resumed = train(tiny_run_config(max_steps=2, resume="latest", nonspeech="auto"))
+    assert "nonspeech auto -> none: as the checkpoint trained" in capsys.readouterr().out
+    assert resumed.train_examples == 12
+
+    shards = tmp_path / "shards"
+    write_shards(shards, "webdataset", [3, 3])
+    stream = tiny_run_config(data=str(shards), nonspeech="auto").validate()
+    assert choose_nonspeech(stream) == (
+        None,
+        "nonspeech auto -> none: --data is streamed, and no clips can be mixed in",
+    )
+    with pytest.raises(UserError, match="--nonspeech needs --data read whole"):
+        tiny_run_config(data=str(shards), nonspeech="builtin").validate()
+
+
+@pytest.mark.parametrize("packing", ["off", "on", "per-clip"])
+def test_a_multilingual_run_whose_clips_state_their_languages_mixes_in_noise(
+    tmp_path, monkeypatch, packing
+):
+    """No --language, each clip's language in a `language` column: the noise (which speaks
+    none) trains with <|nospeech|> and no language token. Before, planning the packed windows
+    asked for the noise's language and refused the run: --nonspeech builtin, and so the
+    default, could not meet a multilingual model's data with a language column."""
+    from multilingual import make_tiny_multilingual_whisper
+
+    model_dir = tmp_path / "multilingual"
+    model, processor = make_tiny_multilingual_whisper()
+    model.save_pretrained(model_dir)
+    processor.save_pretrained(model_dir)
+    data = write_tone_dataset(tmp_path / "data", layout="manifest")
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    data.write_text("".join(json.dumps({**row, "language": "de"}) + "\n" for row in rows))
+    seen = _labels_trained(monkeypatch)
+    config = RunConfig()
+    config.update(
+        {
+            "data": str(data),
+            "model": str(model_dir),
+            "output_dir": str(tmp_path / "out"),
+            "max_steps": 4,
+            "batch_size": 4,
+            "only_train": True,
+            "packing": packing,
+        }
+    )
+    result = train(config)  # --nonspeech auto
+    assert result.train_examples == 12 + 1
+    no_speech = processor.tokenizer.convert_tokens_to_ids("<|nospeech|>")
+    assert any(no_speech in row for row in seen)
+
+
+def test_the_builtin_training_clips_are_written_once_and_a_damaged_one_is_named(
+    tmp_path, monkeypatch
+):
+    """Every run of the default reads --nonspeech builtin's clips from the cache: written once
+    (a clip already there is kept), the same samples each time; a damaged one is named in one
+    line, and the advice (remove it) works: the next run writes it again."""
+    from whisper_train.data.nonspeech import training_nonspeech, write_builtin_training_set
+
+    monkeypatch.setenv("WHISPER_TRAIN_CACHE", str(tmp_path))
+    folder = write_builtin_training_set()
+    first = {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+    assert len(first) == 57  # 19 kinds at 2.5, 6 and 11 s
+    clip = folder / sorted(first)[0]
+    stamp = clip.stat().st_mtime_ns
+    assert len(training_nonspeech("builtin", 3)) == 3
+    assert clip.stat().st_mtime_ns == stamp  # kept, not written again
+    clip.write_bytes(b"RIFF not a wave file")
+    with pytest.raises(UserError, match=f"--nonspeech builtin: .*{clip.name} cannot be read"):
+        training_nonspeech("builtin", 3)
+    clip.unlink()
+    assert len(training_nonspeech("builtin", 3)) == 3
+    assert clip.read_bytes() == first[clip.name]
 
 
 def test_noise_in_a_packed_window_carries_no_text_nor_segment():

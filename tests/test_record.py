@@ -201,6 +201,7 @@ def saved_runs(tmp_path_factory, tone_dataset, tiny_whisper_dir):
         "temperatures": "0",
         "eval_data": [f"{name}={path}" for name, path in sets.items()],
         "encoder_cache_dir": str(root / "encoder-cache"),
+        "nonspeech": "none",  # the tone clips alone; "noisy" trains with the built-in noise
     }
     runs = {"sets": sets, "root": root}
     for context, settings in CONTEXTS.items():
@@ -232,7 +233,11 @@ def _value(option: str, value, runs, tmp_path: Path, tone_dataset, tiny_whisper_
     return value
 
 
-@pytest.mark.parametrize("option", CHANGED)
+# --nproc's change launches two processes (conftest's `processes` mark).
+@pytest.mark.parametrize(
+    "option",
+    [pytest.param(o, marks=pytest.mark.processes) if o == "nproc" else o for o in CHANGED],
+)
 def test_a_changed_mind_takes_effect_from_the_resume_point_or_is_refused_in_one_line(
     option, saved_runs, tmp_path, tone_dataset, tiny_whisper_dir, capfd
 ):

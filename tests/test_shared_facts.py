@@ -177,7 +177,7 @@ def _skipped_by_train(tmp_path: Path, data_path: Path, model: str, **options) ->
     recipe = FineTuneRecipe(config)
     # The sets are facts gathered before the record: no accelerator is needed.
     facts = setup_phases.gather_facts(
-        recipe.asked, process=setup_phases.join_processes(), saved_packing=None
+        recipe.asked, process=setup_phases.join_processes(), saved=None
     )
     kept = {example.origin for example in facts.datasets.train}
     return {example.origin for example in layouts.load_examples(data_path)} - kept

@@ -144,6 +144,7 @@ def clips_a_step_of(steps) -> list[int]:
 # -- in a run: losses, at the same global batch ----------------------------------------------
 
 
+@pytest.mark.processes
 def test_ddp_and_accumulation_equal_one_process_under_the_default_packing(
     tmp_path, tiny_whisper_dir, tiny_run_config
 ):
@@ -173,6 +174,7 @@ def test_ddp_and_accumulation_equal_one_process_under_the_default_packing(
             "--learning-rate=1e-3",
             "--seed=0",
             "--only-train",
+            "--nonspeech=none",  # as tiny_run_config's two runs
             "--nproc=2",
             "--batch-size=4",
             f"--output-dir={tmp_path / 'ddp'}",

@@ -23,3 +23,11 @@ TASKS = ("transcribe", "translate")
 PER_CLIP = "per-clip"
 PACKINGS = ("off", "on", PER_CLIP)
 PACKING_AUTO = "auto"
+# --nonspeech: clips where nobody speaks mixed into training (a folder of audio, or builtin:
+# `data.nonspeech`); none (or off) trains on the data alone; auto, the option's default, is
+# builtin for data read whole and none for a stream (`config.resolve.choose_nonspeech`).
+NONSPEECH_AUTO = "auto"
+BUILTIN_SET = (
+    "builtin"  # also a non-speech evaluation set's path (`--eval-data NAME:nonspeech=builtin`)
+)
+NONSPEECH_OFF = ("none", "off", "false", "no", "0")

@@ -44,6 +44,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from whisper_train.choices import NONSPEECH_AUTO
 from whisper_train.config import NONSPEECH, RunConfig
 from whisper_train.data import synth
 from whisper_train.data.nonspeech import BUILTIN_SECONDS, write_builtin_set
@@ -107,12 +108,13 @@ def run_demo(
     learning_rate: float | None = None,
     mode: str = "lora",
     seed: int = 0,
-    nonspeech: str | None = None,
+    nonspeech: str | None = NONSPEECH_AUTO,
 ) -> DemoResult:
     """Synthesise, fine-tune with held-out and guard sets scored before and after; prints the
     comparison and returns it. `language` en: tiny.en on English; es: the multilingual base on
     Spanish, with the English guard scored in English. `model` None: the language's default.
-    `nonspeech`: --nonspeech of the run (clips where nobody speaks mixed into training)."""
+    `nonspeech`: --nonspeech of the run (clips where nobody speaks mixed into training; auto,
+    its default, the built-in ones)."""
     if language not in DEMO_LANGUAGES:
         raise UserError(f"--language {language}: the demo speaks {' or '.join(DEMO_LANGUAGES)}")
     model = model or ("tiny.en" if language == "en" else "base")
@@ -154,7 +156,7 @@ def demo_config(
     learning_rate: float | None = None,
     mode: str = "lora",
     seed: int = 0,
-    nonspeech: str | None = None,
+    nonspeech: str | None = NONSPEECH_AUTO,
 ) -> RunConfig:
     """The demo's training run (bench/nonspeech.py trains it too)."""
     # The guard is English whatever the demo's language: stated, so it is decoded in English.

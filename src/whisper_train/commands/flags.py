@@ -54,7 +54,7 @@ PLACEHOLDERS = {
     "weight_decay": "DECAY",
     "max_grad_norm": "NORM",
     "encoder_lr_scale": "SCALE",
-    "nonspeech": "PATH|builtin",
+    "nonspeech": "PATH|builtin|none",
     "new_language": "CODE",
     "new_language_init": "LANG",
     "nonspeech_share": "FRACTION",

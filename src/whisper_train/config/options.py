@@ -12,6 +12,7 @@ from whisper_train.choices import (  # noqa: F401
     AVERAGE_BY,
     LORA_VARIANTS,
     MODES,
+    NONSPEECH_AUTO,
     OPTIMIZERS,
     PACKING_AUTO,
     PACKINGS,
@@ -150,9 +151,11 @@ class DataConfig:
     nonspeech: str | None = _help(
         "Clips where nobody speaks, mixed into training with empty targets (labelled as "
         "Whisper labels no speech) so that the model keeps writing nothing on silence, noise "
-        "and tones: a folder of audio (files over 30 s are cut), or `builtin` (synthesised "
-        "noise, hum, tones and chords, other samples than the built-in evaluation set's).",
-        default=None,
+        "and tones: a folder of audio (files over 30 s are cut), `builtin` (synthesised "
+        "noise, hum, tones and chords, other samples than the built-in evaluation set's), or "
+        "none. Default auto: builtin for --data read whole, none for a stream; a --resume "
+        "continues as its checkpoint trained (BENCHMARKS.md 'Text where nobody speaks').",
+        default=NONSPEECH_AUTO,
     )
     nonspeech_share: float = _help(
         "Share of each epoch's clips that --nonspeech clips make up (their clips repeat to "

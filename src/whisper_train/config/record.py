@@ -369,6 +369,8 @@ def _remedy(f, old) -> str:
 
 
 def _shown(value) -> str:
+    if value is None:  # an option not in use (--nonspeech none, no --new-language, ...)
+        return "none"
     if isinstance(value, tuple):
         return ",".join(map(str, value)) or "none"
     if isinstance(value, float):

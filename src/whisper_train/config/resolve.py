@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from whisper_train.choices import PER_CLIP
+from whisper_train.choices import BUILTIN_SET, NONSPEECH_AUTO, PER_CLIP
 from whisper_train.config.options import (
     DEFAULT_MAX_REGRESSION,
     ENCODER_LR_SCALES,
@@ -64,6 +64,18 @@ class DataFacts:
     items_per_micro_batch: int | None  # read whole: clips, or packed windows
     steps_per_epoch: int | None
     batch_note: str | None = None  # a packed step's micro-batches, where not as asked
+    nonspeech: str | None = None  # --nonspeech's source as chosen (`choose_nonspeech`)
+    nonspeech_note: str | None = None  # why, when --nonspeech auto chose
+
+
+@dataclass(frozen=True)
+class SavedChoices:
+    """What a --resume's checkpoint chose where `auto` may have been asked, so that auto
+    continues as it trained: its packing (None: a record-less checkpoint that says none) and
+    its --nonspeech source (None: none)."""
+
+    packing: str | None
+    nonspeech: str | None = None
 
 
 # -- decisions the data phase needs before the record ----------------------------------------
@@ -89,6 +101,30 @@ def choose_packing(config: RunConfig, saved: str | None = None) -> tuple[str, st
     if why is None:
         return PER_CLIP, "packing auto -> per-clip: each clip under 30 s packed, decoded alone"
     return "off", f"packing auto -> off: per-clip packing is not supported with {why}"
+
+
+def choose_nonspeech(
+    config: RunConfig, saved: SavedChoices | None = None
+) -> tuple[str | None, str | None]:
+    """(--nonspeech's source, None for none; the line that says why, when auto chose). Auto
+    mixes the built-in clips into data read whole (the default fine-tune otherwise learns to
+    hear speech in hum and noise: BENCHMARKS.md "Text where nobody speaks"); a stream, whose
+    clips cannot be mixed with others, trains on its own; a --resume continues as its
+    checkpoint trained, so that its plan and record stay the same."""
+    asked = config.data.nonspeech
+    if asked != NONSPEECH_AUTO:
+        return asked, None
+    if saved is not None:
+        return saved.nonspeech, (
+            f"nonspeech auto -> {saved.nonspeech or 'none'}: as the checkpoint trained"
+        )
+    if config.stream_source() is not None:
+        return None, "nonspeech auto -> none: --data is streamed, and no clips can be mixed in"
+    share = config.data.nonspeech_share
+    return BUILTIN_SET, (
+        f"nonspeech auto -> {BUILTIN_SET}: noise, hum and tones with empty targets, {share:.0%} "
+        "of each epoch, so that silence stays silent (--nonspeech none: train without)"
+    )
 
 
 def evaluation_sets(config: RunConfig) -> tuple[EvalSet, ...]:
@@ -140,7 +176,8 @@ def resolve_run(
     t = config.train
     total_steps = t.max_steps or math.ceil((t.epochs or 3.0) * max(1, data.steps_per_epoch or 1))
     compile, compile_note = decide_compile(config, device, data.packing, total_steps)
-    notes = [note for note in (data.packing_note, data.batch_note, compile_note) if note]
+    notes = [data.packing_note, data.nonspeech_note, data.batch_note, compile_note]
+    notes = [note for note in notes if note]
     return RunRecord(
         _model(config, width=width, multilingual=multilingual),
         _data(config, data, device=device, processes=processes),
@@ -199,8 +236,8 @@ def _data(config: RunConfig, data: DataFacts, *, device, processes: int) -> Data
         task=d.task,
         timestamps=d.timestamps,
         prompt_probability=d.prompt_probability,
-        nonspeech=d.nonspeech,
-        nonspeech_share=d.nonspeech_share if d.nonspeech else 0.0,
+        nonspeech=data.nonspeech,
+        nonspeech_share=d.nonspeech_share if data.nonspeech else 0.0,
         audio_augment=d.audio_augment,
         packing=data.packing,
         packing_timestamps=data.packing == "on" and d.packing_timestamps == "on",

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from whisper_train.choices import PER_CLIP
+from whisper_train.choices import NONSPEECH_AUTO, NONSPEECH_OFF, PER_CLIP
 from whisper_train.config.options import (
     AVERAGE_BY,
     ENCODER_LR_SCALES,
@@ -209,6 +209,8 @@ class RunConfig:
         ):
             require_positive(flag, value)
         d.packing = on_off("--packing", d.packing, PER_CLIP, PACKING_AUTO)
+        if d.nonspeech is not None and str(d.nonspeech).strip().lower() in NONSPEECH_OFF:
+            d.nonspeech = None
         d.packing_timestamps = on_off("--packing-timestamps", d.packing_timestamps)
         if d.packing_timestamps == "on" and d.packing != "on":
             raise UserError(
@@ -428,7 +430,7 @@ class RunConfig:
             # A stream's rows come through a shuffle buffer and carry no previous text.
             ("--prompt-probability", d.prompt_probability, "drop it"),
             # Its clips are mixed into the list of clips read whole.
-            ("--nonspeech", d.nonspeech, "drop it"),
+            ("--nonspeech", d.nonspeech not in (None, NONSPEECH_AUTO), "drop it"),
         ]
         for flag, value, remedy in refused:
             if value:

@@ -18,12 +18,12 @@ import numpy as np
 import soundfile
 
 from whisper_train.audio import AUDIO_SUFFIXES, CHUNK_LENGTH, SAMPLE_RATE, audio_length
+from whisper_train.choices import BUILTIN_SET
 from whisper_train.data.examples import NONSPEECH_ORIGIN, Example
 from whisper_train.data.layouts import load_examples
 from whisper_train.errors import AudioError, UserError
 from whisper_train.runfolder import user_cache_dir
 
-BUILTIN_SET = "builtin"
 # Long enough for a model to start a loop, short enough that the set decodes in seconds.
 BUILTIN_SECONDS = 4.0
 _LSB = 1.0 / 32768  # one step of the 16-bit files the set is written as
@@ -139,16 +139,19 @@ TRAINING_SECONDS = (2.5, 6.0, 11.0)
 
 def write_builtin_training_set(folder: Path | None = None) -> Path:
     """Write --nonspeech builtin's clips (`_CLIPS` at each of TRAINING_SECONDS) into `folder`
-    (default: the user cache), each written beside its name, then renamed."""
+    (default: the user cache), each written beside its name, then renamed; one already there
+    is kept (the same samples: every run of the default --nonspeech auto reads them)."""
     folder = Path(folder) if folder is not None else user_cache_dir("nonspeech") / "builtin-train"
     folder.mkdir(parents=True, exist_ok=True)
     for length, seconds in enumerate(TRAINING_SECONDS):
         n = int(seconds * SAMPLE_RATE)
         t = np.arange(n) / SAMPLE_RATE
         for index, (name, make) in enumerate(_CLIPS.items()):
+            path = folder / f"{length}-{index:02d}-{name}.wav"
+            if path.is_file():
+                continue
             rng = np.random.default_rng(TRAINING_SEED + length * len(_CLIPS) + index)
             samples = np.clip(make(rng, n, t), -1.0, 1.0).astype(np.float32)
-            path = folder / f"{length}-{index:02d}-{name}.wav"
             partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
             soundfile.write(partial, samples, SAMPLE_RATE, subtype="PCM_16", format="WAV")
             os.replace(partial, path)

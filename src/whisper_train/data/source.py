@@ -40,7 +40,7 @@ from whisper_train.data import packing as packing_module
 from whisper_train.data import prompts, streaming
 from whisper_train.data.augment import WaveformAugmenter
 from whisper_train.data.collate import IGNORE_INDEX
-from whisper_train.data.examples import Example
+from whisper_train.data.examples import Example, is_nonspeech
 from whisper_train.data.features import SpeechDataset
 from whisper_train.data.labels import body_length
 from whisper_train.data.loader_skips import LoaderSkips
@@ -256,11 +256,14 @@ def clip_sizes(
             seconds = (
                 math.inf if isinstance(length, AudioError) else length - (example.start or 0.0)
             )
-        if example.language not in prefix_lengths:
-            prefix_lengths[example.language] = len(
-                label_encoder.prefix_ids(example.language, timestamps=False)
-            )
-        text_tokens = body_length(n_tokens, prefix_lengths[example.language])
+        if is_nonspeech(example):  # adds nothing to a window's label, and states no language
+            text_tokens = 0
+        else:
+            if example.language not in prefix_lengths:
+                prefix_lengths[example.language] = len(
+                    label_encoder.prefix_ids(example.language, timestamps=False)
+                )
+            text_tokens = body_length(n_tokens, prefix_lengths[example.language])
         sizes.append(
             packing_module.ClipSize(
                 seconds=seconds * stretch,
@@ -278,7 +281,9 @@ def packing_budget(
     """(prefix tokens, tokens per clip beyond its text) that a window's label budget counts:
     the longest prefix any clip's language has, and 2 time tokens a clip with --timestamps or
     --packing-timestamps on (a window's label may then be timestamped)."""
-    languages = {example.language for example in examples}
+    # A clip where nobody speaks states no language (<|startoftranscript|> <|nospeech|>).
+    languages = {example.language for example in examples if not is_nonspeech(example)}
+    languages = languages or {label_encoder.language}
     prefix = max(len(label_encoder.prefix_ids(lang, timestamps=False)) for lang in languages)
     return prefix, 2 if label_encoder.timestamps or packing_timestamps else 0
 

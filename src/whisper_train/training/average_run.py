@@ -19,6 +19,7 @@ from accelerate.state import AcceleratorState
 
 from whisper_train import memory, runfolder
 from whisper_train.config.record import RunRecord
+from whisper_train.config.resolve import SavedChoices
 from whisper_train.config.run import RunConfig
 from whisper_train.errors import UserError
 from whisper_train.evaluation.scoring import get_normalizer
@@ -140,7 +141,11 @@ def average_run(
     config = RunConfig()
     config.update({**record.asked, "resume": None})
     # The model (with any language the run added) and its sets, as the run gathered them.
-    facts = gather_facts(config, process=PartialState(), saved_packing=record.data.packing)
+    facts = gather_facts(
+        config,
+        process=PartialState(),
+        saved=SavedChoices(record.data.packing, record.data.nonspeech),
+    )
     model, processor, datasets = facts.model, facts.processor, facts.datasets
     label_encoder = facts.label_encoder
     m = record.model

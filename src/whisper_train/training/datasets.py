@@ -74,10 +74,12 @@ def prepare_datasets(
     sets: Sequence[EvalSet],
     label_encoder: LabelEncoder,
     *,
+    nonspeech: str | None,
     max_label_tokens: int,
 ) -> Datasets:
     """Read, split, subset and screen the data and the evaluation `sets` (`config.resolve.
-    evaluation_sets`); report what was skipped and why."""
+    evaluation_sets`), with the clips of `nonspeech` (`config.resolve.choose_nonspeech`; None:
+    none) mixed into training; report what was skipped and why."""
     d = config.data
     # A streamed --data is opened by its training data source (`data.source.StreamData`), never
     # read here; its evaluation sets are read whole like any other.
@@ -102,7 +104,7 @@ def prepare_datasets(
         # transcripts, or the built-in one.
         eval_sets = {s.name: with_language(_reader(s)(s.path), s.language) for s in sets}
     long_form = {s.name: s.long_form for s in sets}
-    nonspeech = {s.name for s in sets if s.nonspeech}
+    nonspeech_sets = {s.name for s in sets if s.nonspeech}
     if d.train_subset:
         train_examples = train_examples[: d.train_subset]
     if d.eval_subset:
@@ -121,7 +123,7 @@ def prepare_datasets(
         kept_train, skipped = [], skipped + unusable
     kept_eval = {}
     for name, subset in eval_sets.items():
-        if name in nonspeech:
+        if name in nonspeech_sets:
             # No transcript to screen; every clip is scored or the set refused before step 1.
             kept_eval[name] = require_readable(subset, name)
             continue
@@ -140,10 +142,10 @@ def prepare_datasets(
     if skipped:
         log.warning(summarize_skips(skipped))
     train_label_tokens = list(train_screening.label_tokens)
-    if d.nonspeech and kept_train:
+    if nonspeech and kept_train:
         # Clips where nobody speaks, --nonspeech-share of the epoch, their empty transcript
         # their label; never held out for evaluation.
-        extra = training_nonspeech(d.nonspeech, nonspeech_count(len(kept_train), d.nonspeech_share))
+        extra = training_nonspeech(nonspeech, nonspeech_count(len(kept_train), d.nonspeech_share))
         kept_train += extra
         train_label_tokens += label_encoder.decoder_tokens_batch(extra)
     if not kept_train and not streamed:

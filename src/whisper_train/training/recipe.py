@@ -115,7 +115,7 @@ class FineTuneRecipe:
         facts = gather_facts(
             asked,
             process=process,
-            saved_packing=saved.data.packing if saved else resume.recordless_packing(saved_options),
+            saved=resume.saved_choices(saved, saved_options) if self.resume_from else None,
         )
         model = facts.model
         self.processor, self.label_encoder = facts.processor, facts.label_encoder

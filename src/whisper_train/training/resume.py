@@ -14,15 +14,17 @@ from dataclasses import fields
 from pathlib import Path
 
 from whisper_train.config import field_owners
-from whisper_train.config.options import PACKING_AUTO
+from whisper_train.config.options import NONSPEECH_AUTO, PACKING_AUTO
 from whisper_train.config.record import (
     MUST_EQUAL,
     REPLANS,
     SLICES,
+    RunRecord,
     flag_of,
     options_recorded,
     same_path,
 )
+from whisper_train.config.resolve import SavedChoices
 from whisper_train.errors import UserError
 from whisper_train.runfolder import ABANDONED_PREFIX, METRICS_FILE
 from whisper_train.training.checkpoints import (
@@ -49,7 +51,7 @@ def check_recordless_options(folder: Path, options: dict, config) -> None:
         before, now = options[group][option], getattr(getattr(config, group), option)
         if option == "data" and before and now and same_path(before, now):
             continue
-        if option == "packing" and now == PACKING_AUTO:
+        if (option, now) in (("packing", PACKING_AUTO), ("nonspeech", NONSPEECH_AUTO)):
             continue  # auto takes the checkpoint's (`config.resolve.choose_packing`)
         if before != now:
             flag = flag_of(option)
@@ -60,11 +62,17 @@ def check_recordless_options(folder: Path, options: dict, config) -> None:
             )
 
 
-def recordless_packing(options: dict) -> str | None:
-    """The packing a record-less checkpoint trained with (its saved --packing; that version
-    wrote auto's choice there), None when it says none."""
+def saved_choices(saved: RunRecord | None, options: dict) -> SavedChoices:
+    """What a checkpoint chose where auto may be asked again: from its record, or, for a
+    record-less checkpoint, from its saved options (that version wrote --packing auto's
+    choice there, and had no --nonspeech auto)."""
+    if saved is not None:
+        return SavedChoices(saved.data.packing, saved.data.nonspeech)
     packing = options.get("data", {}).get("packing")
-    return None if packing in (None, PACKING_AUTO) else str(packing)
+    return SavedChoices(
+        None if packing in (None, PACKING_AUTO) else str(packing),
+        options.get("data", {}).get("nonspeech"),
+    )
 
 
 def convert_position(state: TrainerState, folder: Path) -> None:

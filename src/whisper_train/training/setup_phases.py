@@ -26,7 +26,13 @@ from transformers import WhisperProcessor, get_scheduler
 
 from whisper_train import doctor, memory, runfolder
 from whisper_train.config.record import RunRecord
-from whisper_train.config.resolve import DataFacts, choose_packing, evaluation_sets
+from whisper_train.config.resolve import (
+    DataFacts,
+    SavedChoices,
+    choose_nonspeech,
+    choose_packing,
+    evaluation_sets,
+)
 from whisper_train.config.run import RunConfig
 from whisper_train.data.augment import spec_augment_overrides
 from whisper_train.data.labels import LabelEncoder, added_languages, configure_generation
@@ -80,16 +86,17 @@ class RunFacts:
 
 
 def gather_facts(
-    config: RunConfig, *, process: PartialState, saved_packing: str | None
+    config: RunConfig, *, process: PartialState, saved: SavedChoices | None
 ) -> RunFacts:
     """The facts, in one pass: the model to train and the encoder of its labels, then the data
     read (a stream is opened by the training data source, `setup_loaders`) and planned
     (`data.source.plan_training_data`). What the data phase reads and how it packs are decided
-    first, from what was asked alone (`config.resolve`): --packing auto continues as the
-    checkpoint trained (`saved_packing`) where it can."""
+    first, from what was asked alone (`config.resolve`): --packing auto and --nonspeech auto
+    continue as a --resume's checkpoint trained (`saved`) where they can."""
     d, m, t = config.data, config.model, config.train
     sets = evaluation_sets(config)
-    packing, packing_note = choose_packing(config, saved_packing)
+    packing, packing_note = choose_packing(config, saved.packing if saved else None)
+    nonspeech, nonspeech_note = choose_nonspeech(config, saved)
     model, processor = load_model(m.model, attn_implementation=m.attn_implementation)
     multilingual = is_multilingual(model)
     if m.new_language is not None:
@@ -109,7 +116,9 @@ def gather_facts(
         for key, value in spec_augment_overrides().items():
             setattr(model.config, key, value)
     max_label_tokens = model.config.max_target_positions
-    datasets = prepare_datasets(config, sets, label_encoder, max_label_tokens=max_label_tokens)
+    datasets = prepare_datasets(
+        config, sets, label_encoder, nonspeech=nonspeech, max_label_tokens=max_label_tokens
+    )
     stream = config.stream_source()
     plan = plan_training_data(
         datasets,
@@ -134,6 +143,8 @@ def gather_facts(
         items_per_micro_batch=None if stream else plan.shape.items_per_micro_batch,
         steps_per_epoch=plan.steps_per_epoch,
         batch_note=None if stream else plan.batch_note(t.gradient_accumulation),
+        nonspeech=nonspeech,
+        nonspeech_note=nonspeech_note,
     )
     return RunFacts(model, multilingual, processor, label_encoder, datasets, plan, data)
 

@@ -41,21 +41,15 @@ $(TEST_STAMP): $(STAMP)
 demo: setup
 	$(VENV)/bin/whisper-train demo
 
-# Two passes: the tests in two pytest-xdist workers (a test module's tests in one worker, its
-# module fixtures made once), then those that launch training processes (marked `processes`),
-# one at a time: two of them at once would put four training processes on a 2-core machine.
-# Measured on 2 cores: BENCHMARKS.md "The test suite's time".
-TEST_MARKS := not slow and not gpu
 test: setup-test
-	$(PY) -m pytest -n 2 --dist loadscope -m '$(TEST_MARKS) and not processes'
-	$(PY) -m pytest -m '$(TEST_MARKS) and processes'
+	$(PY) -m pytest
 
 # The tests marked `speech` (they synthesise with espeak-ng) on their own: CI runs them again
 # with the other engine than `make test` used (WHISPER_TRAIN_ESPEAK=program or library), less
 # those marked `same_audio` (two runs compared over one synthesis) or `any_speech` (what it checks
 # holds for any spoken audio): the engine cannot matter to them.
 test-speech: setup-test
-	$(PY) -m pytest -n 2 --dist loadscope -m 'speech and not same_audio and not any_speech and $(TEST_MARKS)'
+	$(PY) -m pytest -m 'speech and not same_audio and not any_speech and not slow and not gpu'
 
 # The CUDA tests (tests/test_gpu.py), on a machine with a GPU; docs/gpu-session.md for a lent one.
 test-gpu: setup-test

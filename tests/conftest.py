@@ -19,11 +19,7 @@ import torch
 # Tests run offline, like CI and a user's sandbox: never wait on a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# Under pytest-xdist (`make test` runs the suite in two workers), one thread each: two workers
-# of two threads on a 2-core machine would oversubscribe it.
-torch.set_num_threads(
-    1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads())
-)
+torch.set_num_threads(min(2, torch.get_num_threads()))
 
 from tiny_models import make_tiny_whisper, tiny_en_dir  # noqa: E402
 
@@ -112,28 +108,6 @@ def fill_disk_on_write(monkeypatch) -> None:
         return FullDisk(file) if any(flag in mode for flag in "wxa+") else file
 
     monkeypatch.setattr(Path, "open", opening)
-
-
-def _launcher_logs() -> set[Path]:
-    """The log folders torch's launcher (torch.distributed.run) makes, one per launch."""
-    import tempfile
-
-    return set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
-
-
-@pytest.fixture(autouse=True)
-def _launches_are_marked(request):
-    """A test that launches training processes (--nproc) is marked `processes`: `make test`
-    runs the marked ones after the rest, one at a time, while the rest run in two workers,
-    where a launch would put four training processes on two cores (and a collective timeout
-    within reach). Read from the launcher's log folders, which each launch makes."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):  # one test at a time: nothing to keep apart
-        yield
-        return
-    before = _launcher_logs()
-    yield
-    if _launcher_logs() - before and not request.node.get_closest_marker("processes"):
-        pytest.fail("this test launched training processes: mark it @pytest.mark.processes")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -252,10 +252,6 @@ def row_id(row: dict) -> str:
 # cheapest in launches of 2 processes (`row_cost`): 7 in 18 rows (seed 3: 9 in 17; seeds 0-10:
 # 8 to 11). 9 rows are judged, 9 add a language.
 PAIRWISE = covering_array(2, seed=11)
-# A 2-process row launches training processes: run by `make test` after the rest, one at a time.
-LAUNCHES_MARKED = [
-    pytest.param(row, marks=pytest.mark.processes) if row["nproc"] == 2 else row for row in PAIRWISE
-]
 
 # -- running a row ---------------------------------------------------------------------------
 
@@ -768,7 +764,7 @@ def loss_tolerance(row: dict) -> float:
     return SAME_RUN_LOSS_ATOL if row["precision"] == "fp32" else BF16_LOSS_ATOL
 
 
-@pytest.mark.parametrize("row", LAUNCHES_MARKED, ids=row_id)
+@pytest.mark.parametrize("row", PAIRWISE, ids=row_id)
 def test_a_combination_trains_as_its_plain_twin(row, matrix_data, tmp_path, monkeypatch, capsys):
     check_row(row, matrix_data, tmp_path, monkeypatch, capsys)
 
@@ -918,7 +914,6 @@ THREE_WISE_ROWS = 67  # with --new-language and the judged rows among the factor
 
 
 @pytest.mark.slow
-@pytest.mark.processes  # some rows launch two (which: known only once the array is made)
 @pytest.mark.parametrize("index", range(THREE_WISE_ROWS))
 def test_every_triple_of_options_trains_as_its_plain_twin(
     index, matrix_data, tmp_path, monkeypatch, capsys

@@ -328,7 +328,6 @@ def test_a_cache_folder_that_cannot_be_written_is_one_clear_error(tmp_path, tiny
         _cache_with_entries(not_a_folder, tiny_whisper, 0, "fp32")
 
 
-@pytest.mark.processes
 def test_two_processes_each_encode_and_store_only_their_own_clips(tmp_path, tiny_whisper_dir):
     """--nproc 2: every clip is encoded and written once over both processes (no clip by both,
     so no file written twice), and the second epoch reads every one back."""
@@ -413,7 +412,6 @@ def test_resuming_a_cached_lora_run_without_the_cache_names_the_flag(tmp_path, t
     train(tiny_run_config(**run, cache_encoder=True, resume=checkpoint))
 
 
-@pytest.mark.processes
 def test_cached_lora_trains_in_two_processes(tmp_path, tone_dataset, tiny_whisper_dir):
     """Encoder adapters on cached outputs never got a gradient: with --nproc 2, DDP stopped at
     step 2 ("Expected to have finished reduction in the prior iteration")."""

@@ -315,7 +315,6 @@ def _evaluation_set_one_process_cannot_use(folder) -> Path:
     return manifest
 
 
-@pytest.mark.processes
 def test_two_processes_evaluate_with_an_unusable_share_and_stop_together_on_a_failed_save(
     tmp_path, tone_dataset, tiny_whisper_dir
 ):
@@ -723,7 +722,6 @@ def test_the_processes_agree_on_the_stop_and_its_exit_code(tmp_path):
     assert answers == [expected, expected]
 
 
-@pytest.mark.processes
 def test_ctrl_c_on_a_two_process_run_saves_and_prints_only_the_resume_command(
     tmp_path, tone_dataset, tiny_whisper_dir, capsys
 ):
@@ -771,7 +769,6 @@ def test_ctrl_c_on_a_two_process_run_saves_and_prints_only_the_resume_command(
     ], lines
 
 
-@pytest.mark.processes
 def test_a_killed_process_stops_the_other_and_the_launcher_with_one_line_each(
     tmp_path, tone_dataset, tiny_whisper_dir
 ):
@@ -883,7 +880,6 @@ def test_a_disk_that_fills_under_tensorboards_writer_thread_stops_with_one_line(
     assert [row["step"] for row in metric_rows(out)] == [1, 2, 3]
 
 
-@pytest.mark.processes
 def test_the_main_process_final_work_outlasts_the_collective_timeout(
     tmp_path, tone_dataset, tiny_whisper_dir
 ):
@@ -1075,7 +1071,6 @@ def test_a_model_with_a_nan_weight_is_refused_before_training_evaluating_or_expo
     assert not (tmp_path / "hf").exists()
 
 
-@pytest.mark.processes
 def test_two_processes_stop_together_when_an_update_blows_up(
     tmp_path, tone_dataset, tiny_whisper_dir
 ):

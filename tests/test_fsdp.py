@@ -53,7 +53,6 @@ def _one_process(common: dict, output_dir, steps: int):
     return train(config)
 
 
-@pytest.mark.processes
 def test_sharded_two_processes_equal_one_with_an_unusable_share_and_resume_exactly(
     tmp_path, tiny_whisper_dir
 ):
@@ -102,7 +101,6 @@ def test_sharded_two_processes_equal_one_with_an_unusable_share_and_resume_exact
 
 
 @pytest.mark.slow
-@pytest.mark.processes
 def test_sharded_lora_equals_one_process(tmp_path, tiny_whisper_dir):
     # LoRA dropout off: each process draws its own masks, which one process cannot repeat.
     common, flags = _runs(tmp_path, tiny_whisper_dir, mode="lora", lora_dropout=0.0)

@@ -376,7 +376,6 @@ def test_a_long_form_set_guards_a_training_run(spoken_recording, tmp_path):
 
 @pytest.mark.speech
 @pytest.mark.same_audio
-@pytest.mark.processes
 def test_two_processes_score_a_long_form_guard_as_one_when_one_has_no_recording(
     spoken_recording, tmp_path
 ):

@@ -499,7 +499,6 @@ def test_accumulation_is_the_token_mean_of_the_step(tmp_path, tiny_run_config):
     [("on", [], 5, 13), ("per-clip", ["--fsdp"], 12, 6)],
     ids=["on", "per-clip-fsdp"],
 )
-@pytest.mark.processes
 def test_two_processes_packed_with_an_empty_share_equal_one(
     packing, sharding, windows, batch, tmp_path, tiny_whisper_dir
 ):

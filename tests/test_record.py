@@ -233,11 +233,7 @@ def _value(option: str, value, runs, tmp_path: Path, tone_dataset, tiny_whisper_
     return value
 
 
-# --nproc's change launches two processes (conftest's `processes` mark).
-@pytest.mark.parametrize(
-    "option",
-    [pytest.param(o, marks=pytest.mark.processes) if o == "nproc" else o for o in CHANGED],
-)
+@pytest.mark.parametrize("option", CHANGED)
 def test_a_changed_mind_takes_effect_from_the_resume_point_or_is_refused_in_one_line(
     option, saved_runs, tmp_path, tone_dataset, tiny_whisper_dir, capfd
 ):

@@ -116,7 +116,6 @@ def test_refusals_that_protect_a_run(tmp_path, tiny_run_config):
     assert not list(tmp_path.glob("*.old-*"))
 
 
-@pytest.mark.processes
 def test_nproc_checks_once_and_its_workers_use_their_folder(tmp_path, tiny_run_config, monkeypatch):
     """--nproc re-launches the command: the parent moves the old run aside; a worker, which
     finds the parent's launch.yaml in the folder, must neither refuse it nor move it again."""

@@ -144,7 +144,6 @@ def clips_a_step_of(steps) -> list[int]:
 # -- in a run: losses, at the same global batch ----------------------------------------------
 
 
-@pytest.mark.processes
 def test_ddp_and_accumulation_equal_one_process_under_the_default_packing(
     tmp_path, tiny_whisper_dir, tiny_run_config
 ):

@@ -390,7 +390,6 @@ if os.environ.get("RANK") is not None and os.environ.get("STREAM_TRACE_DIR"):
 """
 
 
-@pytest.mark.processes
 def test_two_processes_share_one_pass(tmp_path, tiny_whisper_dir, monkeypatch):
     # 16 samples in 4 shards over 2 processes x 2 workers: a pass is 8 samples on each.
     data = tmp_path / "pq"

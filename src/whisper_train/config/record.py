@@ -364,6 +364,8 @@ def _remedy(f, old) -> str:
     """How to resume despite a refusal: the flag and the checkpoint's value where the field is
     one option's, else the checkpoint's own options."""
     if not f.metadata["label"] and len(f.metadata["options"]) == 1:
+        if old is None:  # not given (or none): leaving the flag out gives the checkpoint's
+            return f"resume without {_label(f)}"
         return f"resume with {_label(f)} {_shown(old)}"
     return "resume with the options the checkpoint was saved with (its whisper-train.yaml)"
 

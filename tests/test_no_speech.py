@@ -212,6 +212,18 @@ def test_a_window_of_digital_silence_gets_no_text(tiny_whisper):
     assert texts[0] == "" and texts[1]
 
 
+def test_transcribe_writes_nothing_for_a_recording_of_digital_silence(tiny_whisper):
+    """`transcribe` of a transformers folder: a recording without one non-zero sample gets no
+    text, as faster-whisper, whisper.cpp and openai-whisper give it. Before, its long-form
+    decoding kept tiny.en's confident "you" there (transformers' test needs a low log-prob)."""
+    from whisper_train.transcription.backends import TransformersBackend
+
+    model, processor = tiny_whisper
+    silence = np.zeros(4 * 16_000, np.float32)
+    # Before, the random model's long-form decoding wrote "Incredible powerful escaped ..." here.
+    assert TransformersBackend(model, processor).transcribe(silence) == ("", [])
+
+
 def test_tiny_en_writes_nothing_where_it_wrote_you(tmp_path):
     """The real tiny.en on the built-in clips it wrote a confident "you" on (BENCHMARKS.md, "Text
     where nobody speaks"): no word with the defaults; the same model without the clips'

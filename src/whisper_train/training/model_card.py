@@ -355,6 +355,11 @@ def _training_section(
         + (" (--pin-language: saved in the model)" if d.pin_language else ""),
         f"- seed: {training.seed}",
     ]
+    if d.nonspeech is not None:
+        lines.append(
+            f"- clips where nobody speaks: --nonspeech {d.nonspeech}, {d.nonspeech_share:.0%} of "
+            "each epoch, labelled <|nospeech|> (so that silence stays silent)"
+        )
     if m.new_language is not None:
         lines.append(
             f"- added language: `{m.new_language}` (the token <|{m.new_language}|>, its "

@@ -22,7 +22,6 @@ from tiny_models import EOT, NO_TIMESTAMPS, SOT
 
 import whisper_train.training.judge as judge_module
 from whisper_train.commands import evaluate as evaluate_command
-from whisper_train.config import RunConfig
 from whisper_train.data.features import LogMel, content_frames
 from whisper_train.data.nonspeech import builtin_clips, load_nonspeech, write_builtin_set
 from whisper_train.errors import UserError
@@ -572,12 +571,15 @@ def test_by_default_a_tenth_of_the_epoch_is_builtin_noise_and_the_start_says_so(
     assert "nonspeech auto -> builtin: noise, hum and tones with empty targets, 10%" in said
     record = yaml.safe_load((tmp_path / "out" / "whisper-train.yaml").read_text())["record"]
     assert (record["data"]["nonspeech"], record["data"]["nonspeech_share"]) == ("builtin", 0.1)
+    card = (tmp_path / "out" / "final" / "README.md").read_text()
+    assert "clips where nobody speaks: --nonspeech builtin, 10% of each epoch" in card
 
     seen.clear()
     off = train(tiny_run_config(nonspeech="off", output_dir=str(tmp_path / "off")))
     assert off.train_examples == 12 and all(NO_SPEECH not in row for row in seen)
     record = yaml.safe_load((tmp_path / "off" / "whisper-train.yaml").read_text())["record"]
     assert record["data"]["nonspeech"] is None
+    assert "--nonspeech" not in (tmp_path / "off" / "final" / "README.md").read_text()
 
 
 def test_auto_resumes_as_the_checkpoint_trained_and_a_stream_trains_alone(
@@ -610,7 +612,7 @@ def test_auto_resumes_as_the_checkpoint_trained_and_a_stream_trains_alone(
 
 @pytest.mark.parametrize("packing", ["off", "on", "per-clip"])
 def test_a_multilingual_run_whose_clips_state_their_languages_mixes_in_noise(
-    tmp_path, monkeypatch, packing
+    tmp_path, tiny_run_config, monkeypatch, packing
 ):
     """No --language, each clip's language in a `language` column: the noise (which speaks
     none) trains with <|nospeech|> and no language token. Before, planning the packed windows
@@ -626,17 +628,8 @@ def test_a_multilingual_run_whose_clips_state_their_languages_mixes_in_noise(
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     data.write_text("".join(json.dumps({**row, "language": "de"}) + "\n" for row in rows))
     seen = _labels_trained(monkeypatch)
-    config = RunConfig()
-    config.update(
-        {
-            "data": str(data),
-            "model": str(model_dir),
-            "output_dir": str(tmp_path / "out"),
-            "max_steps": 4,
-            "batch_size": 4,
-            "only_train": True,
-            "packing": packing,
-        }
+    config = tiny_run_config(
+        data=str(data), model=str(model_dir), nonspeech="auto", packing=packing, max_steps=4
     )
     result = train(config)  # --nonspeech auto
     assert result.train_examples == 12 + 1

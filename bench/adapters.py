@@ -2,7 +2,7 @@
 demo's sets (tiny.en, synthesised speech: `whisper-train demo`'s data and settings).
 
     PYTHONPATH=src .venv/bin/python bench/adapters.py --dir /tmp/adapters \
-        [--variants lora dora] [--average-seeds 0 1] [--average 3 --every 6] [--fast]
+        [--variants lora dora] [--seeds 0 1] [--average-seeds 0 1] [--average 3 --every 6] [--fast]
     PYTHONPATH=src .venv/bin/python bench/adapters.py --dir /tmp/adapters --step-time 5 \
         --variants lora dora rslora
 
@@ -71,6 +71,8 @@ def one_run(args) -> None:
         "overwrite": True,
         "seed": args.seed,
         "report_to": ["none"],
+        # the speech alone, as the first rows (before --nonspeech auto was the default) trained
+        "nonspeech": "none",
     }
     if args.fast:  # no guard (so no evaluation before step 1), decoded greedily only
         del settings["guard"]
@@ -201,6 +203,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=Path("/tmp/adapters"))
     parser.add_argument("--variants", nargs="*", default=["lora", "dora"])
+    parser.add_argument("--seeds", type=int, nargs="*", default=[0], help="the variants' runs'")
     parser.add_argument("--average-seeds", type=int, nargs="*", default=[0, 1])
     parser.add_argument("--average", type=int, default=None, help="checkpoints averaged (3)")
     parser.add_argument("--every", type=int, default=6)
@@ -246,10 +249,10 @@ def main() -> None:
     )
     print("| variant | seed | held-out WER | guard WER | s/step | peak RSS (MiB) |")
     print("|---|---:|---:|---:|---:|---:|", flush=True)
-    for variant in args.variants:
-        f = child(args, variant=variant, seed=0, out=args.dir / f"run-{variant}")
+    for seed, variant in ((seed, variant) for seed in args.seeds for variant in args.variants):
+        f = child(args, variant=variant, seed=seed, out=args.dir / f"run-{variant}-{seed}")
         print(
-            f"| {variant} | 0 | {pct(f['start']['held-out'])} → {pct(f['best']['held-out'])} | "
+            f"| {variant} | {seed} | {pct(f['start']['held-out'])} → {pct(f['best']['held-out'])} | "
             f"{pct(f['start']['guard'])} → {pct(f['best']['guard'])} | "
             f"{f['step_seconds']:.2f} | {f['peak_rss_mib']:.0f} |",
             flush=True,

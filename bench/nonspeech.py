@@ -11,7 +11,7 @@ fine-tune with --nonspeech builtin, its clips labelled each way (`labels.NOSPEEC
 never trains on) in both decoders at their defaults, with the demo's held-out WER and real
 speech's beside it:
 
-    PYTHONPATH=src .venv/bin/python bench/nonspeech.py --fine-tunes /tmp/ns-bench [--seed 1]
+    PYTHONPATH=src .venv/bin/python bench/nonspeech.py --fine-tunes /tmp/ns-bench [--seed 1] [--share 0.2]
 """
 
 from __future__ import annotations
@@ -83,11 +83,15 @@ def _measure(spec: str, nonspeech: list, held_out: list, speech: list, work: Pat
 
 
 def fine_tunes(
-    root: Path, speech: list[Example], only: list[int] | None = None, seed: int = 0
+    root: Path,
+    speech: list[Example],
+    only: list[int] | None = None,
+    seed: int = 0,
+    share: float | None = None,
 ) -> None:
     """The base, the demo's fine-tune, and the demo's fine-tune with --nonspeech builtin
     (each label form), measured alike; a table at the end. `seed`: the demo's (its data
-    synthesised and its run seeded with it)."""
+    synthesised and its run seeded with it); `share`: --nonspeech-share (None: its default)."""
     data_dirs = prepare_demo_data(
         root / "data", train_utterances=192, eval_utterances=40, guard_utterances=40, seed=seed
     )
@@ -112,6 +116,8 @@ def fine_tunes(
             config = demo_config(
                 data_dirs, root / f"run{index}", model="tiny.en", nonspeech=source, seed=seed
             )
+            if share is not None and source != "none":
+                config.update({"nonspeech_share": share})
             if only is not None:  # the runs alone: held-out scored once, at the end (no guard)
                 config.update({"eval_data": [f"held-out={data_dirs['held-out']}"], "guard": None})
             result = train(config)
@@ -148,6 +154,7 @@ def main() -> None:
     parser.add_argument("--realspeech", type=Path, default=REALSPEECH)
     parser.add_argument("--fine-tunes", type=Path, default=None, metavar="DIR")
     parser.add_argument("--seed", type=int, default=0, help="the demo's, with --fine-tunes")
+    parser.add_argument("--share", type=float, default=None, help="--nonspeech-share")
     parser.add_argument(
         "--only",
         type=lambda v: [int(i) for i in v.split(",")],
@@ -158,7 +165,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.fine_tunes is not None:
         speech = _real_speech(args.realspeech, args.speech_clips)
-        fine_tunes(args.fine_tunes, speech, args.only, args.seed)
+        fine_tunes(args.fine_tunes, speech, args.only, args.seed, args.share)
         return
     examples = load_nonspeech("builtin")
     model, processor = load_model("tiny.en")

@@ -556,23 +556,23 @@ def test_nonspeech_clips_train_with_the_no_speech_label_in_every_packing(
         assert all(row == no_speech or NO_SPEECH not in row for row in seen)
 
 
-def test_by_default_a_tenth_of_the_epoch_is_builtin_noise_and_the_start_says_so(
+def test_by_default_a_fifth_of_the_epoch_is_builtin_noise_and_the_start_says_so(
     tiny_run_config, monkeypatch, capsys, tmp_path
 ):
-    """--nonspeech auto, the default: the built-in clips join data read whole (1 of 13: a
-    tenth, rounded) with the no-speech label; the record says builtin and the start says why;
+    """--nonspeech auto, the default: the built-in clips join data read whole (3 of 15: a
+    fifth) with the no-speech label; the record says builtin and the start says why;
     `none` trains on the clips alone. Before, the default trained on speech alone and the
     demo's fine-tune wrote words on hum that tiny.en never wrote."""
     seen = _labels_trained(monkeypatch)
     result = train(tiny_run_config(nonspeech="auto", packing="off", max_steps=4))
-    assert result.train_examples == 12 + 1
+    assert result.train_examples == 12 + 3
     assert [NO_SPEECH, EOT] in seen
     said = capsys.readouterr().out
-    assert "nonspeech auto -> builtin: noise, hum and tones with empty targets, 10%" in said
+    assert "nonspeech auto -> builtin: noise, hum and tones with empty targets, 20%" in said
     record = yaml.safe_load((tmp_path / "out" / "whisper-train.yaml").read_text())["record"]
-    assert (record["data"]["nonspeech"], record["data"]["nonspeech_share"]) == ("builtin", 0.1)
+    assert (record["data"]["nonspeech"], record["data"]["nonspeech_share"]) == ("builtin", 0.2)
     card = (tmp_path / "out" / "final" / "README.md").read_text()
-    assert "clips where nobody speaks: --nonspeech builtin, 10% of each epoch" in card
+    assert "clips where nobody speaks: --nonspeech builtin, 20% of each epoch" in card
 
     seen.clear()
     off = train(tiny_run_config(nonspeech="off", output_dir=str(tmp_path / "off")))
@@ -632,7 +632,7 @@ def test_a_multilingual_run_whose_clips_state_their_languages_mixes_in_noise(
         data=str(data), model=str(model_dir), nonspeech="auto", packing=packing, max_steps=4
     )
     result = train(config)  # --nonspeech auto
-    assert result.train_examples == 12 + 1
+    assert result.train_examples == 12 + 3
     no_speech = processor.tokenizer.convert_tokens_to_ids("<|nospeech|>")
     assert any(no_speech in row for row in seen)
 

@@ -102,7 +102,7 @@ CHANGES = {
     "timestamps": ("plain", True),
     "prompt_probability": ("plain", 0.5),
     "nonspeech": ("plain", "builtin"),
-    "nonspeech_share": ("noisy", 0.2),
+    "nonspeech_share": ("noisy", 0.3),
     "strict": ("plain", True),
     "spec_augment": ("plain", True),
     "audio_augment": ("plain", True),

@@ -11,7 +11,8 @@ fine-tune with --nonspeech builtin, its clips labelled each way (`labels.NOSPEEC
 never trains on) in both decoders at their defaults, with the demo's held-out WER and real
 speech's beside it:
 
-    PYTHONPATH=src .venv/bin/python bench/nonspeech.py --fine-tunes /tmp/ns-bench [--seed 1] [--share 0.2]
+    PYTHONPATH=src .venv/bin/python bench/nonspeech.py --fine-tunes /tmp/ns-bench [--seed 1] [--share 0.2] \
+        [--model base]
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ def _measure(spec: str, nonspeech: list, held_out: list, speech: list, work: Pat
             scored = evaluate_examples(model, processor, examples)
             figures[f"{name}_wer"] = scored.wer
             figures[f"{name}_emptied"] = sum(d.no_speech for d in scored.decoded)
-    if spec == "tiny.en":
-        ct2 = Path(resolve_alias("tiny.en"))
+    if spec in ("tiny.en", "base"):  # shipped as CTranslate2 models: the runtime's own files
+        ct2 = Path(resolve_alias(spec))
     else:
         ct2 = work / "ct2"
         export_model(spec, format="ct2", output=ct2, check=False, overwrite=True)
@@ -88,10 +89,12 @@ def fine_tunes(
     only: list[int] | None = None,
     seed: int = 0,
     share: float | None = None,
+    model: str = "tiny.en",
 ) -> None:
     """The base, the demo's fine-tune, and the demo's fine-tune with --nonspeech builtin
     (each label form), measured alike; a table at the end. `seed`: the demo's (its data
-    synthesised and its run seeded with it); `share`: --nonspeech-share (None: its default)."""
+    synthesised and its run seeded with it); `share`: --nonspeech-share (None: its default);
+    `model`: the model fine-tuned (tiny.en, or the multilingual base)."""
     data_dirs = prepare_demo_data(
         root / "data", train_utterances=192, eval_utterances=40, guard_utterances=40, seed=seed
     )
@@ -101,7 +104,7 @@ def fine_tunes(
         "demo fine-tune (--nonspeech none)": ("none", None),
         "+ --nonspeech builtin (<|nospeech|>)": ("builtin", NOSPEECH_FORM),
         "+ --nonspeech builtin (empty transcript)": ("builtin", EMPTY_FORM),
-        "tiny.en (base)": ("base", None),
+        f"{model} (no fine-tuning)": ("base", None),
     }
     rows, base_wer = [], None
     for index, (label, (source, form)) in enumerate(runs.items()):
@@ -109,12 +112,12 @@ def fine_tunes(
             continue
         started = time.perf_counter()
         if source == "base":  # its held-out WER: step 0 of the runs above
-            figures = _measure("tiny.en", nonspeech, [], speech, root / "base")
+            figures = _measure(model, nonspeech, [], speech, root / "base")
             figures["held_out_wer"] = base_wer
         else:
             os.environ[NONSPEECH_LABEL] = form or NOSPEECH_FORM
             config = demo_config(
-                data_dirs, root / f"run{index}", model="tiny.en", nonspeech=source, seed=seed
+                data_dirs, root / f"run{index}", model=model, nonspeech=source, seed=seed
             )
             if share is not None and source != "none":
                 config.update({"nonspeech_share": share})
@@ -155,6 +158,7 @@ def main() -> None:
     parser.add_argument("--fine-tunes", type=Path, default=None, metavar="DIR")
     parser.add_argument("--seed", type=int, default=0, help="the demo's, with --fine-tunes")
     parser.add_argument("--share", type=float, default=None, help="--nonspeech-share")
+    parser.add_argument("--model", default="tiny.en", help="with --fine-tunes: tiny.en or base")
     parser.add_argument(
         "--only",
         type=lambda v: [int(i) for i in v.split(",")],
@@ -165,7 +169,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.fine_tunes is not None:
         speech = _real_speech(args.realspeech, args.speech_clips)
-        fine_tunes(args.fine_tunes, speech, args.only, args.seed, args.share)
+        fine_tunes(args.fine_tunes, speech, args.only, args.seed, args.share, args.model)
         return
     examples = load_nonspeech("builtin")
     model, processor = load_model("tiny.en")

@@ -119,6 +119,8 @@ def fine_tunes(
             config = demo_config(
                 data_dirs, root / f"run{index}", model=model, nonspeech=source, seed=seed
             )
+            if model != "tiny.en":  # a multilingual model is told the demo's language
+                config.update({"language": "en"})
             if share is not None and source != "none":
                 config.update({"nonspeech_share": share})
             if only is not None:  # the runs alone: held-out scored once, at the end (no guard)

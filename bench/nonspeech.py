@@ -13,6 +13,11 @@ speech's beside it:
 
     PYTHONPATH=src .venv/bin/python bench/nonspeech.py --fine-tunes /tmp/ns-bench [--seed 1] [--share 0.2] \
         [--model base]
+
+With --score MODEL ...: each model (a folder, tiny.en or base) on a larger non-speech set, the
+built-in one and --draws - 1 other draws of its noise (a finer measure than its 19 clips):
+
+    PYTHONPATH=src .venv/bin/python bench/nonspeech.py --score base /tmp/ns/run1/final --draws 4
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ import os
 import time
 from pathlib import Path
 
-from whisper_train.audio import load_audio
+import soundfile
+
+from whisper_train.audio import SAMPLE_RATE, load_audio
 from whisper_train.data.examples import Example
 from whisper_train.data.labels import EMPTY_FORM, NONSPEECH_LABEL, NOSPEECH_FORM
 from whisper_train.data.layouts import load_examples
-from whisper_train.data.nonspeech import load_nonspeech
+from whisper_train.data.nonspeech import builtin_clips, load_nonspeech, write_builtin_set
 from whisper_train.demo import demo_config, prepare_demo_data
 from whisper_train.deploy.export import export_model
 from whisper_train.evaluation.evaluate import evaluate_examples
@@ -153,6 +160,41 @@ def fine_tunes(
         )
 
 
+def drawn_set(folder: Path, draws: int) -> list[Example]:
+    """The built-in set and `draws - 1` other draws of its clips that chance shapes (noise,
+    dither, clicks: the rest sound the same every draw), as WAV files in `folder`."""
+    write_builtin_set(folder)
+    first = builtin_clips()
+    for draw in range(1, draws):
+        for name, samples in builtin_clips(draw=draw).items():
+            if not (samples == first[name]).all():
+                soundfile.write(folder / f"draw{draw}-{name}.wav", samples, SAMPLE_RATE, "PCM_16")
+    return load_nonspeech(folder)
+
+
+def score_models(models: list[str], draws: int, work: Path) -> None:
+    """Each model (a folder, tiny.en or base) on the larger non-speech set, in both decoders
+    at their defaults: a finer measure than the 19 clips (a word there is 0.8 a minute)."""
+    nonspeech = drawn_set(work / "nonspeech", draws)
+    minutes = sum(len(load_audio(e.audio)) for e in nonspeech) / SAMPLE_RATE / 60
+    rows = []
+    for index, spec in enumerate(models):
+        figures = _measure(spec, nonspeech, [], [], work / f"model{index}")
+        print(json.dumps(figures), flush=True)
+        rows.append(figures)
+    print(f"\nnon-speech: {len(nonspeech)} clips, {minutes:.2f} min ({draws} draws)")
+    print(
+        "| model | words/min, whisper-train | clips with text | words/min, faster-whisper | "
+        "clips with text |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['model']} | {r['transformers_wpm']:.2f} | {r['transformers_with_text']} | "
+            f"{r['faster_whisper_wpm']:.2f} | {r['faster_whisper_with_text']} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--speech-clips", type=int, default=20, help="0: no real speech")
@@ -168,7 +210,15 @@ def main() -> None:
         help="these runs alone (0 default fine-tune, 1 and 2 --nonspeech, 3 base), each "
         "scored on held-out once, at its end",
     )
+    parser.add_argument(
+        "--score", nargs="+", default=None, metavar="MODEL", help="only score these models"
+    )
+    parser.add_argument("--draws", type=int, default=4, help="with --score: draws of the set")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/ns-score"), help="with --score")
     args = parser.parse_args()
+    if args.score:
+        score_models(args.score, args.draws, args.work)
+        return
     if args.fine_tunes is not None:
         speech = _real_speech(args.realspeech, args.speech_clips)
         fine_tunes(args.fine_tunes, speech, args.only, args.seed, args.share, args.model)

@@ -103,12 +103,20 @@ _CLIPS: dict[str, Callable[[np.random.Generator, int, np.ndarray], np.ndarray]] 
 }
 
 
-def builtin_clips(seconds: float = BUILTIN_SECONDS) -> dict[str, np.ndarray]:
-    """{name: float32 16 kHz samples} of the built-in set, the same on every call."""
+# builtin_clips(draw=D > 0): other samples of the same sounds, from seeds of their own (neither
+# the set's, 0 on, nor --nonspeech builtin's, TRAINING_SEED on): a larger set for a finer
+# measurement (bench/nonspeech.py --draws). Silence, hum, tones and chords draw alike each time.
+DRAW_SEED = 5000
+
+
+def builtin_clips(seconds: float = BUILTIN_SECONDS, draw: int = 0) -> dict[str, np.ndarray]:
+    """{name: float32 16 kHz samples} of the built-in set (or its `draw`th other samples), the
+    same on every call."""
     n = int(seconds * SAMPLE_RATE)
     t = np.arange(n) / SAMPLE_RATE
     clips = {}
-    for seed, (name, make) in enumerate(_CLIPS.items()):
+    for index, (name, make) in enumerate(_CLIPS.items()):
+        seed = index if draw == 0 else DRAW_SEED + draw * len(_CLIPS) + index
         samples = make(np.random.default_rng(seed), n, t)
         clips[name] = np.clip(samples, -1.0, 1.0).astype(np.float32)
     return clips

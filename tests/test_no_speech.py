@@ -541,6 +541,30 @@ def _labels_trained(monkeypatch) -> list[list[int]]:
     return seen
 
 
+def test_length_grouped_batches_each_hold_their_share_of_noise(tiny_run_config, monkeypatch):
+    """--group-by-length with --nonspeech: the noise labels, the shortest, were grouped into
+    micro-batches of noise alone (here one of the four: every step but one without noise, and
+    one step that trains nothing but <|nospeech|>). Spread, each holds one of its four."""
+    import whisper_train.training.recipe as recipe_module
+
+    real, batches = recipe_module.loss_terms, []
+
+    def recording(model, batch, **kwargs):
+        batches.append(sum(row[0] == NO_SPEECH for row in batch["labels"].tolist()))
+        return real(model, batch, **kwargs)
+
+    monkeypatch.setattr(recipe_module, "loss_terms", recording)
+    config = tiny_run_config(
+        nonspeech="builtin",
+        nonspeech_share=0.25,
+        packing="off",
+        group_by_length=True,
+        max_steps=4,
+    )
+    assert train(config).train_examples == 12 + 4
+    assert batches == [1, 1, 1, 1]
+
+
 @pytest.mark.parametrize("packing", ["off", "on", "per-clip"])
 def test_nonspeech_clips_train_with_the_no_speech_label_in_every_packing(
     tiny_run_config, monkeypatch, packing, capsys

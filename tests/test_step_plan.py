@@ -98,6 +98,51 @@ def test_a_step_trains_the_clips_asked(kind, batch, accumulation, processes):
         assert max(len(window) for window in plan.windows(0)) <= asked
 
 
+def test_length_grouping_spreads_the_noise_clips_through_the_steps():
+    """--group-by-length with --nonspeech: the noise clips' labels (3 tokens) are the shortest,
+    so grouping put them all into steps of noise alone (each such step moves the model toward
+    writing nothing, as far as a step of speech moves it). Spread, every step of 8 clips holds
+    the share asked: 2 in 10 here, never more than 3."""
+    rng = random.Random(0)
+    lengths = [rng.randint(12, 60) for _ in range(160)] + [3] * 40  # 40 of 200: a share of 0.2
+    noise = set(range(160, 200))
+
+    def noise_a_step(**spread) -> list[int]:
+        plan = WholePlan(
+            200,
+            batch_size=8,
+            accumulation=1,
+            processes=1,
+            seed=0,
+            group_by_length=True,
+            label_lengths=lengths,
+            **spread,
+        )
+        assert sorted(i for step in plan.steps(0) for i in items_of(step)) == list(range(200))
+        return [len(items_of(step) & noise) for step in plan.steps(0)]
+
+    assert max(noise_a_step()) == 8  # before: whole steps of noise
+    spread = noise_a_step(ungrouped=noise)
+    assert min(spread) >= 1 and max(spread) <= 3, spread
+    # Speech is still grouped: a step's labels span far less than the data's 12-60 tokens.
+    plan = WholePlan(
+        200,
+        batch_size=8,
+        accumulation=1,
+        processes=1,
+        seed=0,
+        group_by_length=True,
+        label_lengths=lengths,
+        ungrouped=noise,
+    )
+    spans = [
+        max(lengths[i] for i in items_of(step) - noise)
+        - min(lengths[i] for i in items_of(step) - noise)
+        for step in plan.steps(0)
+    ]
+    assert np.median(spans) <= 12, spans
+
+
 def test_accumulation_and_batch_train_the_same_share_of_an_epoch_per_step():
     """The issue's case: 40 short clips, --batch-size 1 --gradient-accumulation 4 trained 0.333
     of an epoch a step, --batch-size 4 0.111."""

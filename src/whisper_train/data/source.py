@@ -378,6 +378,7 @@ def plan_training_data(
         packing=packed,
         group_by_length=group_by_length,
         label_lengths=datasets.label_lengths(label_encoder) if group_by_length else None,
+        ungrouped=[i for i, e in enumerate(examples) if is_nonspeech(e)] if group_by_length else (),
     )
     plan.augmenter = augmenter
     return plan

@@ -117,13 +117,30 @@ class Packing:
     unreadable: Mapping[int, Skip] = field(default_factory=dict)
 
 
+def _dealt_evenly(extra: Sequence[int], order: list[int]) -> list[int]:
+    """`order` with the items of `extra` placed at even intervals through it."""
+    if not extra:
+        return order
+    merged, total = [], len(order) + len(extra)
+    at = iter(math.floor((k + 0.5) * total / len(extra)) for k in range(len(extra)))
+    next_at, rest, placed = next(at), iter(order), iter(extra)
+    for position in range(total):
+        if position == next_at:
+            merged.append(next(placed))
+            next_at = next(at, None)
+        else:
+            merged.append(next(rest))
+    return merged
+
+
 class WholePlan:
     """The steps of every epoch of training data read whole: a pure function of (the clips,
     seed, epoch, clips a step, items a micro-batch, processes), the same on every process and
     in a resumed run.
 
     `packing`: pack clips into windows (each of at most a step's clips); `group_by_length`:
-    group clips of similar `label_lengths`; neither: a seeded shuffle, the order of a shuffling
+    group clips of similar `label_lengths`, but for those in `ungrouped` (--nonspeech's), spread
+    evenly through the steps; neither: a seeded shuffle, the order of a shuffling
     DataLoader seeded with (seed + epoch), as whisper-train's orders always were.
     """
 
@@ -138,6 +155,7 @@ class WholePlan:
         packing: Packing | None = None,
         group_by_length: bool = False,
         label_lengths: Sequence[int] | None = None,
+        ungrouped: Collection[int] = (),
     ):
         self.n_clips = n_clips
         self.batch_size = batch_size
@@ -145,6 +163,7 @@ class WholePlan:
         self.packing = packing
         self.group_by_length = group_by_length
         self.label_lengths = label_lengths
+        self.ungrouped = frozenset(ungrouped)
         clips = batch_size * accumulation * processes
         per_micro_batch = batch_size
         if packing is not None:
@@ -198,13 +217,18 @@ class WholePlan:
             # Grouped a step at a time: a step's clips are of similar length, so are the
             # micro-batches cut from it, and the order depends on the clips a step asks for
             # alone, not on how they are split (batch x accumulation x processes).
+            # The clips of --nonspeech (`ungrouped`) are left out of the grouping, which would
+            # sort their short labels into steps of noise alone, and dealt evenly through the
+            # grouped order instead: each step trains about the share asked.
+            speech = [i for i in kept if i not in self.ungrouped]
             grouped = LengthGroupedBatchSampler(
-                [self.label_lengths[i] for i in kept],
+                [self.label_lengths[i] for i in speech],
                 clips_per_step or self.shape.clips,
                 seed=self.seed,
             )
             grouped.set_epoch(epoch)
-            order = [kept[i] for batch in grouped for i in batch]
+            order = [speech[i] for batch in grouped for i in batch]
+            order = _dealt_evenly([i for i in kept if i in self.ungrouped], order)
         else:
             # The order of any epoch is known without replaying the ones before it: that of a
             # shuffling DataLoader whose generator is seeded (seed + epoch), which draws its

@@ -107,7 +107,7 @@ def test_length_grouping_spreads_the_noise_clips_through_the_steps():
     lengths = [rng.randint(12, 60) for _ in range(160)] + [3] * 40  # 40 of 200: a share of 0.2
     noise = set(range(160, 200))
 
-    def noise_a_step(**spread) -> list[int]:
+    def steps(**spread) -> list:
         plan = WholePlan(
             200,
             batch_size=8,
@@ -118,27 +118,19 @@ def test_length_grouping_spreads_the_noise_clips_through_the_steps():
             label_lengths=lengths,
             **spread,
         )
-        assert sorted(i for step in plan.steps(0) for i in items_of(step)) == list(range(200))
-        return [len(items_of(step) & noise) for step in plan.steps(0)]
+        steps = plan.steps(0)
+        assert sorted(i for step in steps for i in items_of(step)) == list(range(200))
+        return steps
 
-    assert max(noise_a_step()) == 8  # before: whole steps of noise
-    spread = noise_a_step(ungrouped=noise)
+    assert max(len(items_of(step) & noise) for step in steps()) == 8  # before: steps of noise
+    spread_steps = steps(ungrouped=noise)
+    spread = [len(items_of(step) & noise) for step in spread_steps]
     assert min(spread) >= 1 and max(spread) <= 3, spread
     # Speech is still grouped: a step's labels span far less than the data's 12-60 tokens.
-    plan = WholePlan(
-        200,
-        batch_size=8,
-        accumulation=1,
-        processes=1,
-        seed=0,
-        group_by_length=True,
-        label_lengths=lengths,
-        ungrouped=noise,
-    )
     spans = [
         max(lengths[i] for i in items_of(step) - noise)
         - min(lengths[i] for i in items_of(step) - noise)
-        for step in plan.steps(0)
+        for step in spread_steps
     ]
     assert np.median(spans) <= 12, spans
 

@@ -207,7 +207,13 @@ def share(detected: list[str], code: str) -> float:
 
 
 def train_arm(
-    work: Path, name: str, manifest: Path, steps: int, new_language: bool, init: str = "es"
+    work: Path,
+    name: str,
+    manifest: Path,
+    steps: int,
+    new_language: bool,
+    init: str = "es",
+    seed: int = 0,
 ) -> Path:
     out = work / name
     if (out / "final" / "model.safetensors").exists():
@@ -222,10 +228,13 @@ def train_arm(
         "max_steps": steps,
         "batch_size": 8,
         "learning_rate": 1e-4,
-        "seed": 0,
+        "seed": seed,
         "only_train": True,
         "encoder_cache_dir": str(work / "encoder-cache"),
         "language": "eo" if new_language else "es",
+        # As the first measurements trained (before --nonspeech auto mixed noise in): the
+        # arms differ by the token alone.
+        "nonspeech": "none",
     }
     if new_language:
         settings.update(new_language="eo", new_language_init=init)
@@ -252,17 +261,21 @@ def main() -> None:
     parser.add_argument(
         "--init", default="es", help="the language whose token the new one starts from"
     )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="the runs' seed; other sentences and voices drawn"
+    )
     args = parser.parse_args()
+    draw = 100 * args.seed  # seed 0: the sentences and voices of the first measurements
     rehearsal = args.train_clips // 16 if args.rehearsal is None else args.rehearsal
     init = args.init
     work = Path(args.work)
     clips = work / "clips"
-    train_rows = synthesise(clips, "eo", False, args.train_clips, seed=1)
+    train_rows = synthesise(clips, "eo", False, args.train_clips, seed=draw + 1)
     for index, language in enumerate(OTHERS):  # rehearsal: by default a fifth of the clips
-        train_rows += synthesise(clips, language, False, rehearsal, seed=10 + index)
-    held = {"eo": synthesise(clips, "eo", True, args.held_out, seed=2)}
+        train_rows += synthesise(clips, language, False, rehearsal, seed=draw + 10 + index)
+    held = {"eo": synthesise(clips, "eo", True, args.held_out, seed=draw + 2)}
     for index, language in enumerate(OTHERS):
-        held[language] = synthesise(clips, language, True, args.others, seed=20 + index)
+        held[language] = synthesise(clips, language, True, args.others, seed=draw + 20 + index)
     neighbour_data = write_manifest(work / "train-es.jsonl", train_rows, esperanto_as="es")
     own_data = write_manifest(work / "train-eo.jsonl", train_rows, esperanto_as="eo")
 
@@ -273,11 +286,23 @@ def main() -> None:
           f"{time.perf_counter() - started:.0f} s", flush=True)  # fmt: skip
     models = {"base": (base, processor)}
     models["neighbour (es)"] = load_model(
-        str(train_arm(work, "neighbour", neighbour_data, args.steps, new_language=False))
+        str(
+            train_arm(
+                work, "neighbour", neighbour_data, args.steps, new_language=False, seed=args.seed
+            )
+        )
     )
     models["own token (eo)"] = load_model(
         str(
-            train_arm(work, f"own-token-{init}", own_data, args.steps, new_language=True, init=init)
+            train_arm(
+                work,
+                f"own-token-{init}",
+                own_data,
+                args.steps,
+                new_language=True,
+                init=init,
+                seed=args.seed,
+            )
         )
     )
     rows = []

@@ -32,7 +32,7 @@ import soundfile
 
 from whisper_train.audio import SAMPLE_RATE, load_audio
 from whisper_train.data.examples import Example
-from whisper_train.data.labels import EMPTY_FORM, NONSPEECH_LABEL, NOSPEECH_FORM
+from whisper_train.data.labels import BOTH_FORM, EMPTY_FORM, NONSPEECH_LABEL, NOSPEECH_FORM
 from whisper_train.data.layouts import load_examples
 from whisper_train.data.nonspeech import builtin_clips, load_nonspeech, write_builtin_set
 from whisper_train.demo import demo_config, prepare_demo_data
@@ -112,6 +112,7 @@ def fine_tunes(
         "+ --nonspeech builtin (<|nospeech|>)": ("builtin", NOSPEECH_FORM),
         "+ --nonspeech builtin (empty transcript)": ("builtin", EMPTY_FORM),
         f"{model} (no fine-tuning)": ("base", None),
+        "+ --nonspeech builtin (<|nospeech|> and empty)": ("builtin", BOTH_FORM),
     }
     rows, base_wer = [], None
     for index, (label, (source, form)) in enumerate(runs.items()):

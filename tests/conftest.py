@@ -249,11 +249,12 @@ def record_of(config: RunConfig, *, width: int = 384, device: str = "cpu", **fac
     )
 
     packing, note = choose_packing(config)
-    nonspeech, nonspeech_note = choose_nonspeech(config)
+    nonspeech, nonspeech_share, nonspeech_note = choose_nonspeech(config)
     data = {
         "packing": packing,
         "packing_note": note,
         "nonspeech": nonspeech,
+        "nonspeech_share": nonspeech_share,
         "nonspeech_note": nonspeech_note,
         "streamed": config.stream_source() is not None,
         "items_per_micro_batch": config.train.batch_size,

@@ -526,15 +526,19 @@ def test_a_damaged_nonspeech_clip_refuses_the_run_before_step_1(tiny_run_config,
 # -- training on clips where nobody speaks -----------------------------------------------------
 
 
-def _labels_trained(monkeypatch) -> list[list[int]]:
-    """Every label row the loss is given (its masked positions dropped), as the run trains."""
+def _labels_trained(monkeypatch, fed: list | None = None) -> list[list[int]]:
+    """Every label row the loss is given (its masked positions dropped), as the run trains;
+    with `fed`, the decoder inputs of the rows that target <|nospeech|> are put there."""
     import whisper_train.training.recipe as recipe_module
 
     real, seen = recipe_module.loss_terms, []
 
     def recording(model, batch, **kwargs):
-        for row in batch["labels"].tolist():
+        inputs = batch["decoder_input_ids"].tolist()
+        for row, fed_row in zip(batch["labels"].tolist(), inputs, strict=True):
             seen.append([token for token in row if token != -100])
+            if fed is not None and seen[-1][:1] == [NO_SPEECH]:
+                fed.append(fed_row[: len(seen[-1])])
         return real(model, batch, **kwargs)
 
     monkeypatch.setattr(recipe_module, "loss_terms", recording)
@@ -565,14 +569,59 @@ def test_length_grouped_batches_each_hold_their_share_of_noise(tiny_run_config, 
     assert batches == [1, 1, 1, 1]
 
 
+def test_a_clip_where_nobody_speaks_is_taught_in_the_context_decoding_gives_it():
+    """The default label of a clip of --nonspeech: the decoder is fed the prefix it is fed
+    when transcribing (SOT, ..., <|notimestamps|>) and taught <|nospeech|> after SOT (the
+    probability the runtimes' no-speech test reads) and <|endoftext|> after the prefix (what
+    greedy decoding then writes: nothing). Before, it was fed SOT <|nospeech|>, a context no
+    decoding ever gives: the multilingual base's fine-tunes still wrote digits on noise
+    (BENCHMARKS.md "Text where nobody speaks"). A speech label keeps its prefix masked."""
+    from whisper_train.data.collate import IGNORE_INDEX, SpeechCollator
+
+    collator = SpeechCollator(EOT, nospeech_target=NO_SPEECH)
+    speech, noise = [SOT, NO_TIMESTAMPS, 11, 12, EOT], [SOT, NO_TIMESTAMPS, EOT]
+    batch = collator.pad_labels([speech, noise], [2, 2])
+    assert batch["decoder_input_ids"].tolist() == [
+        [SOT, NO_TIMESTAMPS, 11, 12],
+        [SOT, NO_TIMESTAMPS, EOT, EOT],
+    ]
+    assert batch["labels"].tolist() == [
+        [IGNORE_INDEX, 11, 12, EOT],
+        [NO_SPEECH, EOT, IGNORE_INDEX, IGNORE_INDEX],
+    ]
+    plain = SpeechCollator(EOT).pad_labels([noise], [2])["labels"].tolist()
+    assert plain == [[IGNORE_INDEX, EOT]]  # without the no-speech target: the empty transcript
+
+
+def test_a_resume_keeps_the_checkpoints_share_unless_another_is_given(
+    tiny_run_config, capsys, tmp_path
+):
+    """A checkpoint trained with --nonspeech-share 0.25 (or by the version whose default was
+    0.1) resumes under the default share with its own, and says so in one line; before, the new
+    default differed from the saved share and the default resume was refused. A share given on
+    the command line must still equal the checkpoint's."""
+    train(tiny_run_config(nonspeech="builtin", nonspeech_share=0.25, max_steps=1, save_steps=1))
+    capsys.readouterr()
+    resumed = train(tiny_run_config(nonspeech="auto", max_steps=2, resume="latest"))
+    said = capsys.readouterr().out
+    assert "nonspeech auto -> builtin: as the checkpoint trained; nonspeech share 0.25" in said
+    assert resumed.train_examples == 12 + 4  # a quarter, as the checkpoint planned
+    record = yaml.safe_load((tmp_path / "out" / "whisper-train.yaml").read_text())["record"]
+    assert record["data"]["nonspeech_share"] == 0.25
+    with pytest.raises(UserError, match="--nonspeech-share 0.2 differs from the checkpoint's 0.25"):
+        train(tiny_run_config(nonspeech_share=0.2, nonspeech="auto", max_steps=3, resume="latest"))
+
+
 @pytest.mark.parametrize("packing", ["off", "on", "per-clip"])
 def test_nonspeech_clips_train_with_the_no_speech_label_in_every_packing(
     tiny_run_config, monkeypatch, packing, capsys
 ):
     """--nonspeech builtin --nonspeech-share 0.25: a quarter of the clips are noise, each
-    trained to predict <|nospeech|> after <|startoftranscript|>; a packed window's noise adds
-    no text to its label. Before, an empty transcript was skipped as bad data."""
-    seen = _labels_trained(monkeypatch)
+    trained to predict <|nospeech|> after <|startoftranscript|> and nothing after the prefix,
+    fed what transcribing feeds; a packed window's noise adds no text to its label. Before, an
+    empty transcript was skipped as bad data."""
+    fed: list[list[int]] = []
+    seen = _labels_trained(monkeypatch, fed)
     config = tiny_run_config(
         nonspeech="builtin", nonspeech_share=0.25, packing=packing, max_steps=4
     )
@@ -586,6 +635,7 @@ def test_nonspeech_clips_train_with_the_no_speech_label_in_every_packing(
     else:
         assert no_speech in seen  # its own label (or, per clip, its own decoder pass)
         assert all(row == no_speech or NO_SPEECH not in row for row in seen)
+        assert fed and all(row == [SOT, NO_TIMESTAMPS] for row in fed), fed
 
 
 def test_by_default_a_fifth_of_the_epoch_is_builtin_noise_and_the_start_says_so(
@@ -636,6 +686,7 @@ def test_auto_resumes_as_the_checkpoint_trained_and_a_stream_trains_alone(
     stream = tiny_run_config(data=str(shards), nonspeech="auto").validate()
     assert choose_nonspeech(stream) == (
         None,
+        0.0,
         "nonspeech auto -> none: --data is streamed, and no clips can be mixed in",
     )
     with pytest.raises(UserError, match="--nonspeech needs --data read whole"):
@@ -647,7 +698,7 @@ def test_a_multilingual_run_whose_clips_state_their_languages_mixes_in_noise(
     tmp_path, tiny_run_config, monkeypatch, packing
 ):
     """No --language, each clip's language in a `language` column: the noise (which speaks
-    none) trains with <|nospeech|> and no language token. Before, planning the packed windows
+    none) trains with <|nospeech|> under the English prefix. Before, planning the packed windows
     asked for the noise's language and refused the run: --nonspeech builtin, and so the
     default, could not meet a multilingual model's data with a language column."""
     from multilingual import make_tiny_multilingual_whisper
@@ -696,7 +747,8 @@ def test_the_builtin_training_clips_are_written_once_and_a_damaged_one_is_named(
 def test_noise_in_a_packed_window_carries_no_text_nor_segment():
     """A --nonspeech clip packed between two spoken ones adds nothing to the window's label,
     not even an empty timestamped segment: like the gaps between clips, it is silence. A
-    window of noise alone is labelled <|startoftranscript|> <|nospeech|> <|endoftext|>."""
+    window of noise alone is labelled with the prefix and <|endoftext|>, <|nospeech|> the
+    target the collator adds after <|startoftranscript|>."""
     from tiny_models import english_tokenizer
 
     from whisper_train.data.labels import LabelEncoder
@@ -715,7 +767,8 @@ def test_noise_in_a_packed_window_carries_no_text_nor_segment():
         "goodbye",
     ]
     alone = window_label(encoder, ["", ""], spans[:2], language=None, timestamps=True)
-    assert alone == ([SOT, NO_SPEECH, EOT], 1)
+    assert alone == ([SOT, NO_TIMESTAMPS, EOT], 2)
+    assert encoder.nospeech_target == NO_SPEECH
 
 
 def test_a_nonspeech_source_that_cannot_be_read_is_refused_in_one_line(tmp_path):

@@ -150,19 +150,20 @@ class DataConfig:
         default=0.0,
     )
     nonspeech: str | None = _help(
-        "Clips where nobody speaks, mixed into training with empty targets (labelled as "
-        "Whisper labels no speech) so that the model keeps writing nothing on silence, noise "
+        "Clips where nobody speaks, mixed into training with empty targets (and <|nospeech|> "
+        "after <|startoftranscript|>) so that the model keeps writing nothing on silence, noise "
         "and tones: a folder of audio (files over 30 s are cut), `builtin` (synthesised "
         "noise, hum, tones and chords, other samples than the built-in evaluation set's), or "
         "none. Default auto: builtin for --data read whole, none for a stream; a --resume "
         "continues as its checkpoint trained (BENCHMARKS.md 'Text where nobody speaks').",
         default=NONSPEECH_AUTO,
     )
-    nonspeech_share: float = _help(
+    nonspeech_share: float | None = _help(
         "Share of each epoch's clips that --nonspeech clips make up (their clips repeat to "
         "fill it). Default 0.2: about 2 clips of a batch of 8 (measured against 0.1 in "
-        "BENCHMARKS.md 'Text where nobody speaks').",
-        default=DEFAULT_NONSPEECH_SHARE,
+        "BENCHMARKS.md 'Text where nobody speaks'); a --resume continues with its "
+        "checkpoint's.",
+        default=None,
     )
     strict: bool = _help(
         "Stop on the first unusable clip instead of skipping and counting it.", default=False

@@ -20,6 +20,7 @@ import torch
 from whisper_train.choices import BUILTIN_SET, NONSPEECH_AUTO, PER_CLIP
 from whisper_train.config.options import (
     DEFAULT_MAX_REGRESSION,
+    DEFAULT_NONSPEECH_SHARE,
     ENCODER_LR_SCALES,
     PACKING_AUTO,
     default_learning_rate,
@@ -65,17 +66,19 @@ class DataFacts:
     steps_per_epoch: int | None
     batch_note: str | None = None  # a packed step's micro-batches, where not as asked
     nonspeech: str | None = None  # --nonspeech's source as chosen (`choose_nonspeech`)
-    nonspeech_note: str | None = None  # why, when --nonspeech auto chose
+    nonspeech_share: float = 0.0  # its share of each epoch's clips (0: none)
+    nonspeech_note: str | None = None  # why, when --nonspeech auto or a resume chose
 
 
 @dataclass(frozen=True)
 class SavedChoices:
     """What a --resume's checkpoint chose where `auto` may have been asked, so that auto
     continues as it trained: its packing (None: a record-less checkpoint that says none) and
-    its --nonspeech source (None: none)."""
+    its --nonspeech source (None: none) and share."""
 
     packing: str | None
     nonspeech: str | None = None
+    nonspeech_share: float | None = None
 
 
 # -- decisions the data phase needs before the record ----------------------------------------
@@ -105,26 +108,44 @@ def choose_packing(config: RunConfig, saved: str | None = None) -> tuple[str, st
 
 def choose_nonspeech(
     config: RunConfig, saved: SavedChoices | None = None
-) -> tuple[str | None, str | None]:
-    """(--nonspeech's source, None for none; the line that says why, when auto chose). Auto
-    mixes the built-in clips into data read whole (the default fine-tune otherwise learns to
-    hear speech in hum and noise: BENCHMARKS.md "Text where nobody speaks"); a stream, whose
-    clips cannot be mixed with others, trains on its own; a --resume continues as its
-    checkpoint trained, so that its plan and record stay the same."""
-    asked = config.data.nonspeech
+) -> tuple[str | None, float, str | None]:
+    """(--nonspeech's source, None for none; its share of each epoch's clips, 0 for none; the
+    line that says why, when auto or a resume chose). Auto mixes the built-in clips into data
+    read whole (the default fine-tune otherwise learns to hear speech in hum and noise:
+    BENCHMARKS.md "Text where nobody speaks"); a stream, whose clips cannot be mixed with
+    others, trains on its own. A --resume continues as its checkpoint trained where nothing
+    else is asked (auto, and the share when not given), so that its plan and record stay the
+    same."""
+    asked, asked_share = config.data.nonspeech, config.data.nonspeech_share
     if asked != NONSPEECH_AUTO:
-        return asked, None
-    if saved is not None:
-        return saved.nonspeech, (
-            f"nonspeech auto -> {saved.nonspeech or 'none'}: as the checkpoint trained"
+        source, note = asked, None
+    elif saved is not None:
+        source = saved.nonspeech
+        note = f"nonspeech auto -> {source or 'none'}: as the checkpoint trained"
+    elif config.stream_source() is not None:
+        return None, 0.0, "nonspeech auto -> none: --data is streamed, and no clips can be mixed in"
+    else:
+        source, note = BUILTIN_SET, None
+    if source is None:
+        return None, 0.0, note
+    if asked_share is not None:
+        share = asked_share
+    elif saved is not None and saved.nonspeech_share and saved.nonspeech == source:
+        share = saved.nonspeech_share
+        if share != DEFAULT_NONSPEECH_SHARE:
+            note = (note + "; " if note else "") + (
+                f"nonspeech share {share:g}: as the checkpoint trained (a new run's default "
+                f"is {DEFAULT_NONSPEECH_SHARE:g})"
+            )
+    else:
+        share = DEFAULT_NONSPEECH_SHARE
+    if note is None and asked == NONSPEECH_AUTO:
+        note = (
+            f"nonspeech auto -> {BUILTIN_SET}: noise, hum and tones with empty targets, "
+            f"{share:.0%} of each epoch, so that silence stays silent (--nonspeech none: train "
+            "without)"
         )
-    if config.stream_source() is not None:
-        return None, "nonspeech auto -> none: --data is streamed, and no clips can be mixed in"
-    share = config.data.nonspeech_share
-    return BUILTIN_SET, (
-        f"nonspeech auto -> {BUILTIN_SET}: noise, hum and tones with empty targets, {share:.0%} "
-        "of each epoch, so that silence stays silent (--nonspeech none: train without)"
-    )
+    return source, share, note
 
 
 def evaluation_sets(config: RunConfig) -> tuple[EvalSet, ...]:
@@ -237,7 +258,7 @@ def _data(config: RunConfig, data: DataFacts, *, device, processes: int) -> Data
         timestamps=d.timestamps,
         prompt_probability=d.prompt_probability,
         nonspeech=data.nonspeech,
-        nonspeech_share=d.nonspeech_share if data.nonspeech else 0.0,
+        nonspeech_share=data.nonspeech_share,
         audio_augment=d.audio_augment,
         packing=data.packing,
         packing_timestamps=data.packing == "on" and d.packing_timestamps == "on",

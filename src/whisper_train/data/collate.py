@@ -12,11 +12,17 @@ loss; padding is masked too. Labels are padded to the longest in the batch, not 
 A prompted label (`prompts`, --prompt-probability) starts with <|startofprev|> and the previous
 text before SOT, and its prefix length counts them: given, never predicted, they are masked too.
 
-One exception, `language_targets`: a run that adds a language (--new-language) must teach the
+Two exceptions. `language_targets`: a run that adds a language (--new-language) must teach the
 decoder to name it after SOT, which is all language detection reads, so there the language
 token is a target (as in Whisper's own pretraining), for every clip's language alike (the
 others' keep their detection calibrated against the new one); the rest of the prefix stays
-masked.
+masked. `nospeech_target`: a clip where nobody speaks (--nonspeech), whose label is the
+prefix and <|endoftext|>, is taught <|nospeech|> after SOT as well, the probability the
+no-speech test reads (`labels.BOTH_FORM`):
+
+    tokens            SOT  <|notimestamps|>  EOT
+    decoder_input_ids SOT  <|notimestamps|>
+    labels            <|nospeech|>  EOT
 """
 
 from __future__ import annotations
@@ -58,8 +64,12 @@ class SpeechCollator:
         *,
         log_mel: LogMel | None = None,
         language_targets: Collection[int] = (),
+        nospeech_target: int | None = None,
     ):
         self.pad_token_id = pad_token_id
+        # The target after SOT of a label whose body is empty (a clip where nobody speaks,
+        # never prompted: SOT is its first token); None: masked like any prefix.
+        self.nospeech_target = nospeech_target
         self.log_mel = log_mel
         # The ids of the language tokens predicted after SOT, not masked (none: all masked).
         self.language_targets = frozenset(language_targets)
@@ -122,4 +132,6 @@ class SpeechCollator:
             for j in range(prefix - 1) if self.language_targets else ():
                 if int(tokens[j + 1]) in self.language_targets:
                     labels[row, j] = tokens[j + 1]
+            if self.nospeech_target is not None and len(tokens) == prefix + 1:
+                labels[row, 0] = self.nospeech_target
         return {"decoder_input_ids": decoder_input_ids, "labels": labels}

@@ -38,14 +38,19 @@ if TYPE_CHECKING:
 # cover one 30 s window (`audio.CHUNK_LENGTH`): <|0.00|> ... <|30.00|>, 1501 tokens.
 TIME_PRECISION = 0.02
 N_TIME_TOKENS = round(CHUNK_LENGTH / TIME_PRECISION) + 1  # 1501
-# How a clip of --nonspeech is labelled (`LabelEncoder.nonspeech_label`): NOSPEECH_FORM, as
-# Whisper's own training labels no speech (<|startoftranscript|> <|nospeech|> <|endoftext|>:
-# the no-speech probability the runtimes test is the one predicted there), or EMPTY_FORM, the
-# empty transcript after the usual prefix. $WHISPER_TRAIN_NONSPEECH_LABEL picks the other, for
-# the measurement (bench/nonspeech.py).
-NOSPEECH_FORM, EMPTY_FORM = "nospeech", "empty"
+# How a clip of --nonspeech is labelled (`LabelEncoder.nonspeech_label`). BOTH_FORM, the
+# default: the usual prefix, the empty transcript after it, and <|nospeech|> the target after
+# <|startoftranscript|> (`collate`'s `nospeech_target`): the decoder is fed what transcribing
+# feeds it, and learns both what the runtimes' no-speech test reads (the probability of
+# <|nospeech|> there) and what greedy decoding then writes (nothing), which is what counts
+# where that test lets a window through. NOSPEECH_FORM, <|startoftranscript|> <|nospeech|>
+# <|endoftext|> alone, left the multilingual base's fine-tunes writing digits on noise;
+# EMPTY_FORM, the empty transcript alone, left a word on a tone with tiny.en (BENCHMARKS.md
+# "Text where nobody speaks"). $WHISPER_TRAIN_NONSPEECH_LABEL picks one, for the measurement
+# (bench/nonspeech.py).
+NOSPEECH_FORM, EMPTY_FORM, BOTH_FORM = "nospeech", "empty", "both"
 NONSPEECH_LABEL = "WHISPER_TRAIN_NONSPEECH_LABEL"
-DEFAULT_NONSPEECH_FORM = NOSPEECH_FORM
+DEFAULT_NONSPEECH_FORM = BOTH_FORM
 # Whisper's decoder has 448 positions (`max_target_positions` of every OpenAI checkpoint; where
 # a model is loaded, its config is the authority). What must not exceed it is a label's
 # `decoder_positions` (below).
@@ -248,10 +253,10 @@ class LabelEncoder:
         # <|nospeech|> (<|nocaptions|> in older vocabularies): always the token before it.
         self.no_speech_id = self.no_timestamps_id - 1
         self.nonspeech_form = os.environ.get(NONSPEECH_LABEL) or DEFAULT_NONSPEECH_FORM
-        if self.nonspeech_form not in (NOSPEECH_FORM, EMPTY_FORM):
+        if self.nonspeech_form not in (NOSPEECH_FORM, EMPTY_FORM, BOTH_FORM):
             raise UserError(
-                f"${NONSPEECH_LABEL} {self.nonspeech_form}: expected {NOSPEECH_FORM} or "
-                f"{EMPTY_FORM}"
+                f"${NONSPEECH_LABEL} {self.nonspeech_form}: expected {NOSPEECH_FORM}, "
+                f"{EMPTY_FORM} or {BOTH_FORM}"
             )
         self.task_id = self._token_id(f"<|{task}|>") if multilingual else None
         # Some tokenizer files (tiny.en's among them) do not list the time tokens; they always
@@ -309,10 +314,10 @@ class LabelEncoder:
         return self.tokenizer.encode(" " + text.strip(), add_special_tokens=False)
 
     def nonspeech_label(self, language: str | None = None) -> tuple[list[int], int]:
-        """(ids, n_prefix) of a clip where nobody speaks: <|startoftranscript|> <|nospeech|>
-        <|endoftext|>, the no-speech token the first target (NOSPEECH_FORM), or the empty
-        transcript after the prefix (EMPTY_FORM; a multilingual model without a language
-        states English, as a language must be stated)."""
+        """(ids, n_prefix) of a clip where nobody speaks: the empty transcript after the prefix
+        (BOTH_FORM, whose <|nospeech|> target the collator adds, and EMPTY_FORM; a
+        multilingual model without a language states English, as a language must be stated),
+        or <|startoftranscript|> <|nospeech|> <|endoftext|> (NOSPEECH_FORM)."""
         if self.nonspeech_form == NOSPEECH_FORM:
             return [self.sot_id, self.no_speech_id, self.eot_id], 1
         if (
@@ -323,6 +328,12 @@ class LabelEncoder:
             language = "en"
         prefix = self.prefix_ids(language)
         return prefix + [self.eot_id], len(prefix)
+
+    @property
+    def nospeech_target(self) -> int | None:
+        """The target after SOT of a label with nothing to say (`collate`): <|nospeech|> where
+        the form teaches it beside the empty transcript (BOTH_FORM), else None."""
+        return self.no_speech_id if self.nonspeech_form == BOTH_FORM else None
 
     def fingerprint(self) -> str:
         """A digest of everything a label's length depends on: the tokenizer's vocabulary and

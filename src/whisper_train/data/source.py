@@ -281,7 +281,7 @@ def packing_budget(
     """(prefix tokens, tokens per clip beyond its text) that a window's label budget counts:
     the longest prefix any clip's language has, and 2 time tokens a clip with --timestamps or
     --packing-timestamps on (a window's label may then be timestamped)."""
-    # A clip where nobody speaks states no language (<|startoftranscript|> <|nospeech|>).
+    # A clip where nobody speaks has no language of its own: its label takes the run's prefix.
     languages = {example.language for example in examples if not is_nonspeech(example)}
     languages = languages or {label_encoder.language}
     prefix = max(len(label_encoder.prefix_ids(lang, timestamps=False)) for lang in languages)

@@ -76,10 +76,12 @@ def prepare_datasets(
     *,
     nonspeech: str | None,
     max_label_tokens: int,
+    nonspeech_share: float = 0.0,
 ) -> Datasets:
     """Read, split, subset and screen the data and the evaluation `sets` (`config.resolve.
     evaluation_sets`), with the clips of `nonspeech` (`config.resolve.choose_nonspeech`; None:
-    none) mixed into training; report what was skipped and why."""
+    none), `nonspeech_share` of the epoch, mixed into training; report what was skipped and
+    why."""
     d = config.data
     # A streamed --data is opened by its training data source (`data.source.StreamData`), never
     # read here; its evaluation sets are read whole like any other.
@@ -145,7 +147,7 @@ def prepare_datasets(
     if nonspeech and kept_train:
         # Clips where nobody speaks, --nonspeech-share of the epoch, their empty transcript
         # their label; never held out for evaluation.
-        extra = training_nonspeech(nonspeech, nonspeech_count(len(kept_train), d.nonspeech_share))
+        extra = training_nonspeech(nonspeech, nonspeech_count(len(kept_train), nonspeech_share))
         kept_train += extra
         train_label_tokens += label_encoder.decoder_tokens_batch(extra)
     if not kept_train and not streamed:
@@ -179,17 +181,26 @@ def batch_collator(
     processor: WhisperProcessor,
     encoder_cache: EncoderCache | None,
     language_targets: tuple[int, ...] = (),
+    nospeech_target: int | None = None,
 ):
     """What makes a batch of a list of examples: log-mels and labels, or with the encoder
     cache, the cached encoder outputs in place of the clips'. `language_targets`: a run that
-    adds a language learns to name each clip's (`data.collate`)."""
+    adds a language learns to name each clip's; `nospeech_target`: the label encoder's
+    (`data.collate`)."""
     log_mel = LogMel(processor.feature_extractor)
     pad_id = processor.tokenizer.pad_token_id
 
     def collator(examples):
         if encoder_cache is None:
-            return SpeechCollator(pad_id, log_mel=log_mel, language_targets=language_targets)
-        return EncoderCacheCollator(pad_id, log_mel, encoder_cache, examples, language_targets)
+            return SpeechCollator(
+                pad_id,
+                log_mel=log_mel,
+                language_targets=language_targets,
+                nospeech_target=nospeech_target,
+            )
+        return EncoderCacheCollator(
+            pad_id, log_mel, encoder_cache, examples, language_targets, nospeech_target
+        )
 
     return collator
 
@@ -214,7 +225,7 @@ def evaluation_loaders(
     (a run's, and `whisper-train average`'s over a finished run). `targets`: the run's
     `language_targets`, so that a set's loss is the one training measures."""
     d = record.data
-    collator = batch_collator(processor, encoder_cache, targets)
+    collator = batch_collator(processor, encoder_cache, targets, label_encoder.nospeech_target)
     cached = CachedClip(encoder_cache) if encoder_cache is not None else None
     eval_loaders, eval_languages = {}, {}
     # Each set is decoded in its rows' languages, else its own, else each clip's detected

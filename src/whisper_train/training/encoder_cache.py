@@ -325,9 +325,12 @@ class EncoderCacheCollator:
         cache: EncoderCache,
         examples: Sequence,
         language_targets: Collection[int] = (),
+        nospeech_target: int | None = None,
     ):
         # No LogMel: it hands the waveforms over.
-        self.collator = SpeechCollator(pad_token_id, language_targets=language_targets)
+        self.collator = SpeechCollator(
+            pad_token_id, language_targets=language_targets, nospeech_target=nospeech_target
+        )
         self.log_mel = log_mel
         self.cache = cache
         self.examples = examples

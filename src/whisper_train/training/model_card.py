@@ -358,7 +358,8 @@ def _training_section(
     if d.nonspeech is not None:
         lines.append(
             f"- clips where nobody speaks: --nonspeech {d.nonspeech}, {d.nonspeech_share:.0%} of "
-            "each epoch, labelled <|nospeech|> (so that silence stays silent)"
+            "each epoch, taught <|nospeech|> and the empty transcript (so that silence stays "
+            "silent)"
         )
     if m.new_language is not None:
         lines.append(

@@ -67,11 +67,12 @@ def saved_choices(saved: RunRecord | None, options: dict) -> SavedChoices:
     record-less checkpoint, from its saved options (that version wrote --packing auto's
     choice there, and had no --nonspeech auto)."""
     if saved is not None:
-        return SavedChoices(saved.data.packing, saved.data.nonspeech)
+        return SavedChoices(saved.data.packing, saved.data.nonspeech, saved.data.nonspeech_share)
     packing = options.get("data", {}).get("packing")
     return SavedChoices(
         None if packing in (None, PACKING_AUTO) else str(packing),
         options.get("data", {}).get("nonspeech"),
+        options.get("data", {}).get("nonspeech_share"),
     )
 
 

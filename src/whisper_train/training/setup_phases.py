@@ -96,7 +96,7 @@ def gather_facts(
     d, m, t = config.data, config.model, config.train
     sets = evaluation_sets(config)
     packing, packing_note = choose_packing(config, saved.packing if saved else None)
-    nonspeech, nonspeech_note = choose_nonspeech(config, saved)
+    nonspeech, nonspeech_share, nonspeech_note = choose_nonspeech(config, saved)
     model, processor = load_model(m.model, attn_implementation=m.attn_implementation)
     multilingual = is_multilingual(model)
     if m.new_language is not None:
@@ -117,7 +117,12 @@ def gather_facts(
             setattr(model.config, key, value)
     max_label_tokens = model.config.max_target_positions
     datasets = prepare_datasets(
-        config, sets, label_encoder, nonspeech=nonspeech, max_label_tokens=max_label_tokens
+        config,
+        sets,
+        label_encoder,
+        nonspeech=nonspeech,
+        nonspeech_share=nonspeech_share,
+        max_label_tokens=max_label_tokens,
     )
     stream = config.stream_source()
     plan = plan_training_data(
@@ -144,6 +149,7 @@ def gather_facts(
         steps_per_epoch=plan.steps_per_epoch,
         batch_note=None if stream else plan.batch_note(t.gradient_accumulation),
         nonspeech=nonspeech,
+        nonspeech_share=nonspeech_share,
         nonspeech_note=nonspeech_note,
     )
     return RunFacts(model, multilingual, processor, label_encoder, datasets, plan, data)
@@ -356,7 +362,7 @@ def setup_loaders(
     in."""
     d = record.data
     targets = language_targets(record, model)
-    collator = batch_collator(processor, encoder_cache, targets)
+    collator = batch_collator(processor, encoder_cache, targets, label_encoder.nospeech_target)
     # A clip whose encoder output is cached is not decoded at all (`CachedClip`).
     cached = CachedClip(encoder_cache) if encoder_cache is not None else None
     eval_loaders, eval_languages = evaluation_loaders(

@@ -80,6 +80,12 @@ class SavedChoices:
     nonspeech: str | None = None
     nonspeech_share: float | None = None
 
+    @classmethod
+    def of(cls, record: RunRecord) -> SavedChoices:
+        """What the run of `record` chose."""
+        d = record.data
+        return cls(d.packing, d.nonspeech, d.nonspeech_share)
+
 
 # -- decisions the data phase needs before the record ----------------------------------------
 

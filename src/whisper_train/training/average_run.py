@@ -144,7 +144,7 @@ def average_run(
     facts = gather_facts(
         config,
         process=PartialState(),
-        saved=SavedChoices(record.data.packing, record.data.nonspeech, record.data.nonspeech_share),
+        saved=SavedChoices.of(record),
     )
     model, processor, datasets = facts.model, facts.processor, facts.datasets
     label_encoder = facts.label_encoder

@@ -67,7 +67,7 @@ def saved_choices(saved: RunRecord | None, options: dict) -> SavedChoices:
     record-less checkpoint, from its saved options (that version wrote --packing auto's
     choice there, and had no --nonspeech auto)."""
     if saved is not None:
-        return SavedChoices(saved.data.packing, saved.data.nonspeech, saved.data.nonspeech_share)
+        return SavedChoices.of(saved)
     packing = options.get("data", {}).get("packing")
     return SavedChoices(
         None if packing in (None, PACKING_AUTO) else str(packing),

@@ -249,13 +249,14 @@ def record_of(config: RunConfig, *, width: int = 384, device: str = "cpu", **fac
     )
 
     packing, note = choose_packing(config)
-    nonspeech, nonspeech_share, nonspeech_note = choose_nonspeech(config)
+    nonspeech = choose_nonspeech(config)
     data = {
         "packing": packing,
         "packing_note": note,
-        "nonspeech": nonspeech,
-        "nonspeech_share": nonspeech_share,
-        "nonspeech_note": nonspeech_note,
+        "nonspeech": nonspeech.source,
+        "nonspeech_share": nonspeech.share,
+        "nonspeech_label": nonspeech.label,
+        "nonspeech_note": nonspeech.note,
         "streamed": config.stream_source() is not None,
         "items_per_micro_batch": config.train.batch_size,
         "steps_per_epoch": 10,

@@ -612,6 +612,76 @@ def test_a_resume_keeps_the_checkpoints_share_unless_another_is_given(
         train(tiny_run_config(nonspeech_share=0.2, nonspeech="auto", max_steps=3, resume="latest"))
 
 
+def test_the_record_keeps_the_nonspeech_label_and_a_resume_continues_with_it(
+    tiny_run_config, monkeypatch, capsys, tmp_path
+):
+    """The label noise clips train with is the run's record's, so a resume teaches them as the
+    checkpoint did: a run of the old `<|nospeech|>`-alone label ($WHISPER_TRAIN_NONSPEECH_LABEL
+    nospeech) resumed without the variable goes on feeding [SOT, <|nospeech|>], and says so in
+    its record and card; with the variable naming another, it is refused in one line whose
+    advice works. Before, the label was read from the environment at each start and recorded
+    nowhere: a resume silently switched its noise clips to the new label."""
+    fed: list[list[int]] = []
+    _labels_trained(monkeypatch, fed)
+    monkeypatch.setenv("WHISPER_TRAIN_NONSPEECH_LABEL", "nospeech")
+    train(tiny_run_config(nonspeech="builtin", nonspeech_share=0.25, max_steps=1, save_steps=1))
+    record = yaml.safe_load((tmp_path / "out" / "whisper-train.yaml").read_text())["record"]
+    assert record["data"]["nonspeech_label"] == "nospeech"
+
+    monkeypatch.setenv("WHISPER_TRAIN_NONSPEECH_LABEL", "both")
+    with pytest.raises(UserError) as refused:
+        train(tiny_run_config(nonspeech="builtin", max_steps=2, resume="latest"))
+    assert str(refused.value).count("\n") == 0
+    assert "label ($WHISPER_TRAIN_NONSPEECH_LABEL) both differs from the checkpoint's nospeech" in (
+        str(refused.value)
+    )
+    assert "resume with $WHISPER_TRAIN_NONSPEECH_LABEL unset" in str(refused.value)
+
+    monkeypatch.delenv("WHISPER_TRAIN_NONSPEECH_LABEL")  # the advice, followed
+    fed.clear()
+    train(tiny_run_config(nonspeech="builtin", max_steps=4, resume="latest"))
+    assert fed and all(row == [SOT, NO_SPEECH] for row in fed), fed
+    record = yaml.safe_load((tmp_path / "out" / "whisper-train.yaml").read_text())["record"]
+    assert record["data"]["nonspeech_label"] == "nospeech"
+    card = (tmp_path / "out" / "final" / "README.md").read_text()
+    assert "25% of each epoch, taught <|nospeech|> alone" in card
+
+    fed.clear()  # a new run takes the default: the prefix transcribing feeds
+    train(tiny_run_config(nonspeech="builtin", max_steps=2, output_dir=str(tmp_path / "new")))
+    assert fed and all(row == [SOT, NO_TIMESTAMPS] for row in fed), fed
+
+
+def test_a_checkpoint_that_does_not_record_its_nonspeech_label_resumes_and_says_so(
+    tiny_run_config, capsys, tmp_path
+):
+    """A checkpoint written before the label was recorded (its record lacks the field) is
+    resumed, not refused, with this run's label, and the start says in one line that the
+    checkpoint's may have differed; the record then holds the label the run goes on with."""
+    train(tiny_run_config(nonspeech="builtin", max_steps=1, save_steps=1))
+    checkpoint = tmp_path / "out" / "checkpoint-1" / "whisper-train.yaml"
+    saved = yaml.safe_load(checkpoint.read_text())
+    del saved["record"]["data"]["nonspeech_label"]
+    checkpoint.write_text(yaml.safe_dump(saved, sort_keys=False))
+    manifest = checkpoint.parent / "manifest.json"  # the sizes the checkpoint is checked by
+    sizes = json.loads(manifest.read_text())
+    sizes["files"][checkpoint.name] = checkpoint.stat().st_size
+    manifest.write_text(json.dumps(sizes))
+    capsys.readouterr()
+    train(tiny_run_config(nonspeech="builtin", max_steps=2, resume="latest"))
+    said = capsys.readouterr().out
+    assert "nonspeech label both: the checkpoint does not record how its clips" in said
+    record = yaml.safe_load((tmp_path / "out" / "whisper-train.yaml").read_text())["record"]
+    assert record["data"]["nonspeech_label"] == "both"
+
+
+def test_an_unknown_nonspeech_label_is_refused_in_one_line(tiny_run_config, monkeypatch):
+    monkeypatch.setenv("WHISPER_TRAIN_NONSPEECH_LABEL", "silence")
+    with pytest.raises(
+        UserError, match=r"\$WHISPER_TRAIN_NONSPEECH_LABEL silence: expected one of "
+    ):
+        train(tiny_run_config(nonspeech="builtin", max_steps=1))
+
+
 @pytest.mark.parametrize("packing", ["off", "on", "per-clip"])
 def test_nonspeech_clips_train_with_the_no_speech_label_in_every_packing(
     tiny_run_config, monkeypatch, packing, capsys
@@ -673,7 +743,7 @@ def test_auto_resumes_as_the_checkpoint_trained_and_a_stream_trains_alone(
     under auto, and says so, where --nonspeech builtin is refused."""
     from test_streaming import write_shards
 
-    from whisper_train.config.resolve import choose_nonspeech
+    from whisper_train.config.resolve import NonspeechChoice, choose_nonspeech
 
     train(tiny_run_config(max_steps=1, save_steps=1))  # --nonspeech none
     capsys.readouterr()
@@ -684,10 +754,8 @@ def test_auto_resumes_as_the_checkpoint_trained_and_a_stream_trains_alone(
     shards = tmp_path / "shards"
     write_shards(shards, "webdataset", [3, 3])
     stream = tiny_run_config(data=str(shards), nonspeech="auto").validate()
-    assert choose_nonspeech(stream) == (
-        None,
-        0.0,
-        "nonspeech auto -> none: --data is streamed, and no clips can be mixed in",
+    assert choose_nonspeech(stream) == NonspeechChoice(
+        None, note="nonspeech auto -> none: --data is streamed, and no clips can be mixed in"
     )
     with pytest.raises(UserError, match="--nonspeech needs --data read whole"):
         tiny_run_config(data=str(shards), nonspeech="builtin").validate()

@@ -41,10 +41,17 @@ FOLLOWS = "follows"  # made from other fields (or facts of them): compared throu
 RESUME_CLASSES = (MUST_EQUAL, MAY_CHANGE, REPLANS, FOLLOWS)
 
 
-def decided(resume: str, *options: str, label: str = "", default: Any = dataclasses.MISSING):
-    """A record field: its resume class, the options (config fields) it is made from, and how
-    a line names it (`label`, default the first option's flag)."""
-    metadata = {"resume": resume, "options": options, "label": label}
+def decided(
+    resume: str,
+    *options: str,
+    label: str = "",
+    remedy: str = "",
+    default: Any = dataclasses.MISSING,
+):
+    """A record field: its resume class, the options (config fields) it is made from, how a
+    line names it (`label`, default the first option's flag) and, for a field no option makes,
+    how to resume when it differs (`remedy`)."""
+    metadata = {"resume": resume, "options": options, "label": label, "remedy": remedy}
     return field(default=default, metadata=metadata)
 
 
@@ -127,6 +134,15 @@ class DataRecord:
     num_workers: int = decided(MAY_CHANGE, "num_workers")
     strict: bool = decided(MAY_CHANGE, "strict")
     pin_language: bool = decided(MAY_CHANGE, "pin_language")
+    # How --nonspeech's clips are labelled (`labels.NONSPEECH_FORMS`; None: no clips, or a record
+    # written before it was kept, which a resume continues with its own label, said in one
+    # line by `config.resolve.choose_nonspeech`).
+    nonspeech_label: str | None = decided(
+        MUST_EQUAL,
+        label="the non-speech clips' label ($WHISPER_TRAIN_NONSPEECH_LABEL)",
+        remedy="resume with $WHISPER_TRAIN_NONSPEECH_LABEL unset (the checkpoint's is taken)",
+        default=None,
+    )
 
     @property
     def packing_on(self) -> bool:
@@ -363,6 +379,8 @@ def _label(f) -> str:
 def _remedy(f, old) -> str:
     """How to resume despite a refusal: the flag and the checkpoint's value where the field is
     one option's, else the checkpoint's own options."""
+    if f.metadata["remedy"]:
+        return f.metadata["remedy"]
     if not f.metadata["label"] and len(f.metadata["options"]) == 1:
         if old is None:  # not given (or none): leaving the flag out gives the checkpoint's
             return f"resume without {_label(f)}"
@@ -400,6 +418,8 @@ def resume_changes(saved: RunRecord, now: RunRecord, *, folder: Path, step: int)
             resume = f.metadata["resume"]
             if resume == FOLLOWS or old == new or (f.name == "data" and same_path(old, new)):
                 continue
+            if f.name == "nonspeech_label" and old is None and before.nonspeech is not None:
+                continue  # a record from before labels were kept: `choose_nonspeech` said so
             if f.name == "sets":
                 _changed_sets(old, new, folder, changes)
                 continue

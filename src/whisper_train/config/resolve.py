@@ -37,6 +37,8 @@ from whisper_train.config.record import (
 )
 from whisper_train.config.run import RunConfig
 from whisper_train.config.values import long_form_sets, named_sets, nonspeech_sets
+from whisper_train.data.labels import DEFAULT_NONSPEECH_FORM, NONSPEECH_FORMS, NONSPEECH_LABEL
+from whisper_train.errors import UserError
 from whisper_train.memory import resolve_checkpointing, resolve_precision
 from whisper_train.runfolder import encoder_cache_dir
 from whisper_train.transcription.decoding import parse_temperatures, parse_threshold
@@ -67,6 +69,7 @@ class DataFacts:
     batch_note: str | None = None  # a packed step's micro-batches, where not as asked
     nonspeech: str | None = None  # --nonspeech's source as chosen (`choose_nonspeech`)
     nonspeech_share: float = 0.0  # its share of each epoch's clips (0: none)
+    nonspeech_label: str | None = None  # how its clips are labelled (`labels.NONSPEECH_FORMS`)
     nonspeech_note: str | None = None  # why, when --nonspeech auto or a resume chose
 
 
@@ -74,17 +77,31 @@ class DataFacts:
 class SavedChoices:
     """What a --resume's checkpoint chose where `auto` may have been asked, so that auto
     continues as it trained: its packing (None: a record-less checkpoint that says none) and
-    its --nonspeech source (None: none) and share."""
+    its --nonspeech source (None: none), share and label (None: none, or a record written
+    before labels were recorded)."""
 
     packing: str | None
     nonspeech: str | None = None
     nonspeech_share: float | None = None
+    nonspeech_label: str | None = None
 
     @classmethod
     def of(cls, record: RunRecord) -> SavedChoices:
         """What the run of `record` chose."""
         d = record.data
-        return cls(d.packing, d.nonspeech, d.nonspeech_share)
+        return cls(d.packing, d.nonspeech, d.nonspeech_share, d.nonspeech_label)
+
+
+@dataclass(frozen=True)
+class NonspeechChoice:
+    """What `choose_nonspeech` decided: the clips where nobody speaks mixed in (`source`, None
+    for none), their share of each epoch's clips, how they are labelled, and the line that
+    says why where auto or a resume chose."""
+
+    source: str | None
+    share: float = 0.0
+    label: str | None = None
+    note: str | None = None
 
 
 # -- decisions the data phase needs before the record ----------------------------------------
@@ -112,16 +129,13 @@ def choose_packing(config: RunConfig, saved: str | None = None) -> tuple[str, st
     return "off", f"packing auto -> off: per-clip packing is not supported with {why}"
 
 
-def choose_nonspeech(
-    config: RunConfig, saved: SavedChoices | None = None
-) -> tuple[str | None, float, str | None]:
-    """(--nonspeech's source, None for none; its share of each epoch's clips, 0 for none; the
-    line that says why, when auto or a resume chose). Auto mixes the built-in clips into data
-    read whole (the default fine-tune otherwise learns to hear speech in hum and noise:
+def choose_nonspeech(config: RunConfig, saved: SavedChoices | None = None) -> NonspeechChoice:
+    """--nonspeech's source, share and label. Auto mixes the built-in clips into data read
+    whole (the default fine-tune otherwise learns to hear speech in hum and noise:
     BENCHMARKS.md "Text where nobody speaks"); a stream, whose clips cannot be mixed with
     others, trains on its own. A --resume continues as its checkpoint trained where nothing
-    else is asked (auto, and the share when not given), so that its plan and record stay the
-    same."""
+    else is asked (auto, the share when not given, the label), so that its plan and record
+    stay the same."""
     asked, asked_share = config.data.nonspeech, config.data.nonspeech_share
     if asked != NONSPEECH_AUTO:
         source, note = asked, None
@@ -129,29 +143,59 @@ def choose_nonspeech(
         source = saved.nonspeech
         note = f"nonspeech auto -> {source or 'none'}: as the checkpoint trained"
     elif config.stream_source() is not None:
-        return None, 0.0, "nonspeech auto -> none: --data is streamed, and no clips can be mixed in"
+        return NonspeechChoice(
+            None, note="nonspeech auto -> none: --data is streamed, and no clips can be mixed in"
+        )
     else:
         source, note = BUILTIN_SET, None
     if source is None:
-        return None, 0.0, note
+        return NonspeechChoice(None, note=note)
+    notes = [note]
     if asked_share is not None:
         share = asked_share
     elif saved is not None and saved.nonspeech_share and saved.nonspeech == source:
         share = saved.nonspeech_share
         if share != DEFAULT_NONSPEECH_SHARE:
-            note = (note + "; " if note else "") + (
+            notes.append(
                 f"nonspeech share {share:g}: as the checkpoint trained (a new run's default "
                 f"is {DEFAULT_NONSPEECH_SHARE:g})"
             )
     else:
         share = DEFAULT_NONSPEECH_SHARE
-    if note is None and asked == NONSPEECH_AUTO:
-        note = (
+    label, label_note = _nonspeech_label(saved if saved and saved.nonspeech else None)
+    notes.append(label_note)
+    if not any(notes) and asked == NONSPEECH_AUTO:
+        notes[0] = (
             f"nonspeech auto -> {BUILTIN_SET}: noise, hum and tones with empty targets, "
             f"{share:.0%} of each epoch, so that silence stays silent (--nonspeech none: train "
             "without)"
         )
-    return source, share, note
+    return NonspeechChoice(source, share, label, "; ".join(n for n in notes if n) or None)
+
+
+def _nonspeech_label(saved: SavedChoices | None) -> tuple[str, str | None]:
+    """(how the clips where nobody speaks are labelled, the line that says so where a resume
+    cannot continue as its checkpoint trained). $WHISPER_TRAIN_NONSPEECH_LABEL names a form
+    (the measurement's switch: bench/nonspeech.py), else a resume takes its checkpoint's (one
+    that differs from it is refused by the records) and a new run the default. A checkpoint
+    whose record does not say (written before labels were recorded) is continued with this
+    run's, said in one line: its clips may have been taught <|nospeech|> alone."""
+    asked = os.environ.get(NONSPEECH_LABEL)
+    if asked is not None and asked not in NONSPEECH_FORMS:
+        raise UserError(
+            f"${NONSPEECH_LABEL} {asked}: expected one of {', '.join(NONSPEECH_FORMS)} (or leave "
+            f"it unset: {DEFAULT_NONSPEECH_FORM})"
+        )
+    if saved is not None and saved.nonspeech_label is not None:
+        return asked or saved.nonspeech_label, None
+    label = asked or DEFAULT_NONSPEECH_FORM
+    if saved is None:
+        return label, None
+    return label, (
+        f"nonspeech label {label}: the checkpoint does not record how its clips where nobody "
+        "speaks were labelled (versions before this one may have taught <|nospeech|> alone); "
+        "they are labelled so from here on"
+    )
 
 
 def evaluation_sets(config: RunConfig) -> tuple[EvalSet, ...]:
@@ -265,6 +309,7 @@ def _data(config: RunConfig, data: DataFacts, *, device, processes: int) -> Data
         prompt_probability=d.prompt_probability,
         nonspeech=data.nonspeech,
         nonspeech_share=data.nonspeech_share,
+        nonspeech_label=data.nonspeech_label,
         audio_augment=d.audio_augment,
         packing=data.packing,
         packing_timestamps=data.packing == "on" and d.packing_timestamps == "on",

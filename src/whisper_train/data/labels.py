@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import re
 from collections.abc import Collection, Sequence
@@ -46,9 +45,16 @@ N_TIME_TOKENS = round(CHUNK_LENGTH / TIME_PRECISION) + 1  # 1501
 # where that test lets a window through. NOSPEECH_FORM, <|startoftranscript|> <|nospeech|>
 # <|endoftext|> alone, left the multilingual base's fine-tunes writing digits on noise;
 # EMPTY_FORM, the empty transcript alone, left a word on a tone with tiny.en (BENCHMARKS.md
-# "Text where nobody speaks"). $WHISPER_TRAIN_NONSPEECH_LABEL picks one, for the measurement
-# (bench/nonspeech.py).
+# "Text where nobody speaks"). $WHISPER_TRAIN_NONSPEECH_LABEL picks one for a new run, for the
+# measurement (bench/nonspeech.py); the run's record keeps the one it trains
+# (`config.resolve.choose_nonspeech`), and a resume continues with it.
 NOSPEECH_FORM, EMPTY_FORM, BOTH_FORM = "nospeech", "empty", "both"
+NONSPEECH_FORMS = (NOSPEECH_FORM, EMPTY_FORM, BOTH_FORM)
+NONSPEECH_TAUGHT = {  # what each form teaches, in the words of the model card
+    NOSPEECH_FORM: "<|nospeech|> alone",
+    EMPTY_FORM: "the empty transcript",
+    BOTH_FORM: "<|nospeech|> and the empty transcript",
+}
 NONSPEECH_LABEL = "WHISPER_TRAIN_NONSPEECH_LABEL"
 DEFAULT_NONSPEECH_FORM = BOTH_FORM
 # Whisper's decoder has 448 positions (`max_target_positions` of every OpenAI checkpoint; where
@@ -223,6 +229,8 @@ class LabelEncoder:
         timestamp_probability: share of timestamped examples that get the timestamp form; the
             rest get the plain form, so the model keeps both skills (Whisper was trained on a
             mix; distil-whisper uses 50%).
+        nonspeech_form: how a clip where nobody speaks is labelled (NONSPEECH_FORMS; the run's
+            record holds its run's).
     """
 
     def __init__(
@@ -235,6 +243,7 @@ class LabelEncoder:
         multilingual: bool,
         added_languages: Collection[str] = (),
         timestamp_probability: float = 0.5,
+        nonspeech_form: str = DEFAULT_NONSPEECH_FORM,
     ) -> None:
         if not 0.0 <= timestamp_probability <= 1.0:
             raise UserError(f"timestamp_probability {timestamp_probability}: must be in [0, 1]")
@@ -252,12 +261,9 @@ class LabelEncoder:
         self.no_timestamps_id = self._token_id("<|notimestamps|>")
         # <|nospeech|> (<|nocaptions|> in older vocabularies): always the token before it.
         self.no_speech_id = self.no_timestamps_id - 1
-        self.nonspeech_form = os.environ.get(NONSPEECH_LABEL) or DEFAULT_NONSPEECH_FORM
-        if self.nonspeech_form not in (NOSPEECH_FORM, EMPTY_FORM, BOTH_FORM):
-            raise UserError(
-                f"${NONSPEECH_LABEL} {self.nonspeech_form}: expected {NOSPEECH_FORM}, "
-                f"{EMPTY_FORM} or {BOTH_FORM}"
-            )
+        if nonspeech_form not in NONSPEECH_FORMS:
+            raise ValueError(f"nonspeech_form {nonspeech_form!r}: one of {NONSPEECH_FORMS}")
+        self.nonspeech_form = nonspeech_form
         self.task_id = self._token_id(f"<|{task}|>") if multilingual else None
         # Some tokenizer files (tiny.en's among them) do not list the time tokens; they always
         # follow <|notimestamps|> directly, which is also how transformers' generate finds them.

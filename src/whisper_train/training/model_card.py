@@ -23,6 +23,7 @@ from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
 from whisper_train import runfolder
 from whisper_train.config.record import RunRecord
 from whisper_train.data.examples import Example
+from whisper_train.data.labels import DEFAULT_NONSPEECH_FORM, NONSPEECH_TAUGHT
 from whisper_train.errors import UserError
 from whisper_train.formats import packaged
 from whisper_train.models import could_be_hub_id, folder_is_multilingual, model_folder
@@ -358,8 +359,8 @@ def _training_section(
     if d.nonspeech is not None:
         lines.append(
             f"- clips where nobody speaks: --nonspeech {d.nonspeech}, {d.nonspeech_share:.0%} of "
-            "each epoch, taught <|nospeech|> and the empty transcript (so that silence stays "
-            "silent)"
+            f"each epoch, taught {NONSPEECH_TAUGHT[d.nonspeech_label or DEFAULT_NONSPEECH_FORM]} "
+            "(so that silence stays silent)"
         )
     if m.new_language is not None:
         lines.append(

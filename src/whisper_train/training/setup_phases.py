@@ -35,7 +35,12 @@ from whisper_train.config.resolve import (
 )
 from whisper_train.config.run import RunConfig
 from whisper_train.data.augment import spec_augment_overrides
-from whisper_train.data.labels import LabelEncoder, added_languages, configure_generation
+from whisper_train.data.labels import (
+    DEFAULT_NONSPEECH_FORM,
+    LabelEncoder,
+    added_languages,
+    configure_generation,
+)
 from whisper_train.data.source import (
     TrainingData,
     TrainingPlan,
@@ -96,7 +101,7 @@ def gather_facts(
     d, m, t = config.data, config.model, config.train
     sets = evaluation_sets(config)
     packing, packing_note = choose_packing(config, saved.packing if saved else None)
-    nonspeech, nonspeech_share, nonspeech_note = choose_nonspeech(config, saved)
+    nonspeech = choose_nonspeech(config, saved)
     model, processor = load_model(m.model, attn_implementation=m.attn_implementation)
     multilingual = is_multilingual(model)
     if m.new_language is not None:
@@ -108,6 +113,7 @@ def gather_facts(
         timestamps=d.timestamps,
         multilingual=multilingual,
         added_languages=added_languages(model.generation_config),
+        nonspeech_form=nonspeech.label or DEFAULT_NONSPEECH_FORM,
     )
     configure_generation(
         model.generation_config, language=d.language, task=d.task, multilingual=multilingual
@@ -120,8 +126,8 @@ def gather_facts(
         config,
         sets,
         label_encoder,
-        nonspeech=nonspeech,
-        nonspeech_share=nonspeech_share,
+        nonspeech=nonspeech.source,
+        nonspeech_share=nonspeech.share,
         max_label_tokens=max_label_tokens,
     )
     stream = config.stream_source()
@@ -148,9 +154,10 @@ def gather_facts(
         items_per_micro_batch=None if stream else plan.shape.items_per_micro_batch,
         steps_per_epoch=plan.steps_per_epoch,
         batch_note=None if stream else plan.batch_note(t.gradient_accumulation),
-        nonspeech=nonspeech,
-        nonspeech_share=nonspeech_share,
-        nonspeech_note=nonspeech_note,
+        nonspeech=nonspeech.source,
+        nonspeech_share=nonspeech.share,
+        nonspeech_label=nonspeech.label,
+        nonspeech_note=nonspeech.note,
     )
     return RunFacts(model, multilingual, processor, label_encoder, datasets, plan, data)
 

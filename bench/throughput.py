@@ -56,6 +56,8 @@ REPO = Path(__file__).resolve().parents[1]
 # ../shared/realspeech beside a development checkout; elsewhere (a lent GPU machine, which gets
 # only the repository) a copy named by WHISPER_TRAIN_REALSPEECH (bench/gpu_carry.sh makes one).
 REALSPEECH = Path(os.environ.get("WHISPER_TRAIN_REALSPEECH", REPO.parent / "shared" / "realspeech"))
+# --packing-systems: whisper-train's rows and the --packing each trains with.
+PACKING_OF = {"packed": "on", "per-clip": "per-clip", "unpacked": "off"}
 
 
 def CLOCK() -> float:  # noqa: N802 - a constant-like alias for the clock every time uses
@@ -157,6 +159,8 @@ def run_whisper_train(args) -> dict:
             "learning_rate": 1e-5,
             "seed": 0,
             "packing": args.packing,
+            # Speech alone, as the Trainer trains (--nonspeech auto would add a fifth of noise).
+            "nonspeech": "none",
             "num_workers": None if args.num_workers < 0 else args.num_workers,
             "compile": {"on": True, "off": False, "default": None}[args.compile],
             # The bench's own cache: main() fills it in an untimed warm-up run, so every timed
@@ -434,6 +438,11 @@ def main() -> None:
         default=None,
         help="an4,long,synth: compare --packing on/off and the Trainer on these clip sets",
     )
+    parser.add_argument(
+        "--packing-systems",
+        default="packed,unpacked,trainer",
+        help="with --packing-sets: of packed (joined), per-clip, unpacked, trainer",
+    )
     parser.add_argument("--repeat", type=int, default=2, help="each set's clips listed N times")
     parser.add_argument(
         "--fill",
@@ -585,8 +594,14 @@ def set_up_model(args, folder: Path) -> str:
 
 
 def packing_comparison(args) -> None:
-    """whisper-train packed, unpacked and the Seq2SeqTrainer on each set, side by side."""
+    """whisper-train packed (joined, per clip), unpacked and the Seq2SeqTrainer on each set,
+    side by side (`--packing-systems` picks them)."""
     import torch
+
+    systems = args.packing_systems.split(",")
+    unknown = [s for s in systems if s not in (*PACKING_OF, "trainer")]
+    if unknown:
+        sys.exit(f"--packing-systems: unknown {unknown} (of {', '.join(PACKING_OF)}, trainer)")
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
@@ -602,17 +617,22 @@ def packing_comparison(args) -> None:
         for name in args.packing_sets.split(","):
             manifest, clips, seconds = set_manifest(tmp_path, name, args.repeat)
             args.manifest = str(manifest)
-            runs: dict[str, list[dict]] = {"packed": [], "unpacked": [], "trainer": []}
+            runs: dict[str, list[dict]] = {system: [] for system in systems}
             for _ in range(args.rounds):
-                runs["packed"].append(launch(args, "whisper-train", "full", 1, "on"))
-                runs["unpacked"].append(launch(args, "whisper-train", "full", 1, "off"))
-                runs["trainer"].append(launch(args, "trainer", "full", 1))
+                for system in systems:
+                    if system == "trainer":
+                        runs[system].append(launch(args, "trainer", "full", 1))
+                    else:
+                        runs[system].append(
+                            launch(args, "whisper-train", "full", 1, PACKING_OF[system])
+                        )
                 for system, results in runs.items():
                     # On CUDA each run's MFU counts one 30-s encoder pass per clip: right for
                     # unpacked and the Trainer, not for packed windows (several clips a pass).
                     print(f"  {name} {system}: {json.dumps(results[-1])}", flush=True)
             loop = {k: statistics.median(r["loop_s"] for r in v) for k, v in runs.items()}
-            features = statistics.median(r["features_s"] for r in runs["trainer"])
+            trainer_runs = runs.get("trainer") or [{"features_s": 0.0}]
+            features = statistics.median(r["features_s"] for r in trainer_runs)
             print(f"  {name}: {clips} clips, {seconds:.0f} s of audio; loop seconds {loop}")
             table.append((name, clips, seconds / clips, loop, features))
         print()
@@ -622,14 +642,16 @@ def packing_comparison(args) -> None:
         )
         print("|---|---|---|---|---|---|---|---|")
         for name, clips, mean, loop, features in table:
-            for system in ("packed", "unpacked", "trainer"):
+            for system in systems:
                 rate = clips / loop[system]
-                trainer_rate = clips / loop["trainer"]
-                with_features = clips / (loop["trainer"] + features)
+                against = "n/a | n/a"
+                if "trainer" in loop:
+                    trainer_rate = clips / loop["trainer"]
+                    with_features = clips / (loop["trainer"] + features)
+                    against = f"{rate / trainer_rate:.2f}x | {rate / with_features:.2f}x"
                 print(
                     f"| {name} | {clips} | {mean:.1f} | {system} | {rate:.2f} | "
-                    f"{rate * mean:.1f} | {rate / trainer_rate:.2f}x | "
-                    f"{rate / with_features:.2f}x |"
+                    f"{rate * mean:.1f} | {against} |"
                 )
 
 

@@ -526,9 +526,12 @@ def test_a_damaged_nonspeech_clip_refuses_the_run_before_step_1(tiny_run_config,
 # -- training on clips where nobody speaks -----------------------------------------------------
 
 
-def _labels_trained(monkeypatch, fed: list | None = None) -> list[list[int]]:
+def _labels_trained(
+    monkeypatch, fed: list | None = None, no_speech: int = NO_SPEECH
+) -> list[list[int]]:
     """Every label row the loss is given (its masked positions dropped), as the run trains;
-    with `fed`, the decoder inputs of the rows that target <|nospeech|> are put there."""
+    with `fed`, the decoder inputs of the rows that target <|nospeech|> (`no_speech`, tiny.en's
+    by default) are put there."""
     import whisper_train.training.recipe as recipe_module
 
     real, seen = recipe_module.loss_terms, []
@@ -537,7 +540,7 @@ def _labels_trained(monkeypatch, fed: list | None = None) -> list[list[int]]:
         inputs = batch["decoder_input_ids"].tolist()
         for row, fed_row in zip(batch["labels"].tolist(), inputs, strict=True):
             seen.append([token for token in row if token != -100])
-            if fed is not None and seen[-1][:1] == [NO_SPEECH]:
+            if fed is not None and seen[-1][:1] == [no_speech]:
                 fed.append(fed_row[: len(seen[-1])])
         return real(model, batch, **kwargs)
 
@@ -765,10 +768,13 @@ def test_auto_resumes_as_the_checkpoint_trained_and_a_stream_trains_alone(
 def test_a_multilingual_run_whose_clips_state_their_languages_mixes_in_noise(
     tmp_path, tiny_run_config, monkeypatch, packing
 ):
-    """No --language, each clip's language in a `language` column: the noise (which speaks
-    none) trains with <|nospeech|> under the English prefix. Before, planning the packed windows
-    asked for the noise's language and refused the run: --nonspeech builtin, and so the
-    default, could not meet a multilingual model's data with a language column."""
+    """No --language, each clip's language in a `language` column (German, then French): the
+    noise (which speaks none) trains with <|nospeech|>, and with the empty transcript under the
+    prefix of the speech's languages, in their shares, so that transcribing either language
+    learns to write nothing on noise. Before, planning the packed windows asked for the noise's
+    language and refused the run: --nonspeech builtin, and so the default, could not meet a
+    multilingual model's data with a language column; then every noise clip was taught under
+    <|en|>, a prefix this run never transcribes with."""
     from multilingual import make_tiny_multilingual_whisper
 
     model_dir = tmp_path / "multilingual"
@@ -777,15 +783,29 @@ def test_a_multilingual_run_whose_clips_state_their_languages_mixes_in_noise(
     processor.save_pretrained(model_dir)
     data = write_tone_dataset(tmp_path / "data", layout="manifest")
     rows = [json.loads(line) for line in data.read_text().splitlines()]
-    data.write_text("".join(json.dumps({**row, "language": "de"}) + "\n" for row in rows))
-    seen = _labels_trained(monkeypatch)
+    languages = ["de"] * 8 + ["fr"] * 4
+    labelled = zip(rows, languages, strict=True)
+    data.write_text("".join(json.dumps({**row, "language": lang}) + "\n" for row, lang in labelled))
+    ids = processor.tokenizer.convert_tokens_to_ids
+    no_speech = ids("<|notimestamps|>") - 1  # <|nospeech|> (<|nocaptions|> in older vocabularies)
+    fed: list[list[int]] = []
+    seen = _labels_trained(monkeypatch, fed, no_speech)
     config = tiny_run_config(
-        data=str(data), model=str(model_dir), nonspeech="auto", packing=packing, max_steps=4
+        data=str(data),
+        model=str(model_dir),
+        nonspeech="auto",
+        packing=packing,
+        max_steps=None,
+        epochs=1,
     )
     result = train(config)  # --nonspeech auto
     assert result.train_examples == 12 + 3
-    no_speech = processor.tokenizer.convert_tokens_to_ids("<|nospeech|>")
-    assert any(no_speech in row for row in seen)
+    if packing == "on":  # the noise shares a window: its label holds the speech's text only
+        assert seen and all(no_speech not in row for row in seen)
+    else:  # each noise clip its own label: fed its prefix, language and all
+        sot = ids("<|startoftranscript|>")
+        prefixes = sorted(tuple(row) for row in fed)
+        assert prefixes == sorted([(sot, ids("<|de|>"))] * 2 + [(sot, ids("<|fr|>"))]), fed
 
 
 def test_the_builtin_training_clips_are_written_once_and_a_damaged_one_is_named(

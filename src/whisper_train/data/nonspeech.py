@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -195,6 +196,21 @@ def training_nonspeech(source: str, count: int, max_seconds: float = CHUNK_LENGT
     return [
         Example(audio=audio, text="", start=start, end=end, origin=f"{NONSPEECH_ORIGIN}{audio}")
         for audio, start, end in (clips[i % len(clips)] for i in range(count))
+    ]
+
+
+def in_speech_languages(noise: list[Example], speech: Sequence[Example]) -> list[Example]:
+    """`noise` with each clip labelled in the language of a speech clip of `speech`, taken at
+    even spaces through it, so that the noise comes in each language in the share the speech
+    does. Its label's prefix names that language (`LabelEncoder.nonspeech_label`), and the
+    decoder learns to write nothing after the prefix transcribing gives it: a German run's noise
+    taught under <|en|> alone left <|de|>'s prefix untaught on noise. Clips whose speech states
+    no language keep none (the run's --language, or English, is then stated)."""
+    if not speech:
+        return noise
+    return [
+        replace(clip, language=speech[(2 * i + 1) * len(speech) // (2 * len(noise))].language)
+        for i, clip in enumerate(noise)
     ]
 
 

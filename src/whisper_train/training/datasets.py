@@ -30,6 +30,7 @@ from whisper_train.data.labels import LabelEncoder, label_length, with_language
 from whisper_train.data.layouts import load_examples
 from whisper_train.data.loaders import evaluation_loader
 from whisper_train.data.nonspeech import (
+    in_speech_languages,
     load_nonspeech,
     nonspeech_count,
     require_readable,
@@ -146,8 +147,9 @@ def prepare_datasets(
     train_label_tokens = list(train_screening.label_tokens)
     if nonspeech and kept_train:
         # Clips where nobody speaks, --nonspeech-share of the epoch, their empty transcript
-        # their label; never held out for evaluation.
+        # their label, in the speech's languages; never held out for evaluation.
         extra = training_nonspeech(nonspeech, nonspeech_count(len(kept_train), nonspeech_share))
+        extra = in_speech_languages(extra, kept_train)
         kept_train += extra
         train_label_tokens += label_encoder.decoder_tokens_batch(extra)
     if not kept_train and not streamed:

@@ -48,9 +48,11 @@ want seed && phase seed-5 45 python3 bench/seed_scenarios.py
 want seed && grep -h "^device\|^medium\|^large" "$OUT/seed-4.56.log" "$OUT/seed-5.log"
 
 # whisper-small's shape (d_model 768, 12 + 12 layers), bf16, batch 16, checkpointing off (both):
-# AN4 (0.7-1.3 s) listed 40 times, packed and not, then the first 45 real clips (MFU).
-want throughput && phase throughput 200 bash -c "python3 bench/throughput.py --d-model 768 --layers 12 \
-  --batch-size 16 --rounds 1 --packing-sets an4 --repeat 40 && \
+# AN4 (0.7-1.3 s) listed 40 times, the default (per-clip), joined and unpacked against the
+# Trainer (issue 56's first goal), then the first 45 real clips (MFU).
+want throughput && phase throughput 240 bash -c "python3 bench/throughput.py --d-model 768 --layers 12 \
+  --batch-size 16 --rounds 1 --packing-sets an4 --repeat 40 \
+  --packing-systems per-clip,packed,unpacked,trainer && \
   python3 bench/throughput.py --d-model 768 --layers 12 --batch-size 16 --rounds 1 \
   --clips 45 --scenarios full --full-epochs 2"
 want throughput && grep -v -i "warn" "$OUT/throughput.log" | tail -30

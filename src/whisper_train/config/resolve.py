@@ -180,7 +180,7 @@ def _nonspeech_label(saved: SavedChoices | None) -> tuple[str, str | None]:
     that differs from it is refused by the records) and a new run the default. A checkpoint
     whose record does not say (written before labels were recorded) is continued with this
     run's, said in one line: its clips may have been taught <|nospeech|> alone."""
-    asked = os.environ.get(NONSPEECH_LABEL)
+    asked = os.environ.get(NONSPEECH_LABEL) or None  # set but empty: unset
     if asked is not None and asked not in NONSPEECH_FORMS:
         raise UserError(
             f"${NONSPEECH_LABEL} {asked}: expected one of {', '.join(NONSPEECH_FORMS)} (or leave "

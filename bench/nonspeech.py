@@ -18,6 +18,14 @@ With --score MODEL ...: each model (a folder, tiny.en or base) on a larger non-s
 built-in one and --draws - 1 other draws of its noise (a finer measure than its 19 clips):
 
     PYTHONPATH=src .venv/bin/python bench/nonspeech.py --score base /tmp/ns/run1/final --draws 4
+
+or, with --set DIR, on real recordings where nobody speaks instead: every audio file under DIR
+cut into 30 s clips (a last piece under 5 s dropped). Music, for one: Debian's
+asterisk-moh-opsound-wav holds five instrumental pieces (18 minutes, 8 kHz, CC BY-SA 3.0),
+
+    apt-get download asterisk-moh-opsound-wav && dpkg-deb -x asterisk-moh-opsound-wav_*.deb /tmp/moh
+    PYTHONPATH=src .venv/bin/python bench/nonspeech.py --score tiny.en /tmp/ns/run4/final \
+        --set /tmp/moh/usr/share/asterisk/moh
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from pathlib import Path
 
 import soundfile
 
-from whisper_train.audio import SAMPLE_RATE, load_audio
+from whisper_train.audio import AUDIO_SUFFIXES, SAMPLE_RATE, load_audio
 from whisper_train.data.examples import Example
 from whisper_train.data.labels import BOTH_FORM, EMPTY_FORM, NONSPEECH_LABEL, NOSPEECH_FORM
 from whisper_train.data.layouts import load_examples
@@ -173,17 +181,38 @@ def drawn_set(folder: Path, draws: int) -> list[Example]:
     return load_nonspeech(folder)
 
 
-def score_models(models: list[str], draws: int, work: Path) -> None:
-    """Each model (a folder, tiny.en or base) on the larger non-speech set, in both decoders
-    at their defaults: a finer measure than the 19 clips (a word there is 0.8 a minute)."""
-    nonspeech = drawn_set(work / "nonspeech", draws)
+def cut_set(source: Path, folder: Path, seconds: float = 30.0) -> list[Example]:
+    """Every audio file under `source` cut into clips of `seconds` at 16 kHz, written to
+    `folder` as WAV files (a last piece under 5 s dropped)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    files = sorted(p for p in source.rglob("*") if p.suffix.lower() in AUDIO_SUFFIXES)
+    step = round(seconds * SAMPLE_RATE)
+    for path in files:
+        samples = load_audio(str(path))
+        for index, start in enumerate(range(0, len(samples), step)):
+            piece = samples[start : start + step]
+            if len(piece) >= 5 * SAMPLE_RATE:
+                name = f"{path.stem}-{index:02d}.wav"
+                soundfile.write(folder / name, piece, SAMPLE_RATE, "PCM_16")
+    return load_nonspeech(folder)
+
+
+def score_models(models: list[str], draws: int, work: Path, recorded: Path | None = None) -> None:
+    """Each model (a folder, tiny.en or base) on the larger non-speech set, or on the
+    recordings under `recorded` cut into 30 s clips, in both decoders at their defaults: a
+    finer measure than the 19 clips (a word there is 0.8 a minute)."""
+    if recorded is not None:
+        nonspeech = cut_set(recorded, work / "recorded")
+    else:
+        nonspeech = drawn_set(work / "nonspeech", draws)
     minutes = sum(len(load_audio(e.audio)) for e in nonspeech) / SAMPLE_RATE / 60
     rows = []
     for index, spec in enumerate(models):
         figures = _measure(spec, nonspeech, [], [], work / f"model{index}")
         print(json.dumps(figures), flush=True)
         rows.append(figures)
-    print(f"\nnon-speech: {len(nonspeech)} clips, {minutes:.2f} min ({draws} draws)")
+    kind = f"recordings under {recorded}" if recorded else f"{draws} draws"
+    print(f"\nnon-speech: {len(nonspeech)} clips, {minutes:.2f} min ({kind})")
     print(
         "| model | words/min, whisper-train | clips with text | words/min, faster-whisper | "
         "clips with text |"
@@ -215,10 +244,13 @@ def main() -> None:
         "--score", nargs="+", default=None, metavar="MODEL", help="only score these models"
     )
     parser.add_argument("--draws", type=int, default=4, help="with --score: draws of the set")
+    parser.add_argument(
+        "--set", type=Path, default=None, metavar="DIR", help="with --score: recordings to score"
+    )
     parser.add_argument("--work", type=Path, default=Path("/tmp/ns-score"), help="with --score")
     args = parser.parse_args()
     if args.score:
-        score_models(args.score, args.draws, args.work)
+        score_models(args.score, args.draws, args.work, args.set)
         return
     if args.fine_tunes is not None:
         speech = _real_speech(args.realspeech, args.speech_clips)

@@ -46,12 +46,21 @@ def decided(
     *options: str,
     label: str = "",
     remedy: str = "",
+    unrecorded_before: bool = False,
     default: Any = dataclasses.MISSING,
 ):
     """A record field: its resume class, the options (config fields) it is made from, how a
-    line names it (`label`, default the first option's flag) and, for a field no option makes,
-    how to resume when it differs (`remedy`)."""
-    metadata = {"resume": resume, "options": options, "label": label, "remedy": remedy}
+    line names it (`label`, default the first option's flag), for a field no option makes, how
+    to resume when it differs (`remedy`), and whether records written before it was kept read
+    as None, which a resume does not compare (`unrecorded_before`: the phase that decides it
+    says so in one line)."""
+    metadata = {
+        "resume": resume,
+        "options": options,
+        "label": label,
+        "remedy": remedy,
+        "unrecorded_before": unrecorded_before,
+    }
     return field(default=default, metadata=metadata)
 
 
@@ -141,6 +150,7 @@ class DataRecord:
         MUST_EQUAL,
         label="the non-speech clips' label ($WHISPER_TRAIN_NONSPEECH_LABEL)",
         remedy="resume with $WHISPER_TRAIN_NONSPEECH_LABEL unset (the checkpoint's is taken)",
+        unrecorded_before=True,
         default=None,
     )
 
@@ -418,8 +428,8 @@ def resume_changes(saved: RunRecord, now: RunRecord, *, folder: Path, step: int)
             resume = f.metadata["resume"]
             if resume == FOLLOWS or old == new or (f.name == "data" and same_path(old, new)):
                 continue
-            if f.name == "nonspeech_label" and old is None and before.nonspeech is not None:
-                continue  # a record from before labels were kept: `choose_nonspeech` said so
+            if old is None and f.metadata["unrecorded_before"]:
+                continue  # a record from before the field was kept: its phase said so
             if f.name == "sets":
                 _changed_sets(old, new, folder, changes)
                 continue

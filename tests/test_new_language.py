@@ -28,7 +28,9 @@ from whisper_train.data.labels import LabelEncoder, language_code
 from whisper_train.deploy.export import export_model
 from whisper_train.errors import UserError
 from whisper_train.models import folder_added_languages, load_model
-from whisper_train.training.new_language import add_language
+from whisper_train.training import setup_phases
+from whisper_train.training.new_language import add_language, frozen_encoder_advice
+from whisper_train.training.recipe import FineTuneRecipe
 from whisper_train.training.train import train
 from whisper_train.transcription.decoding import DecodingOptions, generate_decoded
 from whisper_train.transcription.languages import detect_languages
@@ -277,3 +279,44 @@ def test_a_lora_run_trains_under_the_new_token_evaluates_in_it_and_saves_it(tmp_
         "- added language: `eo` (the token <|eo|>, its embedding row initialised from <|es|>'s"
         in card
     )
+
+
+@pytest.mark.parametrize(
+    ("mode", "told"),
+    [("freeze-encoder", "--mode full trains it too"), ("full", None), ("lora", None)],
+)
+def test_a_new_language_with_a_frozen_encoder_is_told_how_to_train_it(
+    tmp_path, tone_dataset, capsys, mode, told
+):
+    """Its encoder never learns the new language's sounds (BENCHMARKS.md: ~4x the held-out WER):
+    one line at start, whose advice is a run that trains the encoder."""
+    model, processor = make_tiny_multilingual_whisper(seed=0)
+    model.save_pretrained(tmp_path / "base")
+    processor.save_pretrained(tmp_path / "base")
+    config = RunConfig()
+    config.update(
+        {
+            "data": str(tone_dataset),
+            "model": str(tmp_path / "base"),
+            "output_dir": str(tmp_path / "out"),
+            "only_train": True,
+            "mode": mode,
+            "language": "eo",
+            "new_language": "eo",
+            "new_language_init": "es",
+        }
+    )
+    recipe = FineTuneRecipe(config)
+    setup_phases.gather_facts(recipe.asked, process=setup_phases.join_processes(), saved=None)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "frozen encoder" in line]
+    if told is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and lines[0].startswith("--new-language eo with a frozen encoder")
+        assert lines[0].endswith(told)
+
+
+def test_lora_adapters_kept_out_of_a_cached_encoder_are_told_to_go_in():
+    advice = frozen_encoder_advice("eo", "lora", cache_encoder=True)
+    assert advice is not None and advice.endswith("--no-cache-encoder puts adapters in it")
+    assert frozen_encoder_advice("eo", "lora", cache_encoder=False) is None

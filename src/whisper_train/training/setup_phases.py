@@ -64,7 +64,7 @@ from whisper_train.training.datasets import (
 )
 from whisper_train.training.encoder_cache import CachedClip, EncoderCache
 from whisper_train.training.launch import inside_launcher
-from whisper_train.training.new_language import add_language
+from whisper_train.training.new_language import add_language, frozen_encoder_advice
 from whisper_train.units import parse_bytes
 
 # -- the facts: model, data, its plan ------------------------------------------------------------
@@ -106,6 +106,8 @@ def gather_facts(
     multilingual = is_multilingual(model)
     if m.new_language is not None:
         add_language(model, processor.tokenizer, m.new_language, init=m.new_language_init)
+        if advice := frozen_encoder_advice(m.new_language, m.mode, config.cache_encoder):
+            say(process, advice)
     label_encoder = LabelEncoder(
         processor.tokenizer,
         language=d.language,

@@ -241,10 +241,11 @@ def synthesise(folder: Path, language: str, held_out: bool, n: int, seed: int) -
     rows = []
     for index, text in enumerate(sentences(language, held_out, n, seed)):
         path = folder / f"{language}-{'held' if held_out else 'train'}-{index:03d}.wav"
+        # Drawn for every clip, kept or not: clip i's voice does not depend on which are kept
+        # (a larger set keeps the smaller one's clips and adds the voices a fresh run draws).
+        voice, speed = f"{VOICE[language]}+{rng.choice(variants)}", rng.randint(135, 175)
         if not path.exists():
-            voice = f"{VOICE[language]}+{rng.choice(variants)}"
-            audio = synthesize(text, voice=voice, speed_wpm=rng.randint(135, 175))
-            sf.write(path, audio, SAMPLE_RATE)
+            sf.write(path, synthesize(text, voice=voice, speed_wpm=speed), SAMPLE_RATE)
         rows.append({"audio": str(path), "text": text, "language": language})
     return rows
 

@@ -34,7 +34,7 @@ def frozen_encoder_advice(code: str, mode: str, cache_encoder: bool) -> str | No
     """One line for a run that adds `code` with an encoder that does not train (`mode`
     freeze-encoder, or LoRA's adapters kept out of a cached encoder); None otherwise. A new
     language brings sounds the pretrained encoder was never taught to tell apart: on Esperanto,
-    base's held-out WER stayed ~4x full fine-tuning's with its encoder frozen (BENCHMARKS.md,
+    base's held-out WER stayed 4-7x full fine-tuning's with its encoder frozen (BENCHMARKS.md,
     "What bounds the new language's WER")."""
     if mode == "freeze-encoder":
         remedy = "--mode full trains it too"
@@ -44,7 +44,7 @@ def frozen_encoder_advice(code: str, mode: str, cache_encoder: bool) -> str | No
         return None
     return (
         f"--new-language {code} with a frozen encoder: it never learns {code}'s sounds (on "
-        f"Esperanto, ~4x the held-out WER of a run that trains it: BENCHMARKS.md); {remedy}"
+        f"Esperanto, 4-7x the held-out WER of a run that trains it: BENCHMARKS.md); {remedy}"
     )
 
 

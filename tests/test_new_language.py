@@ -316,7 +316,14 @@ def test_a_new_language_with_a_frozen_encoder_is_told_how_to_train_it(
         assert lines[0].endswith(told)
 
 
-def test_lora_adapters_kept_out_of_a_cached_encoder_are_told_to_go_in():
-    advice = frozen_encoder_advice("eo", "lora", cache_encoder=True)
-    assert advice is not None and advice.endswith("--no-cache-encoder puts adapters in it")
-    assert frozen_encoder_advice("eo", "lora", cache_encoder=False) is None
+def test_the_frozen_encoders_advice_names_every_flag_that_would_refuse_it():
+    """Followed, the advice starts a run: full mode refuses --cache-encoder, so a run that
+    asked for the cache is told to drop it; LoRA over a cached encoder is told to drop it."""
+    assert frozen_encoder_advice("eo", "freeze-encoder", None).endswith("--mode full trains it too")
+    assert frozen_encoder_advice("eo", "freeze-encoder", True).endswith(
+        "--mode full trains it too (without --cache-encoder)"
+    )
+    advice = frozen_encoder_advice("eo", "lora", cache_encoder_asked=True)
+    assert advice is not None and advice.endswith("drop --cache-encoder to put adapters in it")
+    assert frozen_encoder_advice("eo", "lora", cache_encoder_asked=None) is None
+    assert frozen_encoder_advice("eo", "full", cache_encoder_asked=None) is None

@@ -30,16 +30,19 @@ from whisper_train.data.labels import added_languages, check_new_language, langu
 from whisper_train.errors import UserError
 
 
-def frozen_encoder_advice(code: str, mode: str, cache_encoder: bool) -> str | None:
+def frozen_encoder_advice(code: str, mode: str, cache_encoder_asked: bool | None) -> str | None:
     """One line for a run that adds `code` with an encoder that does not train (`mode`
-    freeze-encoder, or LoRA's adapters kept out of a cached encoder); None otherwise. A new
-    language brings sounds the pretrained encoder was never taught to tell apart: on Esperanto,
-    base's held-out WER stayed 4-7x full fine-tuning's with its encoder frozen (BENCHMARKS.md,
-    "What bounds the new language's WER")."""
+    freeze-encoder, or LoRA's adapters kept out of an encoder cached by --cache-encoder, the
+    flag's value `cache_encoder_asked`); None otherwise. A new language brings sounds the
+    pretrained encoder was never taught to tell apart: on Esperanto, base's held-out WER stayed
+    4-7x full fine-tuning's with its encoder frozen (BENCHMARKS.md, "What bounds the new
+    language's WER"). The remedy names what else to drop: full mode refuses --cache-encoder."""
     if mode == "freeze-encoder":
         remedy = "--mode full trains it too"
-    elif mode == "lora" and cache_encoder:
-        remedy = "--no-cache-encoder puts adapters in it"
+        if cache_encoder_asked:
+            remedy += " (without --cache-encoder)"
+    elif mode == "lora" and cache_encoder_asked:
+        remedy = "drop --cache-encoder to put adapters in it"
     else:
         return None
     return (

@@ -106,7 +106,7 @@ def gather_facts(
     multilingual = is_multilingual(model)
     if m.new_language is not None:
         add_language(model, processor.tokenizer, m.new_language, init=m.new_language_init)
-        if advice := frozen_encoder_advice(m.new_language, m.mode, config.cache_encoder):
+        if advice := frozen_encoder_advice(m.new_language, m.mode, config.memory.cache_encoder):
             say(process, advice)
     label_encoder = LabelEncoder(
         processor.tokenizer,

@@ -213,12 +213,11 @@ def dictionary_sentences(held_out: bool, n: int, seed: int) -> list[str]:
     return result
 
 
-LEXICON = "builtin"  # --lexicon: main() sets it
-
-
-def sentences(language: str, held_out: bool, n: int, seed: int) -> list[str]:
+def sentences(
+    language: str, held_out: bool, n: int, seed: int, lexicon: str = "builtin"
+) -> list[str]:
     if language == "eo":
-        if LEXICON == "dictionary":
+        if lexicon == "dictionary":
             return dictionary_sentences(held_out, n, seed)
         return esperanto_sentences(held_out, n, seed)
     if language == "en":
@@ -233,13 +232,15 @@ def sentences(language: str, held_out: bool, n: int, seed: int) -> list[str]:
     return [pool[i % len(pool)] for i in range(n)]
 
 
-def synthesise(folder: Path, language: str, held_out: bool, n: int, seed: int) -> list[dict]:
+def synthesise(
+    folder: Path, language: str, held_out: bool, n: int, seed: int, lexicon: str = "builtin"
+) -> list[dict]:
     """`n` clips of `language` (held-out: other words and voices) → rows with absolute paths."""
     folder.mkdir(parents=True, exist_ok=True)
     variants = HELD_OUT_VARIANTS if held_out else SPEAKING_VARIANTS
     rng = random.Random(seed)
     rows = []
-    for index, text in enumerate(sentences(language, held_out, n, seed)):
+    for index, text in enumerate(sentences(language, held_out, n, seed, lexicon)):
         path = folder / f"{language}-{'held' if held_out else 'train'}-{index:03d}.wav"
         # Drawn for every clip, kept or not: clip i's voice does not depend on which are kept
         # (a larger set keeps the smaller one's clips and adds the voices a fresh run draws).
@@ -369,17 +370,15 @@ def main() -> None:
         "its default rate (the encoder learns the new language's sounds too; per-clip packing)",
     )
     args = parser.parse_args()
-    global LEXICON
-    LEXICON = args.lexicon
     draw = 100 * args.seed  # seed 0: the sentences and voices of the first measurements
     rehearsal = args.train_clips // 16 if args.rehearsal is None else args.rehearsal
     init = args.init
     work = Path(args.work)
     clips = work / "clips"
-    train_rows = synthesise(clips, "eo", False, args.train_clips, seed=draw + 1)
+    train_rows = synthesise(clips, "eo", False, args.train_clips, draw + 1, args.lexicon)
     for index, language in enumerate(OTHERS):  # rehearsal: by default a fifth of the clips
         train_rows += synthesise(clips, language, False, rehearsal, seed=draw + 10 + index)
-    held = {"eo": synthesise(clips, "eo", True, args.held_out, seed=draw + 2)}
+    held = {"eo": synthesise(clips, "eo", True, args.held_out, draw + 2, args.lexicon)}
     for index, language in enumerate(OTHERS):
         held[language] = synthesise(clips, language, True, args.others, seed=draw + 20 + index)
     neighbour_data = write_manifest(work / "train-es.jsonl", train_rows, esperanto_as="es")

@@ -117,9 +117,6 @@ def _document_options(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # bitsandbytes (imported by peft) warns on import about an optional CPU 4-bit kernel that
-    # whisper-train never uses; keep it from being the first line a user reads.
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -51,7 +51,7 @@ test: setup-test
 test-speech: setup-test
 	$(PY) -m pytest -m 'speech and not same_audio and not any_speech and not slow and not gpu'
 
-# The CUDA tests (tests/test_gpu.py), on a machine with a GPU; docs/gpu-session.md for a lent one.
+# The CUDA tests (tests/test_gpu.py), on a machine with a GPU; docs/gpu.md (and bench/gpu.sh).
 test-gpu: setup-test
 	$(PY) -m pytest -m gpu
 

@@ -34,9 +34,7 @@ import numpy as np
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
-REALSPEECH = REPO.parent / "shared" / "realspeech"
-if not REALSPEECH.is_dir():  # a git worktree beside the lead's checkout
-    REALSPEECH = Path("/work/shared/realspeech")
+from common import REALSPEECH  # noqa: E402  (bench/ is this script's folder: on sys.path)
 
 
 def build_recordings(folder: Path, *, seconds: float, pause: float) -> tuple[list, float]:

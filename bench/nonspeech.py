@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 import soundfile
+from common import REALSPEECH  # noqa: E402  (bench/ is this script's folder: on sys.path)
 
 from whisper_train.audio import AUDIO_SUFFIXES, SAMPLE_RATE, load_audio
 from whisper_train.data.examples import Example
@@ -52,7 +53,6 @@ from whisper_train.training.train import train
 from whisper_train.transcription.backends import CTranslate2Backend
 from whisper_train.transcription.decoding import DecodingOptions
 
-REALSPEECH = Path(__file__).resolve().parents[1] / ".." / "shared" / "realspeech"
 SETTINGS = {"off": DecodingOptions(no_speech_threshold=None), "0.6": DecodingOptions()}
 
 

@@ -3,9 +3,9 @@
     PYTHONPATH=src .venv/bin/python bench/per_clip_fidelity.py [--mode full|lora]
         [--context CONTEXT ...] [--clips 32] [--same-loudness] [--data DIR] [--work-dir DIR]
 
-`--packing per-clip` learns less per clip seen than unpacked training (BENCHMARKS.md "Per-clip
-packing"): a training run of each encoder context takes minutes to an hour and two seeds of the
-32-sentence sets spread ~3 points. This asks the question a step at a time, with no training
+Whether `--packing per-clip` learns as much per clip seen as unpacked training (BENCHMARKS.md
+"Each clip alone, its padding sampled"): a training run of each encoder context takes minutes to
+an hour and two seeds of the 32-sentence sets spread ~3 points. This asks the question a step at a time, with no training
 and no noise from the data's order: from the same weights, on the same clips, how far is the
 gradient of one per-clip packed step from the gradient unpacked training takes on those clips
 (each clip alone, padded to 30 s, its own log-mel; the loss is the mean over the same label

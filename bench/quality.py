@@ -67,7 +67,8 @@ from whisper_train.config import DEFAULT_LEARNING_RATES
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
-REALSPEECH = REPO.parent / "shared" / "realspeech"
+from common import REALSPEECH  # noqa: E402  (bench/ is this script's folder: on sys.path)
+
 WHISPER_TRAIN = [sys.executable, "-m", "whisper_train.cli"]
 # config.py's defaults when this grid was first run (the defaults now: CURRENT_LR)
 DEFAULT_LR = {"full": 1e-5, "lora": 1e-3, "freeze-encoder": 3e-5}

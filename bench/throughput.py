@@ -53,9 +53,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
-# ../shared/realspeech beside a development checkout; elsewhere (a lent GPU machine, which gets
-# only the repository) a copy named by WHISPER_TRAIN_REALSPEECH (bench/gpu_carry.sh makes one).
-REALSPEECH = Path(os.environ.get("WHISPER_TRAIN_REALSPEECH", REPO.parent / "shared" / "realspeech"))
+from common import REALSPEECH  # noqa: E402  (bench/ is this script's folder: on sys.path)
+
 # --packing-systems: whisper-train's rows and the --packing each trains with.
 PACKING_OF = {"packed": "on", "per-clip": "per-clip", "unpacked": "off"}
 

@@ -41,7 +41,7 @@ solid, guard dashed, one colour a system). With several --trainer-learning-rates
 reference is the rate with the lower final held-out WER (mean over seeds).
 
 Targets (bench/quality.py's sets): real = AN4 train (30 clips) / AN4 test / LJ Speech guard
-(../shared/realspeech, or $WHISPER_TRAIN_REALSPEECH); synth = the demo's espeak-ng sets, 128
+(bench/common.py says where they are found); synth = the demo's espeak-ng sets, 128
 training sentences (--train-sentences N: more, where 128 run out before the budget does), 32
 held-out (other voices and words; --held-out-sentences N: more, less noise), 32 guard.
 --smoke: 8 training clips, 4 clips a scored set, batches of 4, a 2-step Trainer run: checks
@@ -49,11 +49,9 @@ the script in minutes. A point's model folder is deleted once scored (--keep-mod
 them). --combine A.json B.json trains nothing: it summarises the runs of earlier outputs
 together (seeds run at different times, on the same model and sets).
 
-On a lent GPU machine (CUDA: bf16, checkpointing, wall time synchronised) the same command runs
-where the model and the sets are there: --model a model folder (tiny.en's weights are not in
-the GPU image, and 150 MB is past what a device call carries), the synth sets as
-WORK/data-synth/ made here (reused, not synthesised again), or for --target real
-$WHISPER_TRAIN_REALSPEECH with AN4 and LJ Speech (bench/gpu_carry.sh copies no LJ Speech).
+On CUDA the same command runs in bf16 with checkpointing, wall time synchronised; --model may
+be any model folder, and synth sets already in WORK/data-synth/ are reused, not synthesised
+again.
 """
 
 from __future__ import annotations
@@ -85,16 +83,6 @@ from whisper_train.config.options import LORA_TARGETS  # noqa: E402
 LORA = {"r": 32, "lora_alpha": 64, "lora_dropout": 0.05, "target_modules": ["q_proj", "v_proj"]}
 
 
-def realspeech() -> Path:
-    """../shared/realspeech beside the checkout (a worktree's is one level further up), or a
-    copy named by WHISPER_TRAIN_REALSPEECH (a lent GPU machine: bench/gpu_carry.sh)."""
-    if "WHISPER_TRAIN_REALSPEECH" in os.environ:
-        return Path(os.environ["WHISPER_TRAIN_REALSPEECH"])
-    candidates = [REPO.parent / "shared", REPO.parents[1] / "shared", REPO / "shared"]
-    found = [c / "realspeech" for c in candidates if (c / "realspeech").is_dir()]
-    return found[0] if found else candidates[0] / "realspeech"
-
-
 def clock() -> float:
     """Wall seconds, after the GPU's queued work is done (on CUDA)."""
     import torch
@@ -116,7 +104,6 @@ def make_sets(
 
     folder.mkdir(parents=True, exist_ok=True)
     if target == "real":
-        quality.REALSPEECH = realspeech()
         if not quality.REALSPEECH.is_dir():
             raise SystemExit(f"--target real needs {quality.REALSPEECH}; use --target synth")
         return quality.real_sets(folder)

@@ -41,9 +41,8 @@ import numpy as np
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
-REALSPEECH = REPO.parent / "shared" / "realspeech"
-if not REALSPEECH.is_dir():  # a git worktree beside the lead's checkout
-    REALSPEECH = Path("/work/shared/realspeech")
+from common import REALSPEECH  # noqa: E402  (bench/ is this script's folder: on sys.path)
+
 TOLERANCES_S = (0.5, 1.0)
 # How the training labels are built. text-only: one clip a row, no time tokens, unpacked (the
 # default until packing per clip); default: the same labels packed per clip (`--packing auto`);

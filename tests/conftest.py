@@ -27,11 +27,11 @@ from whisper_train.config import RunConfig  # noqa: E402
 
 # Losses (nats, ~11 for the random tiny model) of two float32 runs that should be the same run:
 # another CPU (AVX2 vs AVX-512 vs ARM kernels sum in other orders), N processes vs one, cached vs
-# recomputed encoder outputs. Measured by bench/float_spread.py: other kernel paths and thread
-# counts move these losses by 1e-6 at most, while the smallest recipe change it tries (learning
-# rate +10%) moves step 2 by 6.5e-3 and other clips in a step by 3e-2. 1e-4 sits ~100x above
-# the noise (~150 float32 ulps at 11, the worst-case rounding of a ~100-term mean) and ~65x
-# below the smallest real change.
+# recomputed encoder outputs. Measured (BENCHMARKS.md "Float32 noise vs a recipe change"): other
+# kernel paths and thread counts move these losses by 1e-6 at most, while the smallest recipe
+# change tried (learning rate +10%) moves step 2 by 6.5e-3 and other clips in a step by 3e-2.
+# 1e-4 sits ~100x above the noise (~150 float32 ulps at 11, the worst-case rounding of a
+# ~100-term mean) and ~65x below the smallest real change.
 SAME_RUN_LOSS_ATOL = 1e-4
 # What a run says before its first step: the data screened, the notes of its record (where it
 # does other than asked: --packing auto's choice), the model and the data.

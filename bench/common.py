@@ -1,0 +1,26 @@
+"""What several bench scripts share: where the real recordings are.
+
+The real clips (CMU AN4, LJ Speech, LibriVox) are a folder holding `manifest.jsonl` (one JSON
+row a clip: `audio`, its path under the folder; `text`; `duration_s`; `source`) and the audio.
+$WHISPER_TRAIN_REALSPEECH names it; else it is `shared/realspeech` beside the checkout, or beside
+the folder above it (a git worktree's checkout sits one level deeper).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def realspeech() -> Path:
+    """The real recordings' folder ($WHISPER_TRAIN_REALSPEECH, else the first that exists of
+    ../shared/realspeech and ../../shared/realspeech; the first when none does)."""
+    if "WHISPER_TRAIN_REALSPEECH" in os.environ:
+        return Path(os.environ["WHISPER_TRAIN_REALSPEECH"])
+    candidates = [REPO.parent / "shared" / "realspeech", REPO.parents[1] / "shared" / "realspeech"]
+    return next((folder for folder in candidates if folder.is_dir()), candidates[0])
+
+
+REALSPEECH = realspeech()

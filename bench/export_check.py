@@ -1,5 +1,5 @@
-"""The export check before and after issue 33, on real models at every precision, and on
-deliberately broken exports.
+"""The export check on real models at every precision, and on deliberately broken exports:
+does it pass what is intact and fail what is broken, in each runtime?
 
     python bench/export_check.py --model tiny.en [--clips 12]
     python bench/export_check.py --model base

@@ -1,4 +1,4 @@
-"""Peak memory and time of `whisper-train transcribe` on long recordings (issue 53, item 6): a
+"""Peak memory and time of `whisper-train transcribe` on long recordings: a
 recording is read and decoded a part at a time (`transcription.longform.transcribe_in_pieces`),
 so its peak RSS should not grow with its length.
 

@@ -36,10 +36,8 @@ Grids:
          block-restart-silence-self, block-restart-silence-detached,
          block-restart-ownpad-sampled) adds per-clip with that
          encoder context (`memory.clip_attention.ENCODER_CONTEXT`; the plain per-clip row is
-         the mode's default: block-restart-pad with LoRA; in full and freeze-encoder
-         block-restart-silence-detached since the sixth session of 2026-11-26,
-         block-restart-silence before, and window before that day), --encoder-only runs only
-         those;
+         the default context, block-restart-ownpad-sampled, in every mode:
+         `packing.DEFAULT_PER_CLIP_CONTEXT`), --encoder-only runs only those;
   lr     each mode at its default learning rate, a third and a tenth of it, and
          --preserve-base 1 at the default; with --learning-rate (repeatable) each mode at
          exactly those rates instead (a sweep: nothing else);

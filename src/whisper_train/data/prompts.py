@@ -6,8 +6,8 @@ decoded so far both feed the decoder
 
     <|startofprev|>  " previous text" tokens  <|startoftranscript|> [<|en|> <|transcribe|>] ...
 
-A model fine-tuned on unprompted labels only unlearns reading that context (issue 29: prompts
-and previous-text conditioning stop working after fine-tuning). So, with probability p, a
+A model fine-tuned on unprompted labels only unlearns reading that context (users report
+prompts and previous-text conditioning stop working after fine-tuning). So, with probability p, a
 training clip whose previous text is known gets it in exactly that form; the prompt is context,
 never a target: its labels, and the prefix's, are IGNORE_INDEX (`collate.pad_labels` masks the
 first `n_prefix` tokens, which here count the prompt too). distil-whisper trains this way

@@ -10,8 +10,8 @@ those tokens, teacher forced, from its own log-mel of the same audio (the format
 its vocabulary spells a transcript differently, or when the runtime cannot run it
 (`parity_failure` words the `ExportParityError`). Each runtime's own greedy transcripts are
 compared too, for the report only: two runtimes' greedy decoders tip near-tied words apart
-even on bit-identical weights (issue 33: base as ct2 float16, bitwise equal to Systran's
-conversion, differed in 7 words of 126).
+even on bit-identical weights (base as ct2 float16, bitwise equal to Systran's conversion,
+differed in 7 words of 126).
 """
 
 from __future__ import annotations
@@ -260,8 +260,7 @@ def check_export(
     its own log-mel of the same audio, and the mean |Δ log p| per token must stay within what
     the precision explains; its vocabulary must spell every transcript as the source's does.
     The runtime's own greedy transcripts are compared too (unless not `greedy`), for the report
-    only: a near-tied word tipped by another runtime's arithmetic is not a defect of the file
-    (issue 33).
+    only: a near-tied word tipped by another runtime's arithmetic is not a defect of the file.
     """
     exported_format = export_format(format)
     audio = [clip[1] for clip in source.clips]

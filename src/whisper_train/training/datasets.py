@@ -231,7 +231,7 @@ def evaluation_loaders(
     cached = CachedClip(encoder_cache) if encoder_cache is not None else None
     eval_loaders, eval_languages = {}, {}
     # Each set is decoded in its rows' languages, else its own, else each clip's detected
-    # one: never the training language by default (issue 24).
+    # one: never the training language by default.
     for eval_set in record.evaluation.sets:
         name, examples = eval_set.name, datasets.eval[eval_set.name]
         eval_languages[name] = row_languages(

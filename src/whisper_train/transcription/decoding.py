@@ -330,7 +330,7 @@ def _rows_of(inputs: dict, rows: list[int], n: int) -> dict:
 # generate treats two consecutive time tokens in a sampled output as a segment boundary and goes
 # on to a "next window" of the same clip: from `encoder_outputs` (the fallback's input) it then
 # fails in `_maybe_reduce_batch` (TypeError on 5.24: its `input_features` is None), and from
-# `input_features` it returns only the last window's rows. Issue 24.
+# `input_features` it returns only the last window's rows.
 ONE_WINDOW = {"force_unique_generate_call": True}
 
 

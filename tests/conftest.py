@@ -112,8 +112,8 @@ def fill_disk_on_write(monkeypatch) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def _own_cache_folder(tmp_path_factory):
-    """Screening results and encoder outputs go to a folder of this session, not the user's
-    ~/.cache/whisper-train: a test never reads what an earlier session (or the user) left."""
+    """Screening results and encoder outputs go to a folder of this test run, not the user's
+    ~/.cache/whisper-train: a test never reads what an earlier run (or the user) left."""
     saved = os.environ.get("WHISPER_TRAIN_CACHE")
     os.environ["WHISPER_TRAIN_CACHE"] = str(tmp_path_factory.mktemp("whisper-train-cache"))
     yield

@@ -5,7 +5,7 @@
 through the graph a second time" (T1); on 5.x the same recipe trains, and the tests assert that
 instead, so both runs assert something real. Either way, the same training through
 `prepare_model` matches training without checkpointing bit for bit, and doctor tells the two
-apart. The seed-report cases (a)-(c) from issue 3 are here too, plus the documented Trainer snippet (docs/checkpointing.md).
+apart. The seed report's cases (a)-(c) are here too, plus the documented Trainer snippet (docs/checkpointing.md).
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ def test_sizes_parse():
         parse_bytes("lots", flag="--max-memory")
 
 
-# -- YAML words stay words (issue 33): the config file is read as YAML 1.2, whose only booleans
+# -- YAML words stay words: the config file is read as YAML 1.2, whose only booleans
 # are true and false. YAML 1.1 (PyYAML's default) also reads yes/no/on/off as booleans, which
 # turned `language: no` (Norwegian) into False and `packing: on` into True.
 
@@ -230,7 +230,7 @@ def test_a_saved_config_reads_back_the_same_words(tmp_path):
     assert read_by_1_1["record"]["data"]["language"] == "no"
 
 
-# -- numbers out of range (issue 33): one line naming the flag and what it accepts, exit 2, before
+# -- numbers out of range: one line naming the flag and what it accepts, exit 2, before
 # anything loads (`--learning-rate nan` was a traceback from torch's AdamW).
 
 

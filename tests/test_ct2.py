@@ -235,7 +235,7 @@ def test_multilingual_large_v3_shape_round_trips_with_languages(tmp_path):
     assert loaded_processor.tokenizer.convert_tokens_to_ids("<|0.00|>") == 50365
     assert generation.alignment_heads == [[1, 0]]
     # No language (each clip's is detected) but a task: without it, transformers' detection
-    # leaves <|transcribe|> out of the prompt and a multilingual model loops (issue 24).
+    # leaves <|transcribe|> out of the prompt and a multilingual model loops.
     assert getattr(generation, "language", None) is None and generation.task == "transcribe"
     with torch.no_grad():
         prompted = loaded.generate(

@@ -355,7 +355,7 @@ def test_two_processes_each_encode_and_store_only_their_own_clips(tmp_path, tiny
     assert len(_clip_files(cache)) == 16
 
 
-# -- LoRA with the encoder cache (issue 33): the adapters go on the decoder only. Encoder
+# -- LoRA with the encoder cache: the adapters go on the decoder only. Encoder
 # adapters would train on the first epoch's freshly encoded clips, then read back outputs cached
 # with their old values and get no gradient: stale features, silently.
 

@@ -97,7 +97,7 @@ def test_hf_to_ct2_round_trip_keeps_the_weights(tiny_whisper_dir, tmp_path):
 def test_an_exact_export_passes_though_the_runtimes_greedy_transcripts_differ(
     tiny_whisper_dir, tmp_path, monkeypatch
 ):
-    """Issue 33: base exported to ct2 float16, bitwise equal to Systran's conversion, failed the
+    """base exported to ct2 float16, bitwise equal to Systran's conversion, failed the
     check because faster-whisper's greedy decoder tipped 7 near-tied words. The verdict now
     rests on the runtime scoring the source's own tokens; the transcripts are only reported."""
     from dataclasses import replace

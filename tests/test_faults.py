@@ -392,7 +392,7 @@ def test_sigterm_is_honoured_before_an_evaluation_that_is_due(
     assert [row["step"] for row in metric_rows(out) if "wer" in row] == []
 
 
-# -- non-finite audio samples (issue 33) -----------------------------------------------------
+# -- non-finite audio samples ----------------------------------------------------------------
 def _nan_float_wav(path: Path) -> None:
     """A float WAV whose header and frames read, with NaN samples: its log-mel is NaN."""
     import numpy as np
@@ -672,7 +672,7 @@ def test_sigkill_during_checkpoint_saves_resumes_exactly_from_an_intact_checkpoi
 
 
 # ---------------------------------------------------------------------------------------------
-# Stopping a multi-process run (issue 33): the processes agree on the exit code, an interrupted
+# Stopping a multi-process run: the processes agree on the exit code, an interrupted
 # --nproc run prints only its stop and resume lines, a full disk at the metrics writer, a killed
 # process, process 0's work at the end.
 
@@ -961,7 +961,7 @@ def _all_finite(file) -> bool:
 def test_a_learning_rate_that_overflows_the_weights_stops_at_step_1_without_final(
     tmp_path, tone_dataset, tiny_whisper_dir
 ):
-    # Issue 33: --learning-rate 1e308 finished with exit 0 and a final/ whose tensors were NaN.
+    # --learning-rate 1e308 once finished with exit 0 and a final/ whose tensors were NaN.
     # (1e307 here: full fine-tuning's encoder takes 2.5x, and 2.5e308 is refused at start.)
     out = tmp_path / "out"
     argv = _tiny_run_argv(out, tone_dataset, tiny_whisper_dir, "--max-steps=3")

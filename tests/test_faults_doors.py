@@ -1,4 +1,4 @@
-"""Every door as guarded as train (issue 53): what `train` refuses in one line, `transcribe`,
+"""Every door as guarded as train: what `train` refuses in one line, `transcribe`,
 `evaluate` and `export` refuse in the same one line, exit 2, no traceback, nothing lost."""
 
 from __future__ import annotations

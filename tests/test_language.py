@@ -53,7 +53,7 @@ def timestamp_loving_whisper():
 
 
 def test_the_fallback_decodes_one_window_per_call_from_encoder_outputs():
-    """Issue 24's crash: the fallback passes encoder outputs to generate; when a sampled
+    """A crash users met: the fallback passes encoder outputs to generate; when a sampled
     decode held a time-token pair, transformers 5.24 went on to a second window, dropped the
     finished rows from `input_features` (None) and raised TypeError in _maybe_reduce_batch.
     Each call is one 30 s window here: every row comes back, decoded once."""

@@ -237,7 +237,7 @@ def test_every_import_points_down_the_layers():
     assert not upward, f"imports that point up the layers of docs/architecture.md: {upward}"
 
 
-# A module longer than this holds more than one concept (issue 28). None is over it today; one
+# A module longer than this holds more than one concept. None is over it today; one
 # that must be for a while is named here with the length it may not grow past.
 MAX_MODULE_LINES = 600
 OVERSIZED_MODULES: dict[str, int] = {}

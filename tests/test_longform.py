@@ -1,5 +1,5 @@
 """Long-form evaluation: recordings over 30 s decoded in sequential windows, as `transcribe`
-decodes them, and scored over their whole reference (issue 29)."""
+decodes them, and scored over their whole reference."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def test_a_recording_folder_is_read_one_whole_recording_per_transcript(tmp_path)
 
 def test_a_joined_recording_is_scored_whole_against_its_reference(tmp_path, monkeypatch):
     """A 70 s recording in an ordinary manifest: decoded long-form with all 70 s of its audio
-    (before issue 29, its first 30 s only), and its WER, insertion and deletion rates are
+    (not its first 30 s only), and its WER, insertion and deletion rates are
     jiwer's over the whole normalised reference. The decoder is a stub whose transcript drops
     one sentence (a lost window) and repeats another (a doubled one)."""
     # Punctuated and capitalised as references are: the English normaliser makes them words.

@@ -368,7 +368,7 @@ def test_checkpointed_loss_keeps_no_full_vocabulary_tensor_for_backward(policy):
     assert model.proj_out.weight.grad is not None
 
 
-# -- LoRA with the encoder cache (issue 33): adapters on the decoder only. The cache computes
+# -- LoRA with the encoder cache: adapters on the decoder only. The cache computes
 # each clip's encoder output once, without gradient: encoder adapters would never train.
 
 

@@ -179,7 +179,7 @@ def test_flop_formula_matches_the_published_figure_for_whisper_small():
     assert 3 * planner.model_flops_per_sample(small, 64) == pytest.approx(1.2e12, rel=0.1)
 
 
-# -- one micro-batch on the device at a time (issue 33) --------------------------------------
+# -- one micro-batch on the device at a time -------------------------------------------------
 def test_the_plan_counts_the_running_micro_batchs_inputs():
     frozen = _prepared("freeze-encoder")  # the stem saves nothing: its inputs are not activations
     config = frozen.config

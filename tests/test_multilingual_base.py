@@ -5,8 +5,8 @@ transformers 5.24): detection en 0.96 / 0.97, es 0.97 / 0.86 (probability of the
 language); with no language given, the English clips come out word-perfect and the Spanish ones
 at 8 errors in 26 words (31%), no fallback, no repeated 3-gram; translated, the Spanish clips read
 "My brother works in a hospital near the station of Len." and "We are going to buy a
-wheelchair in the market.". Before issue 24's fixes the same model, with no language, dropped
-<|transcribe|> from its prompt and looped on real English (67.7% WER, as issue 24 reports).
+wheelchair in the market.". Before the fixes these hold, the same model, with no language, dropped
+<|transcribe|> from its prompt and looped on real English (67.7% WER, as users reported).
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def test_transcribe_command_translates_spanish_speech_to_english(clips, capsys):
 
 @pytest.mark.speech
 def test_an_english_guard_is_scored_in_english_while_training_on_spanish(clips, tmp_path):
-    """Issue 24's run, shrunk: Spanish training with --language es, a Spanish set and an
+    """A user's run, shrunk: Spanish training with --language es, a Spanish set and an
     English guard (one clip: each evaluation decodes every set). The guard is decoded in
     English (stated: en:en=...), the Spanish set in the language detected in each clip;
     nothing regressed, so final/ holds the last (best) step, and the saved model detects

@@ -181,7 +181,7 @@ def test_checkpoints_a_resume_set_aside_belong_to_the_run(tmp_path):
     ]
 
 
-# -- one run at a time in a folder (issue 33) --------------------------------------------------
+# -- one run at a time in a folder -------------------------------------------------------------
 
 
 def _start_run(tone_dataset, tiny_whisper_dir, out: Path) -> subprocess.Popen:

@@ -219,7 +219,7 @@ def test_transcribe_command_exit_codes(tmp_path):
         run(str(folder / "good.wav"), "--temperatures", "0,0.2,zero")
 
 
-# -- long recordings in bounded memory (issue 53) ---------------------------------------------
+# -- long recordings in bounded memory --------------------------------------------------------
 def test_a_long_recording_is_read_and_decoded_a_part_at_a_time_and_stitched_whole(
     tmp_path, monkeypatch
 ):

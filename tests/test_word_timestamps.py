@@ -202,7 +202,7 @@ def test_fit_into_segment_orders_clamps_and_shortens_the_word_after_a_pause():
     # Median word 1.15 s, capped at 0.7: no word over 1.4 s at either end of the segment.
     assert [(w.start, w.end) for w in fitted] == [(0.6, 2.0), (2.0, 2.2), (2.2, 2.5), (2.5, 3.0)]
     # Compared in whole milliseconds: a segment start a float's rounding past a word's is not
-    # later than the word (issue 57).
+    # later than the word.
     (word,) = fit_into_segment([Word(" a", 4.6, 5.0)], 4.6000000000000005, 5.0)
     assert (word.start, word.end) == (4.6, 5.0)
 
@@ -212,7 +212,7 @@ def srt_cue_times(srt: str) -> list[tuple[str, str]]:
 
 
 def test_a_segment_holds_its_words_inside_it_in_whole_milliseconds():
-    """Issue 57: transformers gave a segment 4.6000000000000005 s (time tokens times 0.02) and
+    """transformers gave a segment 4.6000000000000005 s (time tokens times 0.02) and
     its first word 4.6 (rounded to 3 decimals): the JSON said the word starts before its
     segment. Every backend builds its segments through Segment, which rounds its times and its
     words' once, to the millisecond SRT and WebVTT carry, and clamps the words into it."""

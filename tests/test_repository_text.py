@@ -47,15 +47,25 @@ QUOTED = re.compile(r"\"([^\"]{3,90})\"|'([^']{3,90})'")
 
 
 def text_files() -> list[Path]:
-    """The files git tracks or would add (not ignored), text only."""
-    listed = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.splitlines()
-    paths = [REPO / name for name in listed]
+    """The files git tracks or would add (not ignored), text only; outside a git checkout (an
+    unpacked source archive) every file but those of virtual environments and caches."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()
+        paths = [REPO / name for name in listed]
+    except (OSError, subprocess.CalledProcessError):
+        skipped = {".git", ".venv", ".venv-compat", "__pycache__", "build", "dist"}
+        paths = [
+            path
+            for path in REPO.rglob("*")
+            if not skipped & set(path.relative_to(REPO).parts)
+            and not any(part.endswith(".egg-info") for part in path.parts)
+        ]
     return [p for p in paths if p.is_file() and (p.suffix in TEXT_SUFFIXES or p.name in TEXT_NAMES)]
 
 

@@ -1,4 +1,4 @@
-"""What several bench scripts share: where the real recordings are.
+"""What several bench scripts share: where the real recordings are, and a CPU-seconds clock.
 
 The real clips (CMU AN4, LJ Speech, LibriVox) are a folder holding `manifest.jsonl` (one JSON
 row a clip: `audio`, its path under the folder; `text`; `duration_s`; `source`) and the audio.
@@ -24,3 +24,10 @@ def realspeech() -> Path:
 
 
 REALSPEECH = realspeech()
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process and its finished children (user + system): on a machine other
+    work shares, a steadier measure of what a run cost than wall time."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system

@@ -34,7 +34,7 @@ import numpy as np
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
-from common import REALSPEECH  # noqa: E402  (bench/ is this script's folder: on sys.path)
+from common import REALSPEECH, cpu_seconds  # noqa: E402  (bench/ is this script's folder: on sys.path)
 
 
 def build_recordings(folder: Path, *, seconds: float, pause: float) -> tuple[list, float]:
@@ -72,11 +72,6 @@ def build_recordings(folder: Path, *, seconds: float, pause: float) -> tuple[lis
             " ".join(text for _, text in recording) + "\n", encoding="utf-8"
         )
     return clips, total
-
-
-def cpu_seconds() -> float:
-    times = os.times()
-    return times.user + times.system + times.children_user + times.children_system
 
 
 def main() -> None:

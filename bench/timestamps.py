@@ -41,7 +41,7 @@ import numpy as np
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
-from common import REALSPEECH  # noqa: E402  (bench/ is this script's folder: on sys.path)
+from common import REALSPEECH, cpu_seconds  # noqa: E402  (bench/ is this script's folder: on sys.path)
 
 TOLERANCES_S = (0.5, 1.0)
 # How the training labels are built. text-only: one clip a row, no time tokens, unpacked (the
@@ -115,11 +115,6 @@ def cpu_model() -> str:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
-
-
-def cpu_seconds() -> float:
-    times = os.times()
-    return times.user + times.system + times.children_user + times.children_system
 
 
 def fine_tune(

@@ -40,7 +40,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timestamps import REALSPEECH, cpu_model, cpu_seconds, fine_tune, joined_clips  # noqa: E402
+from common import REALSPEECH, cpu_seconds  # noqa: E402
+from timestamps import cpu_model, fine_tune, joined_clips  # noqa: E402
 
 ONSET_DB = -30.0  # a 10 ms frame within this of the clip's loudest frame is speech
 

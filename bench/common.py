@@ -16,9 +16,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 def realspeech() -> Path:
     """The real recordings' folder ($WHISPER_TRAIN_REALSPEECH, else the first that exists of
-    ../shared/realspeech and ../../shared/realspeech; the first when none does)."""
+    ../shared/realspeech and ../../shared/realspeech; the first when none does), absolute: the
+    manifests the scripts write name its clips for processes with other working folders."""
     if "WHISPER_TRAIN_REALSPEECH" in os.environ:
-        return Path(os.environ["WHISPER_TRAIN_REALSPEECH"])
+        return Path(os.environ["WHISPER_TRAIN_REALSPEECH"]).resolve()
     candidates = [REPO.parent / "shared" / "realspeech", REPO.parents[1] / "shared" / "realspeech"]
     return next((folder for folder in candidates if folder.is_dir()), candidates[0])
 

@@ -48,7 +48,7 @@ fi
 # whisper-small's shape on AN4's 1 s clips listed 40 times (100 steps): whisper-train eager and
 # compiled, with and without data workers, against the Seq2SeqTrainer eager and compiled.
 if want speed; then
-  realspeech=${WHISPER_TRAIN_REALSPEECH:-../shared/realspeech}
+  realspeech=$("$PY" -c "import sys; sys.path.insert(0, 'bench'); import common; print(common.REALSPEECH)")
   if [ -f "$realspeech/manifest.jsonl" ]; then
     WHISPER_TRAIN_REALSPEECH=$realspeech part speed 600 "$PY" bench/throughput.py \
       --d-model 768 --layers 12 --batch-size 16 --rounds 1 --compile-sets an4 --repeat 40

@@ -115,6 +115,8 @@ CHANGES = {
     "lora_dropout": ("lora", 0.1),
     "lora_targets": ("lora", ["q_proj", "v_proj"]),
     "lora_variant": ("lora", "dora"),
+    # The adapters trained against the base as it was held: another holding is refused.
+    "quantize_base": ("lora", "nf4"),
     "attn_implementation": ("plain", "eager"),
     # Each alone is refused by the other's absence; both on the English-only tiny model by it
     # (tests/test_new_language.py): a model's vocabulary does not change mid-run.

@@ -10,6 +10,9 @@ MODES = ("full", "lora", "freeze-encoder")
 # LoRA (scale alpha / r), DoRA (the update's direction, with a trained magnitude per output) or
 # rsLoRA (LoRA scaled by alpha / sqrt(r)).
 LORA_VARIANTS = ("lora", "dora", "rslora")
+# --quantize-base: how --mode lora holds its frozen base (`memory.quantize`): as loaded (none),
+# in bitsandbytes' 8-bit layers (int8) or in its 4-bit NormalFloat layers (nf4).
+QUANTIZE_BASE = ("none", "int8", "nf4")
 # --average-by: which checkpoints --average-checkpoints N averages: the last N saved (icefall's
 # --avg) or the N best evaluated by the run's final rule (ESPnet's valid.acc.ave).
 AVERAGE_BY = ("last", "best")

@@ -16,6 +16,7 @@ from whisper_train.choices import (  # noqa: F401
     OPTIMIZERS,
     PACKING_AUTO,
     PACKINGS,
+    QUANTIZE_BASE,
     TASKS,
 )
 
@@ -233,6 +234,11 @@ class ModelConfig:
         "BENCHMARKS.md 'DoRA and rsLoRA'.",
         choices=LORA_VARIANTS,
         default="lora",
+    )
+    quantize_base: str = _help(
+        "Hold LoRA's frozen base weights in 8 bits (int8) or 4 bits (nf4) to save memory.",
+        choices=QUANTIZE_BASE,
+        default="none",
     )
     attn_implementation: str = _help(
         "sdpa or eager attention.", choices=("sdpa", "eager"), default="sdpa"

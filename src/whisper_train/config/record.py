@@ -93,6 +93,9 @@ class ModelRecord:
     # shape and its labels' prefix depend on both.
     new_language: str | None = decided(MUST_EQUAL, "new_language", default=None)
     new_language_init: str | None = decided(MUST_EQUAL, "new_language_init", default=None)
+    # How LoRA's frozen base is held: none (as loaded), int8 or nf4 (bitsandbytes). The adapters
+    # trained against the quantized weights; a record from before the option held none.
+    quantize_base: str = decided(MUST_EQUAL, "quantize_base", default="none")
 
     @property
     def lora(self):
@@ -107,6 +110,7 @@ class ModelRecord:
             decoder_only=self.lora_decoder_only,
             variant=self.lora_variant,
             new_languages=() if self.new_language is None else (self.new_language,),
+            quantize_base=self.quantize_base,
         )
 
 

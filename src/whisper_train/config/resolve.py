@@ -167,8 +167,7 @@ def choose_nonspeech(config: RunConfig, saved: SavedChoices | None = None) -> No
     if not any(notes) and asked == NONSPEECH_AUTO:
         notes[0] = (
             f"nonspeech auto -> {BUILTIN_SET}: noise, hum and tones with empty targets, "
-            f"{share:.0%} of each epoch, so that silence stays silent (--nonspeech none: train "
-            "without)"
+            f"{share:.0%} of each epoch (--nonspeech none: without)"
         )
     return NonspeechChoice(source, share, label, "; ".join(n for n in notes if n) or None)
 
@@ -288,6 +287,7 @@ def _model(config: RunConfig, *, width: int, multilingual: bool) -> ModelRecord:
         spec_augment=config.data.spec_augment,
         new_language=next(iter(config.added_languages()), None),
         new_language_init=m.new_language_init if m.new_language else None,
+        quantize_base=m.quantize_base if lora else "none",
     )
 
 

@@ -5,6 +5,7 @@ encoder cache, decoding)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 from dataclasses import dataclass, field, fields
@@ -23,6 +24,7 @@ from whisper_train.config.options import (
     OPTIMIZERS,
     PACKING_AUTO,
     PRECISIONS,
+    QUANTIZE_BASE,
     SCHEDULERS,
     TASKS,
     TRACKERS,
@@ -89,7 +91,7 @@ class RunConfig:
                     sub = sub.replace("-", "_")
                     if sub not in {f.name for f in fields(group)}:
                         raise UserError(
-                            f"{source}: unknown option '{key}.{sub}'; see `whisper-train train --help`"
+                            f"{source}: unknown option '{key}.{sub}'; see `whisper-train train --help-all`"
                         )
                     setattr(group, sub, coerce(group, sub, sub_value, source))
             elif key in owners:
@@ -97,7 +99,7 @@ class RunConfig:
                 setattr(group, key, coerce(group, key, value, source))
             else:
                 raise UserError(
-                    f"{source}: unknown option '{key}'; see `whisper-train train --help`"
+                    f"{source}: unknown option '{key}'; see `whisper-train train --help-all`"
                 )
 
     @classmethod
@@ -147,6 +149,7 @@ class RunConfig:
                 f"--lora-variant {m.lora_variant} sets how LoRA's adapters scale and --mode "
                 f"{m.mode} trains none: add --mode lora, or drop --lora-variant"
             )
+        self._validate_quantized_base()
         one_of("--task", d.task, TASKS)
         one_of("--precision", mem.precision, PRECISIONS)
         one_of("--optim", mem.optim, OPTIMIZERS)
@@ -313,6 +316,45 @@ class RunConfig:
         # numpy's seed (set with torch's and Python's) takes 32 bits, unsigned.
         if not 0 <= t.seed < 2**32:
             raise UserError(f"--seed {t.seed}: expected a whole number from 0 to {2**32 - 1}")
+
+    def _validate_quantized_base(self) -> None:
+        """--quantize-base int8|nf4 holds LoRA's frozen base in bitsandbytes' layers: what it
+        cannot meet, each refused in one line naming the remedy."""
+        m, mem = self.model, self.memory
+        one_of("--quantize-base", m.quantize_base, QUANTIZE_BASE)
+        if m.quantize_base == "none":
+            return
+        asked = f"--quantize-base {m.quantize_base}"
+        refused = [
+            (
+                m.mode == "full",
+                "--mode full: quantized weights cannot train; use --mode lora",
+            ),
+            (
+                m.mode == "freeze-encoder",
+                "--mode freeze-encoder: its decoder trains in full precision; use --mode lora",
+            ),
+            (
+                m.quantize_base == "int8" and m.lora_variant == "dora",
+                "--lora-variant dora: peft's DoRA fails in backward on bitsandbytes' 8-bit layers; "
+                "use --quantize-base nf4 or --lora-variant lora",
+            ),
+            (self.train.fsdp, "--fsdp: bitsandbytes' layers are not sharded; drop --fsdp"),
+            (
+                self.cache_encoder,
+                "the encoder cache (it holds a full-precision encoder's outputs): "
+                "add --no-cache-encoder",
+            ),
+            (mem.compile, "--compile (not tested on bitsandbytes' layers): drop --compile"),
+        ]
+        for refuse, why in refused:
+            if refuse:
+                raise UserError(f"{asked} with {why}")
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise UserError(
+                f"{asked} needs bitsandbytes: pip install 'whisper-train[bnb]', "
+                "or drop --quantize-base"
+            )
 
     def _validate_fsdp(self) -> None:
         """What --fsdp (sharded weights) cannot be combined with, each refused in one line."""

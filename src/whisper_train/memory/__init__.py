@@ -1,6 +1,8 @@
 """Every memory decision whisper-train makes lives in this package; nothing else sets them.
 
     wrappers       find the Whisper model inside peft, DDP and torch.compile wrappers; DDP's settings
+    quantize       --quantize-base: LoRA's frozen base in bitsandbytes' 8- or 4-bit layers, and
+                   the trained adapters moved onto the full-precision base for merging
     checkpointing  freezing, LoRA and checkpointing in the one order that works (`prepare_model`),
                    the checkpointing policies and which layers each recomputes, activation offload
     sharding       --fsdp: FSDP2 sharding of the layers and the model, gathering for evaluation,
@@ -16,7 +18,7 @@
     plan           `--gradient-checkpointing auto`: the cheapest policy whose estimate fits
                    (`plan_checkpointing`, `prepare_model_within_budget`) and its table
 
-The submodules import downwards only: wrappers <- checkpointing, sharding <- loss <- estimate
+The submodules import downwards only: wrappers <- quantize <- checkpointing, sharding <- loss <- estimate
 <- probe <- plan; cross_attention <- loss; precision and optim stand alone. The names below are
 re-exported so `from whisper_train.memory import X` works for the public API.
 `LOSS_CHUNK_TOKENS` is deliberately not: `training_loss` reads it from
@@ -25,6 +27,7 @@ re-exported so `from whisper_train.memory import X` works for the public API.
 
 from __future__ import annotations
 
+from whisper_train.memory import quantize
 from whisper_train.memory.checkpointing import (
     CHECKPOINT_POLICIES,
     MODES,
@@ -81,6 +84,7 @@ __all__ = [
     "plan_checkpointing",
     "prepare_model",
     "prepare_model_within_budget",
+    "quantize",
     "resolve_checkpointing",
     "resolve_precision",
     "shard_model",

@@ -34,6 +34,12 @@ from torch import nn
 
 from whisper_train.choices import LORA_VARIANTS, MODES
 from whisper_train.errors import UserError
+from whisper_train.memory.quantize import (
+    peft_sees_quantized,
+    quantize_base,
+    quantized_as,
+    weights_held,
+)
 from whisper_train.memory.wrappers import is_peft_model, whisper_of
 
 CHECKPOINT_POLICIES = "off, on, full, encoder, every-N (e.g. every-2)"
@@ -61,6 +67,8 @@ class LoraSettings:
     # adapters (peft's trainable_token_indices, tied to the output projection as Whisper ties
     # it), the rest of the vocabulary frozen as LoRA leaves it.
     new_languages: tuple[str, ...] = ()
+    # How the frozen base is held under the adapters (`memory.quantize`): none, int8 or nf4.
+    quantize_base: str = "none"
 
 
 # -- policies -------------------------------------------------------------------------------
@@ -158,6 +166,7 @@ def prepare_model(
     mode: str = "full",
     checkpointing: str = "off",
     lora: LoraSettings | None = None,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
     """Freeze, checkpoint (non-reentrant) and wrap LoRA in the one order that works.
 
@@ -165,7 +174,9 @@ def prepare_model(
     wrapped LoRA first). `checkpointing` is a resolved policy: off | on | full | encoder | every-N
     (`resolve_checkpointing` turns None/auto into one). Returns the model to train: the peft
     model for mode="lora", else the same object. Training mode (`model.train()`) stays the
-    caller's job; checkpointing only acts in training mode.
+    caller's job; checkpointing only acts in training mode. With `lora.quantize_base` int8 or
+    nf4 the frozen base's linear layers are quantized first (`memory.quantize`), computing in
+    `compute_dtype` (the run's precision).
     """
     if mode not in MODES:
         raise UserError(f"--mode {mode}: expected one of {', '.join(MODES)}")
@@ -176,6 +187,14 @@ def prepare_model(
             f"--mode {mode}: the model is already wrapped with PEFT adapters; use --mode lora"
         )
     whisper = whisper_of(model)
+    quantize = lora.quantize_base if lora is not None else "none"
+    if quantize != "none" and mode != "lora":
+        raise UserError(f"--quantize-base {quantize} with --mode {mode}: use --mode lora")
+    if already_peft and quantize not in ("none", quantized_as(whisper)):
+        raise UserError(
+            f"--quantize-base {quantize}: the model was wrapped with adapters before its base "
+            "was quantized; pass the unwrapped model"
+        )
 
     # 1. Freezing. The encoder's positions are fixed sinusoids; transformers 5.x from_pretrained
     # leaves them trainable, so full fine-tuning would otherwise drift them.
@@ -184,6 +203,10 @@ def prepare_model(
         whisper.model.encoder.requires_grad_(False)
     # A cache written inside a checkpointed region would be written again on recompute (T7).
     whisper.config.use_cache = False
+    # The frozen base in 8 or 4 bits, before peft wraps it: its adapters then go around the
+    # quantized layers (peft's bnb LoRA layers).
+    if quantize != "none" and not already_peft:
+        quantize_base(whisper, quantize, compute_dtype=compute_dtype)
 
     # 2. Checkpointing, through the model's own API so its layers get the partial function.
     if policy == "off":
@@ -194,7 +217,8 @@ def prepare_model(
     # 3. LoRA after checkpointing: peft then sees checkpointing on and hooks input grads itself
     # (needed only for reentrant checkpointing, harmless otherwise).
     if mode == "lora" and not already_peft:
-        model = _wrap_lora(whisper, lora or LoraSettings())
+        with peft_sees_quantized(whisper, quantize):
+            model = _wrap_lora(whisper, lora or LoraSettings())
 
     # 4. Narrow to the policy; never recompute where no gradient flows.
     if policy != "off":
@@ -218,7 +242,7 @@ def trainable_parameter_summary(model: nn.Module) -> str:
     total = trainable = 0
     parts = {"encoder": 0, "decoder": 0, "lora": 0}
     for name, param in model.named_parameters():
-        total += param.numel()
+        total += weights_held(param)  # a 4-bit base packs two weights a byte
         if not param.requires_grad:
             continue
         trainable += param.numel()

@@ -138,7 +138,10 @@ def prepare_model_within_budget(
     calibrate its estimate, and the model is narrowed to the chosen policy. Returns the model
     and the `Plan` (its `table` says what was considered and why).
     """
-    model = prepare_model(model, mode=mode, checkpointing="full", lora=lora)
+    compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    model = prepare_model(
+        model, mode=mode, checkpointing="full", lora=lora, compute_dtype=compute_dtype
+    )
     plan = plan_checkpointing(
         model,
         mode=mode,

@@ -30,6 +30,7 @@ from whisper_train.training.averaging import average_weights, checkpoints_to_ave
 from whisper_train.training.checkpoints.load import load_weights
 from whisper_train.training.datasets import Datasets, evaluation_loaders, language_targets
 from whisper_train.training.final import FinalChoice, ranked_steps, save_final
+from whisper_train.training.finish import full_precision_base
 from whisper_train.training.judge import RunEvaluations, rule_of
 from whisper_train.training.setup_phases import gather_facts
 
@@ -245,7 +246,7 @@ def _save(model, processor, folder: Path, *, run: RunOutputs, choice, rows, fina
         evaluations=[r for r in result.evaluations if not r.get("averaged")] + rows,
     )
     written = save_final(
-        model,
+        full_precision_base(model, record.model),
         processor,
         folder,
         pin_language=record.data.pin_language,

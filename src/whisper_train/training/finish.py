@@ -74,8 +74,9 @@ def refuse_nonfinite_final(
     with a NaN or infinite weight is not written there, nor called fine-tuned (every
     forward through it is NaN). Its checkpoints stay; nothing in final/ is replaced. Every
     process calls this (`nonfinite_tensors` is collective)."""
-    # Only trained tensors can be NaN here: `load_model` refuses a model that holds one.
-    parameters = list(model.parameters())
+    # Only trained tensors can be NaN here: `load_model` refuses a model that holds one. A
+    # quantized base's (--quantize-base) integer weights hold no NaN and are not trained.
+    parameters = [p for p in model.parameters() if p.is_floating_point()]
     blown = sum(nonfinite_tensors(parameters, accelerator))
     if not blown:
         return
@@ -90,7 +91,8 @@ def whole_model(model: torch.nn.Module, model_record: ModelRecord, accelerator):
     """The trained `model`, unwrapped, for final/: on the main process (None on the others
     under --fsdp, where every process must call this: the weights are gathered)."""
     if not memory.is_sharded(model):
-        return accelerator.unwrap_model(model, keep_torch_compile=False)
+        trained = accelerator.unwrap_model(model, keep_torch_compile=False)
+        return full_precision_base(trained, model_record)
     weights = memory.full_state_dict(model)  # whole, on the main process's CPU
     if not accelerator.is_main_process:
         return None
@@ -105,6 +107,18 @@ def whole_model(model: torch.nn.Module, model_record: ModelRecord, accelerator):
     whole, trained = memory.whisper_of(fresh), memory.whisper_of(unwrapped(model))
     whole.config, whole.generation_config = trained.config, trained.generation_config
     return fresh
+
+
+def full_precision_base(trained: torch.nn.Module, m: ModelRecord) -> torch.nn.Module:
+    """`trained` itself, or where its base was quantized (--quantize-base) its adapters on the
+    base loaded again in full precision: final/ merges them into the original weights, never
+    into the 8- or 4-bit ones (which would round every merged weight again)."""
+    if m.quantize_base == "none":
+        return trained
+    base, processor = load_model(m.model, attn_implementation=m.attn_implementation)
+    if m.new_language is not None:  # its shape as setup made it: the added row
+        add_language(base, processor.tokenizer, m.new_language, init=m.new_language_init)
+    return memory.quantize.adapters_on_full_precision(unwrapped(trained), base, m.lora)
 
 
 def write_run_outputs(

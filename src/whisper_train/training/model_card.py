@@ -333,6 +333,12 @@ def _training_section(
             f" ({variant}r {m.lora_r}, alpha {m.lora_alpha}, dropout {m.lora_dropout:g}, on "
             f"{', '.join(m.lora_targets)}; merged into full weights here)"
         )
+    if m.quantize_base != "none":
+        bits = {"int8": "8-bit (LLM.int8)", "nf4": "4-bit NF4, double-quantized"}
+        mode += (
+            f"; the frozen base held in {bits[m.quantize_base]} weights while training "
+            "(bitsandbytes), the adapters merged into its original full-precision weights"
+        )
     rate = f"- learning rate: {training.learning_rate:g}"
     if training.encoder_learning_rate != training.learning_rate:
         rate += f", the encoder's {training.encoder_learning_rate:g}"

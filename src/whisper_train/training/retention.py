@@ -12,6 +12,7 @@ import torch
 
 from whisper_train.config.record import RunRecord
 from whisper_train.errors import UserError
+from whisper_train.memory.quantize import weights_held
 from whisper_train.training.checkpoints import (
     MANIFEST_FILE,
     STATE_FILE,
@@ -145,5 +146,6 @@ def disk_needed_bytes(
         model,
         checkpoints_kept=kept,
         already_saved=min(already, kept),
-        final_bytes=4 * sum(p.numel() for p in model.parameters()),
+        # final/ holds full-precision weights, also where the base trained quantized.
+        final_bytes=4 * sum(weights_held(p) for p in model.parameters()),
     )

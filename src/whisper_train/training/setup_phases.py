@@ -48,7 +48,7 @@ from whisper_train.data.source import (
     plan_training_data,
 )
 from whisper_train.errors import UserError
-from whisper_train.memory import clip_attention
+from whisper_train.memory import clip_attention, quantize
 from whisper_train.memory.plan import encoder_cache_line
 from whisper_train.models import is_multilingual, load_model
 from whisper_train.runlog import MetricsLog, ProgressTable, StopRequest, progress_bars_wanted, say
@@ -235,6 +235,7 @@ def setup_memory(
     mem, m = record.memory, record.model
     lora = m.lora  # on the decoder only with the encoder cache
     checkpointing, offload = mem.checkpointing, mem.offload_activations
+    quantize.check_device(m.quantize_base, accelerator.device)
     if checkpointing == "auto":
         encoder_rows = _encoder_rows(record)
         plan_lines = _encoder_cache_plan_line(record, model, datasets)
@@ -253,7 +254,13 @@ def setup_memory(
         record = record.replace("memory", checkpointing=checkpointing, offload_activations=offload)
         say(accelerator, plan.table + plan_lines)
     else:
-        model = memory.prepare_model(model, mode=m.mode, checkpointing=checkpointing, lora=lora)
+        model = memory.prepare_model(
+            model,
+            mode=m.mode,
+            checkpointing=checkpointing,
+            lora=lora,
+            compute_dtype=precision.dtype,
+        )
     # The starting model, kept for --preserve-base before any update (or resume) changes it;
     # autocast wraps only the prepared model, so the frozen copy is told the dtype itself.
     preserve = None
@@ -274,6 +281,12 @@ def setup_memory(
         f"model: {m.model}, mode {m.mode}, checkpointing {shown}, precision {precision.name}; "
         f"{memory.trainable_parameter_summary(model)}",
     )
+    if m.quantize_base != "none":
+        say(
+            accelerator,
+            f"base: linear layers held in {m.quantize_base} (bitsandbytes), adapters in "
+            f"{precision.name}; final/ merges them into the full-precision base",
+        )
     if lora is not None and lora.decoder_only:
         say(
             accelerator,

@@ -1,0 +1,251 @@
+"""LoRA's frozen base held in 8 or 4 bits (bitsandbytes): `--quantize-base int8 | nf4`.
+
+Models reach whisper-train in 32 bits from any folder (`models.load_model`: Hugging Face,
+CTranslate2, OpenAI, a run's output), so the base is quantized after loading, here, not by
+`from_pretrained`'s quantization_config. `prepare_model` calls `quantize_base` first, before
+checkpointing and before peft wraps its adapters, so that peft puts its bnb LoRA layers around
+the quantized ones. What is quantized: every linear layer inside the encoder's and the
+decoder's layers (attention q/k/v/out and the feed-forward fc1/fc2, LoRA's targets or not). The
+convolutional front end, the embeddings, the layer norms and the output head (tied to the
+token embedding) stay as loaded.
+
+peft's `prepare_model_for_kbit_training` is never called: it casts every 16-bit parameter to
+32 bits (memory lost) and turns on checkpointing without `use_reentrant`, so torch's reentrant
+default returns (docs/checkpointing.md, T2 and T9). Checkpointing stays `prepare_model`'s,
+non-reentrant.
+
+final/ does not merge into the quantized layers: `training.finish.whole_model` reloads the
+base in full precision and merges the trained adapters there (merging into 4-bit weights
+would add the update to the rounding error of every weight, and round it again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from whisper_train.choices import QUANTIZE_BASE
+from whisper_train.errors import UserError
+from whisper_train.memory.wrappers import whisper_of
+
+# LLM.int8()'s outlier threshold, as peft's int8 Whisper example loads its base
+# (BitsAndBytesConfig's default llm_int8_threshold): inputs above it run in 16/32 bits.
+INT8_THRESHOLD = 6.0
+# NF4's block: one absmax per 64 weights (bitsandbytes' default), the absmaxes themselves
+# quantized to 8 bits in blocks of 256 (double quantization).
+NF4_BLOCK = 64
+NF4_ABSMAX_BLOCK = 256
+# Where bitsandbytes' layers run forward and backward.
+SUPPORTED_DEVICES = ("cpu", "cuda", "xpu")
+BNB_EXTRA = "pip install 'whisper-train[bnb]'"
+
+
+def require_bitsandbytes(kind: str):
+    """bitsandbytes, or a UserError naming the extra that installs it."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError(
+            f"--quantize-base {kind} needs bitsandbytes: {BNB_EXTRA}, or drop --quantize-base"
+        )
+    import bitsandbytes
+
+    return bitsandbytes
+
+
+def check_device(kind: str, device: torch.device) -> None:
+    """Refuse a device bitsandbytes' layers do not run on, in one line."""
+    if kind != "none" and torch.device(device).type not in SUPPORTED_DEVICES:
+        raise UserError(
+            f"--quantize-base {kind}: bitsandbytes does not run on {torch.device(device).type}; "
+            f"train on {', '.join(SUPPORTED_DEVICES)}, or drop --quantize-base"
+        )
+
+
+def quantizable_linears(whisper: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, layer) of every plain linear layer inside the encoder's and the
+    decoder's layers: the ones `quantize_base` replaces. Only shapes are read."""
+    found: list[tuple[nn.Module, str, nn.Linear]] = []
+
+    def search(parent: nn.Module) -> None:
+        for name, child in parent.named_children():
+            if type(child) is nn.Linear:  # not a bnb layer (a subclass)
+                found.append((parent, name, child))
+            elif not hasattr(child, "base_layer"):  # a peft adapter layer: its A and B train
+                search(child)
+
+    for stack in (whisper.model.encoder.layers, whisper.model.decoder.layers):
+        search(stack)
+    return found
+
+
+def quantize_base(whisper: nn.Module, kind: str, *, compute_dtype: torch.dtype) -> int:
+    """Replace the linear layers of `quantizable_linears` with bitsandbytes' (int8:
+    `Linear8bitLt` without 16-bit weights; nf4: `Linear4bit`, double quantization, computing in
+    `compute_dtype`), quantized from their loaded weights on the CPU; frozen. Returns how many
+    were replaced. The model remembers `kind` (`quantized_as`)."""
+    if kind not in QUANTIZE_BASE:
+        raise UserError(f"--quantize-base {kind}: expected one of {', '.join(QUANTIZE_BASE)}")
+    if kind == "none":
+        return 0
+    bnb = require_bitsandbytes(kind)
+    replaced = 0
+    for parent, name, linear in quantizable_linears(whisper):
+        weight = linear.weight.detach().to("cpu", torch.float32)
+        has_bias = linear.bias is not None
+        if kind == "int8":
+            layer = bnb.nn.Linear8bitLt(
+                linear.in_features,
+                linear.out_features,
+                bias=has_bias,
+                has_fp16_weights=False,
+                threshold=INT8_THRESHOLD,
+                device="meta",
+            )
+            layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+        else:
+            layer = bnb.nn.Linear4bit(
+                linear.in_features,
+                linear.out_features,
+                bias=has_bias,
+                compute_dtype=compute_dtype,
+                compress_statistics=True,
+                quant_type="nf4",
+                device="meta",
+            )
+            layer.weight = bnb.nn.Params4bit(
+                weight,
+                requires_grad=False,
+                blocksize=NF4_BLOCK,
+                compress_statistics=True,
+                quant_type="nf4",
+            )
+        if has_bias:
+            layer.bias = nn.Parameter(linear.bias.detach().to("cpu"), requires_grad=False)
+        layer = layer.to("cpu")  # bitsandbytes quantizes as the weight moves to a device
+        layer.train(linear.training)
+        setattr(parent, name, layer)
+        replaced += 1
+    whisper._whisper_train_quantized = kind
+    return replaced
+
+
+def quantized_as(whisper: nn.Module) -> str:
+    """none, int8 or nf4: how `quantize_base` left `whisper`."""
+    return getattr(whisper, "_whisper_train_quantized", "none")
+
+
+@contextlib.contextmanager
+def peft_sees_quantized(whisper: nn.Module, kind: str) -> Iterator[None]:
+    """While peft wraps adapters: the flags transformers sets on a model it quantized at load,
+    by which peft chooses its bnb LoRA layers (and skips its input-grad hook, which only
+    reentrant checkpointing needs). Removed afterwards: nothing else reads them."""
+    flag = {"int8": "is_loaded_in_8bit", "nf4": "is_loaded_in_4bit"}.get(kind)
+    if flag is None:
+        yield
+        return
+    setattr(whisper, flag, True)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(AttributeError):
+            delattr(whisper, flag)
+
+
+def quantized_bytes(in_features: int, out_features: int, kind: str) -> int:
+    """Bytes one linear layer's weight takes held as `kind` (the bias, kept in 32 bits, apart).
+
+    int8: a byte a weight and one float32 scale a row. nf4: half a byte a weight and, double
+    quantized, one byte of absmax a block of 64 weights, one float32 scale per block of 256
+    absmaxes and their float32 offset, and each layer's own codes (NF4's 16 values, the
+    absmaxes' 256), in float32.
+    """
+    weights = in_features * out_features
+    if kind == "none":
+        return 4 * weights
+    if kind == "int8":
+        return weights + 4 * out_features
+    blocks = -(-weights // NF4_BLOCK)
+    absmax_blocks = -(-blocks // NF4_ABSMAX_BLOCK)
+    return -(-weights // 2) + blocks + 4 * absmax_blocks + 4 + 4 * (16 + 256)
+
+
+def quantized_module_bytes(module: nn.Module) -> int:
+    """Bytes the weights of `module`'s bitsandbytes layers hold as stored: the packed
+    weights, their scales and (nf4) the quantized absmaxes and their state. A check of
+    `quantized_bytes` against what bitsandbytes really keeps."""
+    total = 0
+    for layer in module.modules():
+        weight = getattr(layer, "weight", None)
+        state = getattr(weight, "quant_state", None)
+        if state is not None:  # Params4bit
+            total += weight.data.numel() * weight.data.element_size()
+            total += _tensor_bytes(state.absmax) + _tensor_bytes(state.code)
+            nested = state.state2
+            if nested is not None:
+                total += _tensor_bytes(nested.absmax) + _tensor_bytes(nested.code)
+                total += _tensor_bytes(state.offset)
+        elif getattr(weight, "SCB", None) is not None:  # Int8Params
+            total += weight.data.numel() * weight.data.element_size() + _tensor_bytes(weight.SCB)
+    return total
+
+
+def adapters_on_full_precision(trained: nn.Module, base: nn.Module, lora) -> nn.Module:
+    """The adapters `trained` learnt on its quantized base, on `base` instead: the same model
+    loaded again in full precision (with any language row the run added). Returns `base`
+    wrapped with the same adapters (`lora`, quantize_base none) holding `trained`'s trainable
+    weights, ready for peft's merge into the original weights (final/, `average`)."""
+    # Imported here: checkpointing imports this module.
+    from whisper_train.memory.checkpointing import prepare_model
+
+    full = prepare_model(
+        base, mode="lora", checkpointing="off", lora=dataclasses.replace(lora, quantize_base="none")
+    )
+    adapters = {
+        name: param.detach().to("cpu")
+        for name, param in trained.named_parameters()
+        if param.requires_grad
+    }
+    expected = {name for name, param in full.named_parameters() if param.requires_grad}
+    if set(adapters) != expected:  # a programming error, not a user's: the layouts differ
+        raise RuntimeError(
+            f"adapters differ: {sorted(set(adapters) ^ expected)[:3]} (trained vs full base)"
+        )
+    with torch.no_grad():
+        params = dict(full.named_parameters())
+        for name, value in adapters.items():
+            params[name].copy_(value)
+    trained_whisper, whole = whisper_of(trained), whisper_of(full)
+    whole.config, whole.generation_config = (
+        trained_whisper.config,
+        trained_whisper.generation_config,
+    )
+    return full
+
+
+def weights_held(param: torch.Tensor) -> int:
+    """How many weights `param` holds: a 4-bit one packs two in a byte (its numel is half)."""
+    state = getattr(param, "quant_state", None)
+    return state.shape.numel() if state is not None else param.numel()
+
+
+def _tensor_bytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+__all__ = [
+    "BNB_EXTRA",
+    "adapters_on_full_precision",
+    "check_device",
+    "peft_sees_quantized",
+    "quantizable_linears",
+    "quantize_base",
+    "quantized_as",
+    "quantized_bytes",
+    "quantized_module_bytes",
+    "require_bitsandbytes",
+    "weights_held",
+]

@@ -1,0 +1,360 @@
+"""LoRA on a base held in 8 or 4 bits (`--quantize-base int8 | nf4`, `memory.quantize`).
+
+What a user relies on: the frozen base really is bitsandbytes' layers (the conv front end,
+embeddings, layer norms and tied head as loaded), only the adapters train and every one of them
+gets a gradient, checkpointing (non-reentrant, every policy, packed per clip or not) changes
+memory and never those gradients, the model learns, the memory plan counts the quantized
+weights as bitsandbytes stores them, final/ is the adapters merged into the ORIGINAL
+full-precision weights, a resume continues, and what cannot work is refused in one line.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import pytest
+import torch
+from conftest import train_argv
+from tiny_models import (
+    LORA,
+    fresh_short_whisper,
+    nonzero_lora_b,
+    pristine,
+    tiny_batch,
+    trainable_gradients,
+)
+
+from whisper_train import cli
+from whisper_train.config import RunConfig
+from whisper_train.errors import UserError
+from whisper_train.memory import (
+    checkpointing_state,
+    effective_use_reentrant,
+    loss_terms,
+    prepare_model,
+    quantize,
+    whisper_of,
+)
+
+bnb = pytest.importorskip("bitsandbytes")  # the `bnb` extra; its absence is tested below
+
+KINDS = ("int8", "nf4")
+# Every policy but off (the reference), as `memory.CHECKPOINT_POLICIES` names them.
+POLICIES = ("full", "encoder", "every-2")
+PACKINGS = ("unpacked", "per-clip")
+BNB_LAYER = {"int8": "Linear8bitLt", "nf4": "Linear4bit"}
+
+
+def lora_on(kind: str, **changes):
+    from dataclasses import replace
+
+    return replace(LORA, quantize_base=kind, **changes)
+
+
+def build(kind: str, policy: str) -> torch.nn.Module:
+    """The seeded 1-second model, its base quantized as `kind`, LoRA on q/v with B non-zero
+    (peft starts B at zero, which would leave every A without gradient)."""
+    model = fresh_short_whisper()
+    torch.manual_seed(1)  # LoRA A initialisation
+    model = prepare_model(model, mode="lora", checkpointing=policy, lora=lora_on(kind))
+    return nonzero_lora_b(model).train()
+
+
+def per_clip_batch() -> dict:
+    """tiny_batch's two windows packed with three clips (`--packing per-clip`'s batch)."""
+    from test_clip_attention import packed_batch
+
+    batch = packed_batch()
+    return {**batch, "input_features": batch["input_features"].float()}
+
+
+def batch_of(packing: str) -> dict:
+    return tiny_batch() if packing == "unpacked" else per_clip_batch()
+
+
+def backward_once(model: torch.nn.Module, batch: dict) -> dict:
+    """Loss and adapter gradients of one step, with the forwards of the quantized layers
+    counted (a checkpointed layer's run again in backward)."""
+    calls = {"n": 0}
+
+    def count(*_):
+        calls["n"] += 1
+
+    handles = [
+        module.register_forward_hook(count)
+        for module in model.modules()
+        if isinstance(module, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit))
+    ]
+    torch.manual_seed(0)  # per-clip packing samples each clip's padding
+    loss = loss_terms(model, batch).loss
+    loss.backward()
+    for handle in handles:
+        handle.remove()
+    return {"loss": loss.detach(), "grads": trainable_gradients(model), "calls": calls["n"]}
+
+
+@functools.cache
+def reference(kind: str, packing: str) -> dict:
+    return backward_once(build(kind, "off"), batch_of(packing))
+
+
+# -- what is held how ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_base_linear_layers_are_bitsandbytes_and_only_adapters_train(kind):
+    model = build(kind, "full")
+    whisper = whisper_of(model)
+    layers = [*whisper.model.encoder.layers, *whisper.model.decoder.layers]
+    for layer in layers:
+        for name in ("q_proj", "v_proj"):  # LoRA's targets: peft's bnb LoRA layer around bnb's
+            wrapped = getattr(layer.self_attn, name)
+            assert type(wrapped).__module__ == "peft.tuners.lora.bnb", type(wrapped)
+            assert type(wrapped.base_layer).__name__ == BNB_LAYER[kind]
+        for name in ("k_proj", "out_proj"):  # frozen, not targeted: quantized too
+            assert type(getattr(layer.self_attn, name)).__name__ == BNB_LAYER[kind]
+        assert type(layer.fc1).__name__ == type(layer.fc2).__name__ == BNB_LAYER[kind]
+    # As loaded: the conv front end, embeddings, layer norms and the tied output head.
+    original = pristine()
+    for name in (
+        "model.encoder.conv1.weight",
+        "model.encoder.conv2.weight",
+        "model.encoder.embed_positions.weight",
+        "model.decoder.embed_tokens.weight",
+        "model.encoder.layers.0.self_attn_layer_norm.weight",
+        "model.decoder.layer_norm.weight",
+    ):
+        kept = whisper.get_parameter(name)
+        assert kept.dtype == torch.float32 and torch.equal(kept, original.get_parameter(name))
+    assert whisper.proj_out.weight is whisper.model.decoder.embed_tokens.weight
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    # Integer weights never train; the adapters are float32 (the run's precision on a CPU).
+    assert not any(p.requires_grad for p in model.parameters() if not p.is_floating_point())
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "lora_" in n)
+    # 4 layers x 6 linear layers, none left as a plain torch Linear outside the adapters.
+    assert quantize.quantizable_linears(whisper) == []
+
+
+# -- checkpointing: memory, never gradients -----------------------------------------------
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_checkpointing_gives_every_adapter_the_reference_gradient(kind, policy, packing):
+    model = build(kind, policy)
+    state = checkpointing_state(model)
+    assert state["modules"] and all(r is False for r in state["use_reentrant"].values()), state
+    run, ref = backward_once(model, batch_of(packing)), reference(kind, packing)
+
+    # Every adapter matrix got a non-zero gradient (None or zero: the silent T2 failure).
+    assert run["grads"].keys() == ref["grads"].keys()
+    assert {n.split(".")[-3] for n in run["grads"]} == {"lora_A", "lora_B"}
+    dead = [n for n, g in run["grads"].items() if g is None or not g.abs().sum() > 0]
+    assert not dead, dead[:5]
+    # The recompute ran the quantized layers again: more forwards than without checkpointing.
+    assert run["calls"] > ref["calls"]
+    # Bitwise: the recompute runs bitsandbytes' same CPU kernels on the same inputs in the same
+    # order (dequantize, then a float32 matmul; int8: the same row-wise quantized matmul).
+    assert torch.equal(run["loss"], ref["loss"])
+    unequal = [n for n, g in run["grads"].items() if not torch.equal(g, ref["grads"][n])]
+    assert not unequal, f"gradients differ from no-checkpointing for {unequal[:5]}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_use_reentrant_is_false_on_every_checkpointed_module_and_the_planner_keeps_it(kind):
+    from whisper_train.memory import prepare_model_within_budget
+
+    model, plan = prepare_model_within_budget(
+        fresh_short_whisper(),
+        mode="lora",
+        lora=lora_on(kind),
+        batch_size=2,
+        # Over the plan with every-2 checkpointing, under the plan without checkpointing.
+        max_memory_bytes=16 << 20,
+        label_tokens=5,
+        precision="fp32",
+        optimizer="adamw",
+    )
+    checkpointed = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
+    assert plan.policy != "off" and checkpointed
+    assert all(effective_use_reentrant(m) is False for m in checkpointed)
+    assert quantize.quantized_as(whisper_of(model)) == kind  # quantized once, not twice
+    # peft's kbit-training flags are gone after wrapping: nothing else reads them.
+    assert not hasattr(whisper_of(model), "is_loaded_in_4bit")
+    assert not hasattr(whisper_of(model), "is_loaded_in_8bit")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_base_gets_no_gradient_and_the_model_learns(kind):
+    model = build(kind, "full")
+    batch = tiny_batch()
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        loss = loss_terms(model, batch).loss
+        loss.backward()
+        assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+        optimizer.step()
+        losses.append(float(loss))
+    # The same batch five times: a model that learns lowers its loss each step.
+    assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
+    after = dict(model.named_parameters())
+    assert all(torch.equal(after[n], before) for n, before in frozen.items())
+
+
+def test_dora_on_a_4bit_base_trains_every_magnitude():
+    model = fresh_short_whisper()
+    torch.manual_seed(1)
+    model = prepare_model(
+        model, mode="lora", checkpointing="full", lora=lora_on("nf4", variant="dora")
+    )
+    nonzero_lora_b(model).train()
+    run = backward_once(model, tiny_batch())
+    magnitudes = [g for n, g in run["grads"].items() if "magnitude" in n]
+    assert magnitudes and all(g is not None and g.abs().sum() > 0 for g in magnitudes)
+
+
+# -- the memory plan --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_estimates_weight_bytes_are_what_bitsandbytes_stores(kind):
+    whisper = fresh_short_whisper()
+    linears = [linear for _, _, linear in quantize.quantizable_linears(whisper)]
+    shapes = [(linear.in_features, linear.out_features) for linear in linears]
+    quantize.quantize_base(whisper, kind, compute_dtype=torch.float32)
+    counted = sum(quantize.quantized_bytes(i, o, kind) for i, o in shapes)
+    assert counted == quantize.quantized_module_bytes(whisper)
+    full = sum(quantize.quantized_bytes(i, o, "none") for i, o in shapes)
+    assert counted < full / (3 if kind == "int8" else 4)
+
+
+# -- refused in one line ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        ({"mode": "full"}, "--mode full: quantized weights cannot train; use --mode lora"),
+        ({"mode": "freeze-encoder"}, "use --mode lora"),
+        ({"mode": "lora", "fsdp": True, "nproc": 2}, "--fsdp"),
+        ({"mode": "lora", "cache_encoder": True}, "add --no-cache-encoder"),
+        ({"mode": "lora", "compile": True}, "drop --compile"),
+        (
+            {"mode": "lora", "quantize_base": "int8", "lora_variant": "dora"},
+            "use --quantize-base nf4 or --lora-variant lora",
+        ),
+    ],
+)
+def test_what_cannot_meet_a_quantized_base_is_refused_in_one_line(flags, said):
+    config = RunConfig.from_flat({"data": "data", "quantize_base": "nf4", **flags})
+    with pytest.raises(UserError) as refused:
+        config.validate()
+    assert said in str(refused.value) and "\n" not in str(refused.value)
+    assert str(refused.value).startswith("--quantize-base ")
+
+
+def test_without_bitsandbytes_the_option_names_the_extra_and_exits_2(
+    monkeypatch, capsys, tone_dataset, tiny_whisper_dir, tmp_path
+):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "bitsandbytes" else find_spec(name, *a),
+    )
+    argv = train_argv(tone_dataset, tiny_whisper_dir, tmp_path / "out", "--mode", "lora")
+    assert cli.main([*argv, "--quantize-base", "int8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "error: --quantize-base int8 needs bitsandbytes: pip install 'whisper-train[bnb]', "
+        "or drop --quantize-base"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_device_bitsandbytes_does_not_run_on_is_refused():
+    with pytest.raises(UserError, match="bitsandbytes does not run on mps"):
+        quantize.check_device("nf4", torch.device("mps"))
+    quantize.check_device("none", torch.device("mps"))  # nothing quantized: nothing to refuse
+
+
+# -- final/ and resume ------------------------------------------------------------------------
+
+
+def merged_in_full_precision(base_dir, checkpoint, lora) -> torch.nn.Module:
+    """The base loaded in float32, the checkpoint's adapters on it, merged by peft."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file
+    from transformers import WhisperForConditionalGeneration
+
+    base = WhisperForConditionalGeneration.from_pretrained(base_dir)
+    model = prepare_model(base, mode="lora", lora=replace(lora, quantize_base="none"))
+    missing, unexpected = model.load_state_dict(
+        load_file(checkpoint / "trainable.safetensors"), strict=False
+    )
+    assert not unexpected and not [n for n in missing if "lora_" in n]
+    return model.merge_and_unload().eval()
+
+
+def test_final_is_the_adapters_merged_into_the_original_weights_and_a_resume_continues(
+    tiny_run_config, tiny_whisper_dir, tmp_path
+):
+    from transformers import WhisperForConditionalGeneration
+
+    from whisper_train.config.record import RunRecord
+    from whisper_train.training import checkpoints
+    from whisper_train.training.train import train
+
+    config = tiny_run_config(
+        mode="lora", quantize_base="nf4", max_steps=2, save_steps=2, gradient_checkpointing="full"
+    )
+    result = train(config)
+    out = tmp_path / "out"
+    record = RunRecord.from_yaml((out / "whisper-train.yaml").read_text())
+    assert record.model.quantize_base == "nf4"
+    assert "4-bit NF4" in (result.final_dir / "README.md").read_text()
+    (checkpoint,) = checkpoints.list_checkpoints(out)
+
+    final = WhisperForConditionalGeneration.from_pretrained(result.final_dir).eval()
+    expected = merged_in_full_precision(tiny_whisper_dir, checkpoint, record.model.lora)
+    weights, want = final.state_dict(), expected.state_dict()
+    assert weights.keys() == want.keys()
+    assert all(weights[n].dtype == torch.float32 for n in weights)
+    unequal = [n for n in weights if not torch.equal(weights[n], want[n])]
+    assert not unequal, unequal[:5]
+    batch = tiny_batch()
+    features = torch.randn(2, 80, 3000, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = final(input_features=features, decoder_input_ids=batch["decoder_input_ids"])
+        reference_logits = expected(
+            input_features=features, decoder_input_ids=batch["decoder_input_ids"]
+        )
+    assert torch.equal(logits.logits, reference_logits.logits)
+    # The adapters changed the model, on the original weights: what they added to a layer is
+    # small beside the NF4 rounding error that merging into the dequantized weights would add.
+    base = WhisperForConditionalGeneration.from_pretrained(tiny_whisper_dir).state_dict()
+    name = "model.encoder.layers.0.self_attn.q_proj.weight"
+    nf4 = bnb.nn.Params4bit(base[name].clone(), requires_grad=False, quant_type="nf4").to("cpu")
+    dequantized = bnb.functional.dequantize_4bit(nf4.data, nf4.quant_state)
+    assert not torch.equal(weights[name], base[name])
+    assert (dequantized - base[name]).abs().max() > (weights[name] - base[name]).abs().max()
+
+    resumed = train(
+        tiny_run_config(
+            mode="lora",
+            quantize_base="nf4",
+            max_steps=3,
+            save_steps=2,
+            gradient_checkpointing="full",
+            resume="latest",
+        )
+    )
+    steps = [checkpoints.TrainerState.read(c).step for c in checkpoints.list_checkpoints(out)]
+    assert max(steps) == 3 and resumed.final_dir.is_dir()

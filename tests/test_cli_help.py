@@ -5,15 +5,19 @@ alike in each (`commands.flags` declares each once)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import re
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
 from whisper_train.choices import MODES, OPTIMIZERS, PACKING_AUTO, PACKINGS, TASKS
 from whisper_train.cli import build_parser
+from whisper_train.commands.flags import GROUP_TITLES, OPTIONS_REFERENCE
 from whisper_train.config import GROUPS
-from whisper_train.config.options import PRECISIONS, SCHEDULERS
+from whisper_train.config.options import PRECISIONS, SCHEDULERS, first_run_options
 
 PARSER = build_parser()
 
@@ -190,3 +194,59 @@ def test_doctor_offers_only_the_options_it_reads():
 def test_help_renders_for_every_command():
     for name, sub in COMMANDS.items():
         assert name.split()[-1] in sub.format_help().splitlines()[0]
+
+
+def _train_help(flag: str, monkeypatch) -> str:
+    """What `whisper-train train FLAG` prints, on an 80-column terminal."""
+    monkeypatch.setenv("COLUMNS", "80")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["train", flag])
+    assert exit_.value.code == 0
+    return printed.getvalue()
+
+
+def _option_rows(help_text: str) -> set[str]:
+    """The first flag of each option row of a help page (`  --data PATH  Training data...`)."""
+    return set(re.findall(r"^  (--[a-z][a-z-]*)", help_text, re.M))
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def test_train_help_is_one_screen_of_the_options_a_first_run_needs(monkeypatch):
+    """`train --help` was 452 lines: every option with every measurement. It lists the fields
+    marked first_run (and --config, --help-all) in their groups, and its last line names
+    --help-all."""
+    text = _train_help("--help", monkeypatch)
+    lines = text.rstrip("\n").splitlines()
+    assert len(lines) <= 100, len(lines)
+    assert _option_rows(text) == {_flag(n) for n in first_run_options()} | {
+        "--help-all",
+        "--config",
+    }
+    assert {"--data", "--model", "--mode", "--learning-rate", "--resume"} <= _option_rows(text)
+    assert f"--help-all shows all {len(TRAIN_FIELDS)} options" in lines[-1]
+    assert "data:" in lines and "model:" in lines  # grouped, each group under its title
+    assert len(lines) < len(_train_help("--help-all", monkeypatch).splitlines()) / 2
+
+
+def test_train_help_all_lists_every_option_grouped(monkeypatch):
+    """Every field of the configuration dataclasses has its row in `--help-all`, under its
+    group's title, and no help text carries the measurements behind it (docs/options.md
+    does)."""
+    text = _train_help("--help-all", monkeypatch)
+    assert _option_rows(text) == {_flag(n) for n in TRAIN_FIELDS} | {"--help-all", "--config"}
+    for group, title in GROUP_TITLES.items():
+        section = text[text.index(f"\n{title}:\n") :]
+        first = _flag(fields(GROUPS[group])[0].name)
+        assert section.index(first) < section.index("\n\n", 1), (group, first)
+    assert "BENCHMARKS" not in text and OPTIONS_REFERENCE in text.splitlines()[-1]
+
+
+def test_every_train_option_is_explained_in_the_options_reference():
+    """docs/options.md, which the help points to, has a section for every option."""
+    reference = (Path(__file__).resolve().parents[1] / OPTIONS_REFERENCE).read_text("utf-8")
+    explained = re.findall(r"^### `(--[a-z][a-z-]*)", reference, re.M)
+    assert sorted(explained) == sorted(_flag(name) for name in TRAIN_FIELDS)

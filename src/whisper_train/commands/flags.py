@@ -9,17 +9,22 @@ own default), and the options several commands share that no training run has (`
 pair, `--x/--no-x`; every value option's placeholder says what goes there (`PLACEHOLDERS`), a
 choice shows its choices. tests/test_cli_help.py fails when two commands spell one setting
 differently.
+
+`train --help` is one screen: the options a first run needs (the fields marked `first_run` in
+`config.options`), grouped as every option is; `train --help-all` lists them all
+(`add_help_options`), and docs/options.md tells each one's whole story.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import types
 from dataclasses import MISSING, Field, fields
 from typing import Any, Union, get_args, get_origin
 
 from whisper_train.config import GROUPS, RunConfig, field_owners
-from whisper_train.config.options import TRACKERS
+from whisper_train.config.options import TRACKERS, first_run_options
 from whisper_train.config.values import whole_number
 
 # What goes where a flag's value goes, when the flag's last word does not say it: a whole
@@ -62,6 +67,17 @@ PLACEHOLDERS = {
 }
 
 
+# Each group's title in a command's help, in `config.GROUPS` order.
+GROUP_TITLES = {
+    "data": "data",
+    "model": "model",
+    "memory": "memory and speed",
+    "train": "training, evaluation and the run folder",
+}
+# Where each option is explained at length (docs/options.md; tests/test_cli_help.py checks it).
+OPTIONS_REFERENCE = "docs/options.md"
+
+
 def placeholder(name: str, annotation: Any = None, choices=None) -> str:
     """The placeholder of a value option: PLACEHOLDERS', a choice's choices, N for a whole
     number, else the flag's last word (`--png FILE`)."""
@@ -91,7 +107,7 @@ def add_config_arguments(
         "--config", metavar="FILE.yaml", help="Options from a YAML file; flags override it."
     )
     for group_name in groups:
-        group = parser.add_argument_group(f"{group_name} options")
+        group = parser.add_argument_group(GROUP_TITLES[group_name])
         for f in fields(GROUPS[group_name]):
             if only is not None and f.name not in only:
                 continue
@@ -122,6 +138,62 @@ def add_field(
     if str(f.type).startswith("int"):  # every whole-number setting counts from 1
         kwargs["type"] = whole_number(1)
     return parser.add_argument(flag, **{**kwargs, **kw})
+
+
+def add_help_options(parser: argparse.ArgumentParser) -> None:
+    """`-h/--help`: the options a first run needs; `--help-all`: every option. The parser is
+    made with `add_help=False`; the first-run options are the fields marked `first_run`."""
+    parser.add_argument(
+        "-h", "--help", action=FirstRunHelp, help="Show the options a first run needs and exit."
+    )
+    parser.add_argument("--help-all", action=AllOptionsHelp, help="Show every option and exit.")
+
+
+class AllOptionsHelp(argparse._HelpAction):
+    """--help-all: every option, grouped, and where each is explained at length."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        saved = parser.usage, parser.epilog
+        parser.usage, parser.epilog = short_usage(parser), f"Each at length: {OPTIONS_REFERENCE}."
+        try:
+            parser.print_help()
+        finally:
+            parser.usage, parser.epilog = saved
+        parser.exit()
+
+
+class FirstRunHelp(argparse._HelpAction):
+    """-h/--help: `first_run_help`."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        sys.stdout.write(first_run_help(parser))
+        parser.exit()
+
+
+def short_usage(parser: argparse.ArgumentParser) -> str:
+    """The usage line of a help page that lists its options below (argparse's own names every
+    option: 60 lines for train)."""
+    return f"{parser.prog} [-h] [--help-all] [--config FILE.yaml] [OPTION ...]"
+
+
+def first_run_help(parser: argparse.ArgumentParser) -> str:
+    """The help of `parser` with only the options a first run needs (and those no training
+    setting owns: --config, the help flags), a short usage line, and a last line that names
+    --help-all. The other options' help is hidden for this one rendering, then restored."""
+    shown = set(first_run_options())
+    owners = field_owners()
+    hidden = [a for a in parser._actions if a.dest in owners and a.dest not in shown]
+    saved = [(action, action.help) for action in hidden], parser.usage, parser.epilog
+    try:
+        for action in hidden:
+            action.help = argparse.SUPPRESS
+        parser.usage = short_usage(parser)
+        parser.epilog = f"{parser.prog} --help-all shows all {len(owners)} options."
+        return parser.format_help()
+    finally:
+        for action, text in saved[0]:
+            action.help = text
+        parser.usage, parser.epilog = saved[1], saved[2]
 
 
 # The options several commands share that no training run has: (flag, argparse arguments).

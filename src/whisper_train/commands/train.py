@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import argparse
 
-from whisper_train.commands.flags import add_config_arguments, config_from_args
+from whisper_train.commands.flags import (
+    add_config_arguments,
+    add_help_options,
+    config_from_args,
+)
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "train",
         help="Fine-tune a Whisper model on your data.",
+        add_help=False,  # -h lists the options a first run needs, --help-all every option
         description="Fine-tune Whisper (full, LoRA or frozen encoder) with non-reentrant gradient "
         "checkpointing, evaluate with generate-based WER, and save OUTPUT/final/.",
     )
+    add_help_options(parser)
     add_config_arguments(parser)
     parser.set_defaults(handler=run)
 

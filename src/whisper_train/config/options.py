@@ -76,35 +76,37 @@ def default_learning_rate(mode: str, model_width: int | None = None) -> float:
     return FULL_LEARNING_RATES_BY_WIDTH[at_least[0] if at_least else widths[-1]]
 
 
-def _help(text: str, *, choices: tuple[str, ...] | None = None, **kwargs: Any) -> Any:
-    """A dataclass field whose metadata carries its CLI help (and the words it takes, which
-    every command's usage line shows: `--mode {full,lora,freeze-encoder}`)."""
-    metadata = {"help": text} if choices is None else {"help": text, "choices": choices}
+def _help(
+    text: str, *, choices: tuple[str, ...] | None = None, first_run: bool = False, **kwargs: Any
+) -> Any:
+    """A dataclass field whose metadata carries its CLI help: one or two sentences (the whole
+    story is in docs/options.md), the words it takes, which every command's usage line shows
+    (`--mode {full,lora,freeze-encoder}`), and whether a first run needs it (`first_run`:
+    `train --help` lists those, `train --help-all` every option)."""
+    metadata: dict[str, Any] = {"help": text}
+    if choices is not None:
+        metadata["choices"] = choices
+    if first_run:
+        metadata["first_run"] = True
     return field(metadata=metadata, **kwargs)
 
 
 @dataclass
 class DataConfig:
     data: str | None = _help(
-        "Training data: an audiofolder (metadata.csv), a JSONL/CSV/TSV manifest, or another "
-        "layout that `check-data` recognises.",
+        "Training data: an audiofolder (metadata.csv), a JSONL/CSV/TSV manifest, or another layout "
+        "that `check-data` recognises.",
         default=None,
+        first_run=True,
     )
     eval_data: list[str] = field(
         default_factory=list,
         metadata={
-            "help": "Held-out data in any accepted layout, as NAME=PATH (repeat the flag for "
-            "several sets, each scored at every evaluation; a bare PATH is named 'eval'). "
-            "NAME:LANG=PATH states the set's language (e.g. general:en=general-english/); a "
-            "row's `language` column wins, and a set with neither is decoded in the language "
-            "detected in each clip, never in --language. NAME:long=PATH (or NAME:LANG:long=PATH) "
-            "is a set of long recordings (audio + .srt/.vtt/.txt of the same name, or manifest "
-            "rows of any length), each decoded whole in 30 s windows and scored over its whole "
-            "transcript; it can be the --guard. NAME:nonspeech=PATH (a folder of audio, or "
-            "`builtin`) is clips where nobody speaks, scored by the words the model invents a "
-            "minute and held to its start (--max-nonspeech-rise). "
-            "Default: a seeded split of --data, named 'eval' (decoded in --language).",
+            "help": "Held-out data as NAME=PATH, scored at every evaluation; repeat the flag "
+            "for several sets (NAME:LANG=, NAME:long= and NAME:nonspeech= in "
+            "docs/evaluation.md). Default: a seeded split of --data, named 'eval'.",
             "repeatable": True,
+            "first_run": True,
         },
     )
     data_format: str | None = _help(
@@ -112,13 +114,13 @@ class DataConfig:
         default=None,
     )
     streaming: bool = _help(
-        "Stream --data instead of reading it whole: a hub id is then streamed, not downloaded "
-        "(WebDataset .tar and Parquet shards always stream).",
+        "Stream --data instead of reading it whole (WebDataset .tar and Parquet shards always "
+        "stream).",
         default=False,
     )
     shuffle_buffer: int = _help(
-        "Rows held in a streamed --data's seeded shuffle buffer: larger shuffles better and holds "
-        "more encoded audio in memory.",
+        "Rows in a streamed --data's seeded shuffle buffer: larger shuffles better and holds more "
+        "audio in memory.",
         default=1000,
     )
     eval_split: float = _help(
@@ -127,14 +129,14 @@ class DataConfig:
     train_subset: int | None = _help("Use only the first N training utterances.", default=None)
     eval_subset: int | None = _help("Use only the first N evaluation utterances.", default=None)
     language: str | None = _help(
-        "Language of the speech (e.g. en, de); a per-row `language` column wins. "
-        "English-only checkpoints (*.en) accept only English.",
+        "Language of the speech (e.g. en, de); a row's `language` column wins. English-only "
+        "checkpoints (*.en) accept only English.",
         default=None,
+        first_run=True,
     )
     pin_language: bool = _help(
-        "Save --language as the fine-tuned model's language, so that transformers' pipeline, "
-        "`transcribe` and the exports decode every clip in it. Off by default: the saved model "
-        "detects each clip's language, as the base did.",
+        "Save --language as the fine-tuned model's language, so that every runtime decodes in it "
+        "(off: the model detects each clip's language, as the base did).",
         default=False,
     )
     task: str = _help("transcribe or translate (to English).", choices=TASKS, default="transcribe")
@@ -142,63 +144,41 @@ class DataConfig:
         "Train with timestamp tokens where segment times are known.", default=False
     )
     prompt_probability: float = _help(
-        "Chance that a training clip whose previous text is known (the window before it in a "
-        "subtitled recording, or a manifest's previous_text/prompt column) gets that text as "
-        "a prompt (<|startofprev|> text, as transformers' generate(prompt_ids=...) and "
-        "long-form decoding give it), the loss masked there: keeps prompts and previous-text "
-        "conditioning working after fine-tuning. 0 is off (the default: BENCHMARKS.md "
-        "'Prompts in training').",
+        "Chance that a training clip whose previous text is known gets it as a prompt, so that "
+        "prompts keep working after fine-tuning; 0 is off.",
         default=0.0,
     )
     nonspeech: str | None = _help(
-        "Clips where nobody speaks, mixed into training with empty targets (and <|nospeech|> "
-        "after <|startoftranscript|>) so that the model keeps writing nothing on silence, noise "
-        "and tones: a folder of audio (files over 30 s are cut), `builtin` (synthesised "
-        "noise, hum, tones and chords, other samples than the built-in evaluation set's), or "
-        "none. Default auto: builtin for --data read whole, none for a stream; a --resume "
-        "continues as its checkpoint trained (BENCHMARKS.md 'Text where nobody speaks').",
+        "Clips where nobody speaks, trained with empty targets so that silence stays silent: a "
+        "folder of audio, `builtin` or none (auto: builtin unless --data is streamed).",
         default=NONSPEECH_AUTO,
     )
     nonspeech_share: float | None = _help(
-        "Share of each epoch's clips that --nonspeech clips make up (their clips repeat to "
-        "fill it). Default 0.2: about 2 clips of a batch of 8 (measured against 0.1 in "
-        "BENCHMARKS.md 'Text where nobody speaks'); a --resume continues with its "
-        "checkpoint's.",
+        "Share of each epoch's clips that --nonspeech clips make up (default 0.2; a --resume keeps "
+        "its checkpoint's).",
         default=None,
     )
     strict: bool = _help(
         "Stop on the first unusable clip instead of skipping and counting it.", default=False
     )
     spec_augment: bool = _help(
-        "SpecAugment (time and frequency masking); off by default: on the demo's sets it cost "
-        "2.6 points of held-out WER (BENCHMARKS.md 'Augmentation, dropout').",
+        "SpecAugment: mask bands of time and frequency in the training features.",
         default=False,
     )
     audio_augment: bool = _help(
-        "Waveform augmentation (noise, speed, gain), seeded by --seed; off by default: on the "
-        "demo's sets no better than the seeds' spread, at 1.3x the training time.",
+        "Waveform augmentation of training clips (noise, speed, gain), seeded by --seed.",
         default=False,
     )
     packing: str = _help(
-        "auto (the default): per-clip wherever it can run, else off (streamed data, "
-        "--preserve-base, --compile, --group-by-length and the frozen encoder's cache take "
-        "off); per-clip: pack short training clips into windows of at most 30 s of audio, "
-        "each clip decoded on its own (its own label, cross-attending to its own part of the "
-        "window), as unpacked training decodes it, each clip followed in its window by its "
-        "own padding, one frame for every 8 of the padding it has alone (so about 4 clips of "
-        "3 s a window): within a point of unpacked training per clip seen, 4.9x its clips a "
-        "second (BENCHMARKS.md 'Packing per clip by default'); on: the same windows "
-        "of at most 448 label tokens, each labelled with its clips' transcripts joined; off: "
-        "one clip a window (the encoder always runs on 30 s: packed, it runs on speech, not "
-        "padding). Evaluation is never packed.",
+        "per-clip: short clips share a 30 s window, each decoded on its own; on: a window's clips "
+        "share one joined label; off: one clip a window; auto: per-clip wherever it can run, else "
+        "off.",
         choices=(PACKING_AUTO, *PACKINGS),
         default="auto",
     )
     packing_timestamps: str = _help(
-        "on (with --packing on): label every packed window of 2+ clips in Whisper's timestamp "
-        "form, each clip a segment at its place in the window, with or without --timestamps; "
-        "off: packed windows follow --timestamps as single clips do (the default: "
-        "always-timestamped windows measured no better, BENCHMARKS.md).",
+        "on (with --packing on): label every packed window of 2+ clips with timestamps; off: "
+        "packed windows follow --timestamps.",
         choices=("on", "off"),
         default="off",
     )
@@ -210,28 +190,26 @@ class ModelConfig:
         "A Hugging Face model folder or hub id, a CTranslate2/faster-whisper folder, a "
         "whisper-train output folder, or the alias tiny.en.",
         default="tiny.en",
+        first_run=True,
     )
     mode: str = _help(
         "full: train every weight; lora: low-rank adapters (peft); freeze-encoder: train the "
         "decoder only.",
         choices=MODES,
         default="full",
+        first_run=True,
     )
     lora_r: int = _help("LoRA rank.", default=32)
     lora_alpha: int = _help("LoRA scaling numerator (scale = alpha / r).", default=64)
     lora_dropout: float = _help("Dropout on the LoRA path.", default=0.05)
     lora_targets: list[str] = _help(
-        "Comma-separated module names that get adapters, in the encoder and the decoder (in the "
-        "decoder only with --cache-encoder: the cached encoder stays as it is). Default: every "
-        "linear layer (q_proj,k_proj,v_proj,out_proj,fc1,fc2): a third fewer held-out errors "
-        "than the HF blog's q_proj,v_proj; BENCHMARKS.md 'LoRA on every linear layer'.",
+        "Comma-separated module names that get adapters, in the encoder and the decoder (the "
+        "decoder only with --cache-encoder).",
         default_factory=lambda: list(LORA_TARGETS),
     )
     lora_variant: str = _help(
-        "How the adapters update a weight: lora (scale alpha / r), dora (DoRA: the update's "
-        "direction with a trained magnitude per output, peft's use_dora) or rslora (scale "
-        "alpha / sqrt(r)). Each is merged into full weights in final/ and the exports; "
-        "BENCHMARKS.md 'DoRA and rsLoRA'.",
+        "How the adapters update a weight: lora (scale alpha / r), dora (a trained magnitude per "
+        "output) or rslora (scale alpha / sqrt(r)).",
         choices=LORA_VARIANTS,
         default="lora",
     )
@@ -244,16 +222,13 @@ class ModelConfig:
         "sdpa or eager attention.", choices=("sdpa", "eager"), default="sdpa"
     )
     new_language: str | None = _help(
-        "Teach the model a language Whisper lacks: add the token <|CODE|> (e.g. eo) to its "
-        "tokenizer and embedding, trained with the rest (under LoRA too), so that --language "
-        "CODE, language detection, evaluate, transcribe and the exports that can hold it "
-        "know it. Multilingual models only; needs --new-language-init.",
+        "Teach a multilingual model a language Whisper lacks, as the new token <|CODE|> (e.g. eo); "
+        "needs --new-language-init (docs/languages.md).",
         default=None,
     )
     new_language_init: str | None = _help(
         "The language whose token --new-language's starts from (a neighbour, e.g. es for "
-        "Esperanto); required with it: the neighbour is a linguistic choice the tool cannot "
-        "make.",
+        "Esperanto); required with it.",
         default=None,
     )
 
@@ -261,21 +236,25 @@ class ModelConfig:
 @dataclass
 class MemoryConfig:
     gradient_checkpointing: str | None = _help(
-        "off | on | full | encoder | every-N | auto (default: full on a GPU, off on a CPU). "
-        "Always non-reentrant.",
+        "off | on | full | encoder | every-N | auto (default: full on a GPU, off on a CPU). Always "
+        "non-reentrant.",
         default=None,
+        first_run=True,
     )
     max_memory: str | None = _help(
-        "Device memory budget for --gradient-checkpointing auto, e.g. 4GB.", default=None
+        "Device memory budget for --gradient-checkpointing auto, e.g. 4GB.",
+        default=None,
+        first_run=True,
     )
     offload_activations: bool = _help(
         "Keep checkpoint boundaries in host memory (CUDA; needs checkpointing).", default=False
     )
     precision: str = _help(
-        "auto (bf16 where supported, fp16 + loss scaling on older GPUs, fp32 on CPU), fp32, "
-        "bf16 or fp16.",
+        "auto (bf16 where supported, fp16 + loss scaling on older GPUs, fp32 on CPU), fp32, bf16 "
+        "or fp16.",
         choices=PRECISIONS,
         default="auto",
+        first_run=True,
     )
     optim: str = _help(
         "adamw (torch's fused kernel where the weights allow it), adamw-fused (that kernel or "
@@ -289,23 +268,19 @@ class MemoryConfig:
         default=None,
     )
     encoder_cache_dir: str | None = _help(
-        "Folder of the cached encoder outputs, shared by runs and evaluations (one subfolder per "
-        "encoder and precision; `whisper-train cache ls|clear`). Default: "
-        "$WHISPER_TRAIN_CACHE/encoder, else $XDG_CACHE_HOME/whisper-train/encoder, else "
-        "~/.cache/whisper-train/encoder.",
+        "Folder of the cached encoder outputs, shared by runs and evaluations (default: encoder/ "
+        "under $WHISPER_TRAIN_CACHE, else ~/.cache/whisper-train).",
         default=None,
     )
     encoder_cache_max_size: str = _help(
-        "Most disk the encoder cache folder may fill, all models together (e.g. 50GB; 0 writes "
-        "nothing). Clips past it, or past the disk's free space, are encoded again every epoch.",
+        "Most disk the encoder cache may fill, all models together (0 writes nothing); clips past "
+        "it are encoded again every epoch.",
         # ~8,700 clips of tiny, ~4,300 of small, ~2,600 of large-v3 (1500 x d_model x 2 bytes).
         default="10GB",
     )
     compile: bool | None = _help(
         "torch.compile the model (default: on a CUDA GPU for runs of 2,000 optimizer steps or "
-        "more, where its ~35 s of compiling pays back, BENCHMARKS.md 'Compiled, and data "
-        "workers'; not with per-clip packing, the default, nor --fsdp or activation offload, "
-        "which it has not been run with: the start line says when it stays off).",
+        "more; the start line says when it stays off).",
         default=None,
     )
 
@@ -313,53 +288,50 @@ class MemoryConfig:
 @dataclass
 class TrainConfig:
     output_dir: str = _help(
-        "Where metrics, checkpoints and final/ go.", default="whisper-train-output"
+        "Where metrics, checkpoints and final/ go.", default="whisper-train-output", first_run=True
     )
-    epochs: float | None = _help("Passes over the training data (default 3).", default=None)
-    max_steps: int | None = _help("Optimizer steps; overrides --epochs.", default=None)
+    epochs: float | None = _help(
+        "Passes over the training data (default 3).", default=None, first_run=True
+    )
+    max_steps: int | None = _help(
+        "Optimizer steps; overrides --epochs.", default=None, first_run=True
+    )
     batch_size: int = _help(
-        "Clips per micro-batch (per process): an optimizer step trains --batch-size x "
-        "--gradient-accumulation x processes clips, packed or not. Packed, a micro-batch is "
-        "the whole windows that hold about this many clips (at least one), and no window holds "
-        "more clips than a step; the start line says how a step is split.",
+        "Clips per micro-batch per process: a step trains --batch-size x --gradient-accumulation x "
+        "processes clips.",
         default=8,
+        first_run=True,
     )
     gradient_accumulation: int = _help(
-        "Micro-batches per optimizer step (packed: the step's clips are as asked, its "
-        "micro-batches as many as its windows need).",
+        "Micro-batches per optimizer step (packed: as many as the step's windows need).",
         default=1,
+        first_run=True,
     )
     learning_rate: float | None = _help(
-        "Peak learning rate: default 1.5e-4 for lora (on every linear layer it kept real speech "
-        "no run trained on at tiny.en's WER, 3e-4 cost 1.6 points), 3e-5 for freeze-encoder; "
-        "for full the decoder's, 2e-5 on tiny with the encoder at 2.5x (--encoder-lr-scale; "
-        "1e-4 for all broke real speech), lower for wider models (small 8.5e-6, large "
-        "2.9e-6); BENCHMARKS.md 'Learning rates'.",
+        "Peak learning rate (default: per mode and model width, e.g. 2e-5 for full on tiny, 1.5e-4 "
+        "for lora, 3e-5 for freeze-encoder).",
         default=None,
+        first_run=True,
     )
     encoder_lr_scale: float | None = _help(
-        "The encoder's learning rate as a multiple of --learning-rate (which the decoder "
-        "takes): default 2.5 for full (encoder 5e-5, decoder 2e-5 on tiny: 19% fewer held-out "
-        "errors than 3e-5 for all, real speech no run trained on kept), 1 for lora; 1 trains "
-        "every weight at one rate; BENCHMARKS.md 'Encoder and decoder at their own rates'.",
+        "The encoder's learning rate as a multiple of --learning-rate, which the decoder takes "
+        "(default: 2.5 for full, else 1).",
         default=None,
     )
     lr_scheduler: str = _help(
-        "linear or constant_with_warmup (linear by default: a constant rate cost real speech "
-        "0.5-1.4 points of WER; BENCHMARKS.md 'Warm-up and schedule').",
+        "linear or constant_with_warmup.",
         choices=SCHEDULERS,
         default="linear",
     )
     warmup_steps: int = _help(
-        "Linear warm-up steps (default 0: a 10% warm-up changed nothing at full's default rate "
-        "and did not make 1e-4 safe for real speech; BENCHMARKS.md 'Warm-up and schedule').",
+        "Linear warm-up steps (default 0).",
         default=0,
     )
     weight_decay: float = _help("AdamW weight decay.", default=0.0)
     max_grad_norm: float = _help("Clip gradients to this global norm (0 disables).", default=1.0)
     seed: int = _help("Seed for initialisation, data order, splits and augmentation.", default=42)
     eval_steps: int | None = _help(
-        "Evaluate every N optimizer steps (default: only at the end).", default=None
+        "Evaluate every N optimizer steps (default: only at the end).", default=None, first_run=True
     )
     only_train: bool = _help("Skip evaluation entirely.", default=False)
     eval_at_start: bool = _help(
@@ -372,14 +344,13 @@ class TrainConfig:
         default=None,
     )
     guard: str | None = _help(
-        "An --eval-data set (by NAME) of what the model must not forget: scored before step 1 "
-        "and at every evaluation; a step whose guard WER rose more than --max-regression points "
-        "over the start is never chosen for final/.",
+        "An --eval-data set (by NAME) of what the model must not forget: a step whose WER there "
+        "rose more than --max-regression points over the start is never chosen for final/.",
         default=None,
+        first_run=True,
     )
     max_regression: float | None = _help(
-        "Points of guard WER a step may lose against the start (default 2.0 with --guard; a "
-        "default chosen, not measured).",
+        "Points of guard WER a step may lose against the start (default 2.0 with --guard).",
         default=None,
     )
     stop_on_regression: bool = _help(
@@ -387,38 +358,28 @@ class TrainConfig:
         default=False,
     )
     max_nonspeech_rise: float = _help(
-        "Words per minute a step may invent on an --eval-data NAME:nonspeech=PATH set over that "
-        "set's start (measured before step 1); a step past it is never chosen for final/. "
-        "Default 1.0: at most one more invented word per minute of non-speech audio (a default "
-        "chosen, not measured).",
+        "Words per minute a step may invent on a NAME:nonspeech=PATH evaluation set over that "
+        "set's start; a step past it is never chosen for final/.",
         default=DEFAULT_MAX_NONSPEECH_RISE,
     )
     preserve_base: float = _help(
-        "Weight of a KL term that keeps the model's next-token distribution at label positions "
-        "close to the starting model's (distil-whisper's teacher term): 0 is off. Costs a frozen "
-        "copy of the weights for full and freeze-encoder (none for LoRA) and one no-grad "
-        "forward a step. Off by default: measured once, weight 1 held tiny.en's WER on real "
-        "speech it never trained on at 6.4 (7.3 before) where LoRA at 1e-3 without it reached "
-        "11.5 (BENCHMARKS.md 'Quality').",
+        "Weight of a KL term that keeps the model's predictions close to the starting model's (0 "
+        "is off); full and freeze-encoder keep a frozen copy of the weights for it.",
         default=0.0,
     )
     compare_baseline: bool = _help(
-        "At the end, evaluate the starting model and the fine-tuned one on the evaluation data "
-        "and write OUTPUT/report.md and report.png (utterances that got better and worse).",
+        "At the end, evaluate the starting model and the fine-tuned one and write OUTPUT/report.md "
+        "and report.png.",
         default=False,
     )
     logging_steps: int = _help(
-        "Report the training loss averaged over the last N optimizer steps, every N steps: in "
-        "the progress bar on a terminal, else (a log file, CI) as one plain line with step/total, "
-        "loss and learning rate. metrics.jsonl always gets every step.",
+        "Report the training loss averaged over N optimizer steps, every N steps (metrics.jsonl "
+        "always gets every step).",
         default=1,
     )
     report_to: list[str] = _help(
-        "Comma-separated experiment trackers that get every metrics.jsonl row (per-set WER, "
-        "losses, learning rate, gradient norm) and the resolved configuration: tensorboard "
-        "(OUTPUT/tensorboard/), mlflow (MLFLOW_TRACKING_URI; pip install "
-        "'whisper-train[mlflow]'), wandb (W&B's login, or WANDB_MODE=offline; pip install "
-        "'whisper-train[wandb]'), or none. metrics.jsonl is always written.",
+        "Comma-separated experiment trackers that get every metrics row and the resolved "
+        "configuration, or none (metrics.jsonl is always written).",
         default_factory=lambda: ["tensorboard"],
     )
     generation_max_length: int = _help(
@@ -426,10 +387,8 @@ class TrainConfig:
     )
     # Evaluation's decoding, as `evaluate` and `transcribe` decode (whisper_train.decoding).
     temperatures: str = _help(
-        "Evaluation decodes greedily, then again at these temperatures (sampling) for each "
-        "utterance whose output loops (--compression-ratio-threshold) or is unlikely "
-        "(--logprob-threshold); a single 0 turns the fallback off. openai-whisper's defaults, "
-        "not tuned here.",
+        "Evaluation decodes a transcript that loops or is unlikely again at these temperatures; a "
+        "single 0 turns the fallback off.",
         default="0,0.2,0.4,0.6,0.8,1.0",
     )
     compression_ratio_threshold: str = _help(
@@ -442,21 +401,18 @@ class TrainConfig:
         default="-1.0",
     )
     no_speech_threshold: str = _help(
-        "A clip whose <|nospeech|> probability is above this and whose mean token "
-        "log-probability is under --logprob-threshold is silence: no text, as faster-whisper "
-        "and openai-whisper decide; none to disable.",
+        "A clip whose <|nospeech|> probability is above this and whose mean token log-probability "
+        "is under --logprob-threshold is silence; none to disable.",
         default="0.6",
     )
     condition_on_previous_text: bool = _help(
-        "Long-form evaluation sets (--eval-data NAME:long=PATH) decode each 30 s window with "
-        "the previous windows' text as its prompt, as openai-whisper's and faster-whisper's "
-        "transcribe do by default (off: each window alone, as `whisper-train transcribe` "
-        "decodes).",
+        "Long-form evaluation sets decode each 30 s window with the previous windows' text as its "
+        "prompt (off: each window alone, as `transcribe` decodes).",
         default=False,
     )
     num_workers: int | None = _help(
-        "Data-loading worker processes (default: 4 per process on a CUDA GPU, fewer where the "
-        "machine has fewer CPUs; 0 elsewhere, where they would take the CPUs that train).",
+        "Data-loading worker processes (default: 4 per process on a CUDA GPU, fewer on fewer CPUs; "
+        "0 elsewhere).",
         default=None,
     )
     group_by_length: bool = _help(
@@ -467,21 +423,19 @@ class TrainConfig:
         "Write OUTPUT/checkpoint-<step>/ every N optimizer steps (default: only when the run is "
         "interrupted or stopped).",
         default=None,
+        first_run=True,
     )
     save_total_limit: int = _help(
         "Keep the newest N checkpoints, plus the one with the best WER.", default=2
     )
     average_checkpoints: int | None = _help(
-        "At the end, average the weights (LoRA: the adapters) of N checkpoints on disk "
-        "(--average-by: the last N, the end's own included, or the best N), evaluate the "
-        "average like a step, and keep it as final/ only where it beats the chosen step by the "
-        "run's own rule (lowest --metric-for-best WER, --guard kept). Needs --save-steps.",
+        "At the end, average the weights of N checkpoints and keep the average as final/ where it "
+        "beats the chosen step; needs --save-steps.",
         default=None,
     )
     average_by: str = _help(
-        "Which checkpoints --average-checkpoints N averages: the last N saved (needs "
-        "--save-total-limit N or more), or the N best evaluated by the run's own rule (needs "
-        "--eval-steps; rotation keeps them).",
+        "Which checkpoints --average-checkpoints N averages: the last N saved, or the N best "
+        "evaluated.",
         choices=AVERAGE_BY,
         default="last",
     )
@@ -491,14 +445,14 @@ class TrainConfig:
             "help": "Continue a run: 'latest' (the newest checkpoint in --output-dir; a bare "
             "--resume means this) or a checkpoint folder.",
             "const": "latest",  # the value of the bare flag
+            "first_run": True,
         },
     )
     overwrite: bool = _help(
-        "Start afresh in an --output-dir that holds an earlier run: its whisper-train files "
-        "(final/, checkpoints, metrics, reports) are moved, not deleted, into a new folder "
-        "OUTPUT.old-<date>-<time> beside it; other files stay where they are. Off by default: "
-        "such a folder is refused.",
+        "Start afresh in an --output-dir that holds an earlier run, its files moved aside into "
+        "OUTPUT.old-<date>-<time> (off: such a folder is refused).",
         default=False,
+        first_run=True,
     )
     max_bad_steps: int = _help(
         "Stop (with a checkpoint) after N optimizer steps in a row whose loss or gradient is NaN "
@@ -506,14 +460,13 @@ class TrainConfig:
         default=10,
     )
     nproc: int = _help(
-        "Data-parallel processes on this machine (one per GPU, or CPU processes with gloo). "
-        "--batch-size is per process: global batch = nproc x batch x accumulation.",
+        "Data-parallel processes on this machine (one per GPU, or CPU processes); --batch-size is "
+        "per process.",
         default=1,
     )
     fsdp: bool = _help(
-        "Shard weights, gradients and optimiser state over the --nproc processes (FSDP2): each "
-        "holds 1/N of them, for a model whose training does not fit one GPU. Costs gathers "
-        "each step and the whole weights on every process while evaluating.",
+        "Shard weights, gradients and optimiser state over the --nproc processes (FSDP2), for a "
+        "model whose training does not fit one GPU.",
         default=False,
     )
 
@@ -534,3 +487,14 @@ def field_owners() -> dict[str, str]:
             assert f.name not in owners, f"option {f.name} defined twice"
             owners[f.name] = group_name
     return owners
+
+
+def first_run_options() -> tuple[str, ...]:
+    """The options a first run needs (fields marked `first_run`), in declaration order: what
+    `train --help` lists; `train --help-all` lists every option."""
+    return tuple(
+        f.name
+        for group_cls in GROUPS.values()
+        for f in fields(group_cls)
+        if f.metadata.get("first_run")
+    )

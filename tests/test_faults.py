@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import math
 import os
 import re
@@ -213,7 +214,9 @@ def test_a_signal_finishes_the_step_saves_and_prints_the_resume_command(
     assert f"--resume {found[0]}" in stdout + stderr
 
 
-def test_bad_clips_are_skipped_as_they_are_read_and_named_once(tmp_path, tiny_run_config, capsys):
+def test_bad_clips_are_skipped_as_they_are_read_and_named_once(
+    tmp_path, tiny_run_config, capsys, caplog
+):
     manifest = write_tone_dataset(tmp_path / "data", n=9, layout="jsonl")
     (manifest.parent / "broken.wav").write_bytes(b"RIFF, and then nothing audio")
     (manifest.parent / "empty.wav").write_bytes(b"")
@@ -223,12 +226,13 @@ def test_bad_clips_are_skipped_as_they_are_read_and_named_once(tmp_path, tiny_ru
         rows.write('{"audio": "empty.wav", "text": "echo foxtrot"}\n')
     # 12 rows in batches of 4: 3 micro-batches an epoch; 6 steps read every bad clip twice
     # (unpacked: tests/test_packing.py skips a clip in packed windows).
+    caplog.set_level(logging.DEBUG, logger="whisper_train")  # -v: the data line's detail too
     result = train(tiny_run_config(data=str(manifest), max_steps=6, packing="off"))
 
     assert result.steps == 6 and result.train_examples == 12
     assert result.skipped_clips == 3  # each bad clip counted once, not once an epoch
     out = capsys.readouterr().out
-    assert "(training audio is checked as each clip is read;" in out
+    assert "(training audio is checked as each clip is read;" in out  # said with -v
     report = out[out.index("epoch 0: clips skipped as they were read:") :].splitlines()
     assert report[0] == "epoch 0: clips skipped as they were read: 3 skipped"
     # One line a reason, commonest first; a reason's clips in the order the shuffle met them.

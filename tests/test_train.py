@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
+import re
 
 import numpy as np
 import pytest
 import torch
 import transformers
 import yaml
-from conftest import SAME_RUN_LOSS_ATOL, losses_and_evaluations, write_tone_dataset
+from conftest import (
+    SAME_RUN_LOSS_ATOL,
+    losses_and_evaluations,
+    train_in_subprocess,
+    write_tone_dataset,
+)
 
 import whisper_train.evaluation.evaluate as evaluate_module
 from whisper_train.cli import main
+from whisper_train.runlog import START_LINE_CHARS, say
 from whisper_train.training.train import train
 
 # Training loss after each of 3 optimizer steps of conftest's tiny_run_config on the seeded tiny
@@ -301,3 +309,56 @@ def test_a_second_run_in_one_process_may_use_another_precision(tiny_run_config, 
     for run in (first, second):
         (loss,) = losses_and_evaluations(run.output_dir)[0]
         assert math.isfinite(loss)
+
+
+def test_a_first_run_prints_each_start_line_in_a_terminal_width(
+    tmp_path, tone_dataset, tiny_whisper_dir
+):
+    """What a run says before its first step (its record's notes, the model, the data, the
+    evaluation sets, the memory plan, the screening) fits a terminal: each line at most
+    START_LINE_CHARS (the data line was 383 characters); the rest is with -v and in
+    OUTPUT/whisper-train.yaml. The run has what a first run often has: --packing and
+    --nonspeech auto, two evaluation sets, a guard and --gradient-checkpointing auto."""
+    held = write_tone_dataset(tmp_path / "held", n=4, seed=1)
+    guard = write_tone_dataset(tmp_path / "guard", n=4, seed=2)
+    result = train_in_subprocess(
+        [
+            f"--data={tone_dataset}",
+            f"--model={tiny_whisper_dir}",
+            f"--eval-data=held={held}",
+            f"--eval-data=guard={guard}",
+            "--guard=guard",
+            "--gradient-checkpointing=auto",
+            "--max-memory=64GB",
+            "--max-steps=1",
+            "--batch-size=4",
+            "--generation-max-length=8",
+            "--temperatures=0",
+            f"--output-dir={tmp_path / 'out'}",
+        ]
+    )
+    out = result.stdout.splitlines()
+    first_step = next(i for i, line in enumerate(out) if re.match(r"\s*Step \||step 1/", line))
+    start = out[:first_step] + result.stderr.splitlines()
+    for said in ("packing auto ->", "nonspeech auto ->", "model:", "trainable parameters:"):
+        assert any(line.startswith(said) for line in start), (said, start)
+    # 12 tone clips and the built-in non-speech clips, in windows; the memory plan's budget
+    assert re.search(r"^data: \d+ clips packed into \d+ windows; ", result.stdout, re.M)
+    assert "budget 64.00 GiB" in result.stdout
+    assert "evaluation: 4 in held, 4 in guard" in out
+    too_long = [line for line in start if len(line) > START_LINE_CHARS]
+    assert not too_long, too_long
+
+
+def test_a_start_line_s_detail_is_printed_with_verbose_only(capsys, caplog):
+    """`say(..., detail=...)`: the line always, its detail under it with -v (DEBUG)."""
+    from types import SimpleNamespace
+
+    main_process = SimpleNamespace(is_main_process=True)
+    say(main_process, "data: 12 clips", detail="each clip decoded on its own")
+    assert capsys.readouterr().out == "data: 12 clips\n"
+    caplog.set_level(logging.DEBUG, logger="whisper_train")
+    say(main_process, "data: 12 clips", detail="each clip decoded on its own")
+    assert capsys.readouterr().out == "data: 12 clips\n  each clip decoded on its own\n"
+    say(SimpleNamespace(is_main_process=False), "data: 12 clips", detail="more")
+    assert capsys.readouterr().out == ""

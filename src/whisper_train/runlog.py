@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import shlex
@@ -47,10 +48,20 @@ TENSORBOARD_MISSING = (
 )
 
 
-def say(accelerator, message: str) -> None:
-    """One line from the main process, printed above any progress bar."""
-    if accelerator.is_main_process:
-        tqdm.write(message)
+# The longest line a run prints before its first step: one a terminal shows whole. Each start
+# line says what a user needs; its detail (`say(..., detail=...)`) is printed with -v, and every
+# resolved setting is in OUTPUT/whisper-train.yaml.
+START_LINE_CHARS = 120
+
+
+def say(accelerator, message: str, *, detail: str | None = None) -> None:
+    """One line from the main process, printed above any progress bar; `detail` (the rest of
+    the story) under it with -v (whisper_train's logging at DEBUG)."""
+    if not accelerator.is_main_process:
+        return
+    tqdm.write(message)
+    if detail and logging.getLogger("whisper_train").isEnabledFor(logging.DEBUG):
+        tqdm.write(f"  {detail}")
 
 
 @dataclass

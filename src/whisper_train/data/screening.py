@@ -236,7 +236,8 @@ def screen(
     try:
         cached = _read_screening(target, key, len(examples))
         if isinstance(cached, Screening):
-            log.info("screening: reusing %s", target)
+            log.info("screening: %d clips, as screened before (cached)", len(examples))
+            log.debug("screening: read from %s", target)
             return cached
         if cached is not None:  # never trusted: its indices would pick the clips trained on
             log.warning("screening: %s does not verify (%s); screening again", target, cached)

@@ -221,6 +221,9 @@ class WholeData:
             f"{self.plan.shape.clips} clips"
         )
 
+    def summary(self) -> str:
+        return self.plan.summary()
+
     def describe(self) -> str:
         return self.plan.describe() + (
             ""

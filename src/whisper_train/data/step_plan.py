@@ -272,9 +272,25 @@ class WholePlan:
     def steps_per_epoch(self) -> int:
         return len(self.steps(0))
 
+    def summary(self) -> str:
+        """The start line's account of the plan (its first epoch), short: clips, windows, steps
+        and what a micro-batch holds; `describe` tells the whole of it."""
+        items, counts = self.items(0)
+        steps = plan_steps(items, counts, self.shape)
+        text = f"{self.n_clips} clips"
+        if self.packing is not None:
+            if self.packing.unreadable:
+                text += f" ({len(self.packing.unreadable)} unreadable, left out)"
+            text += f" packed into {len(items)} windows"
+        text += f"; {len(steps)} steps an epoch of ~{sum(counts) / max(1, len(steps)):.1f} clips"
+        if self.packing is not None:
+            size = self.shape.items_per_micro_batch
+            text += f", {size} window{'s' * (size > 1)} a micro-batch"
+        return text
+
     def describe(self) -> str:
-        """The start line's account of the plan (its first epoch): clips, windows, and what a
-        step and a micro-batch hold."""
+        """The whole account of the plan (its first epoch): clips, windows, how full they are,
+        and what a step and a micro-batch hold."""
         items, counts = self.items(0)
         steps = plan_steps(items, counts, self.shape)
         text = f"{self.n_clips} training utterances"
@@ -311,8 +327,8 @@ class WholePlan:
         return (
             f"--batch-size {self.batch_size} x --gradient-accumulation {accumulation}"
             + (f" x {self.shape.processes} processes" if self.shape.processes > 1 else "")
-            + f": {self.shape.clips} clips a step as asked, in whole windows of "
-            f"~{sum(counts) / max(1, len(items)):.1f} clips, so ~{per_step:.1f} micro-batches "
+            + f": {self.shape.clips} clips a step in windows of "
+            f"~{sum(counts) / max(1, len(items)):.1f}, so ~{per_step:.1f} micro-batches "
             f"a step{' a process' if self.shape.processes > 1 else ''}, not {accumulation}"
         )
 

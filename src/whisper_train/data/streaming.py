@@ -381,6 +381,11 @@ class StreamPlan:
         per_process = math.ceil(self.samples / self.processes)
         return max(1, math.ceil(math.ceil(per_process / self.batch_size) / self.accumulation))
 
+    def summary(self) -> str:
+        """The start line's account of the stream, short; `describe` tells the whole of it."""
+        counted = f", {self.samples} samples a pass" if self.samples is not None else ""
+        return f"streaming {self.source.describe()}{counted}; shuffle buffer {self.shuffle_buffer}"
+
     def describe(self) -> str:
         counted = ""
         if self.samples is not None:
@@ -517,6 +522,9 @@ class StreamData:
             f"stream pass {self.position.epoch}, {sum(self.position.rows.values())} samples "
             "into it on this process: read again, not decoded"
         )
+
+    def summary(self) -> str:
+        return self.plan.summary()
 
     def describe(self) -> str:
         return self.plan.describe()

@@ -187,15 +187,21 @@ class EncoderCache:
         return cache
 
     def summary(self, n_clips: int) -> str:
-        """The start-up line: where the cache lives, what it holds, what this run may add."""
+        """The start-up line: where the cache lives, what it holds, what this run may add
+        (`details`: the rest, printed with -v)."""
+        return (
+            f"encoder cache: {self.folder} holds {self.clips_at_start} clips; this run's "
+            f"{n_clips} take up to {format_bytes(n_clips * self.clip_bytes)}"
+        )
+
+    def details(self) -> str:
+        """The start-up line's detail: the sizes, the limit and the free space."""
         free = shutil.disk_usage(self.folder).free
         return (
-            f"encoder cache: {self.folder} holds {self.clips_at_start} clips "
-            f"({format_bytes(self.used_at_start)}); the whole cache "
+            f"encoder cache: this folder {format_bytes(self.used_at_start)}, the whole cache "
             f"{format_bytes(self.root_used_at_start)} of its {format_bytes(self.limit_bytes)} "
-            f"limit, {format_bytes(free)} free; this run's {n_clips} clips take up to "
-            f"{format_bytes(n_clips * self.clip_bytes)} (16-bit), encoded as training first "
-            "meets them"
+            f"limit (--encoder-cache-max-size), {format_bytes(free)} free; outputs in 16 bits, "
+            "each encoded when training first meets its clip"
         )
 
     # -- files ---------------------------------------------------------------------------------

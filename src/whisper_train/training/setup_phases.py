@@ -51,7 +51,14 @@ from whisper_train.errors import UserError
 from whisper_train.memory import clip_attention, quantize
 from whisper_train.memory.plan import encoder_cache_line
 from whisper_train.models import is_multilingual, load_model
-from whisper_train.runlog import MetricsLog, ProgressTable, StopRequest, progress_bars_wanted, say
+from whisper_train.runlog import (
+    START_LINE_CHARS,
+    MetricsLog,
+    ProgressTable,
+    StopRequest,
+    progress_bars_wanted,
+    say,
+)
 from whisper_train.trackers import Trackers, accelerate_trackers
 from whisper_train.training import checkpoints, resume
 from whisper_train.training.checkpoints.load import read_stream_position
@@ -278,9 +285,9 @@ def setup_memory(
         )
     say(
         accelerator,
-        f"model: {m.model}, mode {m.mode}, checkpointing {shown}, precision {precision.name}; "
-        f"{memory.trainable_parameter_summary(model)}",
+        f"model: {m.model}, mode {m.mode}, checkpointing {shown}, precision {precision.name}",
     )
+    say(accelerator, memory.trainable_parameter_summary(model))
     if m.quantize_base != "none":
         say(
             accelerator,
@@ -290,9 +297,9 @@ def setup_memory(
     if lora is not None and lora.decoder_only:
         say(
             accelerator,
-            f"LoRA adapters on the decoder only ({','.join(lora.targets)}): the encoder's "
-            "outputs are cached (--cache-encoder), so it stays as it is; --no-cache-encoder "
-            "adapts the encoder too",
+            "LoRA adapters on the decoder only (the encoder's outputs are cached); "
+            "--no-cache-encoder adapts the encoder too",
+            detail=f"adapters on {','.join(lora.targets)}; the cached encoder stays as it is",
         )
     # The doctor's cheap checks: refuse a configuration known to fail (T1-T9).
     doctor.static_checks(
@@ -342,7 +349,7 @@ def setup_encoder_cache(
     )
     n_clips = len(datasets.train) + sum(len(e) for e in datasets.eval.values())
     cache.expected_clips = math.ceil(n_clips / accelerator.num_processes)
-    say(accelerator, cache.summary(n_clips))
+    say(accelerator, cache.summary(n_clips), detail=cache.details())
     dtype = precision.dtype if precision.dtype != torch.float32 else None
 
     def complete(batch: dict) -> dict:
@@ -410,8 +417,13 @@ def setup_loaders(
         max_label_tokens=model.config.max_target_positions,
         cached=cached,
     )
+    say(accelerator, f"data: {data.summary()}", detail=data.describe())
     sets = ", ".join(f"{len(ex)} in {name}" for name, ex in datasets.eval.items())
-    say(accelerator, f"data: {data.describe()}; evaluation: {sets or 'none'}")
+    line = f"evaluation: {sets or 'none'}"
+    if len(line) > START_LINE_CHARS:  # many sets: their count here, each with -v
+        clips = sum(len(ex) for ex in datasets.eval.values())
+        line = f"evaluation: {clips} clips in {len(datasets.eval)} sets"
+    say(accelerator, line, detail=f"evaluation sets: {sets}")
     return data, eval_loaders, eval_languages
 
 

@@ -133,7 +133,7 @@ def test_the_base_linear_layers_are_bitsandbytes_and_only_adapters_train(kind):
     # Integer weights never train; the adapters are float32 (the run's precision on a CPU).
     assert not any(p.requires_grad for p in model.parameters() if not p.is_floating_point())
     assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "lora_" in n)
-    # 4 layers x 6 linear layers, none left as a plain torch Linear outside the adapters.
+    # No plain torch Linear left in the layers, the adapters' own A and B aside.
     assert quantize.quantizable_linears(whisper) == []
 
 
@@ -232,6 +232,27 @@ def test_the_estimates_weight_bytes_are_what_bitsandbytes_stores(kind):
     assert counted == quantize.quantized_module_bytes(whisper)
     full = sum(quantize.quantized_bytes(i, o, "none") for i, o in shapes)
     assert counted < full / (3 if kind == "int8" else 4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_plan_counts_the_quantized_weights_as_held(kind):
+    from whisper_train.memory import estimate_memory
+
+    held = build(kind, "full")
+    whisper = whisper_of(held)
+    stored = quantize.quantized_module_bytes(whisper)
+    bnb_weights = {id(linear.weight) for linear in quantize.base_linears(whisper)}
+    rest = sum(p.numel() * p.element_size() for p in held.parameters() if id(p) not in bnb_weights)
+    assert estimate_memory(held, policy="full").weights == stored + rest
+    # A model not yet quantized (the planner's large models, on the meta device) named `kind`:
+    # its weights are planned as the quantized model holds them, its dequantization buffer too.
+    plain = prepare_model(fresh_short_whisper(), mode="lora", checkpointing="full", lora=LORA)
+    named, real = estimate_memory(plain, quantize_base=kind), estimate_memory(held)
+    assert named.weights == real.weights
+    unquantized = estimate_memory(plain)
+    assert unquantized.weights > 3 * stored
+    largest = max(linear.weight.numel() for linear in quantize.base_linears(whisper_of(plain)))
+    assert named.working - unquantized.working == 4 * largest
 
 
 # -- refused in one line ------------------------------------------------------------------------
@@ -358,3 +379,33 @@ def test_final_is_the_adapters_merged_into_the_original_weights_and_a_resume_con
     )
     steps = [checkpoints.TrainerState.read(c).step for c in checkpoints.list_checkpoints(out)]
     assert max(steps) == 3 and resumed.final_dir.is_dir()
+
+
+# -- doctor ---------------------------------------------------------------------------------
+
+
+def test_doctor_names_peft_kbit_preparation_and_passes_whisper_trains_own():
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    from whisper_train import doctor
+
+    def quantized_base_check(model):
+        checks = doctor.static_checks(model, refuse=False)
+        return next(c for c in checks if c.id == "quantized base")
+
+    # The common recipe: a 4-bit base, peft's kbit preparation (checkpointing with its
+    # defaults), then LoRA.
+    model = fresh_short_whisper()
+    quantize.quantize_base(model, "nf4", compute_dtype=torch.float32)
+    model.is_loaded_in_4bit = True  # as transformers marks a model it quantized at load
+    model = prepare_model_for_kbit_training(model)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    check = quantized_base_check(model)
+    assert check.status == "fail" and check.trigger == "T9"
+    assert "prepare_model_for_kbit_training" in check.message
+    assert '"use_reentrant": False' in check.remedy and "--quantize-base" in check.remedy
+    with pytest.raises(UserError, match="under reentrant checkpointing"):
+        doctor.static_checks(model)  # what `train` runs before step 1: refused
+
+    check = quantized_base_check(build("nf4", "full"))
+    assert check.status == "pass" and "32 bitsandbytes layers" in check.message

@@ -31,6 +31,7 @@ def check_statically(model, *, trainer_args, ddp, compile, hand_enabled) -> list
         _check_versions(model, state),
         _check_reentrant(state),
         _check_peft_order(model, state),
+        _check_quantized_base(model, state),
         _check_trainer(model, state, trainer_args, hand_enabled),
         _check_ddp(model, state, trainer_args, ddp),
         _check_compile(state, compile),
@@ -150,6 +151,41 @@ def _check_peft_order(model, state) -> Check | None:
         f"PEFT adapters under reentrant checkpointing: {detail}",
         NON_REENTRANT_REMEDY,
         "T2",
+    )
+
+
+# bitsandbytes' quantized linear layers, by class name (bitsandbytes itself is optional; peft's
+# LoRA layers around them share the names, not the module).
+QUANTIZED_LAYERS = ("Linear8bitLt", "Linear4bit")
+
+
+def _check_quantized_base(model, state) -> Check | None:
+    """A base held in 8 or 4 bits (bitsandbytes) under reentrant checkpointing: what peft's
+    `prepare_model_for_kbit_training` leaves, since it enables checkpointing without
+    use_reentrant (and casts every 16-bit parameter to 32 bits)."""
+    quantized = [
+        m
+        for m in model.modules()
+        if type(m).__name__ in QUANTIZED_LAYERS and type(m).__module__.startswith("bitsandbytes")
+    ]
+    if not quantized:
+        return None
+    if state["reentrant"]:
+        return Check(
+            "quantized base",
+            "fail",
+            f"{len(quantized)} bitsandbytes layers under reentrant checkpointing, as peft's "
+            "prepare_model_for_kbit_training leaves them: the adapters get no gradient, or "
+            "backward fails with 'element 0 of tensors does not require grad'",
+            "whisper-train train --mode lora --quantize-base nf4|int8 (no kbit preparation), or "
+            'prepare_model_for_kbit_training(model, gradient_checkpointing_kwargs={"use_reentrant": '
+            "False})",
+            "T9",
+        )
+    return Check(
+        "quantized base",
+        "pass",
+        f"{len(quantized)} bitsandbytes layers, checkpointing non-reentrant or off",
     )
 
 

@@ -1,6 +1,10 @@
 """The peak-memory estimate of one training step, counted from the model's shapes, by term:
 
-    weights      every parameter, float32 (the precision policy keeps master weights fp32)
+    weights      every parameter, float32 (the precision policy keeps master weights fp32);
+                 with --quantize-base, the base's linear layers as bitsandbytes stores them
+                 (int8: a byte a weight and a scale a row; nf4: half a byte a weight, the
+                 double-quantized absmax of each block of 64) plus, in the working set, the
+                 largest one's weights dequantized for its matmul
     gradients    one float32 gradient per trainable parameter
     optimiser    AdamW: two float32 moments per trainable parameter (2x the trainable
                  weights); bitsandbytes AdamW8bit: two uint8 moments (~0.5x)
@@ -44,6 +48,7 @@ from whisper_train.data.labels import MAX_DECODER_TOKENS
 from whisper_train.errors import UserError
 from whisper_train.memory.checkpointing import checkpointed_layers
 from whisper_train.memory.loss import LOSS_CHUNK_TOKENS
+from whisper_train.memory.quantize import base_linears, quantized_as, quantized_bytes
 from whisper_train.memory.wrappers import whisper_of
 
 _HALF_PRECISIONS = ("bf16", "fp16")
@@ -81,6 +86,7 @@ def estimate_memory(
     offload: bool = False,
     activation_scale: float = 1.0,
     encoder_rows: int | None = None,
+    quantize_base: str | None = None,
 ) -> MemoryEstimate:
     """Peak training memory of `model` as prepared (frozen parts, LoRA) under `policy`.
 
@@ -91,12 +97,24 @@ def estimate_memory(
     `activation_scale` is the probe's correction (measured / counted), 1.0 without a probe.
     `encoder_rows` is the encoder's batch where it is not `batch_size`: a packed per-clip
     micro-batch of W windows encodes 2W where a silence window goes beside each in its batch
-    (`clip_attention.encoder_rows_per_window`).
+    (`clip_attention.encoder_rows_per_window`). `quantize_base` is how the base's linear
+    layers are held (none, int8, nf4); None: as `model` holds them (`quantize.quantized_as`),
+    which a model on the meta device cannot be quantized to, so the planner of a large model
+    names it.
     """
     half = precision in _HALF_PRECISIONS
     params = list(model.parameters())
     trainable = sum(p.numel() for p in params if p.requires_grad)
-    weights = sum(p.numel() * p.element_size() for p in params)
+    held = quantize_base or quantized_as(whisper_of(model))
+    quantized = {id(linear.weight): linear for linear in base_linears(whisper_of(model))}
+    if held == "none":
+        quantized = {}
+    weights = sum(
+        quantized_bytes(quantized[id(p)].in_features, quantized[id(p)].out_features, held)
+        if id(p) in quantized
+        else p.numel() * p.element_size()
+        for p in params
+    )
     gradients = 4 * trainable
     optimizer_bytes = {"adamw": 8, "adamw-fused": 8, "adamw8bit": 2}.get(optimizer)
     if optimizer_bytes is None:
@@ -118,9 +136,18 @@ def estimate_memory(
     # counting every frozen copy overestimated by 40% (BENCHMARKS.md).
     autocast_copies = 0
     if half:
-        cast = [p for p in params if p.ndim >= 2 and (p.requires_grad or policy != "full")]
+        # A quantized weight is not autocast: bitsandbytes dequantizes it for each matmul.
+        cast = [
+            p
+            for p in params
+            if p.ndim >= 2 and (p.requires_grad or policy != "full") and id(p) not in quantized
+        ]
         autocast_copies = 2 * sum(p.numel() for p in cast)
-    working = (per_sample["working"] * batch_size) + autocast_copies
+    # One layer's weights dequantized at a time (forward, and backward's input gradient).
+    dequantized = max(
+        (linear.in_features * linear.out_features for linear in quantized.values()), default=0
+    ) * (2 if half else 4)
+    working = (per_sample["working"] * batch_size) + autocast_copies + dequantized
     return MemoryEstimate(
         weights=weights,
         gradients=gradients,

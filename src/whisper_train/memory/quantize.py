@@ -82,6 +82,19 @@ def quantizable_linears(whisper: nn.Module) -> list[tuple[nn.Module, str, nn.Lin
     return found
 
 
+def base_linears(whisper: nn.Module) -> list[nn.Linear]:
+    """The frozen base's linear layers inside the encoder's and decoder's layers, whether plain,
+    quantized already (bitsandbytes' layers are `nn.Linear`s) or inside peft's adapter layers
+    (their `base_layer`): the layers --quantize-base holds in 8 or 4 bits. Only shapes are read,
+    so `whisper` may live on the meta device (the planner's large models)."""
+    return [
+        module
+        for stack in (whisper.model.encoder.layers, whisper.model.decoder.layers)
+        for name, module in stack.named_modules()
+        if isinstance(module, nn.Linear) and "lora_" not in name
+    ]
+
+
 def quantize_base(whisper: nn.Module, kind: str, *, compute_dtype: torch.dtype) -> int:
     """Replace the linear layers of `quantizable_linears` with bitsandbytes' (int8:
     `Linear8bitLt` without 16-bit weights; nf4: `Linear4bit`, double quantization, computing in
@@ -177,9 +190,12 @@ def quantized_module_bytes(module: nn.Module) -> int:
     """Bytes the weights of `module`'s bitsandbytes layers hold as stored: the packed
     weights, their scales and (nf4) the quantized absmaxes and their state. A check of
     `quantized_bytes` against what bitsandbytes really keeps."""
-    total = 0
+    total, seen = 0, set()
     for layer in module.modules():
         weight = getattr(layer, "weight", None)
+        if id(weight) in seen:  # peft's adapter layer shows its base layer's weight too
+            continue
+        seen.add(id(weight))
         state = getattr(weight, "quant_state", None)
         if state is not None:  # Params4bit
             total += weight.data.numel() * weight.data.element_size()
@@ -239,6 +255,7 @@ def _tensor_bytes(tensor: torch.Tensor | None) -> int:
 __all__ = [
     "BNB_EXTRA",
     "adapters_on_full_precision",
+    "base_linears",
     "check_device",
     "peft_sees_quantized",
     "quantizable_linears",

@@ -318,16 +318,19 @@ def test_a_first_run_prints_each_start_line_in_a_terminal_width(
     evaluation sets, the memory plan, the screening) fits a terminal: each line at most
     START_LINE_CHARS (the data line was 383 characters); the rest is with -v and in
     OUTPUT/whisper-train.yaml. The run has what a first run often has: --packing and
-    --nonspeech auto, two evaluation sets, a guard and --gradient-checkpointing auto."""
+    --nonspeech auto, two evaluation sets (named at length: the line counts them), a guard and
+    --gradient-checkpointing auto."""
     held = write_tone_dataset(tmp_path / "held", n=4, seed=1)
     guard = write_tone_dataset(tmp_path / "guard", n=4, seed=2)
+    held_name = "held-out-speakers-reading-words-training-never-met"
+    guard_name = "general-english-sentences-read-in-the-default-voice"
     result = train_in_subprocess(
         [
             f"--data={tone_dataset}",
             f"--model={tiny_whisper_dir}",
-            f"--eval-data=held={held}",
-            f"--eval-data=guard={guard}",
-            "--guard=guard",
+            f"--eval-data={held_name}={held}",
+            f"--eval-data={guard_name}={guard}",
+            f"--guard={guard_name}",
             "--gradient-checkpointing=auto",
             "--max-memory=64GB",
             "--max-steps=1",
@@ -339,13 +342,14 @@ def test_a_first_run_prints_each_start_line_in_a_terminal_width(
     )
     out = result.stdout.splitlines()
     first_step = next(i for i, line in enumerate(out) if re.match(r"\s*Step \||step 1/", line))
+    assert first_step > 0, result.stdout
     start = out[:first_step] + result.stderr.splitlines()
     for said in ("packing auto ->", "nonspeech auto ->", "model:", "trainable parameters:"):
         assert any(line.startswith(said) for line in start), (said, start)
     # 12 tone clips and the built-in non-speech clips, in windows; the memory plan's budget
     assert re.search(r"^data: \d+ clips packed into \d+ windows; ", result.stdout, re.M)
     assert "budget 64.00 GiB" in result.stdout
-    assert "evaluation: 4 in held, 4 in guard" in out
+    assert "evaluation: 8 clips in 2 sets" in out  # each set by name with -v
     too_long = [line for line in start if len(line) > START_LINE_CHARS]
     assert not too_long, too_long
 

@@ -419,11 +419,11 @@ def setup_loaders(
     )
     say(accelerator, f"data: {data.summary()}", detail=data.describe())
     sets = ", ".join(f"{len(ex)} in {name}" for name, ex in datasets.eval.items())
-    line = f"evaluation: {sets or 'none'}"
+    line, detail = f"evaluation: {sets or 'none'}", None
     if len(line) > START_LINE_CHARS:  # many sets: their count here, each with -v
         clips = sum(len(ex) for ex in datasets.eval.values())
-        line = f"evaluation: {clips} clips in {len(datasets.eval)} sets"
-    say(accelerator, line, detail=f"evaluation sets: {sets}")
+        line, detail = f"evaluation: {clips} clips in {len(datasets.eval)} sets", line
+    say(accelerator, line, detail=detail)
     return data, eval_loaders, eval_languages
 
 

@@ -409,3 +409,19 @@ def test_doctor_names_peft_kbit_preparation_and_passes_whisper_trains_own():
 
     check = quantized_base_check(build("nf4", "full"))
     assert check.status == "pass" and "32 bitsandbytes layers" in check.message
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_evaluation_between_steps_leaves_training_as_it_was(kind):
+    """Evaluation runs the layers in eval mode without gradients (generate, as during a run):
+    the next training step gives the gradients a model that never evaluated gives (on CPUs
+    with AVX512-BF16, bitsandbytes' inference kernel once repacked the 4-bit weights in place,
+    and the next step failed)."""
+    evaluated, fresh = build(kind, "full"), build(kind, "full")
+    evaluated.eval()
+    with torch.no_grad():
+        evaluated.generate(input_features=tiny_batch()["input_features"], max_new_tokens=3)
+    evaluated.train()
+    run, ref = backward_once(evaluated, tiny_batch()), backward_once(fresh, tiny_batch())
+    assert torch.equal(run["loss"], ref["loss"])
+    assert all(torch.equal(g, ref["grads"][n]) for n, g in run["grads"].items())

@@ -136,6 +136,11 @@ def quantize_base(whisper: nn.Module, kind: str, *, compute_dtype: torch.dtype) 
                 compress_statistics=True,
                 quant_type="nf4",
             )
+            # On a CPU with AVX512-BF16, bitsandbytes repacks a 4-bit weight in place for its
+            # inference kernel the first time the layer runs in eval mode, and never back: the
+            # next training step then fails ("a view of a leaf Variable ... in-place"). Off, an
+            # evaluation during training runs the same kernels as training does.
+            layer.support_avx512bf16_for_cpu = False
         if has_bias:
             layer.bias = nn.Parameter(linear.bias.detach().to("cpu"), requires_grad=False)
         layer = layer.to("cpu")  # bitsandbytes quantizes as the weight moves to a device

@@ -201,3 +201,120 @@ def test_a_kill_while_the_average_is_written_loses_nothing(runs, tmp_path, monke
         expected = average_weights([run / "checkpoint-1", run / "checkpoint-2"])
         final = load_file(run / "final" / "model.safetensors")
         assert all(torch.equal(final[n], w) for n, w in expected.items() if n in final)
+
+
+def _winning_average(monkeypatch) -> None:
+    """The average's WER made better than every step's: without a refusal, final/ is replaced."""
+    real = judge_module.RunEvaluations.evaluate_average
+
+    def evaluate_average(self, model, step, steps):
+        rows = real(self, model, step, steps)
+        rows[0]["wer"] = min(r["wer"] for r in self.rows if r["step"] > 0) - 0.01
+        return rows
+
+    monkeypatch.setattr(judge_module.RunEvaluations, "evaluate_average", evaluate_average)
+
+
+def _folder_bytes(folder) -> dict:
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _as_saved(weights_file) -> None:
+    """The checkpoint's manifest.json made to list `weights_file` as it is now: a checkpoint
+    saved so (by another run, or by a run whose update went bad), not damaged on disk."""
+    manifest = weights_file.parent / "manifest.json"
+    sizes = json.loads(manifest.read_text())
+    sizes["files"][weights_file.name] = weights_file.stat().st_size
+    manifest.write_text(json.dumps(sizes))
+
+
+@pytest.mark.parametrize("damage", ["nan", "inf", "shape"])
+def test_a_checkpoint_with_a_nonfinite_or_misshapen_tensor_is_refused_and_final_kept(
+    runs, tmp_path, monkeypatch, capsys, damage
+):
+    """One NaN (or infinity) in a checkpoint's trained weights makes the average NaN; a tensor
+    of another shape cannot be added: refused in one line naming the checkpoint and the remedy
+    (exit 2), though the average would win, and final/ and result.json as they were."""
+    from safetensors.torch import save_file
+
+    _winning_average(monkeypatch)
+    run = _copy(runs, "full", tmp_path)
+    final_before, result_before = _folder_bytes(run / "final"), (run / "result.json").read_bytes()
+    weights_file = run / "checkpoint-1" / WEIGHTS_FILE
+    weights = load_file(weights_file)
+    name = sorted(weights)[len(weights) // 2]
+    if damage == "shape":
+        weights[name] = weights[name].flatten()[:3].clone()
+    else:
+        weights[name] = weights[name].clone()
+        weights[name].view(-1)[0] = float(damage)
+    save_file(weights, weights_file)
+    _as_saved(weights_file)
+    assert main(["average", str(run), "--average-checkpoints", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "checkpoint-1" in err and "cannot be averaged" in err and "--average-by" in err, err
+    assert ("shape" if damage == "shape" else "NaN or infinite") in err, err
+    assert "\n" not in err and "Traceback" not in err, err
+    assert _folder_bytes(run / "final") == final_before
+    assert (run / "result.json").read_bytes() == result_before
+
+
+def test_average_waits_for_a_run_that_holds_the_folder(runs, tmp_path, monkeypatch, capsys):
+    """A `train --resume` holding the run folder's lock: `average` refuses in one line naming
+    the folder and leaves final/ as it is; once the lock is let go, it runs."""
+    from whisper_train.runfolder import RunLock
+
+    _winning_average(monkeypatch)
+    run = _copy(runs, "full", tmp_path)
+    final_before = _folder_bytes(run / "final")
+    with RunLock(run):  # what `train --output-dir RUN --resume latest` holds while it runs
+        assert main(["average", str(run), "--average-checkpoints", "2"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"average {run} is in use by another whisper-train run (PID" in err, err
+        assert "wait for it to end or stop it" in err and "\n" not in err, err
+        assert _folder_bytes(run / "final") == final_before
+    assert main(["average", str(run), "--average-checkpoints", "2"]) == 0
+    assert "final/: replaced by the average" in capsys.readouterr().out
+
+
+def test_the_run_end_average_skips_a_checkpoint_it_cannot_average(runs, tmp_path, capsys):
+    """--average-checkpoints N at the end of a run: a checkpoint with a NaN is not averaged in
+    (one line says so) and the run keeps its chosen step, its model as it was."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from whisper_train.training.averaging import average_at_end
+    from whisper_train.training.final import FinalChoice
+
+    run = _copy(runs, "full", tmp_path)
+    weights_file = run / "checkpoint-1" / WEIGHTS_FILE
+    weights = load_file(weights_file)
+    name = sorted(weights)[0]
+    weights[name] = weights[name].clone()
+    weights[name].view(-1)[0] = float("nan")
+    save_file(weights, weights_file)
+    record = SimpleNamespace(output=SimpleNamespace(average_checkpoints=2, average_by="last"))
+    chosen = FinalChoice(2, "the last step")
+
+    class Judge:
+        rows: list = []
+
+        def evaluate_average(self, *args):
+            raise AssertionError("a NaN checkpoint was averaged and evaluated")
+
+    class Quiet:
+        is_main_process = True
+
+    choice = average_at_end(
+        record=record,
+        output_dir=run,
+        last_step=2,
+        chosen=chosen,
+        model=None,
+        judge=Judge(),
+        accelerator=Quiet(),
+    )
+    assert choice is chosen
+    said = capsys.readouterr().out
+    assert "--average-checkpoints 2: nothing averaged: " in said and "checkpoint-1" in said

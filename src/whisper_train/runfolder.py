@@ -173,8 +173,15 @@ class RunLock:
     inherit the very descriptor (`launch.launch_data_parallel`).
     """
 
-    def __init__(self, output_dir: Path):
+    def __init__(
+        self,
+        output_dir: Path,
+        *,
+        named: str = "--output-dir",
+        remedy: str = "wait for it to end, stop it, or choose another --output-dir",
+    ):
         self.output_dir = Path(output_dir)
+        self.named, self.remedy = named, remedy  # the refusal's: the folder as given, what to do
         self.path = self.output_dir / LOCK_FILE
         self.fd: int | None = None
         self.created: list[Path] = []  # the folders acquire() made, innermost first
@@ -199,9 +206,8 @@ class RunLock:
                 self._without_lock(exc)  # a file system without locks (some network mounts)
                 return
             raise UserError(
-                f"--output-dir {self.output_dir} is in use by another whisper-train run "
-                f"({holder or 'starting now'}); wait for it to end, stop it, or choose another "
-                "--output-dir"
+                f"{self.named} {self.output_dir} is in use by another whisper-train run "
+                f"({holder or 'starting now'}); {self.remedy}"
             ) from None
         os.ftruncate(fd, 0)
         started = time.strftime("%Y-%m-%d %H:%M:%S")

@@ -211,14 +211,24 @@ def save_model_folder(
     return folder
 
 
+def nonfinite_names(named: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names of the tensors of `named` (name, tensor) that hold a NaN or an infinity: one
+    fused norm per tensor, NaN or infinite exactly when the tensor holds one, or is so large
+    that no trained weight comes near. Empty tensors hold neither."""
+    filled = [(name, tensor) for name, tensor in named if tensor.numel()]
+    if not filled:
+        return []
+    norms = torch._foreach_norm([tensor for _, tensor in filled], 2)
+    return [name for (name, _), norm in zip(filled, norms, strict=True) if not norm.isfinite()]
+
+
 def refuse_nonfinite_weights(model, spec: str) -> None:
     """A weight that is NaN or infinite makes every output NaN: training would only find out at
     its end, and evaluate or export would report or ship garbage. One fused norm per tensor
     (NaN or infinite exactly when the tensor holds one, or is so large that no trained weight
     comes near), before anything uses the model."""
     named = [(name, p.detach()) for name, p in model.named_parameters() if p.numel()]
-    norms = torch._foreach_norm([p for _, p in named], 2)
-    blown = [name for (name, _), norm in zip(named, norms, strict=True) if not norm.isfinite()]
+    blown = nonfinite_names(named)
     if blown:
         raise UserError(
             f"--model {spec}: {len(blown)} of {len(named)} weight tensors hold NaN or infinite "

@@ -123,8 +123,23 @@ def average_run(
     the run's own --average-checkpoints and --average-by), score the average on the run's
     evaluation sets, and write it to `output` (a new model folder), or with no `output`
     replace final/ (and result.json, the model card) where it wins by the run's rule. One
-    line says which."""
+    line says which.
+
+    Holds the run folder's lock (`runfolder.RunLock`, the one `train` holds) throughout: a
+    `train --resume` in the folder would rotate the checkpoints being read and write final/
+    and result.json over the average's (or the average over its)."""
     run_dir = Path(run_dir)
+    read_run(run_dir)  # not a run: refused before a lock file is made in the folder
+    lock = runfolder.RunLock(
+        run_dir, named="average", remedy="wait for it to end or stop it, then average again"
+    )
+    with lock:
+        return _average_run(run_dir, count=count, by=by, output=output)
+
+
+def _average_run(
+    run_dir: Path, *, count: int | None, by: str | None, output: Path | None
+) -> AverageOutcome:
     if output is not None:
         check_output_path(output, "--output", folder=True)
         if Path(output).exists() and any(Path(output).iterdir()):
@@ -155,9 +170,11 @@ def average_run(
     precision = memory.resolve_precision(record.memory.precision, PartialState().device)
     accelerator = Accelerator(mixed_precision=precision.mixed_precision)
     model = model.to(accelerator.device)
-    load_weights(
-        folders[-1], accelerator=accelerator, model=model, weights=average_weights(folders)
-    )
+    # Checked against the model: a checkpoint of another shape or with a NaN is named in one
+    # line before anything is evaluated or written (final/ is never replaced with one).
+    trainable = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+    averaged = average_weights(folders, trainable)
+    load_weights(folders[-1], accelerator=accelerator, model=model, weights=averaged)
     multilingual = facts.multilingual
     loaders, languages = evaluation_loaders(
         record,

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 
 from whisper_train.config.record import RunRecord
+from whisper_train.errors import UserError
+from whisper_train.formats.hf import nonfinite_names
 from whisper_train.runlog import say
 from whisper_train.training import checkpoints
 from whisper_train.training.checkpoints.load import load_weights, read_weights
@@ -41,20 +43,60 @@ def checkpoints_to_average(
     return [by_step[step] for step in sorted(best)]
 
 
-def average_weights(folders: list[Path]) -> dict[str, torch.Tensor]:
+def average_weights(
+    folders: list[Path], shapes: dict[str, tuple[int, ...]] | None = None
+) -> dict[str, torch.Tensor]:
     """The mean of the trainable weights of checkpoints `folders`, by parameter name, in each
     weight's saved dtype. Summed in float32 (at least): N float32 weights averaged are within
-    N units in the last place of their exact mean."""
+    N units in the last place of their exact mean.
+
+    Each checkpoint must hold finite weights of the same names and shapes as `shapes` (the
+    model's trainable parameters; None: the newest checkpoint's, which the average is loaded
+    with), or a UserError names it (`refuse_unaverageable`): one NaN makes the mean NaN, and a
+    tensor of another shape cannot be added."""
+    weights = [read_weights(folder) for folder in folders]
+    if shapes is None:
+        shapes = {name: tuple(weight.shape) for name, weight in weights[-1].items()}
+    for folder, saved in zip(folders, weights, strict=True):
+        refuse_unaverageable(folder, saved, shapes)
     sums: dict[str, torch.Tensor] = {}
     dtypes: dict[str, torch.dtype] = {}
-    for folder in folders:
-        for name, weight in read_weights(folder).items():
+    for saved in weights:
+        for name, weight in saved.items():
             if name not in sums:
                 dtypes[name] = weight.dtype
                 sums[name] = weight.to(torch.promote_types(weight.dtype, torch.float32)).clone()
             else:
                 sums[name] += weight
     return {name: (total / len(folders)).to(dtypes[name]) for name, total in sums.items()}
+
+
+def refuse_unaverageable(
+    folder: Path, saved: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]
+) -> None:
+    """One line naming checkpoint `folder` where its weights `saved` cannot join an average:
+    names or shapes other than `shapes`, or a NaN or infinite tensor (`nonfinite_names`, the
+    check that loading a model makes)."""
+    remedy = (
+        "this checkpoint cannot be averaged; average others (--average-by, "
+        "--average-checkpoints) or delete it"
+    )
+    if set(saved) != set(shapes):
+        raise UserError(
+            f"{folder}: its weights are not this model's ({len(saved)} tensors, the model "
+            f"{len(shapes)} trainable): {remedy}"
+        )
+    for name, weight in saved.items():
+        if tuple(weight.shape) != tuple(shapes[name]):
+            raise UserError(
+                f"{folder}: {name} has shape {tuple(weight.shape)}, the model "
+                f"{tuple(shapes[name])}: {remedy}"
+            )
+    if blown := nonfinite_names(list(saved.items())):
+        raise UserError(
+            f"{folder}: {len(blown)} of {len(saved)} trained tensors hold NaN or infinite "
+            f"values ({', '.join(blown[:2])}{', ...' if len(blown) > 2 else ''}): {remedy}"
+        )
 
 
 def average_at_end(
@@ -86,8 +128,12 @@ def average_at_end(
             f"step {last_step}): nothing averaged",
         )
         return chosen
+    try:
+        averaged = average_weights(folders)
+    except UserError as refused:  # the run's final/ is still to be written: keep its step
+        say(accelerator, f"--average-checkpoints {count}: nothing averaged: {refused}")
+        return chosen
     say(accelerator, f"averaging the checkpoints of steps {', '.join(map(str, steps))}")
-    averaged = average_weights(folders)
     load_weights(folders[-1], accelerator=accelerator, model=model, weights=averaged)
     judge.evaluate_average(model, last_step, steps)
     choice = judge.choice_with_average(chosen, steps)
@@ -103,4 +149,9 @@ def average_at_end(
     return choice
 
 
-__all__ = ["average_at_end", "average_weights", "checkpoints_to_average"]
+__all__ = [
+    "average_at_end",
+    "average_weights",
+    "checkpoints_to_average",
+    "refuse_unaverageable",
+]

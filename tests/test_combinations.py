@@ -95,6 +95,10 @@ FACTORS: dict[str, tuple] = {
     # --group-by-length: a step's clips drawn by label length (the noise of --nonspeech dealt
     # evenly through the steps, `step_plan.WholePlan`); a step here holds all the data either way
     "grouped": (False, True),
+    # --quantize-base: LoRA's frozen base as loaded, or in bitsandbytes' 4-bit NF4 layers (its
+    # twin holds it so too; final/ is the adapters merged into the original weights). 8 bits:
+    # tests/test_quantized_base.py.
+    "quantize": ("none", "nf4"),
 }
 NAMES = list(FACTORS)
 
@@ -120,6 +124,10 @@ REFUSED: dict[tuple[tuple[str, object], tuple[str, object]], tuple[str, ...]] = 
     (("packing", "per-clip"), ("grouped", True)): ("--group-by-length", "--packing per-clip"),
     (("data", "stream"), ("grouped", True)): ("--group-by-length", "streamed"),
     (("data", "cuts"), ("grouped", True)): ("--group-by-length", "streamed"),
+    (("mode", "full"), ("quantize", "nf4")): ("--quantize-base nf4", "--mode full"),
+    (("mode", "freeze-encoder"), ("quantize", "nf4")): ("--quantize-base nf4", "--mode lora"),
+    (("fsdp", True), ("quantize", "nf4")): ("--quantize-base nf4", "--fsdp"),
+    (("cache", True), ("quantize", "nf4")): ("--quantize-base nf4", "--no-cache-encoder"),
 }
 # Pairs that mean nothing (no flag to refuse): --lora-targets only matters with --mode lora.
 MEANINGLESS = {
@@ -254,11 +262,14 @@ def row_id(row: dict) -> str:
     parts += ["newlang"] * row.get("new_language", False)
     parts += ["averaged"] * row.get("judged", False)
     parts += ["grouped"] * row.get("grouped", False)
+    parts += [f"quantize-{row['quantize']}"] * (row.get("quantize", "none") != "none")
     return "-".join(parts)
 
 
 # Seed 16: of seeds 0-19 with --group-by-length among the factors, the cheapest in launches of
 # 2 processes (`row_cost`): 8 in 19 rows (seeds 3, 5 and 18: 8 in 20 or 21; the others 9 to 11).
+# With --quantize-base among them, 9 in 22 rows, as cheap as any of seeds 0-16 (1, 3, 4, 10 and
+# 12: 9 in 19 to 21 rows; the others 10 to 13).
 PAIRWISE = covering_array(2, seed=16)
 
 # -- running a row ---------------------------------------------------------------------------
@@ -622,6 +633,8 @@ def row_settings(row: dict) -> dict[str, object]:
         settings.update(new_language="eo", new_language_init="es", language="eo")
     if row.get("grouped"):
         settings["group_by_length"] = True
+    if row.get("quantize", "none") != "none":
+        settings["quantize_base"] = row["quantize"]
     return settings
 
 
@@ -920,7 +933,7 @@ def three_wise() -> list[dict]:
     return covering_array(3)
 
 
-THREE_WISE_ROWS = 75  # with --group-by-length among the factors (computed)
+THREE_WISE_ROWS = 81  # with --quantize-base among the factors (computed)
 
 
 @pytest.mark.slow

@@ -1,0 +1,210 @@
+"""LoRA on tiny.en with its base as loaded, in 8 bits and in 4 bits (--quantize-base none, int8,
+nf4), side by side on the demo's synthesised speech: held-out WER, step time and peak memory.
+
+    PYTHONPATH=src .venv/bin/python bench/quantized_base.py --dir /tmp/quantized-base \
+        [--kinds none int8 nf4] [--seeds 0 1] [--train 192] [--steps 24] [--eval 40]
+    PYTHONPATH=src .venv/bin/python bench/quantized_base.py --dir /tmp/quantized-base \
+        --merge-error run-nf4-0 run-int8-0
+
+The second form reads runs the first trained and measures what final/ avoids by merging the
+adapters into the original weights: merged into the dequantized ones instead, each adapted
+weight moves by its quantization error, which the table sets beside the adapters' own largest
+change, and the logits move (teacher-forced on the held-out clips' transcripts).
+
+Each run is LoRA at the default settings (every linear layer, r 32), batch 8, --max-steps
+--steps on --train synthesised sentences, the held-out set (--eval sentences of other voices)
+scored greedily before step 1 and at the end, in a process of its own so that its peak
+resident memory (ru_maxrss) is its own; s/step is the run's own "trained N steps in S s" over
+N. A row is printed as its run ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TRAINED = re.compile(r"trained (\d+) steps in ([0-9.]+) s")
+
+
+def one_run(args) -> None:
+    """A child: one run; prints one JSON line of its figures last."""
+    import contextlib
+    import io
+
+    from whisper_train.config import RunConfig
+    from whisper_train.demo import MAX_TOKENS
+    from whisper_train.training.train import train
+
+    config = RunConfig()
+    config.update(
+        {
+            "data": str(args.data / "train"),
+            "eval_data": [f"held-out={args.data / 'held-out'}"],
+            "eval_at_start": True,
+            "model": "tiny.en",
+            "mode": "lora",
+            "quantize_base": args.kind,
+            "max_steps": args.steps,
+            "batch_size": 8,
+            "generation_max_length": MAX_TOKENS,
+            "temperatures": "0",
+            "output_dir": str(args.out),
+            "overwrite": True,
+            "seed": args.seed,
+            "report_to": ["none"],
+            "nonspeech": "none",
+        }
+    )
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        result = train(config)
+    steps, seconds = TRAINED.search(said.getvalue()).groups()
+    wer = {r["step"]: r["wer"] for r in result.evaluations if r.get("set") == "held-out"}
+    figures = {
+        "kind": args.kind,
+        "seed": args.seed,
+        "steps": int(steps),
+        "step_seconds": float(seconds) / int(steps),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "start": wer.get(0),
+        "end": wer.get(int(steps)),
+    }
+    print("FIGURES " + json.dumps(figures), flush=True)
+
+
+def dequantized(weight, kind: str):
+    """`weight` through bitsandbytes' `kind` and back, as merging into the quantized layer
+    would start from."""
+    import bitsandbytes as bnb
+    import torch
+
+    if kind == "nf4":
+        held = bnb.nn.Params4bit(weight.clone(), requires_grad=False, quant_type="nf4")
+        held = held.to("cpu")
+        return bnb.functional.dequantize_4bit(held.data, held.quant_state).to(torch.float32)
+    held = bnb.nn.Int8Params(weight.clone(), requires_grad=False, has_fp16_weights=False)
+    held = held.to("cpu")
+    return held.data.float() * held.SCB.float()[:, None] / 127.0
+
+
+def merge_error(run_dir: Path, data_dir: Path, clips: int = 8) -> str:
+    """A table row: dequantize-then-merge against final/'s merge into the original weights."""
+    import copy
+    import csv
+
+    import torch
+
+    from whisper_train.audio import load_audio
+    from whisper_train.config.record import RunRecord
+    from whisper_train.memory.quantize import base_linears
+    from whisper_train.models import load_model
+
+    record = RunRecord.from_yaml((run_dir / "whisper-train.yaml").read_text())
+    kind = record.model.quantize_base
+    final, processor = load_model(str(run_dir / "final"))
+    base, _ = load_model(record.model.model)
+    other = copy.deepcopy(final)
+    rounding = change = 0.0
+    with torch.no_grad():
+        layers = zip(base_linears(base), base_linears(final), base_linears(other), strict=True)
+        for original, merged, into_dequantized in layers:
+            w = original.weight
+            rounded = dequantized(w, kind)
+            into_dequantized.weight.copy_(merged.weight - w + rounded)
+            rounding = max(rounding, (rounded - w).abs().max().item())
+            change = max(change, (merged.weight - w).abs().max().item())
+    with (data_dir / "held-out" / "metadata.csv").open(encoding="utf-8") as file:
+        rows = list(csv.DictReader(file))[:clips]
+    audio = [load_audio(data_dir / "held-out" / row["file_name"]) for row in rows]
+    features = processor.feature_extractor(audio, sampling_rate=16000, return_tensors="pt")
+    ids = [processor.tokenizer(row["transcription"]).input_ids for row in rows]
+    width = min(map(len, ids))
+    decoder_ids = torch.tensor([i[:width] for i in ids])
+    with torch.no_grad():
+        a = final.eval()(input_features=features.input_features, decoder_input_ids=decoder_ids)
+        b = other.eval()(input_features=features.input_features, decoder_input_ids=decoder_ids)
+    logits, moved = a.logits, (a.logits - b.logits).abs()
+    agree = (a.logits.argmax(-1) == b.logits.argmax(-1)).float().mean().item()
+    return (
+        f"| {run_dir.name} | {kind} | {change:.2e} | {rounding:.2e} | {moved.max().item():.2f} "
+        f"(logits' std {logits.std().item():.2f}) | {100 * agree:.1f}% |"
+    )
+
+
+def child(args, **extra) -> dict:
+    argv = [sys.executable, __file__, "--one", "--data", str(args.dir / "data")]
+    argv += ["--steps", str(args.steps)]
+    for key, value in extra.items():
+        argv += [f"--{key}", str(value)]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{argv}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    line = next(x for x in done.stdout.splitlines()[::-1] if x.startswith("FIGURES "))
+    return json.loads(line.removeprefix("FIGURES "))
+
+
+def pct(value) -> str:
+    return "–" if value is None else f"{100 * value:.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/quantized-base"))
+    parser.add_argument("--kinds", nargs="*", default=["none", "int8", "nf4"])
+    parser.add_argument("--seeds", type=int, nargs="*", default=[0])
+    parser.add_argument("--train", type=int, default=192, help="training sentences")
+    parser.add_argument("--eval", type=int, default=40, help="held-out sentences")
+    parser.add_argument("--steps", type=int, default=24, help="optimizer steps of batch 8")
+    parser.add_argument(
+        "--merge-error", nargs="*", metavar="RUN", help="runs (under --dir) to measure merging on"
+    )
+    # a child's own options
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--kind", default="none", help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        one_run(args)
+        return
+    if args.merge_error:
+        print(
+            "| run | base | adapters' largest change to a weight | dequantize-then-merge: "
+            "largest weight moved | largest logit moved | same argmax |"
+        )
+        print("|---|---|---:|---:|---:|---:|")
+        for run in args.merge_error:
+            print(merge_error(args.dir / run, args.dir / "data"), flush=True)
+        return
+    from whisper_train.demo import prepare_demo_data
+
+    started = time.perf_counter()
+    prepare_demo_data(
+        args.dir / "data",
+        train_utterances=args.train,
+        eval_utterances=args.eval,
+        guard_utterances=args.eval,
+        seed=0,
+    )
+    print(f"tiny.en, LoRA defaults, batch 8, {args.steps} steps, {args.train} training sentences")
+    print("| base | seed | held-out WER (start → end) | s/step | peak RSS (MiB) |")
+    print("|---|---:|---:|---:|---:|", flush=True)
+    for seed, kind in ((seed, kind) for seed in args.seeds for kind in args.kinds):
+        f = child(args, kind=kind, seed=seed, out=args.dir / f"run-{kind}-{seed}")
+        print(
+            f"| {kind} | {seed} | {pct(f['start'])} → {pct(f['end'])} | "
+            f"{f['step_seconds']:.2f} | {f['peak_rss_mib']:.0f} |",
+            flush=True,
+        )
+    print(f"\n{time.perf_counter() - started:.0f} s in all")
+
+
+if __name__ == "__main__":
+    main()

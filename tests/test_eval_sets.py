@@ -257,3 +257,28 @@ def test_the_baseline_comparison_holds_one_model_at_a_time(
     )
 
     assert len(live) == 2 and (tmp_path / "report.md").is_file()
+
+
+def test_an_evaluation_set_of_empty_transcripts_is_refused_at_start(
+    tiny_whisper_dir, tone_dataset, tmp_path, capsys
+):
+    """Every transcript of an --eval-data set empty: its WER is undefined at every evaluation
+    (the run reported "final WER: nan%"). Refused before step 1 in one line naming the set and
+    the NAME:nonspeech=PATH kind it is, as `evaluate` refuses it; nothing is written."""
+    from whisper_train.cli import main
+
+    manifest = tmp_path / "quiet.jsonl"
+    manifest.write_text(
+        "".join(
+            json.dumps({"audio": str(tone_dataset / f"clip{i:03d}.wav"), "text": ""}) + "\n"
+            for i in range(3)
+        )
+    )
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(tiny_whisper_dir), "--data", str(tone_dataset)]
+    argv += ["--eval-data", f"quiet={manifest}", "--max-steps", "1", "--output-dir", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"--eval-data {manifest} (set quiet): all 3 transcripts are empty" in err, err
+    assert f"--eval-data quiet:nonspeech={manifest}" in err and "Traceback" not in err, err
+    assert not (out / "final").exists()

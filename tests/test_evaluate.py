@@ -332,3 +332,38 @@ def test_evaluate_scores_several_named_sets_into_a_folder_each(
     assert (tones["n"], others["n"]) == (2, 2)  # --eval-subset 2 of each
     out = capsys.readouterr().out
     assert f"[tones] {tone_dataset}" in out and f"[other] {other}" in out
+
+
+def test_a_set_of_empty_transcripts_is_refused_before_decoding_and_named_nonspeech(
+    tiny_whisper_dir, tone_dataset, tmp_path, capsys, monkeypatch
+):
+    """Every transcript empty: WER is undefined. Refused in one line before any clip is
+    decoded (not after the whole set is transcribed), pointing to the NAME:nonspeech=PATH
+    kind that such a set is; given so, it is scored."""
+    from whisper_train.cli import main
+    from whisper_train.evaluation import evaluate as evaluate_module
+
+    manifest = tmp_path / "quiet.jsonl"
+    manifest.write_text(
+        "".join(
+            json.dumps({"audio": str(tone_dataset / f"clip{i:03d}.wav"), "text": ""}) + "\n"
+            for i in range(2)
+        )
+    )
+
+    def not_loaded(spec):
+        raise AssertionError("the model was loaded to decode a set it then refused")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(evaluate_module, "load_model", not_loaded)
+        assert main(["evaluate", "--model", str(tiny_whisper_dir), "--data", str(manifest)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--data {manifest}: all 2 transcripts are empty" in err, err
+    assert f"--data NAME:nonspeech={manifest}" in err and "\n" not in err, err
+    nonspeech = ["--data", f"quiet:nonspeech={manifest}", "--generation-max-length", "2"]
+    assert main(["evaluate", "--model", str(tiny_whisper_dir), *nonspeech]) == 0
+
+
+def test_references_empty_after_normalisation_point_to_the_nonspeech_kind():
+    with pytest.raises(UserError, match=r"NAME:nonspeech=PATH"):
+        score(["uh, um", ""], ["thank you", "hi"])

@@ -42,6 +42,7 @@ SCREENINGS_KEPT = 16
 # fraction of it (10% asked: 7.5% to 12.5% of the clips); else a time range of each recording.
 SPLIT_TOLERANCE = 0.25
 SCREENING_VERSION = 4  # 4: each result carries its key, its size and a checksum
+EMPTY_TRANSCRIPT = "empty transcript"  # a Skip's reason: a clip with nothing to score or learn
 
 log = logging.getLogger(__name__)
 
@@ -409,7 +410,7 @@ def audio_problem(
     if seconds > max_seconds:
         return Skip(origin, f"longer than {max_seconds:g} s", f"{seconds:.1f} s")
     if not example.text.strip() and not is_nonspeech(example):  # its empty text is its label
-        return Skip(origin, "empty transcript", example.audio)
+        return Skip(origin, EMPTY_TRANSCRIPT, example.audio)
     return None
 
 
@@ -457,7 +458,7 @@ def _stated_problem(example: Example, max_seconds: float) -> Skip | None:
     if example.duration is not None and example.duration > max_seconds:
         return Skip(origin, f"longer than {max_seconds:g} s", f"{example.duration:.1f} s")
     if not example.text.strip():
-        return Skip(origin, "empty transcript", example.audio)
+        return Skip(origin, EMPTY_TRANSCRIPT, example.audio)
     return None
 
 

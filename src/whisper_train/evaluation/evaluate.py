@@ -533,6 +533,12 @@ def evaluate(
         examples = examples[:eval_subset]
     if not examples:
         raise UserError(f"--data {data}: no utterances found")
+    if not any(example.text.strip() for example in examples):  # said before decoding them all
+        raise UserError(
+            f"--data {data}: all {len(examples)} transcripts are empty, so its WER is "
+            "undefined; a set where nobody speaks is scored by the words a model invents "
+            f"there: give it as --data NAME:nonspeech={data}"
+        )
     # None: chosen from the languages the model's clips are decoded in (`normalizer_for`); the
     # baseline is then scored with the model's choice, so the two are comparable.
     # Refuse before the (long) transcription, not after it.

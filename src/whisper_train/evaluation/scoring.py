@@ -198,7 +198,8 @@ def score(
     if words == 0:
         raise UserError(
             f"all {len(rows)} references are empty after normalisation, so WER is undefined; "
-            "check the transcripts in your data or pass --normalizer none"
+            "check the transcripts in your data or pass --normalizer none (a set where nobody "
+            "speaks is scored as one: give it as NAME:nonspeech=PATH)"
         )
     subs, dels, ins = (
         sum(getattr(r, k) for r in rows) for k in ("substitutions", "deletions", "insertions")

@@ -24,7 +24,7 @@ from whisper_train.config.record import EvalSet, RunRecord
 from whisper_train.config.run import RunConfig
 from whisper_train.data import streaming
 from whisper_train.data.collate import SpeechCollator
-from whisper_train.data.examples import Example, PackedExamples
+from whisper_train.data.examples import Example, PackedExamples, Skip
 from whisper_train.data.features import LogMel, SpeechDataset
 from whisper_train.data.labels import LabelEncoder, label_length, with_language
 from whisper_train.data.layouts import load_examples
@@ -39,6 +39,7 @@ from whisper_train.data.nonspeech import (
 from whisper_train.data.prompts import longest_prompted_label
 from whisper_train.data.recordings import load_recordings
 from whisper_train.data.screening import (
+    EMPTY_TRANSCRIPT,
     screen_set,
     split_examples,
     summarize_skips,
@@ -141,6 +142,8 @@ def prepare_datasets(
             max_seconds=math.inf if long_form[name] else CHUNK_LENGTH,
         )
         kept_eval[name] = [subset[index] for index in screening.kept]
+        if subset and not kept_eval[name]:
+            raise no_usable_eval_clips(next(s for s in sets if s.name == name), screening.skips)
         skipped += screening.skips
     if skipped:
         log.warning(summarize_skips(skipped))
@@ -165,6 +168,26 @@ def prepare_datasets(
     )
     # Packed now, so that no list of objects outlives start-up (see PackedExamples).
     return Datasets(PackedExamples(kept_train), kept_eval, label_tokens, longest)
+
+
+def no_usable_eval_clips(eval_set: EvalSet, skips: Sequence[Skip]) -> UserError:
+    """An evaluation set none of whose clips can be scored: its WER is undefined at every
+    evaluation, so the run is refused before step 1, as `evaluate` refuses the set. A set of
+    empty transcripts is one where nobody speaks: the NAME:nonspeech=PATH kind, scored by the
+    words a model invents there."""
+    named = (
+        "--eval-split" if eval_set.split else f"--eval-data {eval_set.path} (set {eval_set.name})"
+    )
+    if skips and all(skip.reason == EMPTY_TRANSCRIPT for skip in skips):
+        return UserError(
+            f"{named}: all {len(skips)} transcripts are empty, so its WER is undefined; a set "
+            f"where nobody speaks is scored by the words a model invents there: give it as "
+            f"--eval-data {eval_set.name}:nonspeech={eval_set.path}"
+        )
+    return UserError(
+        f"{named}: none of its {len(skips)} clips can be scored ({summarize_skips(skips)}); "
+        "run `whisper-train check-data` on it to see why"
+    )
 
 
 def _reader(eval_set: EvalSet):

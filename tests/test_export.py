@@ -311,3 +311,47 @@ def test_export_over_an_earlier_export_is_refused_unless_overwrite(
     )
     assert "other files" in capsys.readouterr().err
     assert [p.name for p in mine.iterdir()] == ["thesis.tex"]
+
+
+@pytest.mark.parametrize(("format", "quantization"), [("ct2", "float32"), ("hf", "float32")])
+def test_the_check_leaves_out_clips_whose_transcripts_overflow_the_decoder(
+    tiny_whisper_dir, tmp_path, monkeypatch, caplog, format, quantization
+):
+    """A greedy transcript cut by the length limit (446 text tokens after the 2-token prompt:
+    448 positions) leaves no room for <|endoftext|>, which CTranslate2's scoring feeds: the check
+    failed on its own clip ("No position encodings are defined for positions >= 448"). Such
+    clips are left out of every runtime's check, one line says how many, and the others are
+    scored; with none left, the failure says why there was nothing to score."""
+    import logging
+
+    from transformers import WhisperProcessor
+
+    from whisper_train.deploy import parity as parity_module
+    from whisper_train.deploy.export import save_export
+
+    model = WhisperForConditionalGeneration.from_pretrained(tiny_whisper_dir)
+    processor = WhisperProcessor.from_pretrained(tiny_whisper_dir)
+    assert model.config.max_target_positions == 448
+    word = processor.tokenizer.encode(" the", add_special_tokens=False)[0]
+
+    def transcripts(model, processor, clips, language):  # 1 s: 5 tokens; 2 s: cut at 448
+        tokens = [[word] * (5 if len(audio) <= 16_000 else 446) for audio in clips]
+        return [processor.tokenizer.decode(ids).strip() for ids in tokens], tokens
+
+    monkeypatch.setattr(parity_module, "transformers_greedy_tokens", transcripts)
+    tone = (0.1 * np.sin(np.arange(32_000) / 7)).astype(np.float32)
+    clips = [("short.wav", tone[:16_000], "the", None), ("long.wav", tone, "the", None)]
+    with caplog.at_level(logging.INFO):
+        source = parity_module.score_source(model, processor, clips, None)
+    save_export(model, processor, tmp_path / "out", format=format, quantization=quantization)
+    check = parity_module.check_export(source, format, tmp_path / "out", quantization, greedy=False)
+    assert check.runtime_error is None and check.passed, check.summary()
+    assert [clip.name for clip in check.clips] == ["short.wav"] and check.tokens == 5
+    assert check.left_out == 1 and "1 more clip(s) left out" in check.summary()
+    said = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("export check: 1 of 2 clips left out (long.wav)")
+
+    only_long = parity_module.score_source(model, processor, clips[1:2], None)
+    nothing = parity_module.check_export(only_long, format, tmp_path / "out", quantization)
+    assert not nothing.passed and nothing.left_out == 1
+    assert "exceeded the decoder's positions" in str(parity_module.parity_failure(nothing, format))

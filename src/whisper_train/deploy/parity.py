@@ -100,6 +100,7 @@ class ParityCheck:
     source_wer: float  # against the references: context, not the test
     export_wer: float
     runtime_error: str | None = None  # the runtime could not load or run the export
+    left_out: int = 0  # check clips not scored: their transcripts overflow the decoder
 
     @property
     def tokens(self) -> int:
@@ -140,6 +141,8 @@ class ParityCheck:
     def summary(self) -> str:
         if self.runtime_error is not None:
             return f"{self.runtime} could not run the export: {self.runtime_error}"
+        if not self.clips:
+            return f"no check clip scored through {self.runtime}{self.left_out_note()}"
         worst = max(self.clips, key=lambda clip: clip.deviations.max(initial=0.0))
         return (
             f"the source's transcripts of {len(self.clips)} clips ({self.tokens} tokens) scored "
@@ -150,7 +153,15 @@ class ParityCheck:
             f"{len(self.clips) - len(self.misspelled)}/{len(self.clips)} spelled alike by its "
             f"vocabulary; greedy transcripts (informative): {self.word_errors} of {self.words} "
             f"words differ, WER against the references {100 * self.export_wer:.1f}% exported vs "
-            f"{100 * self.source_wer:.1f}% source"
+            f"{100 * self.source_wer:.1f}% source{self.left_out_note()}"
+        )
+
+    def left_out_note(self) -> str:
+        if not self.left_out:
+            return ""
+        return (
+            f"; {self.left_out} more clip(s) left out: their transcripts exceed the decoder's "
+            "positions"
         )
 
 
@@ -239,16 +250,44 @@ class SourceSide:
     texts: list[str]
     tokens: list[list[int]]
     scores: list  # formats.runtimes.TokenScores per clip
+    left_out: int = 0  # clips whose transcripts no runtime can hold whole (`fits_the_decoder`)
+
+
+def fits_the_decoder(prompt: list[int], tokens: list[int], positions: int) -> bool:
+    """Whether the prompt, the transcript `tokens` and <|endoftext|> fit the decoder's
+    `positions` (its max_target_positions, 448): what every runtime holds. A longer greedy
+    transcript was cut by the length limit, not ended, and CTranslate2's scoring (which feeds
+    <|endoftext|> too) refuses it ("No position encodings are defined for positions >= 448")."""
+    return len(prompt) + len(tokens) + 1 <= positions
 
 
 def score_source(model, processor, clips, language: str | None) -> SourceSide:
     """The source's greedy transcripts of `clips` and its scores of their tokens (before the
-    export is written: saving in float16 converts `model` in place)."""
+    export is written: saving in float16 converts `model` in place). Clips whose transcript
+    does not fit the decoder (`fits_the_decoder`) are left out of the check, and one line says
+    how many."""
     audio = [clip[1] for clip in clips]
     texts, tokens = transformers_greedy_tokens(model, processor, audio, language)
     prompt = prompt_ids(processor.tokenizer, is_multilingual(model), language)
+    positions = model.config.max_target_positions
+    kept = [i for i, ids in enumerate(tokens) if fits_the_decoder(prompt, ids, positions)]
+    if len(kept) < len(clips):
+        names = [clip[0] for i, clip in enumerate(clips) if i not in kept]
+        log.info(
+            "export check: %d of %d clips left out (%s%s): their transcripts with the %d-token "
+            "prompt and <|endoftext|> exceed the %d decoder positions the runtimes hold",
+            len(names),
+            len(clips),
+            ", ".join(names[:3]),
+            ", ..." if len(names) > 3 else "",
+            len(prompt),
+            positions,
+        )
+    left_out = len(clips) - len(kept)
+    clips, audio = [clips[i] for i in kept], [audio[i] for i in kept]
+    texts, tokens = [texts[i] for i in kept], [tokens[i] for i in kept]
     scores = transformers_scores(model, processor, audio, prompt, tokens)
-    return SourceSide(clips, language, prompt, texts, tokens, scores)
+    return SourceSide(clips, language, prompt, texts, tokens, scores, left_out)
 
 
 def check_export(
@@ -266,6 +305,18 @@ def check_export(
     audio = [clip[1] for clip in source.clips]
     runtime = exported_format.runtime
     arithmetic = scoring_arithmetic(format, quantization)
+    if not source.clips:  # every clip left out (`score_source`): nothing to score
+        return ParityCheck(
+            runtime=runtime,
+            language=source.language,
+            clips=[],
+            tolerance=logprob_tolerance(arithmetic),
+            quantization=quantization,
+            arithmetic=arithmetic,
+            source_wer=math.nan,
+            export_wer=math.nan,
+            left_out=source.left_out,
+        )
     try:
         # The folder or the file its runtime loads, once our reader accepted what was written.
         model_input = exported_format.accepted_input(output)
@@ -281,7 +332,7 @@ def check_export(
     except Exception as exc:  # the runtime's own refusal of a damaged file, in its words
         error = f"{type(exc).__name__}: {exc}"
     else:
-        return compare(
+        check = compare(
             source,
             scores,
             exported,
@@ -289,6 +340,8 @@ def check_export(
             quantization=quantization,
             arithmetic=arithmetic,
         )
+        check.left_out = source.left_out
+        return check
     return ParityCheck(
         runtime=runtime,
         language=source.language,
@@ -299,6 +352,7 @@ def check_export(
         source_wer=math.nan,
         export_wer=math.nan,
         runtime_error=error.splitlines()[0][:300] if error else "no message",
+        left_out=source.left_out,
     )
 
 
@@ -359,7 +413,12 @@ def parity_failure(check: ParityCheck, format: str) -> ExportParityError:
                 f"{len(clip.deviations)} tokens of {clip.source!r} (export's own transcript: "
                 f"{clip.exported!r})"
             )
-    if check.runtime_error is None and not check.tokens:
+    if check.runtime_error is None and not check.tokens and check.left_out:
+        advice = (
+            f"every check clip's transcript ({check.left_out}) exceeded the decoder's positions, "
+            "so there was nothing to score: pass --check-data with shorter transcripts"
+        )
+    elif check.runtime_error is None and not check.tokens:
         advice = (
             "the source transcribed none of the check clips, so there was nothing to score: "
             "pass --check-data with speech the model transcribes"

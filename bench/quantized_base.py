@@ -6,6 +6,12 @@ nf4), side by side on the demo's synthesised speech: held-out WER, step time and
     PYTHONPATH=src .venv/bin/python bench/quantized_base.py --dir /tmp/quantized-base \
         --merge-error run-nf4-0 run-int8-0
 
+    PYTHONPATH=src .venv/bin/python bench/quantized_base.py --plan small large-v3
+
+The third prints the planner's peak for each size's default LoRA (batch 1, full
+checkpointing, bf16, AdamW, 448 label tokens) with the base as loaded, in int8 and in nf4,
+from the shapes alone (the meta device: nothing is allocated).
+
 The second form reads runs the first trained and measures what final/ avoids by merging the
 adapters into the original weights: merged into the dequantized ones instead, each adapted
 weight moves by its quantization error, which the table sets beside the adapters' own largest
@@ -137,6 +143,32 @@ def merge_error(run_dir: Path, data_dir: Path, clips: int = 8) -> str:
     )
 
 
+def plan_rows(sizes: list[str], kinds: list[str]) -> None:
+    """The planner's estimate per size and base, by term, in GiB."""
+    import torch
+    from activation_memory import whisper_config
+    from transformers import WhisperForConditionalGeneration
+
+    from whisper_train.memory import LoraSettings, estimate_memory, prepare_model
+
+    gib = 2**30
+    print("| model | base | planned peak | weights | gradients + AdamW | activations | working |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for size in sizes:
+        with torch.device("meta"):
+            model = WhisperForConditionalGeneration(whisper_config(size))
+        model.config._attn_implementation = "sdpa"
+        model = prepare_model(model, mode="lora", checkpointing="full", lora=LoraSettings())
+        for kind in kinds:
+            e = estimate_memory(model, policy="full", precision="bf16", quantize_base=kind)
+            print(
+                f"| {size} | {kind} | {e.total / gib:.2f} | {e.weights / gib:.2f} | "
+                f"{(e.gradients + e.optimizer) / gib:.2f} | {e.activations / gib:.2f} | "
+                f"{e.working / gib:.2f} |",
+                flush=True,
+            )
+
+
 def child(args, **extra) -> dict:
     argv = [sys.executable, __file__, "--one", "--data", str(args.dir / "data")]
     argv += ["--steps", str(args.steps)]
@@ -161,6 +193,7 @@ def main() -> None:
     parser.add_argument("--train", type=int, default=192, help="training sentences")
     parser.add_argument("--eval", type=int, default=40, help="held-out sentences")
     parser.add_argument("--steps", type=int, default=24, help="optimizer steps of batch 8")
+    parser.add_argument("--plan", nargs="*", metavar="SIZE", help="planned peaks, e.g. large-v3")
     parser.add_argument(
         "--merge-error", nargs="*", metavar="RUN", help="runs (under --dir) to measure merging on"
     )
@@ -173,6 +206,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.one:
         one_run(args)
+        return
+    if args.plan:
+        plan_rows(args.plan, args.kinds)
         return
     if args.merge_error:
         print(

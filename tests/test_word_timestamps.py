@@ -455,3 +455,28 @@ def test_export_find_alignment_heads_refusals_are_one_line(tiny_whisper_dir, tmp
         )
         error = capsys.readouterr().err.strip()
         assert code == 2 and len(error.splitlines()) == 1 and needle in error, error
+
+
+def test_no_file_holds_a_cue_or_word_of_no_length():
+    """A 0.1 s clip gave 6 words all at 0.100 s (the transformers path), and silence with
+    --no-speech-threshold none segments of start = end = 10.0: cues no player shows. The timed
+    files (SRT, WebVTT, JSON) hold only segments and words that last; the text keeps them."""
+    at_end = tuple(Word(f" w{i}", 0.1, 0.1) for i in range(6))
+    segments = [
+        Segment(0.1, 0.1, "w0 w1 w2 w3 w4 w5", at_end),
+        Segment(2.0, 3.0, "Hello there.", (Word(" Hello", 2.0, 2.5), Word(" there.", 3.0, 3.0))),
+        *(Segment(10.0, 10.0, f"Thank you {i}.") for i in range(6)),
+    ]
+    transcript = Transcript("a.wav", "a", "w0 w1 w2 w3 w4 w5 Hello there. Thank you.", segments)
+    for output_format in ("srt", "vtt"):
+        rendered = render(transcript, output_format)
+        cues = [line.split(" --> ") for line in rendered.splitlines() if " --> " in line]
+        assert cues and all(start < end for start, end in cues), (output_format, rendered)
+        assert "Thank you" not in rendered and "w0" not in rendered
+    saved = json.loads(render(transcript, "json"))
+    assert [(s["start"], s["end"]) for s in saved["segments"]] == [(2.0, 3.0)]
+    assert [(w["word"], w["start"], w["end"]) for w in saved["segments"][0]["words"]] == [
+        (" Hello", 2.0, 2.5)
+    ]
+    assert saved["text"] == transcript.text
+    assert render(transcript, "txt") == transcript.text + "\n"

@@ -7,7 +7,8 @@ without them every file is as it always was.
 Times are in milliseconds, the precision SRT and WebVTT carry: a `Segment` rounds its own times
 and its words' once, where it is made, and keeps its words ordered inside it. Every backend of
 `transcribe` builds its segments through it, so a word never starts before its segment by a
-float's rounding (4.6 against 4.6000000000000005) in any file.
+float's rounding (4.6 against 4.6000000000000005) in any file. A segment or word of no length
+is left out of the timed files (`with_duration`): no cue ever starts where it ends.
 """
 
 from __future__ import annotations
@@ -109,14 +110,32 @@ def _without_none(value):
     return [_without_none(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
+def with_duration(segments: Sequence[Segment]) -> list[Segment]:
+    """`segments` and their words as the timed files hold them: only those that last a
+    millisecond at least. A segment or word of no length (start == end: a 0.1 s clip's words
+    all at its end, or text decoded on silence at the recording's end) is no cue a player can
+    show and no time a reader can use; giving it a duration would invent one the model did
+    not find. Its text stays in the transcript's text (txt, JSON's `text`)."""
+    kept = []
+    for segment in segments:
+        if segment.end <= segment.start:
+            continue
+        words = segment.words
+        if words is not None:
+            words = tuple(word for word in words if word.end > word.start) or None
+        kept.append(replace(segment, words=words) if words != segment.words else segment)
+    return kept
+
+
 def render(transcript: Transcript, output_format: str) -> str:
-    segments = transcript.segments
+    segments = with_duration(transcript.segments)
     if any(s.words for s in segments):  # subtitles that underline each word as it is spoken
         segments = [Segment(start, end, text) for start, end, text in highlighted_cues(segments)]
+    segments = [segment for segment in segments if segment.end > segment.start]
     if output_format == "srt":
         return to_srt(segments)
     if output_format == "vtt":
         return to_vtt(segments)
     if output_format == "json":
-        return to_json(transcript)
+        return to_json(replace(transcript, segments=with_duration(transcript.segments)))
     return transcript.text + "\n"

@@ -869,3 +869,37 @@ def test_a_nonspeech_source_that_cannot_be_read_is_refused_in_one_line(tmp_path)
     with pytest.raises(UserError, match="--nonspeech .*broken.wav cannot be read") as refused:
         training_nonspeech(str(folder), 5)
     assert "\n" not in str(refused.value)
+
+
+def test_a_share_with_nonspeech_none_is_refused_and_a_share_is_printed_as_it_is(
+    tmp_path, capsys
+):
+    """--nonspeech none --nonspeech-share 0.3: the share was ignored unseen; refused at start
+    in one line (exit 2). --nonspeech-share 0.999 was printed "100%" at start and in the model
+    card: a share is printed with the decimals it needs."""
+    from conftest import record_of
+
+    from whisper_train.cli import main
+    from whisper_train.config import RunConfig
+    from whisper_train.config.resolve import choose_nonspeech
+    from whisper_train.runlog import TrainResult
+    from whisper_train.training.model_card import run_card
+    from whisper_train.units import format_share
+
+    for off in ("none", "off"):
+        config = RunConfig()
+        config.update({"data": "d", "model": "m", "nonspeech": off, "nonspeech_share": 0.3})
+        with pytest.raises(UserError, match=r"^--nonspeech-share 0.3 with --nonspeech none: .*"):
+            config.validate()
+    argv = ["train", "--model", "m", "--data", str(tmp_path), "--output-dir", str(tmp_path / "o")]
+    assert main([*argv, "--nonspeech", "none", "--nonspeech-share", "0.3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--nonspeech-share 0.3 with --nonspeech none" in err and "\n" not in err, err
+
+    assert [format_share(s) for s in (0.2, 0.999, 0.001, 0.09)] == ["20%", "99.9%", "0.1%", "9%"]
+    config = RunConfig()
+    config.update({"data": "d", "model": "m", "output_dir": "o", "nonspeech_share": 0.999})
+    assert "99.9% of each epoch" in choose_nonspeech(config.validate()).note
+    result = TrainResult(tmp_path, None, 8, 360, 40, 0, [], final_step=8, final_reason="last")
+    card = run_card(record_of(config), result)
+    assert "--nonspeech builtin, 99.9% of each epoch" in card and "100%" not in card

@@ -1,11 +1,13 @@
 """Sizes in bytes, read and written one way: binary units, whatever the suffix says.
 
 `--max-memory 4GB` and `--encoder-cache-max-size 10GB` mean GiB (what `nvidia-smi` and `df -h`
-show), so every size the tool prints is in the same binary units, with the unit named.
+show), so every size the tool prints is in the same binary units, with the unit named. Shares
+are printed as percentages with the digits they need (`format_share`).
 """
 
 from __future__ import annotations
 
+import math
 import re
 
 from whisper_train.errors import UserError
@@ -31,3 +33,14 @@ def format_bytes(n_bytes: float) -> str:
 
 
 __all__ = ["format_bytes", "parse_bytes"]
+
+
+def format_share(share: float) -> str:
+    """A share (0.2, 0.999) as a percentage with the decimals it needs ('20%', '99.9%'): never
+    rounded to a value it is not (0.999 is not '100%', 0.001 not '0%'); at most 6 decimals."""
+    percent = share * 100
+    for decimals in range(7):
+        text = f"{percent:.{decimals}f}"
+        if math.isclose(float(text), percent, rel_tol=1e-9, abs_tol=1e-12):
+            return f"{text}%"
+    return f"{percent:.6f}".rstrip("0").rstrip(".") + "%"

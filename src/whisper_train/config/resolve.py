@@ -42,6 +42,7 @@ from whisper_train.errors import UserError
 from whisper_train.memory import resolve_checkpointing, resolve_precision
 from whisper_train.runfolder import encoder_cache_dir
 from whisper_train.transcription.decoding import parse_temperatures, parse_threshold
+from whisper_train.units import format_share
 
 # Measured on an H200 (BENCHMARKS.md "Compiled, and data workers"): whisper-small at batch 16
 # with 4 data workers spent ~33 s compiling (its first 10 steps: 37.8 s against 4.9 s eager;
@@ -167,7 +168,7 @@ def choose_nonspeech(config: RunConfig, saved: SavedChoices | None = None) -> No
     if not any(notes) and asked == NONSPEECH_AUTO:
         notes[0] = (
             f"nonspeech auto -> {BUILTIN_SET}: noise, hum and tones with empty targets, "
-            f"{share:.0%} of each epoch (--nonspeech none: without)"
+            f"{format_share(share)} of each epoch (--nonspeech none: without)"
         )
     return NonspeechChoice(source, share, label, "; ".join(n for n in notes if n) or None)
 

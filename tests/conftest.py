@@ -34,8 +34,17 @@ from whisper_train.config import RunConfig  # noqa: E402
 # ~100-term mean) and ~65x below the smallest real change.
 SAME_RUN_LOSS_ATOL = 1e-4
 # What a run says before its first step: the data screened, the notes of its record (where it
-# does other than asked: --packing auto's choice), the model and the data.
-START_LINES = ("screening:", "packing auto ->", "nonspeech auto ->", "model:", "data:")
+# does other than asked: --packing auto's choice), the model and its trainable parameters, the
+# data and the evaluation sets.
+START_LINES = (
+    "screening:",
+    "packing auto ->",
+    "nonspeech auto ->",
+    "model:",
+    "trainable parameters:",
+    "data:",
+    "evaluation:",
+)
 
 
 # One `whisper-train train` in its own process (--nproc launches, streams): two imports of torch

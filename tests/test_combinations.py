@@ -788,6 +788,7 @@ def loss_tolerance(row: dict) -> float:
 
 
 @pytest.mark.parametrize("row", PAIRWISE, ids=row_id)
+@pytest.mark.long
 def test_a_combination_trains_as_its_plain_twin(row, matrix_data, tmp_path, monkeypatch, capsys):
     check_row(row, matrix_data, tmp_path, monkeypatch, capsys)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from conftest import (
     SAME_RUN_LOSS_ATOL,
@@ -15,6 +16,7 @@ from whisper_train.config import RunConfig
 from whisper_train.training.train import train
 
 
+@pytest.mark.long
 def test_two_processes_equal_one_and_resume_exactly(tmp_path, tiny_whisper_dir):
     # 19 clips, 3 held out: 16 training clips, global batch 4 (1 x 4, or 2 processes x 1 x 2
     # micro-batches: the usual multi-GPU run, gradient accumulation under DDP's no_sync). The

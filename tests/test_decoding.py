@@ -254,6 +254,7 @@ def test_an_utterance_failing_at_every_temperature_keeps_its_best_try(tiny_whisp
     assert details[0].fallback and not details[0].passed
 
 
+@pytest.mark.long
 def test_sampling_is_seeded_and_leaves_the_callers_random_stream_alone(tiny_whisper):
     """The random tiny model's outputs are all unlikely: every row is sampled again."""
     model, processor = tiny_whisper

@@ -94,6 +94,7 @@ def source_side(tiny_en, check_set):
         ("hf", "float32"),
     ],
 )
+@pytest.mark.long
 def test_real_tiny_en_passes_the_check_in_each_runtime(
     tiny_en, check_set, source_side, format, quantization, tmp_path
 ):
@@ -190,6 +191,7 @@ def test_ggml_header_holds_the_decoder_positions_and_the_mel_bins(tmp_path):
 
 
 @pytest.mark.parametrize("format", ["ggml", "openai"])
+@pytest.mark.long
 def test_damaged_model_files_as_model_give_one_line_and_exit_2(format, tmp_path):
     model, processor = _shaped_like(**SHAPES["large-v3"])
     save_export(model, processor, tmp_path, format=format, quantization="float16")
@@ -502,6 +504,7 @@ def _ct2_80_mel_bins(model, processor, output):  # a preprocessor_config.json fo
     ],
     ids=lambda value: getattr(value, "__name__", value),
 )
+@pytest.mark.long
 def test_the_check_passes_intact_exports_and_fails_broken_ones(
     confident_source, format, quantization, breakage, finding, tmp_path
 ):

@@ -91,6 +91,7 @@ def _batch(processor, seconds=(1.0, 2.0)):
     }
 
 
+@pytest.mark.long
 def test_generate_texts_restores_training_mode_and_matches_plain_generate(tiny_whisper):
     model, processor = tiny_whisper
     batch = _batch(processor)
@@ -111,6 +112,7 @@ def test_generate_texts_restores_training_mode_and_matches_plain_generate(tiny_w
     assert model.training, "and with the fallback too"
 
 
+@pytest.mark.long
 def test_generate_texts_takes_waveforms_or_cached_encoder_outputs(tiny_whisper):
     # With the fallback on (the random model's outputs are all unlikely, so every row is
     # sampled again): the same seeded samples from features, waveforms or encoder outputs.

@@ -884,6 +884,7 @@ def test_a_disk_that_fills_under_tensorboards_writer_thread_stops_with_one_line(
     assert [row["step"] for row in metric_rows(out)] == [1, 2, 3]
 
 
+@pytest.mark.long
 def test_the_main_process_final_work_outlasts_the_collective_timeout(
     tmp_path, tone_dataset, tiny_whisper_dir
 ):

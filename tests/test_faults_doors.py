@@ -268,7 +268,7 @@ def test_an_edited_screening_cache_is_screened_again_and_said_in_one_line(
     caplog.clear()
     with caplog.at_level("INFO"):
         assert _screen_tones(tone_dataset, cache) == fresh  # rewritten: reused from now on
-    assert any("reusing" in r.getMessage() for r in caplog.records)
+    assert any("as screened before (cached)" in r.getMessage() for r in caplog.records)
 
 
 # -- 5. word times: no cue of no length, nothing past the audio, no library warning -------------

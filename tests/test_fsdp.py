@@ -53,6 +53,7 @@ def _one_process(common: dict, output_dir, steps: int):
     return train(config)
 
 
+@pytest.mark.long
 def test_sharded_two_processes_equal_one_with_an_unusable_share_and_resume_exactly(
     tmp_path, tiny_whisper_dir
 ):

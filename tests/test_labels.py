@@ -235,6 +235,7 @@ def generated_segments(model, features, timestamp_begin) -> list[list[tuple]]:
 
 
 # 60 optimizer steps: ~25 s on an idle 2-core CPU. In the default suite: the issue asks for it.
+@pytest.mark.long
 def test_fine_tuning_on_timestamped_labels_teaches_generate_the_times(en_tokenizer):
     """A few steps on two timed clips; generate(return_timestamps=True) must give their times.
 

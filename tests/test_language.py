@@ -52,6 +52,7 @@ def timestamp_loving_whisper():
     return model, processor
 
 
+@pytest.mark.long
 def test_the_fallback_decodes_one_window_per_call_from_encoder_outputs():
     """A crash users met: the fallback passes encoder outputs to generate; when a sampled
     decode held a time-token pair, transformers 5.24 went on to a second window, dropped the

@@ -249,6 +249,7 @@ def test_previous_text_conditioning_reaches_generate_only_when_asked(tiny_en, mo
 
 
 @pytest.mark.speech
+@pytest.mark.long
 def test_evaluate_scores_a_long_set_as_transcribe_decodes_it(spoken_recording, tiny_en, tmp_path):
     """`evaluate --data talks:long=DIR --baseline`: exit 0; the JSON says one recording was
     decoded long-form; its transcript is `transcribe`'s, word for word (the same decoding);
@@ -338,6 +339,7 @@ def test_evaluate_reports_the_words_written_in_a_recordings_pauses(
 
 
 @pytest.mark.speech
+@pytest.mark.long
 def test_a_long_form_set_guards_a_training_run(spoken_recording, tmp_path):
     """`--eval-data talks:long=DIR --guard talks`: the recording is scored whole at the start
     and at the end (clips 1, no validation loss), beside an ordinary set, and final/ is chosen
@@ -376,6 +378,7 @@ def test_a_long_form_set_guards_a_training_run(spoken_recording, tmp_path):
 
 @pytest.mark.speech
 @pytest.mark.same_audio
+@pytest.mark.long
 def test_two_processes_score_a_long_form_guard_as_one_when_one_has_no_recording(
     spoken_recording, tmp_path
 ):

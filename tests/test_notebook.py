@@ -74,6 +74,7 @@ def test_stored_notebook_has_no_outputs():
 @pytest.mark.speech
 @pytest.mark.any_speech
 @pytest.mark.timeout(2 * CELL_TIMEOUT_S)
+@pytest.mark.long
 def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     work_dir = tmp_path / "work"

@@ -264,6 +264,7 @@ def _many_tones(tmp_path, n=48):
 
 
 @pytest.mark.parametrize("packing", ["on", "per-clip"])
+@pytest.mark.long
 def test_packed_run_resumes_mid_epoch_with_the_uninterrupted_losses(
     packing, tmp_path, tiny_run_config, monkeypatch
 ):
@@ -499,6 +500,7 @@ def test_accumulation_is_the_token_mean_of_the_step(tmp_path, tiny_run_config):
     [("on", [], 5, 13), ("per-clip", ["--fsdp"], 12, 6)],
     ids=["on", "per-clip-fsdp"],
 )
+@pytest.mark.long
 def test_two_processes_packed_with_an_empty_share_equal_one(
     packing, sharding, windows, batch, tmp_path, tiny_whisper_dir
 ):
@@ -678,6 +680,7 @@ def _split_samples(window_text: str) -> list[str]:
     return ["sample " + part.strip() for part in parts]
 
 
+@pytest.mark.long
 def test_a_packed_stream_resumes_mid_pass_with_the_uninterrupted_losses(
     tmp_path, tiny_run_config, monkeypatch
 ):

@@ -353,6 +353,7 @@ def test_a_weight_must_be_finite_and_not_negative(weight):
 # -- through `whisper-train train` -----------------------------------------------------------
 
 
+@pytest.mark.long
 def test_preserve_base_zero_trains_bit_identically_and_a_weight_changes_training(
     tmp_path, tiny_run_config
 ):

@@ -236,6 +236,7 @@ def _value(option: str, value, runs, tmp_path: Path, tone_dataset, tiny_whisper_
 
 
 @pytest.mark.parametrize("option", CHANGED)
+@pytest.mark.long
 def test_a_changed_mind_takes_effect_from_the_resume_point_or_is_refused_in_one_line(
     option, saved_runs, tmp_path, tone_dataset, tiny_whisper_dir, capfd
 ):

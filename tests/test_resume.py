@@ -16,6 +16,7 @@ from whisper_train.training.train import train
 
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
+@pytest.mark.long
 def test_crashed_run_resumes_with_the_uninterrupted_loss_sequence(
     tmp_path, tiny_run_config, monkeypatch, mode
 ):

@@ -104,6 +104,7 @@ def relative_change(before: torch.nn.Module, after: torch.nn.Module) -> float:
     return (change / size) ** 0.5
 
 
+@pytest.mark.long
 def test_text_only_fine_tuning_keeps_the_segment_times(
     recording, tiny_en_fine_tuned_on_text, tmp_path
 ):

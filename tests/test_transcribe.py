@@ -81,6 +81,7 @@ def _backend(name, tiny_en_ct2_dir, tiny_en_transformers, **options):
 
 @pytest.mark.speech
 @pytest.mark.parametrize("backend", ["faster-whisper", "transformers"])
+@pytest.mark.long
 def test_long_form_covers_the_whole_recording(
     backend, tiny_en_ct2_dir, tiny_en_transformers, long_recording
 ):

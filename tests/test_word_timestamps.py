@@ -162,6 +162,7 @@ def test_the_default_output_has_no_words(recording, tiny_en):
 
 
 @pytest.mark.speech
+@pytest.mark.long
 def test_a_fine_tuned_tiny_en_keeps_its_heads_and_times_words_within_tolerance(
     recording, tiny_en, tiny_en_fine_tuned_on_text
 ):

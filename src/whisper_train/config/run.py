@@ -211,6 +211,36 @@ class RunConfig:
             ("--shuffle-buffer", d.shuffle_buffer),
         ):
             require_positive(flag, value)
+        self._validate_packing_and_nonspeech()
+        for flag, value in (  # these may also be left unset (None)
+            ("--max-steps", t.max_steps),
+            ("--eval-steps", t.eval_steps),
+            ("--save-steps", t.save_steps),
+            ("--train-subset", d.train_subset),
+            ("--eval-subset", d.eval_subset),
+        ):
+            if value is not None:
+                require_positive(flag, value)
+        self._validate_numbers()
+        if t.resume is not None and not t.resume.strip():
+            raise UserError("--resume: pass 'latest' or a checkpoint folder")
+        if t.resume is not None and t.overwrite:
+            raise UserError(
+                "--resume continues the run in --output-dir and --overwrite moves it aside: "
+                "drop one of them"
+            )
+        self._validate_fsdp()
+        self._validate_averaging()
+        if not m.lora_targets:
+            raise UserError("--lora-targets: name at least one module, e.g. q_proj,v_proj")
+        self._validate_eval_sets()
+        _validate_decoding(t)
+        return self
+
+    def _validate_packing_and_nonspeech(self) -> None:
+        """--packing and --packing-timestamps normalised and met with what cannot pack; the
+        clips where nobody speaks (--nonspeech none read as off) and their share."""
+        d, t = self.data, self.train
         d.packing = on_off("--packing", d.packing, PER_CLIP, PACKING_AUTO)
         if d.nonspeech is not None and str(d.nonspeech).strip().lower() in NONSPEECH_OFF:
             d.nonspeech = None
@@ -239,30 +269,6 @@ class RunConfig:
                 "be reused; drop --packing (cached epochs already skip the encoder) or add "
                 "--no-cache-encoder"
             )
-        for flag, value in (  # these may also be left unset (None)
-            ("--max-steps", t.max_steps),
-            ("--eval-steps", t.eval_steps),
-            ("--save-steps", t.save_steps),
-            ("--train-subset", d.train_subset),
-            ("--eval-subset", d.eval_subset),
-        ):
-            if value is not None:
-                require_positive(flag, value)
-        self._validate_numbers()
-        if t.resume is not None and not t.resume.strip():
-            raise UserError("--resume: pass 'latest' or a checkpoint folder")
-        if t.resume is not None and t.overwrite:
-            raise UserError(
-                "--resume continues the run in --output-dir and --overwrite moves it aside: "
-                "drop one of them"
-            )
-        self._validate_fsdp()
-        self._validate_averaging()
-        if not m.lora_targets:
-            raise UserError("--lora-targets: name at least one module, e.g. q_proj,v_proj")
-        self._validate_eval_sets()
-        _validate_decoding(t)
-        return self
 
     def _validate_numbers(self) -> None:
         """Each number option within its range, NaN and infinity refused: one line naming the

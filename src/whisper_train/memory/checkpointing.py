@@ -25,7 +25,7 @@ import contextlib
 import functools
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -226,6 +226,36 @@ def prepare_model(
     # Lets `doctor` tell this setting from checkpointing switched on by hand (T9).
     whisper._whisper_train_checkpointing = policy
     return model
+
+
+def adapters_on_full_precision(trained: nn.Module, base: nn.Module, lora) -> nn.Module:
+    """The adapters `trained` learnt on its quantized base, on `base` instead: the same model
+    loaded again in full precision (with any language row the run added). Returns `base`
+    wrapped with the same adapters (`lora`, quantize_base none) holding `trained`'s trainable
+    weights, ready for peft's merge into the original weights (final/, `average`)."""
+    full = prepare_model(
+        base, mode="lora", checkpointing="off", lora=replace(lora, quantize_base="none")
+    )
+    adapters = {
+        name: param.detach().to("cpu")
+        for name, param in trained.named_parameters()
+        if param.requires_grad
+    }
+    expected = {name for name, param in full.named_parameters() if param.requires_grad}
+    if set(adapters) != expected:  # a programming error, not a user's: the layouts differ
+        raise RuntimeError(
+            f"adapters differ: {sorted(set(adapters) ^ expected)[:3]} (trained vs full base)"
+        )
+    with torch.no_grad():
+        params = dict(full.named_parameters())
+        for name, value in adapters.items():
+            params[name].copy_(value)
+    trained_whisper, whole = whisper_of(trained), whisper_of(full)
+    whole.config, whole.generation_config = (
+        trained_whisper.config,
+        trained_whisper.generation_config,
+    )
+    return full
 
 
 def activation_offload(enabled: bool, device: torch.device):
@@ -441,6 +471,7 @@ __all__ = [
     "CHECKPOINT_POLICIES",
     "MODES",
     "LoraSettings",
+    "adapters_on_full_precision",
     "activation_offload",
     "checkpointed_layers",
     "checkpointing_on",

@@ -22,7 +22,6 @@ would add the update to the rounding error of every weight, and round it again).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib.util
 from collections.abc import Iterator
 
@@ -31,7 +30,6 @@ from torch import nn
 
 from whisper_train.choices import QUANTIZE_BASE
 from whisper_train.errors import UserError
-from whisper_train.memory.wrappers import whisper_of
 
 # LLM.int8()'s outlier threshold, as peft's int8 Whisper example loads its base
 # (BitsAndBytesConfig's default llm_int8_threshold): inputs above it run in 16/32 bits.
@@ -214,39 +212,6 @@ def quantized_module_bytes(module: nn.Module) -> int:
     return total
 
 
-def adapters_on_full_precision(trained: nn.Module, base: nn.Module, lora) -> nn.Module:
-    """The adapters `trained` learnt on its quantized base, on `base` instead: the same model
-    loaded again in full precision (with any language row the run added). Returns `base`
-    wrapped with the same adapters (`lora`, quantize_base none) holding `trained`'s trainable
-    weights, ready for peft's merge into the original weights (final/, `average`)."""
-    # Imported here: checkpointing imports this module.
-    from whisper_train.memory.checkpointing import prepare_model
-
-    full = prepare_model(
-        base, mode="lora", checkpointing="off", lora=dataclasses.replace(lora, quantize_base="none")
-    )
-    adapters = {
-        name: param.detach().to("cpu")
-        for name, param in trained.named_parameters()
-        if param.requires_grad
-    }
-    expected = {name for name, param in full.named_parameters() if param.requires_grad}
-    if set(adapters) != expected:  # a programming error, not a user's: the layouts differ
-        raise RuntimeError(
-            f"adapters differ: {sorted(set(adapters) ^ expected)[:3]} (trained vs full base)"
-        )
-    with torch.no_grad():
-        params = dict(full.named_parameters())
-        for name, value in adapters.items():
-            params[name].copy_(value)
-    trained_whisper, whole = whisper_of(trained), whisper_of(full)
-    whole.config, whole.generation_config = (
-        trained_whisper.config,
-        trained_whisper.generation_config,
-    )
-    return full
-
-
 def weights_held(param: torch.Tensor) -> int:
     """How many weights `param` holds: a 4-bit one packs two in a byte (its numel is half)."""
     state = getattr(param, "quant_state", None)
@@ -259,7 +224,6 @@ def _tensor_bytes(tensor: torch.Tensor | None) -> int:
 
 __all__ = [
     "BNB_EXTRA",
-    "adapters_on_full_precision",
     "base_linears",
     "check_device",
     "peft_sees_quantized",

@@ -118,7 +118,7 @@ def full_precision_base(trained: torch.nn.Module, m: ModelRecord) -> torch.nn.Mo
     base, processor = load_model(m.model, attn_implementation=m.attn_implementation)
     if m.new_language is not None:  # its shape as setup made it: the added row
         add_language(base, processor.tokenizer, m.new_language, init=m.new_language_init)
-    return memory.quantize.adapters_on_full_precision(unwrapped(trained), base, m.lora)
+    return memory.checkpointing.adapters_on_full_precision(unwrapped(trained), base, m.lora)
 
 
 def write_run_outputs(

@@ -175,7 +175,8 @@ def _check_quantized_base(model, state) -> Check | None:
             "quantized base",
             "fail",
             f"{len(quantized)} bitsandbytes layers under reentrant checkpointing, as peft's "
-            "prepare_model_for_kbit_training leaves them: the adapters get no gradient, or "
+            "prepare_model_for_kbit_training leaves them (peft <= 0.21 by default, or asked "
+            "use_reentrant=True): the adapters get no gradient, or "
             "backward fails with 'element 0 of tensors does not require grad'",
             "whisper-train train --mode lora --quantize-base nf4|int8 (no kbit preparation), or "
             'prepare_model_for_kbit_training(model, gradient_checkpointing_kwargs={"use_reentrant": '

@@ -306,17 +306,7 @@ def check_export(
     runtime = exported_format.runtime
     arithmetic = scoring_arithmetic(format, quantization)
     if not source.clips:  # every clip left out (`score_source`): nothing to score
-        return ParityCheck(
-            runtime=runtime,
-            language=source.language,
-            clips=[],
-            tolerance=logprob_tolerance(arithmetic),
-            quantization=quantization,
-            arithmetic=arithmetic,
-            source_wer=math.nan,
-            export_wer=math.nan,
-            left_out=source.left_out,
-        )
+        return _unscored(source, runtime, quantization, arithmetic, runtime_error=None)
     try:
         # The folder or the file its runtime loads, once our reader accepted what was written.
         model_input = exported_format.accepted_input(output)
@@ -342,6 +332,12 @@ def check_export(
         )
         check.left_out = source.left_out
         return check
+    runtime_error = error.splitlines()[0][:300] if error else "no message"
+    return _unscored(source, runtime, quantization, arithmetic, runtime_error=runtime_error)
+
+
+def _unscored(source, runtime, quantization, arithmetic, *, runtime_error) -> ParityCheck:
+    """A check that scored no clip: every clip left out, or the runtime refused the file."""
     return ParityCheck(
         runtime=runtime,
         language=source.language,
@@ -351,7 +347,7 @@ def check_export(
         arithmetic=arithmetic,
         source_wer=math.nan,
         export_wer=math.nan,
-        runtime_error=error.splitlines()[0][:300] if error else "no message",
+        runtime_error=runtime_error,
         left_out=source.left_out,
     )
 

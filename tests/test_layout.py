@@ -175,7 +175,7 @@ LAYERS = (
     ("memory",),
     ("config",),
     ("formats",),
-    ("models",),
+    ("models", "student"),
     ("evaluation",),
     ("doctor",),
     ("training",),

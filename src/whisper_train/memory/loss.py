@@ -9,6 +9,13 @@ With a `BasePreservation` (`--preserve-base WEIGHT`) it adds WEIGHT x KL(p_base 
 the divergence of the trained model's next-token distribution from the frozen starting model's
 on the same batch, at the same label positions, under the same memory discipline (distil-whisper's
 teacher term, the starting model as teacher). It keeps what the model knew while it fits.
+
+Distillation (`--teacher`) is the same term against another model (`BasePreservation.from_teacher`:
+a frozen teacher, any decoder depth), at a temperature T: CE_WEIGHT x cross-entropy + WEIGHT x
+T^2 x KL(p_teacher^T || p_student^T), both distributions softened by T (distil-whisper's loss).
+Where the trained model's encoder is frozen and equal to the teacher's (a student made from it),
+the teacher runs its decoder on the encoder outputs the trained model's own forward made: one
+encoder pass a micro-batch for both.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from transformers.modeling_outputs import BaseModelOutput
 from whisper_train.data.collate import IGNORE_INDEX
 from whisper_train.errors import UserError
 from whisper_train.memory.checkpointing import checkpointing_on, recomputed_decoder_layers
-from whisper_train.memory.clip_attention import clips_routed
+from whisper_train.memory.clip_attention import clip_route, clips_routed, route_clips
 from whisper_train.memory.cross_attention import folded_cross_attention
 from whisper_train.memory.sharding import gathered_weight
 from whisper_train.memory.wrappers import is_peft_model, unwrapped, whisper_of
@@ -68,6 +75,10 @@ class BasePreservation:
     # the model it prepares, not this copy's): the copy runs in it too, or the teacher would
     # differ from an untrained student by 16-bit rounding alone. None: no autocast of its own.
     autocast_dtype: torch.dtype | None = None
+    # Distillation's: the KL term's temperature (scaled by its square) and the cross-entropy's
+    # weight; 1 and 1 keep --preserve-base's loss, CE + WEIGHT x KL.
+    temperature: float = 1.0
+    cross_entropy_weight: float = 1.0
 
     @classmethod
     def from_model(
@@ -118,6 +129,52 @@ class BasePreservation:
         reference._whisper_train_checkpointing = "off"
         reference.config.use_cache = False
         return cls(float(weight), reference, shares_encoder, autocast_dtype)
+
+    @classmethod
+    def from_teacher(
+        cls,
+        model: nn.Module,
+        teacher: nn.Module,
+        *,
+        weight: float,
+        temperature: float,
+        cross_entropy_weight: float,
+        autocast_dtype: torch.dtype | None = None,
+    ) -> BasePreservation:
+        """Distillation's term: `teacher` (a Whisper model with the trained model's vocabulary,
+        any decoder depth), frozen and in eval mode for the whole run, no gradient, never
+        recomputed. Where the trained model's encoder is frozen and holds the teacher's very
+        weights (a student made from it, `student.student_from_teacher`), the teacher takes that
+        encoder instead of its own (its copy is freed) and its decoder reads the encoder
+        outputs of the trained model's forward (`loss_terms`). Call it on the model
+        `memory.prepare_model` returned, before `accelerator.prepare`."""
+        whisper = whisper_of(unwrapped(model))
+        encoder = whisper.model.encoder
+        config = whisper.config
+        # An encoder pass with SpecAugment, dropout or layerdrop is not the teacher's clean one.
+        clean = not (config.apply_spec_augment or config.dropout or config.encoder_layerdrop)
+        frozen = not any(p.requires_grad for p in encoder.parameters())
+        shares_encoder = clean and frozen and _same_weights(encoder, teacher.model.encoder)
+        if shares_encoder:
+            teacher.model.encoder = encoder
+        shared = set(encoder.modules()) if shares_encoder else set()
+        for module in teacher.modules():
+            if module in shared:
+                continue  # the trained model's own: its modes and flags stay the trainer's
+            module.training = False
+            if hasattr(module, "gradient_checkpointing"):
+                module.gradient_checkpointing = False
+        teacher.requires_grad_(False)
+        teacher._whisper_train_checkpointing = "off"
+        teacher.config.use_cache = False
+        return cls(
+            float(weight),
+            teacher,
+            shares_encoder,
+            autocast_dtype,
+            float(temperature),
+            float(cross_entropy_weight),
+        )
 
     @property
     def extra_bytes(self) -> int:
@@ -174,13 +231,16 @@ def loss_terms(
     if type(whisper.proj_out) is not nn.Linear:
         # Adapters on the output head (peft wraps it): only the model knows its logits.
         if preserving:
-            return _full_vocabulary_terms(model, inputs, batch["labels"], preserve)
+            return _full_vocabulary_terms(model, inputs, batch, preserve)
         with clips_routed(whisper, batch):
             loss = model(**inputs, labels=batch["labels"]).loss
-        return LossTerms(loss, loss, None)
+        return _cross_entropy_only(loss, preserve)
     base_states = base_weight = None
-    if preserving:  # first, so its activations are gone before the trained forward saves any
-        base_states, base_whisper = _base_forward(model, preserve, inputs, deferred=True)
+    # The teacher on the trained model's encoder outputs (after its forward), or on its own
+    # encoder pass (first, so its activations are gone before the trained forward saves any).
+    shared_pass = preserving and _shares_encoder_pass(preserve, whisper)
+    if preserving and not shared_pass:
+        base_states, base_whisper = _base_forward(model, preserve, inputs, batch, deferred=True)
         base_weight = gathered_weight(base_whisper.proj_out.weight, model)
     # On cached encoder outputs, the cross-attention in its cheaper order (`cross_attention`).
     folded = folded_cross_attention(
@@ -189,8 +249,14 @@ def loss_terms(
         recomputed=recomputed_decoder_layers(whisper) if torch.is_grad_enabled() else (),
     )
     # A packed per-clip micro-batch: each clip's decoder pass on its own encoder positions.
-    with _projection_deferred(whisper), folded, clips_routed(whisper, batch):
+    kept = _EncoderOutput()
+    kept_encoded = _encoder_output_kept(whisper, kept, enabled=shared_pass)
+    with _projection_deferred(whisper), folded, clips_routed(whisper, batch), kept_encoded:
         decoder_states = model(**inputs).logits  # (batch, T, d_model): hidden states here
+    if shared_pass:
+        encoded = kept.value if kept.value is not None else inputs["encoder_outputs"][0]
+        base_states, base_whisper = _teacher_on_encoded(model, preserve, inputs, encoded, batch)
+        base_weight = gathered_weight(base_whisper.proj_out.weight, model)
     labels = batch["labels"].to(decoder_states.device)
     keep = labels != IGNORE_INDEX
     states, targets = decoder_states[keep], labels[keep]  # (n, d_model), (n,)
@@ -216,14 +282,20 @@ def loss_terms(
                 )
             else:
                 total = total + _summed_cross_entropy(states[chunk], weight, targets[chunk])
-        loss = total / len(targets)
-        return LossTerms(loss, loss, None)
+        return _cross_entropy_only(total / len(targets), preserve)
     # (n, d_model), as the trained states: accelerate hands those back in float32.
     base_states = base_states[keep.to(base_states.device)].to(states.device, states.dtype)
-    divergence = total
+    divergence, temperature = total, preserve.temperature
     for start in range(0, len(targets), LOSS_CHUNK_TOKENS):
         chunk = slice(start, start + LOSS_CHUNK_TOKENS)
-        parts = (states[chunk], weight, targets[chunk], base_states[chunk], base_weight)
+        parts = (
+            states[chunk],
+            weight,
+            targets[chunk],
+            base_states[chunk],
+            base_weight,
+            temperature,
+        )
         if recompute:
             # The base's chunk logits are recomputed from its (n, d_model) states too: passed in
             # as an input instead, each chunk's (chunk, vocab) would be kept for backward.
@@ -234,7 +306,29 @@ def loss_terms(
             summed = _summed_cross_entropy_and_divergence(*parts)
         total, divergence = total + summed[0], divergence + summed[1]
     cross_entropy, divergence = total / len(targets), divergence / len(targets)
-    return LossTerms(cross_entropy + preserve.weight * divergence, cross_entropy, divergence)
+    return _combined(cross_entropy, divergence, preserve)
+
+
+def _combined(
+    cross_entropy: torch.Tensor, divergence: torch.Tensor, preserve: BasePreservation
+) -> LossTerms:
+    """CE_WEIGHT x cross-entropy + WEIGHT x T^2 x divergence: T^2 keeps the divergence's
+    gradients at the scale of T = 1's as T softens both distributions (Hinton et al. 2015)."""
+    scaled = preserve.weight * preserve.temperature**2
+    if preserve.cross_entropy_weight == 1:  # --preserve-base: exactly CE + WEIGHT x KL
+        return LossTerms(cross_entropy + scaled * divergence, cross_entropy, divergence)
+    loss = preserve.cross_entropy_weight * cross_entropy + scaled * divergence
+    return LossTerms(loss, cross_entropy, divergence)
+
+
+def _cross_entropy_only(
+    cross_entropy: torch.Tensor, preserve: BasePreservation | None
+) -> LossTerms:
+    """The loss without a divergence: the cross-entropy, weighted by a teacher's CE weight
+    where its KL weight is 0."""
+    if preserve is None or preserve.cross_entropy_weight == 1:
+        return LossTerms(cross_entropy, cross_entropy, None)
+    return LossTerms(preserve.cross_entropy_weight * cross_entropy, cross_entropy, None)
 
 
 def _summed_cross_entropy(
@@ -253,22 +347,21 @@ def _summed_cross_entropy_and_divergence(
     targets: torch.Tensor,
     base_states: torch.Tensor,
     base_weight: torch.Tensor,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed cross-entropy, summed KL(p_base || p_trained)) of n label tokens, from the trained
-    and the base model's (n, d_model) decoder states and output projections; every (n, vocab)
-    tensor exists only inside this call. Only the trained side has a gradient."""
-    log_probs = _log_probabilities(states, weight)
+    """(summed cross-entropy, summed KL(p_base || p_trained) at `temperature`) of n label
+    tokens, from the trained and the base model's (n, d_model) decoder states and output
+    projections; every (n, vocab) tensor exists only inside this call. Only the trained side
+    has a gradient."""
+    logits = _float32_at_least(torch.nn.functional.linear(states, weight))
+    log_probs = torch.log_softmax(logits, dim=-1)
     with torch.no_grad():
-        base_log_probs = _log_probabilities(base_states, base_weight)
-    return (
-        torch.nn.functional.nll_loss(log_probs, targets, reduction="sum"),
-        _summed_divergence(log_probs, base_log_probs),
-    )
-
-
-def _log_probabilities(states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    logits = torch.nn.functional.linear(states, weight)  # half precision under autocast
-    return torch.log_softmax(_float32_at_least(logits), dim=-1)
+        base_logits = _float32_at_least(torch.nn.functional.linear(base_states, base_weight))
+    cross_entropy = torch.nn.functional.nll_loss(log_probs, targets, reduction="sum")
+    if temperature != 1:
+        log_probs = torch.log_softmax(logits / temperature, dim=-1)
+    base_log_probs = torch.log_softmax(base_logits / temperature, dim=-1)
+    return cross_entropy, _summed_divergence(log_probs, base_log_probs)
 
 
 def _float32_at_least(logits: torch.Tensor) -> torch.Tensor:
@@ -283,10 +376,12 @@ def _summed_divergence(log_probs: torch.Tensor, base_log_probs: torch.Tensor) ->
 
 
 def _base_forward(
-    model: nn.Module, preserve: BasePreservation, inputs: dict, *, deferred: bool
+    model: nn.Module, preserve: BasePreservation, inputs: dict, batch: dict, *, deferred: bool
 ) -> tuple[torch.Tensor, nn.Module]:
-    """The starting model's `logits` output for `inputs` (its decoder hidden states when
-    `deferred`), computed without a graph, and the Whisper model it came from."""
+    """The starting model's (or teacher's) `logits` output for `inputs` (its decoder hidden
+    states when `deferred`), computed without a graph, and the Whisper model it came from. A
+    packed per-clip `batch` is routed through the reference's own encoder and decoder as
+    through the trained model's."""
     with torch.no_grad():
         if preserve.reference is None:  # LoRA: the same weights, adapters off
             peft_model = unwrapped(model)
@@ -308,23 +403,109 @@ def _base_forward(
         autocast = contextlib.nullcontext()
         if preserve.autocast_dtype is not None:
             autocast = torch.autocast(target.device.type, dtype=preserve.autocast_dtype)
-        with _evaluating(reference), projection, autocast:
+        with _evaluating(reference), projection, autocast, clips_routed(reference, batch):
             return reference(**inputs).logits, reference
 
 
+def _shares_encoder_pass(preserve: BasePreservation, whisper: nn.Module) -> bool:
+    """Whether the reference may read the trained model's encoder outputs: it shares that
+    (frozen) encoder, and the trained forward's encoder pass is the clean one the reference's
+    own would be (no SpecAugment, dropout or layerdrop in it)."""
+    if preserve.reference is None or not preserve.shares_encoder:
+        return False
+    config = whisper.config
+    randomised = config.apply_spec_augment or config.dropout or config.encoder_layerdrop
+    return not (whisper.training and randomised)
+
+
+class _EncoderOutput:
+    """The encoder outputs one forward made (None: the forward ran no encoder)."""
+
+    value: torch.Tensor | None = None
+
+
+@contextlib.contextmanager
+def _encoder_output_kept(whisper: nn.Module, kept: _EncoderOutput, *, enabled: bool):
+    """Inside, the encoder's output of the model's forward is kept in `kept.value` (as the
+    decoder reads it: a per-clip micro-batch's gathered clips, `clip_attention`, whose hook
+    runs first)."""
+    if not enabled:
+        yield
+        return
+
+    def keep(module, args, output):
+        kept.value = output[0]
+
+    handle = whisper.model.encoder.register_forward_hook(keep)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _teacher_on_encoded(
+    model: nn.Module,
+    preserve: BasePreservation,
+    inputs: dict,
+    encoded: torch.Tensor,
+    batch: dict,
+) -> tuple[torch.Tensor, nn.Module]:
+    """The reference's decoder hidden states at every position, its decoder run on `encoded`
+    (the encoder outputs the trained model's forward made, of the encoder both share), without
+    a graph; a per-clip micro-batch's clips cross-attend to their own positions as the trained
+    decoder's do (the trained model's router's mask, `clip_attention`)."""
+    shared = {"decoder_input_ids": inputs["decoder_input_ids"]}
+    shared["encoder_outputs"] = BaseModelOutput(last_hidden_state=encoded)
+    whisper = whisper_of(unwrapped(model))
+    masked = contextlib.nullcontext()
+    if clip_route(batch) is not None:
+        masked = _cross_attention_masked(preserve.reference, route_clips(whisper))
+    with masked:
+        return _base_forward(model, preserve, shared, {}, deferred=True)
+
+
+@contextlib.contextmanager
+def _cross_attention_masked(reference: nn.Module, router) -> Iterator[None]:
+    """Inside, `reference`'s decoder layers mask their cross-attention to the keys the trained
+    model's last routed forward gathered, as that model's own layers do."""
+    handles = [
+        layer.encoder_attn.register_forward_pre_hook(router.cross_attention_hook, with_kwargs=True)
+        for layer in reference.model.decoder.layers
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _same_weights(module: nn.Module, other: nn.Module) -> bool:
+    """Whether two modules hold equal tensors under the same names."""
+    mine, theirs = module.state_dict(), other.state_dict()
+    return mine.keys() == theirs.keys() and all(
+        mine[name].shape == theirs[name].shape
+        and mine[name].dtype == theirs[name].dtype
+        and torch.equal(mine[name], theirs[name].to(mine[name].device))
+        for name in mine
+    )
+
+
 def _full_vocabulary_terms(
-    model: nn.Module, inputs: dict, labels: torch.Tensor, preserve: BasePreservation
+    model: nn.Module, inputs: dict, batch: dict, preserve: BasePreservation
 ) -> LossTerms:
     """Both sides' full logits, for LoRA on the output head, where the plain loss already takes
     the model's full-vocabulary loss: the base's (batch, T, vocab) exists without a graph."""
-    base_logits, _ = _base_forward(model, preserve, inputs, deferred=False)
-    output = model(**inputs, labels=labels)
+    labels, temperature = batch["labels"], preserve.temperature
+    base_logits, _ = _base_forward(model, preserve, inputs, batch, deferred=False)
+    with clips_routed(whisper_of(unwrapped(model)), batch):
+        output = model(**inputs, labels=labels)
     keep = labels.to(output.logits.device) != IGNORE_INDEX
-    log_probs = _float32_at_least(output.logits[keep]).log_softmax(dim=-1)
-    base_log_probs = _float32_at_least(base_logits[keep.to(base_logits.device)]).log_softmax(-1)
+    log_probs = (_float32_at_least(output.logits[keep]) / temperature).log_softmax(dim=-1)
+    base_logits = _float32_at_least(base_logits[keep.to(base_logits.device)]) / temperature
+    base_log_probs = base_logits.log_softmax(-1)
     divergence = _summed_divergence(log_probs, base_log_probs.to(log_probs.device))
     divergence = divergence / max(int(keep.sum()), 1)
-    return LossTerms(output.loss + preserve.weight * divergence, output.loss, divergence)
+    return _combined(output.loss, divergence, preserve)
 
 
 @contextlib.contextmanager

@@ -84,6 +84,8 @@ CONTEXTS = {
     "epochs": {"max_steps": None, "epochs": 1.0},
     "stream": {"data": "SHARDS", "only_train": True},
     "noisy": {"nonspeech": "builtin"},
+    # A student of 1 decoder layer made from the tiny model (--model's) as its teacher.
+    "distilled": {"teacher": "MODEL", "decoder_layers": 1, "mode": "freeze-encoder"},
 }
 # option: (context, new value). A value "OTHER_DATA" / "OTHER_MODEL" / "OTHER_DIR" is a folder
 # made for the test; "SETS+" the evaluated sets and one more.
@@ -152,6 +154,11 @@ CHANGES = {
     "stop_on_regression": ("guarded", True),
     "max_nonspeech_rise": ("evaluated", 3.0),
     "preserve_base": ("unpacked", 0.5),
+    "teacher": ("plain", "OTHER_MODEL"),
+    "decoder_layers": ("distilled", 2),
+    "distill_temperature": ("distilled", 1.0),
+    "distill_kl_weight": ("distilled", 0.5),
+    "distill_ce_weight": ("distilled", 1.0),
     "compare_baseline": ("evaluated", True),
     "logging_steps": ("plain", 2),
     "report_to": ("plain", ["none"]),
@@ -212,6 +219,8 @@ def saved_runs(tmp_path_factory, tone_dataset, tiny_whisper_dir):
             values["eval_data"] = []
         if values["data"] == "SHARDS":
             values["data"] = str(root / "shards")
+        if values.get("teacher") == "MODEL":
+            values["teacher"] = values["model"]
         if values["max_steps"] is None:
             values["max_steps"] = None
             values["save_steps"] = 1

@@ -12,6 +12,7 @@ The library modules they call take typed arguments and never see the command lin
 # command line of the library module `whisper_train.X`.
 COMMANDS = (
     "train",
+    "distill",
     "evaluate",
     "average",
     "doctor",

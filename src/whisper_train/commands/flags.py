@@ -64,6 +64,10 @@ PLACEHOLDERS = {
     "new_language_init": "LANG",
     "nonspeech_share": "FRACTION",
     "max_nonspeech_rise": "WORDS",
+    "teacher": "MODEL",
+    "distill_temperature": "T",
+    "distill_kl_weight": "WEIGHT",
+    "distill_ce_weight": "WEIGHT",
 }
 
 
@@ -140,11 +144,16 @@ def add_field(
     return parser.add_argument(flag, **{**kwargs, **kw})
 
 
-def add_help_options(parser: argparse.ArgumentParser) -> None:
+def add_help_options(parser: argparse.ArgumentParser, *, also: tuple[str, ...] = ()) -> None:
     """`-h/--help`: the options a first run needs; `--help-all`: every option. The parser is
-    made with `add_help=False`; the first-run options are the fields marked `first_run`."""
+    made with `add_help=False`; the first-run options are the fields marked `first_run`, and
+    `also` the fields a command's first run needs besides (distill's --teacher)."""
     parser.add_argument(
-        "-h", "--help", action=FirstRunHelp, help="Show the options a first run needs and exit."
+        "-h",
+        "--help",
+        action=FirstRunHelp,
+        also=also,
+        help="Show the options a first run needs and exit.",
     )
     parser.add_argument("--help-all", action=AllOptionsHelp, help="Show every option and exit.")
 
@@ -163,10 +172,14 @@ class AllOptionsHelp(argparse._HelpAction):
 
 
 class FirstRunHelp(argparse._HelpAction):
-    """-h/--help: `first_run_help`."""
+    """-h/--help: `first_run_help`, with the command's own first-run fields (`also`)."""
+
+    def __init__(self, *args, also: tuple[str, ...] = (), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.also = tuple(also)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        sys.stdout.write(first_run_help(parser))
+        sys.stdout.write(first_run_help(parser, also=self.also))
         parser.exit()
 
 
@@ -176,11 +189,11 @@ def short_usage(parser: argparse.ArgumentParser) -> str:
     return f"{parser.prog} [-h] [--help-all] [--config FILE.yaml] [OPTION ...]"
 
 
-def first_run_help(parser: argparse.ArgumentParser) -> str:
+def first_run_help(parser: argparse.ArgumentParser, *, also: tuple[str, ...] = ()) -> str:
     """The help of `parser` with only the options a first run needs (and those no training
     setting owns: --config, the help flags), a short usage line, and a last line that names
     --help-all. The other options' help is hidden for this one rendering, then restored."""
-    shown = set(first_run_options())
+    shown = set(first_run_options()) | set(also)
     owners = field_owners()
     hidden = [a for a in parser._actions if a.dest in owners and a.dest not in shown]
     saved = [(action, action.help) for action in hidden], parser.usage, parser.epilog

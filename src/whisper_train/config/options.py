@@ -62,6 +62,12 @@ DEFAULT_MAX_NONSPEECH_RISE = 1.0
 # left one "You" on hum or a tone on one seed of two; 0.2 wrote nothing on both, at the same
 # WER (BENCHMARKS.md, "Text where nobody speaks": "How much noise").
 DEFAULT_NONSPEECH_SHARE = 0.2
+# Distillation's loss: DISTILL_CE_WEIGHT x cross-entropy + DISTILL_KL_WEIGHT x T^2 x KL(teacher
+# || student) at temperature DISTILL_TEMPERATURE: distil-whisper's training code
+# (run_distillation.py; its paper, arXiv 2311.00430, states the two weights the other way round).
+DISTILL_TEMPERATURE = 2.0
+DISTILL_KL_WEIGHT = 1.0
+DISTILL_CE_WEIGHT = 0.8
 # --report-to: where the metrics rows go besides metrics.jsonl (whisper_train.trackers).
 TRACKERS = ("tensorboard", "mlflow", "wandb", "none")
 
@@ -231,6 +237,16 @@ class ModelConfig:
         "Esperanto); required with it.",
         default=None,
     )
+    teacher: str | None = _help(
+        "Distil this model into the trained one (`whisper-train distill`): the loss adds the KL "
+        "divergence from the teacher's next-token distribution (docs/training.md).",
+        default=None,
+    )
+    decoder_layers: int | None = _help(
+        "With --teacher: train a student made of the teacher's encoder and N of its decoder "
+        "layers, spread from the first to the last, instead of --model.",
+        default=None,
+    )
 
 
 @dataclass
@@ -366,6 +382,18 @@ class TrainConfig:
         "Weight of a KL term that keeps the model's predictions close to the starting model's (0 "
         "is off); full and freeze-encoder keep a frozen copy of the weights for it.",
         default=0.0,
+    )
+    distill_temperature: float = _help(
+        "With --teacher: the temperature both distributions are softened by for the KL term "
+        "(scaled by its square, as distil-whisper does).",
+        default=DISTILL_TEMPERATURE,
+    )
+    distill_kl_weight: float = _help(
+        "With --teacher: the weight of the KL term against the teacher.", default=DISTILL_KL_WEIGHT
+    )
+    distill_ce_weight: float = _help(
+        "With --teacher: the weight of the cross-entropy against the labels.",
+        default=DISTILL_CE_WEIGHT,
     )
     compare_baseline: bool = _help(
         "At the end, evaluate the starting model and the fine-tuned one and write OUTPUT/report.md "

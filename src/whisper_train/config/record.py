@@ -96,6 +96,10 @@ class ModelRecord:
     # How LoRA's frozen base is held: none (as loaded), int8 or nf4 (bitsandbytes). The adapters
     # trained against the quantized weights; a record from before the option held none.
     quantize_base: str = decided(MUST_EQUAL, "quantize_base", default="none")
+    # Distillation (None: none): the teacher the loss learns from, and the depth of a student
+    # made from it (None: the student is `model` itself). The student's shape depends on both.
+    teacher: str | None = decided(MUST_EQUAL, "teacher", default=None)
+    decoder_layers: int | None = decided(MUST_EQUAL, "decoder_layers", default=None)
 
     @property
     def lora(self):
@@ -209,6 +213,10 @@ class TrainingRecord:
 @dataclass(frozen=True)
 class EvalSet:
     name: str
+    # With a teacher (None without): the KL term's temperature and the two terms' weights.
+    distill_temperature: float | None = decided(MAY_CHANGE, "distill_temperature", default=None)
+    distill_kl_weight: float | None = decided(MAY_CHANGE, "distill_kl_weight", default=None)
+    distill_ce_weight: float | None = decided(MAY_CHANGE, "distill_ce_weight", default=None)
     path: str
     language: str | None  # decoded in it where its rows state none (None: detected per clip)
     long_form: bool  # whole recordings, decoded in 30 s windows

@@ -273,7 +273,8 @@ def _model(config: RunConfig, *, width: int, multilingual: bool) -> ModelRecord:
     m = config.model
     lora = m.mode == "lora"
     return ModelRecord(
-        model=m.model,
+        # A student made from the teacher (--decoder-layers) starts from the teacher's weights.
+        model=m.teacher if m.teacher and m.decoder_layers else m.model,
         mode=m.mode,
         width=width,
         multilingual=multilingual,
@@ -310,6 +311,8 @@ def _data(config: RunConfig, data: DataFacts, *, device, processes: int) -> Data
         prompt_probability=d.prompt_probability,
         nonspeech=data.nonspeech,
         nonspeech_share=data.nonspeech_share,
+        teacher=m.teacher,
+        decoder_layers=m.decoder_layers if m.teacher else None,
         nonspeech_label=data.nonspeech_label,
         audio_augment=d.audio_augment,
         packing=data.packing,
@@ -381,6 +384,9 @@ def _evaluation(config: RunConfig) -> EvaluationRecord:
         stop_on_regression=t.stop_on_regression,
         max_nonspeech_rise=t.max_nonspeech_rise,
         eval_steps=t.eval_steps,
+        distill_temperature=t.distill_temperature if m.teacher else None,
+        distill_kl_weight=t.distill_kl_weight if m.teacher else None,
+        distill_ce_weight=t.distill_ce_weight if m.teacher else None,
         eval_at_start=t.eval_at_start,
         compare_baseline=t.compare_baseline,
         max_length=t.generation_max_length,

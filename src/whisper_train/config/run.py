@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from whisper_train.choices import NONSPEECH_AUTO, NONSPEECH_OFF, PER_CLIP
+from whisper_train.config.distill import validate_distillation
 from whisper_train.config.options import (
     AVERAGE_BY,
     ENCODER_LR_SCALES,
@@ -234,6 +235,7 @@ class RunConfig:
         if not m.lora_targets:
             raise UserError("--lora-targets: name at least one module, e.g. q_proj,v_proj")
         self._validate_eval_sets()
+        validate_distillation(self)
         _validate_decoding(t)
         return self
 

@@ -363,6 +363,18 @@ def _training_section(
         + (" (--pin-language: saved in the model)" if d.pin_language else ""),
         f"- seed: {training.seed}",
     ]
+    if m.teacher is not None:
+        student = (
+            f"{m.decoder_layers} of the teacher's decoder layers (first and last kept) and its "
+            "encoder"
+            if m.decoder_layers
+            else "the base above"
+        )
+        lines.append(
+            f"- distilled from {_describe_base(m.teacher)}: the student is {student}; loss "
+            f"{training.distill_ce_weight:g} x cross-entropy + {training.distill_kl_weight:g} x "
+            f"KL(teacher || student) at temperature {training.distill_temperature:g} (x T^2)"
+        )
     if d.nonspeech is not None:
         lines.append(
             f"- clips where nobody speaks: --nonspeech {d.nonspeech}, "

@@ -150,6 +150,7 @@ class FineTuneRecipe:
             accelerator=accelerator,
             precision=self.precision,
             datasets=self.datasets,
+            teacher=facts.teacher,
         )
         # Every decision is made: from here on the record is read, never what was asked.
         self.record = record

@@ -50,7 +50,7 @@ from whisper_train.data.source import (
 from whisper_train.errors import UserError
 from whisper_train.memory import clip_attention, quantize
 from whisper_train.memory.plan import encoder_cache_line
-from whisper_train.models import is_multilingual, load_model
+from whisper_train.models import is_multilingual
 from whisper_train.runlog import (
     START_LINE_CHARS,
     MetricsLog,
@@ -68,6 +68,11 @@ from whisper_train.training.datasets import (
     evaluation_loaders,
     language_targets,
     prepare_datasets,
+)
+from whisper_train.training.distillation import (
+    advise_on_data_size,
+    frozen_model_term,
+    load_student_and_teacher,
 )
 from whisper_train.training.encoder_cache import CachedClip, EncoderCache
 from whisper_train.training.launch import inside_launcher
@@ -95,6 +100,7 @@ class RunFacts:
     datasets: Datasets  # the evaluation sets, and the training set when it is read whole
     plan: TrainingPlan  # what every epoch trains
     data: DataFacts  # the facts of the plan that the record keeps
+    teacher: torch.nn.Module | None = None  # --teacher's model, frozen (None: no distillation)
 
 
 def gather_facts(
@@ -109,7 +115,7 @@ def gather_facts(
     sets = evaluation_sets(config)
     packing, packing_note = choose_packing(config, saved.packing if saved else None)
     nonspeech = choose_nonspeech(config, saved)
-    model, processor = load_model(m.model, attn_implementation=m.attn_implementation)
+    model, processor, teacher = load_student_and_teacher(m)
     multilingual = is_multilingual(model)
     if m.new_language is not None:
         add_language(model, processor.tokenizer, m.new_language, init=m.new_language_init)
@@ -168,7 +174,9 @@ def gather_facts(
         nonspeech_label=nonspeech.label,
         nonspeech_note=nonspeech.note,
     )
-    return RunFacts(model, multilingual, processor, label_encoder, datasets, plan, data)
+    if teacher is not None:
+        advise_on_data_size(process, m, teacher, datasets.train, streamed=stream is not None)
+    return RunFacts(model, multilingual, processor, label_encoder, datasets, plan, data, teacher)
 
 
 # -- the phases that read the record -------------------------------------------------------------
@@ -234,10 +242,12 @@ def setup_memory(
     accelerator: Accelerator,
     precision: memory.Precision,
     datasets: Datasets,
+    teacher: torch.nn.Module | None = None,
 ) -> tuple[torch.nn.Module, memory.BasePreservation | None, RunRecord]:
     """Freezing, LoRA and checkpointing in the one order that works (`memory`), then the
     checks that refuse, before step 1, what would fail later. Returns the prepared model, the
-    frozen copy --preserve-base compares with, and the record with the policy
+    frozen model the loss's KL term compares with (--preserve-base, --teacher), and the record
+    with the policy
     --gradient-checkpointing auto planned within --max-memory."""
     mem, m = record.memory, record.model
     lora = m.lora  # on the decoder only with the encoder cache
@@ -268,15 +278,9 @@ def setup_memory(
             lora=lora,
             compute_dtype=precision.dtype,
         )
-    # The starting model, kept for --preserve-base before any update (or resume) changes it;
-    # autocast wraps only the prepared model, so the frozen copy is told the dtype itself.
-    preserve = None
-    if record.training.preserve_base:
-        preserve = memory.BasePreservation.from_model(
-            model,
-            record.training.preserve_base,
-            autocast_dtype=precision.dtype if precision.mixed_precision != "no" else None,
-        )
+    # The starting model kept for --preserve-base before any update (or resume) changes it, or
+    # --teacher's frozen model: the loss's KL term (`distillation.frozen_model_term`).
+    preserve = frozen_model_term(record, model, teacher, precision, accelerator=accelerator)
     shown = checkpointing + (" + activation offload" if offload else "")
     if offload and accelerator.device.type != "cuda":
         say(

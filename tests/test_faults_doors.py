@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import io
+import json
 import struct
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -347,3 +348,35 @@ def test_a_fifo_a_folder_and_a_device_given_as_audio_are_named_as_what_they_are(
     assert code == 2 and "Traceback" not in text and "not found" not in text
     assert f"skipped {fifo}: a named pipe (FIFO)" in text
     assert "skipped /dev/zero: a device" in text
+
+
+def test_pseudo_label_on_a_full_disk_is_one_line_and_the_same_command_continues(
+    tmp_path, clip, monkeypatch
+):
+    from conftest import fill_disk_on_write
+
+    from whisper_train.transcription import pseudo_label
+    from whisper_train.transcription.transcripts import Segment
+
+    class Runtime:  # what the model writes is not what this is about: the writes are
+        def transcribe(self, audio, *, timestamps=True):
+            return "a tone", [Segment(0.0, 1.0, "a tone")]
+
+    monkeypatch.setattr(pseudo_label, "load_backend", lambda model, **options: Runtime())
+    output = tmp_path / "labels.jsonl"
+    argv = ("pseudo-label", "--model", "tiny.en", "--data", str(clip), "--output", str(output))
+    checked = pseudo_label.check_output_path
+
+    def then_full(*args, **kwargs):  # the disk fills once the output was found writable
+        checked(*args, **kwargs)
+        fill_disk_on_write(patch)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(pseudo_label, "check_output_path", then_full)
+        line = _one_line(*argv)
+    assert line.startswith(f"error: --output {output}: cannot write (No space left on device)")
+    code, _, text = _cli(*argv)
+    assert code == 0, text[-3000:]
+    records = (tmp_path / "labels.jsonl.progress").read_text().splitlines()[1:]
+    assert [json.loads(record)["clip"] for record in records] == [str(clip)]
+    assert [json.loads(row)["text"] for row in output.read_text().splitlines()] == ["a tone"]

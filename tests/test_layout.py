@@ -180,7 +180,7 @@ LAYERS = (
     ("doctor",),
     ("training",),
     ("deploy",),
-    ("checkdata", "transcription.transcribe", "demo"),
+    ("checkdata", "transcription.transcribe", "transcription.pseudo_label", "demo"),
     ("cli", "commands", "__main__"),
 )
 

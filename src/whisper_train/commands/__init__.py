@@ -19,6 +19,7 @@ COMMANDS = (
     "checkdata",
     "export",
     "transcribe",
+    "pseudo_label",
     "demo",
     "cache",
 )

@@ -197,11 +197,14 @@ def test_unreadable_clips_are_named_once_and_the_rest_labelled(tmp_path, scripte
         (["--data", "clips", "--output", "l.jsonl", "--max-wer", "-1"], "--max-wer -1.0: expected"),
         (["--data", "missing", "--output", "l.jsonl"], "missing: not a local file or folder"),
         (["--data", "clips", "--output", "clips"], "--output clips: is a folder"),
+        (["--data", "shards", "--output", "l.jsonl"], "--data shards: a stream of shards"),
     ],
 )
 def test_a_mistake_is_one_line_and_exit_2(tmp_path, scripted, capsys, monkeypatch, flags, message):
     monkeypatch.chdir(tmp_path)
     write_clips(tmp_path / "clips", [1.0])
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "train-000000.tar").write_bytes(b"")
     assert main(["pseudo-label", *flags]) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and message in error

@@ -224,6 +224,8 @@ def test_other_settings_against_existing_labels_are_refused_unless_overwrite(
     assert error.count("\n") == 1 and "labelled with --model first, not second" in error
     assert main([*argv, "--model", "first", "--beam-size", "2"]) == 2
     assert "labelled with --beam-size 1, not 2" in capsys.readouterr().err
+    assert main([*argv, "--model", "first", "--temperatures", "0"]) == 2
+    assert "labelled with --temperatures 0,0.2,0.4,0.6,0.8,1, not 0;" in capsys.readouterr().err
     assert main([*argv, "--model", "second", "--overwrite"]) == 0
     assert len(rows_of(output)) == 2
     header = json.loads(Path(f"{output}{PROGRESS_SUFFIX}").read_text().splitlines()[0])

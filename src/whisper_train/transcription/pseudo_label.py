@@ -108,7 +108,10 @@ class Settings:
     beam_size: int
     timestamps: bool
     max_wer: float | None
-    decoding: dict
+    temperatures: list[float]
+    compression_ratio_threshold: float | None
+    logprob_threshold: float | None
+    no_speech_threshold: float | None
 
 
 @dataclass
@@ -305,13 +308,18 @@ SETTING_FLAGS = {
     "beam_size": "--beam-size",
     "timestamps": "--timestamps",
     "max_wer": "--max-wer",
-    "decoding": "the decoding options (--temperatures and the thresholds)",
+    "temperatures": "--temperatures",
+    "compression_ratio_threshold": "--compression-ratio-threshold",
+    "logprob_threshold": "--logprob-threshold",
+    "no_speech_threshold": "--no-speech-threshold",
 }
 
 
 def _shown(value) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
+    if isinstance(value, list):
+        return ",".join(f"{item:g}" for item in value)
     return "none" if value is None else str(value)
 
 
@@ -452,7 +460,10 @@ def pseudo_label(
         beam_size=beam_size,
         timestamps=timestamps,
         max_wer=max_wer,
-        decoding=asdict(decoding) | {"temperatures": list(decoding.temperatures)},
+        temperatures=list(decoding.temperatures),
+        compression_ratio_threshold=decoding.compression_ratio_threshold,
+        logprob_threshold=decoding.logprob_threshold,
+        no_speech_threshold=decoding.no_speech_threshold,
     )
     record = Progress(output, settings, overwrite=overwrite)
     try:

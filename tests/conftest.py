@@ -258,7 +258,7 @@ def record_of(config: RunConfig, *, width: int = 384, device: str = "cpu", **fac
     )
 
     packing, note = choose_packing(config)
-    nonspeech = choose_nonspeech(config)
+    nonspeech = choose_nonspeech(config, packing=packing)
     data = {
         "packing": packing,
         "packing_note": note,
@@ -266,6 +266,7 @@ def record_of(config: RunConfig, *, width: int = 384, device: str = "cpu", **fac
         "nonspeech_share": nonspeech.share,
         "nonspeech_label": nonspeech.label,
         "nonspeech_note": nonspeech.note,
+        "nonspeech_placement": nonspeech.placement,
         "streamed": config.stream_source() is not None,
         "items_per_micro_batch": config.train.batch_size,
         "steps_per_epoch": 10,

@@ -901,3 +901,60 @@ def test_a_share_with_nonspeech_none_is_refused_and_a_share_is_printed_as_it_is(
     result = TrainResult(tmp_path, None, 8, 360, 40, 0, [], final_step=8, final_reason="last")
     card = run_card(record_of(config), result)
     assert "--nonspeech builtin, 99.9% of each epoch" in card and "100%" not in card
+
+
+def test_per_clip_noise_rides_alongside_and_an_older_checkpoint_resumes_as_it_trained(
+    tiny_run_config, capsys, tmp_path
+):
+    """--packing per-clip: the noise clips ride in the speech's windows (no step counts them),
+    in pieces of at most 2 s; the record says "alongside" and the start says so. Another packing
+    places them as clips of the epoch, as before. A checkpoint whose record does not say (written
+    before the placement was kept) resumes as it trained, as clips, its steps replayed as
+    planned then."""
+    result = train(
+        tiny_run_config(nonspeech="builtin", nonspeech_share=0.25, packing="per-clip", max_steps=4)
+    )
+    assert result.train_examples == 12 + 4
+    said = capsys.readouterr().out
+    assert "data: 16 clips packed into" in said
+    record = yaml.safe_load((tmp_path / "out" / "whisper-train.yaml").read_text())["record"]
+    assert record["data"]["nonspeech_placement"] == "alongside"
+
+    train(
+        tiny_run_config(
+            nonspeech="builtin", packing="off", max_steps=1, output_dir=str(tmp_path / "off")
+        )
+    )
+    record = yaml.safe_load((tmp_path / "off" / "whisper-train.yaml").read_text())["record"]
+    assert record["data"]["nonspeech_placement"] == "as-clips"
+
+    older = tmp_path / "older"
+    train(
+        tiny_run_config(
+            nonspeech="builtin",
+            packing="per-clip",
+            max_steps=1,
+            save_steps=1,
+            output_dir=str(older),
+        )
+    )
+    checkpoint = older / "checkpoint-1" / "whisper-train.yaml"
+    saved = yaml.safe_load(checkpoint.read_text())
+    del saved["record"]["data"]["nonspeech_placement"]
+    checkpoint.write_text(yaml.safe_dump(saved, sort_keys=False))
+    manifest = checkpoint.parent / "manifest.json"
+    sizes = json.loads(manifest.read_text())
+    sizes["files"][checkpoint.name] = checkpoint.stat().st_size
+    manifest.write_text(json.dumps(sizes))
+    train(tiny_run_config(nonspeech="builtin", max_steps=2, resume="latest", output_dir=str(older)))
+    record = yaml.safe_load((older / "whisper-train.yaml").read_text())["record"]
+    assert record["data"]["nonspeech_placement"] == "as-clips"
+
+
+def test_the_default_run_says_its_noise_rides_in_the_speechs_windows(tiny_run_config, capsys):
+    from whisper_train.config.resolve import choose_nonspeech
+
+    config = tiny_run_config(nonspeech="auto")
+    note = choose_nonspeech(config, packing="per-clip").note
+    assert "20% of each epoch, riding in the speech's windows" in note
+    assert "riding" not in choose_nonspeech(config, packing="off").note

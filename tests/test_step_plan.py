@@ -242,3 +242,65 @@ def test_loader_workers_do_not_change_what_a_step_trains(tmp_path, tiny_run_conf
         [r["loss"] for r in metric_rows(out)] for out in (alone.output_dir, workers.output_dir)
     ]
     np.testing.assert_allclose(losses[1], losses[0], rtol=0, atol=SAME_RUN_LOSS_ATOL)
+
+
+def _speech_and_noise(n_speech: int, n_noise: int, seed: int = 0) -> list[ClipSize]:
+    """Speech clips of 3-5 s (the default path's usual) and --nonspeech pieces of 0.5-2 s."""
+    rng = random.Random(seed)
+    speech = [ClipSize(rng.uniform(3.0, 5.0), rng.randint(8, 40)) for _ in range(n_speech)]
+    noise = [ClipSize(rng.uniform(0.5, 2.0), 0, nonspeech=True) for _ in range(n_noise)]
+    return speech + noise
+
+
+def _per_clip_plan(sizes, riders: bool, batch: int = 4, processes: int = 1) -> WholePlan:
+    return WholePlan(
+        len(sizes),
+        batch_size=batch,
+        accumulation=1,
+        processes=processes,
+        seed=0,
+        packing=Packing(sizes, prefix_tokens=3, gap_seconds=0.0, padding_stride=8, riders=riders),
+    )
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_noise_riding_alongside_leaves_every_step_of_speech_as_without_it(processes):
+    """--packing per-clip's non-speech clips ride in the room the speech's windows leave: every
+    step of every epoch trains the same speech clips, in the same windows, as the run without
+    non-speech (so the speech learns what it learns without noise, and an epoch
+    takes as many steps), each noise clip is trained once an epoch, at most one rides in a
+    window of speech, and every window holds its clips and their own padding within 30 s.
+    Before, the noise counted as a fifth of each step's clips: 1.25x the steps and windows."""
+    sizes = _speech_and_noise(160, 40)
+    speech = _per_clip_plan(sizes[:160], riders=False, processes=processes)
+    alongside = _per_clip_plan(sizes, riders=True, processes=processes)
+    assert alongside.shape == speech.shape
+    for epoch in range(3):
+        with_noise, without = alongside.steps(epoch), speech.steps(epoch)
+        assert len(with_noise) == len(without)
+        for ridden, plain in zip(with_noise, without, strict=True):
+            # The step's windows of speech (over its processes, whose gradients are summed).
+            spoken = {tuple(i for i in window if i < 160) for window in items_of(ridden)}
+            assert spoken - {()} == items_of(plain)
+        windows = alongside.windows(epoch)
+        noise = [i for window in windows for i in window if i >= 160]
+        assert sorted(noise) == list(range(160, 200))
+        for window in windows:
+            riders = [i for i in window if i >= 160]
+            if len(riders) < len(window):
+                assert len(riders) <= 1 and (not riders or window[-1] == riders[0])
+            room = sum(packing.footprint_seconds(sizes[i], 8) for i in window)
+            assert room <= 30.0 + 1e-9
+        # Riding costs few windows: those of noise alone hold what found no room.
+        alone = [w for w in windows if all(i >= 160 for i in w)]
+        assert len(windows) - len(alone) == len(speech.windows(epoch))
+        assert len(alone) <= 3
+
+
+def test_a_rider_takes_about_its_own_length_of_a_window():
+    """A noise clip's own padding is sampled 64 times more coarsely than speech's: a 2 s piece
+    takes 2.06 s of a window where a 2 s clip of speech takes 5.66 s."""
+    noise, speech = ClipSize(2.0, 0, nonspeech=True), ClipSize(2.0, 10)
+    assert packing.footprint_seconds(noise, 8) == pytest.approx(2.06)
+    assert packing.footprint_seconds(speech, 8) == pytest.approx(2.0 + 0.02 * 175)
+    assert packing.footprint_seconds(noise, 0) == 2.0  # no sampled padding: none of its own

@@ -34,3 +34,8 @@ BUILTIN_SET = (
     "builtin"  # also a non-speech evaluation set's path (`--eval-data NAME:nonspeech=builtin`)
 )
 NONSPEECH_OFF = ("none", "off", "false", "no", "0")
+# Where a run's clips of --nonspeech go (the record's nonspeech placement, resumed as trained):
+# alongside the speech with --packing per-clip (riding in the room its windows leave, none of a
+# step's clips: `packing.plan_windows`), else as clips of the epoch like the speech's.
+NONSPEECH_ALONGSIDE = "alongside"
+NONSPEECH_AS_CLIPS = "as-clips"

@@ -161,6 +161,15 @@ class DataRecord:
         unrecorded_before=True,
         default=None,
     )
+    # Where --nonspeech's clips go (`choices.NONSPEECH_ALONGSIDE`, `NONSPEECH_AS_CLIPS`; None:
+    # no clips, or a record written before it was kept: placed as clips, as they were then).
+    nonspeech_placement: str | None = decided(
+        MUST_EQUAL,
+        label="the non-speech clips' placement",
+        remedy="resume as the checkpoint trained (--packing and --nonspeech as it had them)",
+        unrecorded_before=True,
+        default=None,
+    )
 
     @property
     def packing_on(self) -> bool:
@@ -204,6 +213,10 @@ class TrainingRecord:
     total_steps: int = decided(MAY_CHANGE, "epochs", "max_steps", label="the run's length")
     preserve_base: float = decided(MAY_CHANGE, "preserve_base")
     max_bad_steps: int = decided(MAY_CHANGE, "max_bad_steps")
+    # With a teacher (None without): the KL term's temperature and the two terms' weights.
+    distill_temperature: float | None = decided(MAY_CHANGE, "distill_temperature", default=None)
+    distill_kl_weight: float | None = decided(MAY_CHANGE, "distill_kl_weight", default=None)
+    distill_ce_weight: float | None = decided(MAY_CHANGE, "distill_ce_weight", default=None)
 
     @property
     def encoder_lr_scale(self) -> float:
@@ -213,10 +226,6 @@ class TrainingRecord:
 @dataclass(frozen=True)
 class EvalSet:
     name: str
-    # With a teacher (None without): the KL term's temperature and the two terms' weights.
-    distill_temperature: float | None = decided(MAY_CHANGE, "distill_temperature", default=None)
-    distill_kl_weight: float | None = decided(MAY_CHANGE, "distill_kl_weight", default=None)
-    distill_ce_weight: float | None = decided(MAY_CHANGE, "distill_ce_weight", default=None)
     path: str
     language: str | None  # decoded in it where its rows state none (None: detected per clip)
     long_form: bool  # whole recordings, decoded in 30 s windows

@@ -17,7 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-from whisper_train.choices import BUILTIN_SET, NONSPEECH_AUTO, PER_CLIP
+from whisper_train.choices import (
+    BUILTIN_SET,
+    NONSPEECH_ALONGSIDE,
+    NONSPEECH_AS_CLIPS,
+    NONSPEECH_AUTO,
+    PER_CLIP,
+)
 from whisper_train.config.options import (
     DEFAULT_MAX_REGRESSION,
     DEFAULT_NONSPEECH_SHARE,
@@ -72,6 +78,7 @@ class DataFacts:
     nonspeech_share: float = 0.0  # its share of each epoch's clips (0: none)
     nonspeech_label: str | None = None  # how its clips are labelled (`labels.NONSPEECH_FORMS`)
     nonspeech_note: str | None = None  # why, when --nonspeech auto or a resume chose
+    nonspeech_placement: str | None = None  # choices.NONSPEECH_ALONGSIDE or _AS_CLIPS
 
 
 @dataclass(frozen=True)
@@ -85,12 +92,15 @@ class SavedChoices:
     nonspeech: str | None = None
     nonspeech_share: float | None = None
     nonspeech_label: str | None = None
+    nonspeech_placement: str | None = None  # None: a record written before it was kept
 
     @classmethod
     def of(cls, record: RunRecord) -> SavedChoices:
         """What the run of `record` chose."""
         d = record.data
-        return cls(d.packing, d.nonspeech, d.nonspeech_share, d.nonspeech_label)
+        return cls(
+            d.packing, d.nonspeech, d.nonspeech_share, d.nonspeech_label, d.nonspeech_placement
+        )
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,7 @@ class NonspeechChoice:
     share: float = 0.0
     label: str | None = None
     note: str | None = None
+    placement: str | None = None  # choices.NONSPEECH_ALONGSIDE or _AS_CLIPS (None: no clips)
 
 
 # -- decisions the data phase needs before the record ----------------------------------------
@@ -130,8 +141,11 @@ def choose_packing(config: RunConfig, saved: str | None = None) -> tuple[str, st
     return "off", f"packing auto -> off: per-clip packing is not supported with {why}"
 
 
-def choose_nonspeech(config: RunConfig, saved: SavedChoices | None = None) -> NonspeechChoice:
-    """--nonspeech's source, share and label. Auto mixes the built-in clips into data read
+def choose_nonspeech(
+    config: RunConfig, saved: SavedChoices | None = None, packing: str | None = None
+) -> NonspeechChoice:
+    """--nonspeech's source, share, label and placement (alongside the speech with `packing`
+    per-clip, else as clips). Auto mixes the built-in clips into data read
     whole (the default fine-tune otherwise learns to hear speech in hum and noise:
     BENCHMARKS.md "Text where nobody speaks"); a stream, whose clips cannot be mixed with
     others, trains on its own. A --resume continues as its checkpoint trained where nothing
@@ -165,12 +179,19 @@ def choose_nonspeech(config: RunConfig, saved: SavedChoices | None = None) -> No
         share = DEFAULT_NONSPEECH_SHARE
     label, label_note = _nonspeech_label(saved if saved and saved.nonspeech else None)
     notes.append(label_note)
+    if saved is not None and saved.nonspeech:  # as its checkpoint placed them: the same plan
+        placement = saved.nonspeech_placement or NONSPEECH_AS_CLIPS  # unrecorded: as clips
+    else:
+        placement = NONSPEECH_ALONGSIDE if packing == PER_CLIP else NONSPEECH_AS_CLIPS
     if not any(notes) and asked == NONSPEECH_AUTO:
         notes[0] = (
             f"nonspeech auto -> {BUILTIN_SET}: noise, hum and tones with empty targets, "
-            f"{format_share(share)} of each epoch (--nonspeech none: without)"
+            f"{format_share(share)} of each epoch"
+            + (", riding in the speech's windows" if placement == NONSPEECH_ALONGSIDE else "")
+            + " (--nonspeech none: without)"
         )
-    return NonspeechChoice(source, share, label, "; ".join(n for n in notes if n) or None)
+    note = "; ".join(n for n in notes if n) or None
+    return NonspeechChoice(source, share, label, note, placement)
 
 
 def _nonspeech_label(saved: SavedChoices | None) -> tuple[str, str | None]:
@@ -290,6 +311,8 @@ def _model(config: RunConfig, *, width: int, multilingual: bool) -> ModelRecord:
         new_language=next(iter(config.added_languages()), None),
         new_language_init=m.new_language_init if m.new_language else None,
         quantize_base=m.quantize_base if lora else "none",
+        teacher=m.teacher,
+        decoder_layers=m.decoder_layers if m.teacher else None,
     )
 
 
@@ -311,9 +334,8 @@ def _data(config: RunConfig, data: DataFacts, *, device, processes: int) -> Data
         prompt_probability=d.prompt_probability,
         nonspeech=data.nonspeech,
         nonspeech_share=data.nonspeech_share,
-        teacher=m.teacher,
-        decoder_layers=m.decoder_layers if m.teacher else None,
         nonspeech_label=data.nonspeech_label,
+        nonspeech_placement=data.nonspeech_placement,
         audio_augment=d.audio_augment,
         packing=data.packing,
         packing_timestamps=data.packing == "on" and d.packing_timestamps == "on",
@@ -362,6 +384,9 @@ def _training(config: RunConfig, *, width: int, total_steps: int) -> TrainingRec
         total_steps=total_steps,
         preserve_base=t.preserve_base,
         max_bad_steps=t.max_bad_steps,
+        distill_temperature=t.distill_temperature if m.teacher else None,
+        distill_kl_weight=t.distill_kl_weight if m.teacher else None,
+        distill_ce_weight=t.distill_ce_weight if m.teacher else None,
     )
 
 
@@ -384,9 +409,6 @@ def _evaluation(config: RunConfig) -> EvaluationRecord:
         stop_on_regression=t.stop_on_regression,
         max_nonspeech_rise=t.max_nonspeech_rise,
         eval_steps=t.eval_steps,
-        distill_temperature=t.distill_temperature if m.teacher else None,
-        distill_kl_weight=t.distill_kl_weight if m.teacher else None,
-        distill_ce_weight=t.distill_ce_weight if m.teacher else None,
         eval_at_start=t.eval_at_start,
         compare_baseline=t.compare_baseline,
         max_length=t.generation_max_length,

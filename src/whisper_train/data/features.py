@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from whisper_train.audio import HOP_LENGTH, N_FRAMES, load_audio
-from whisper_train.data.examples import Example, PackedExamples, Skip, decode_skip
+from whisper_train.data.examples import Example, PackedExamples, Skip, decode_skip, is_nonspeech
 from whisper_train.data.packing import PackedWindow
 from whisper_train.data.screening import clip_problem
 from whisper_train.errors import AudioError
@@ -163,6 +163,7 @@ class SpeechDataset(Dataset):
         seed: int = 0,
         gap_seconds: float = 0.3,
         padding_stride: int = 0,
+        riders: bool = False,
         cached=None,
         packing_timestamps: bool = False,
         per_clip: bool = False,
@@ -178,6 +179,8 @@ class SpeechDataset(Dataset):
         self.epoch = 0
         self.gap_seconds = gap_seconds
         self.padding_stride = padding_stride  # packing.own_padding_seconds
+        # --nonspeech's clips ride in the windows, their padding coarser (`packing.plan_windows`)
+        self.riders = riders
         # --packing-timestamps on: a packed window of 2+ clips is always labelled with times
         self.packing_timestamps = packing_timestamps
         # --packing per-clip: a window's clips keep their own labels (`memory.clip_attention`)
@@ -270,12 +273,13 @@ class SpeechDataset(Dataset):
                 skipped.append(clip)
                 continue
             audio, clip_rng = clip
-            if not window.fits(audio):  # planned lengths are headers': a guard
+            rider = self.riders and is_nonspeech(self.examples[index])
+            if not window.fits(audio, rider=rider):  # planned lengths are headers': a guard
                 skipped.append(
                     Skip(self.examples[index].origin, "no room left in its packed window")
                 )
                 continue
-            window.add(audio, self.examples[index].text)
+            window.add(audio, self.examples[index].text, rider=rider)
             rng = rng or clip_rng
             first = index if first is None else first
             if self.per_clip:

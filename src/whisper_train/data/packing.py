@@ -69,6 +69,18 @@ def per_clip_context() -> str:
 # tightly and costs a longer search per clip (first fit over at most this many).
 OPEN_WINDOWS = 16
 
+# --nonspeech's clips in --packing per-clip windows ("alongside", `plan_windows`' riders): they
+# ride in the room the speech's windows leave, and only those that find none fill windows of
+# their own; none counts as one of a step's clips. Each is at most NONSPEECH_PIECE_SECONDS long
+# (`nonspeech.training_nonspeech` cuts longer files into pieces: short enough to fit the room a
+# window of 3-5 s clips leaves, 1.5-3 s), and its own padding is sampled
+# NONSPEECH_PADDING_STRIDE times more coarsely than speech's: a frame standing for more
+# positions (`memory.clip_attention`'s counts), so a piece of noise takes about its own length
+# of a window, not 2-3 times it. Speech keeps the fidelity its labels need; a clip whose target
+# is "nothing" needs less. BENCHMARKS.md "Text where nobody speaks" measures what it teaches.
+NONSPEECH_PIECE_SECONDS = 2.0
+NONSPEECH_PADDING_STRIDE = 64
+
 
 @dataclass(frozen=True)
 class ClipSize:
@@ -78,6 +90,7 @@ class ClipSize:
     text_tokens: int  # its label's body (`labels.body_length`): no prefix, no <|endoftext|>
     language: str | None = None
     whole: bool = False  # a subtitle-cut window: never shares a window
+    nonspeech: bool = False  # a clip of --nonspeech: a rider where `plan_windows` is given riders
 
 
 def plan_windows(
@@ -92,6 +105,7 @@ def plan_windows(
     timestamp_tokens: int = 0,
     padding_stride: int = 0,
     max_clips: int | None = None,
+    riders: bool = False,
 ) -> list[tuple[int, ...]]:
     """The windows of one epoch: tuples of clip indices (in their order in the window).
 
@@ -104,9 +118,15 @@ def plan_windows(
     `max_clips`, no window holds more clips than that: the clips a step asks for
     (`step_plan`), so that a step of few clips is not one window of many.
     Every clip is in exactly one window; windows are returned in a seeded random order.
+
+    With `riders`, the clips marked `nonspeech` are planned after the others, which get the
+    windows, in the order, they would get without them; then each rides in one of those
+    windows with room left (one a window, last in it, not counted towards `max_clips`), and
+    those that find none fill windows of their own (as many as fit: a rider's label is a few
+    tokens), placed in the order at seeded places (`_ride`).
     """
     rng = random.Random(f"{seed}:{epoch}:packing")
-    order = list(range(len(clips)))
+    order = [i for i in range(len(clips)) if not (riders and clips[i].nonspeech)]
     rng.shuffle(order)
     windows: list[list[int]] = []
     # per language: open windows as [clip indices, seconds, tokens of their label's body]
@@ -140,7 +160,73 @@ def plan_windows(
     for language in open_windows:
         windows.extend(window[0] for window in open_windows[language])
     rng.shuffle(windows)
+    if riders:
+        windows = _ride(
+            windows,
+            clips,
+            random.Random(f"{seed}:{epoch}:riders"),
+            gap_seconds=gap_seconds,
+            padding_stride=padding_stride,
+            max_seconds=max_seconds,
+        )
     return [tuple(window) for window in windows]
+
+
+def footprint_seconds(clip: ClipSize, padding_stride: int) -> float:
+    """What `clip` takes of a window: its audio and its own padding (a --nonspeech clip's at
+    NONSPEECH_PADDING_STRIDE times the stride)."""
+    if clip.nonspeech and padding_stride:
+        padding_stride *= NONSPEECH_PADDING_STRIDE
+    return clip.seconds + own_padding_seconds(clip.seconds, padding_stride)
+
+
+def _ride(
+    windows: list[list[int]],
+    clips: Sequence[ClipSize],
+    rng: random.Random,
+    *,
+    gap_seconds: float,
+    padding_stride: int,
+    max_seconds: float,
+) -> list[list[int]]:
+    """`windows` (of speech, in their order) with the `nonspeech` clips of `clips` added: each,
+    in a seeded order, rides in the next window (from where the last one rode, at most
+    OPEN_WINDOWS looked at) that has none yet and room for its footprint; the rest fill
+    windows of their own, first fit, each inserted at a seeded place in the order."""
+    riders = [i for i, clip in enumerate(clips) if clip.nonspeech]
+    rng.shuffle(riders)
+    used = [
+        sum(footprint_seconds(clips[i], padding_stride) for i in window)
+        + gap_seconds * (len(window) - 1)
+        for window in windows
+    ]
+    carried = [False] * len(windows)
+    left: list[int] = []
+    at = 0
+    for rider in riders:
+        footprint = footprint_seconds(clips[rider], padding_stride)
+        for step in range(min(OPEN_WINDOWS, len(windows))):
+            k = (at + step) % len(windows)
+            if not carried[k] and used[k] + gap_seconds + footprint <= max_seconds:
+                windows[k].append(rider)
+                carried[k] = True
+                at = k + 1
+                break
+        else:
+            left.append(rider)
+    own: list[list] = []  # [clip indices, seconds]
+    for rider in left:
+        footprint = footprint_seconds(clips[rider], padding_stride)
+        for window in own:
+            if window[1] + gap_seconds + footprint <= max_seconds:
+                window[0].append(rider)
+                window[1] += gap_seconds + footprint
+                break
+        else:
+            own.append([[rider], footprint])
+    for members, _ in own:
+        windows.insert(rng.randint(0, len(windows)), members)
+    return windows
 
 
 def per_clip_gap_seconds() -> float:
@@ -184,14 +270,14 @@ def window_seconds(
     return sum(clips[i].seconds for i in window) + gap_seconds * (len(window) - 1)
 
 
-def windows_per_batch(batch_size: int, windows: Sequence[tuple[int, ...]]) -> int:
+def windows_per_batch(batch_size: int, clip_counts: Sequence[int]) -> int:
     """The packed windows a micro-batch of `batch_size` clips takes: the nearest whole number
-    to batch_size over the plan's mean clips a window, at least 1 (windows of one clip each:
-    batch_size windows, as unpacked)."""
-    clips = sum(len(window) for window in windows)
+    to batch_size over the plan's mean clips a window (`clip_counts`: the clips each window
+    counts), at least 1 (windows of one clip each: batch_size windows, as unpacked)."""
+    clips = sum(clip_counts)
     if not clips:
         return batch_size
-    return max(1, round(batch_size * len(windows) / clips))
+    return max(1, round(batch_size * len(clip_counts) / clips))
 
 
 def fill_ratio(
@@ -226,15 +312,18 @@ class PackedWindow:
     def _next_start(self) -> int:
         return self.samples + (len(self.gap) if self.pieces else 0)
 
-    def _own_padding(self, audio: np.ndarray) -> int:
-        seconds = own_padding_seconds(len(audio) / SAMPLE_RATE, self.padding_stride)
+    def _own_padding(self, audio: np.ndarray, rider: bool) -> int:
+        stride = self.padding_stride * (NONSPEECH_PADDING_STRIDE if rider else 1)
+        seconds = own_padding_seconds(len(audio) / SAMPLE_RATE, stride)
         return int(round(seconds * SAMPLE_RATE))
 
-    def fits(self, audio: np.ndarray) -> bool:
-        """Whether `audio`, added next, would end (its own padding too) within the window."""
-        return self._next_start() + len(audio) + self._own_padding(audio) <= self.max_samples
+    def fits(self, audio: np.ndarray, *, rider: bool = False) -> bool:
+        """Whether `audio`, added next, would end (its own padding too) within the window; a
+        `rider` (a --nonspeech clip riding, `plan_windows`) has its padding more coarsely."""
+        end = self._next_start() + len(audio) + self._own_padding(audio, rider)
+        return end <= self.max_samples
 
-    def add(self, audio: np.ndarray, text: str) -> None:
+    def add(self, audio: np.ndarray, text: str, *, rider: bool = False) -> None:
         """Append a clip (whether it `fits` is the caller's to decide)."""
         start = self._next_start()
         if self.pieces:
@@ -243,7 +332,7 @@ class PackedWindow:
         self.texts.append(text)
         self.spans.append((start / SAMPLE_RATE, (start + len(audio)) / SAMPLE_RATE))
         self.samples = start + len(audio)
-        if padding := self._own_padding(audio):
+        if padding := self._own_padding(audio, rider):
             self.pieces.append(np.zeros(padding, dtype=np.float32))
             self.samples += padding
 

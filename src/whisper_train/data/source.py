@@ -273,6 +273,7 @@ def clip_sizes(
                 text_tokens=max(0, text_tokens),
                 language=example.language,
                 whole=bool(example.segments) or not math.isfinite(seconds),
+                nonspeech=is_nonspeech(example),
             )
         )
     return sizes
@@ -321,6 +322,7 @@ def plan_training_data(
     max_label_tokens: int,
     counted: bool,
     process,
+    nonspeech_alongside: bool = False,
 ) -> TrainingPlan:
     """What every epoch of the training data trains (`step_plan`): a stream's share (counted
     unless not `counted`), else the examples `datasets.train` read whole, shuffled, grouped by
@@ -365,6 +367,7 @@ def plan_training_data(
             ),
             padding_stride=packing_module.per_clip_padding_stride() if per_clip else 0,
             per_clip=per_clip,
+            riders=per_clip and nonspeech_alongside,
             unreadable={
                 index: problem
                 for index, size in enumerate(sizes)
@@ -422,6 +425,7 @@ def open_training_data(
         seed=plan.seed,
         gap_seconds=packed.gap_seconds if packed else packing_module.DEFAULT_GAP_SECONDS,
         padding_stride=packed.padding_stride if packed else 0,
+        riders=bool(packed and packed.riders),
         cached=cached,
         packing_timestamps=packing_timestamps,
         per_clip=bool(packed and packed.per_clip),

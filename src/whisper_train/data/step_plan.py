@@ -53,7 +53,7 @@ class StepShape:
 def step_ends(clip_counts: Sequence[int], clips_per_step: int) -> list[int]:
     """The index after each step's last item: step k ends at the item boundary whose cumulative
     clip count is nearest k x `clips_per_step` (on a tie, the later one); no step is empty, and
-    the last takes what is left."""
+    the last takes what is left (items of no clips after it, non-speech riding alone, too)."""
     ends: list[int] = []
     start, total, target = 0, 0, clips_per_step
     for index, count in enumerate(clip_counts):
@@ -70,7 +70,10 @@ def step_ends(clip_counts: Sequence[int], clips_per_step: int) -> list[int]:
         while target <= reached:  # an item of more clips than a step: no empty steps after it
             target += clips_per_step
     if start < len(clip_counts):
-        ends.append(len(clip_counts))
+        if ends and not any(clip_counts[start:]):
+            ends[-1] = len(clip_counts)
+        else:
+            ends.append(len(clip_counts))
     return ends
 
 
@@ -112,6 +115,9 @@ class Packing:
     gap_seconds: float = packing_module.DEFAULT_GAP_SECONDS
     padding_stride: int = 0  # --packing per-clip's own padding (`packing.own_padding_seconds`)
     per_clip: bool = False  # each clip decoded on its own (--packing per-clip)
+    # --nonspeech's clips ride in the speech's windows, no step counting them as clips
+    # (`packing.plan_windows`' riders: the record's nonspeech placement "alongside")
+    riders: bool = False
     # Clips whose audio header did not read when their seconds were: in no window (a window of
     # their own would be a micro-batch of silence), named by the loader's first report.
     unreadable: Mapping[int, Skip] = field(default_factory=dict)
@@ -171,7 +177,7 @@ class WholePlan:
             # first epoch's plan, fixed for the run), so its memory is that of --batch-size
             # clips unpacked or less (a window costs the encoder what one clip costs unpacked).
             per_micro_batch = packing_module.windows_per_batch(
-                batch_size, self.windows(0, clips_per_step=clips)
+                batch_size, self.items(0, clips_per_step=clips)[1]
             )
         self.shape = StepShape(clips, per_micro_batch, processes)
 
@@ -195,6 +201,7 @@ class WholePlan:
             timestamp_tokens=packing.timestamp_tokens,
             padding_stride=packing.padding_stride,
             max_clips=clips_per_step or self.shape.clips,
+            riders=packing.riders,
         )
         return windows if kept is None else [tuple(kept[i] for i in w) for w in windows]
 
@@ -211,7 +218,10 @@ class WholePlan:
         are given to find what its steps trained)."""
         if self.packing is not None:
             windows = self.windows(epoch, clips_per_step=clips_per_step, exclude=exclude)
-            return windows, [len(window) for window in windows]
+            if not self.packing.riders:
+                return windows, [len(window) for window in windows]
+            sizes = self.packing.clip_sizes  # riders are no step's clips
+            return windows, [sum(not sizes[i].nonspeech for i in w) for w in windows]
         kept = [i for i in range(self.n_clips) if i not in exclude]
         if self.group_by_length if group_by_length is None else group_by_length:
             # Grouped a step at a time: a step's clips are of similar length, so are the

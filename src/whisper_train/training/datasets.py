@@ -79,11 +79,12 @@ def prepare_datasets(
     nonspeech: str | None,
     max_label_tokens: int,
     nonspeech_share: float = 0.0,
+    nonspeech_seconds: float = CHUNK_LENGTH,
 ) -> Datasets:
     """Read, split, subset and screen the data and the evaluation `sets` (`config.resolve.
     evaluation_sets`), with the clips of `nonspeech` (`config.resolve.choose_nonspeech`; None:
-    none), `nonspeech_share` of the epoch, mixed into training; report what was skipped and
-    why."""
+    none), `nonspeech_share` of the epoch in pieces of at most `nonspeech_seconds`, mixed into
+    training; report what was skipped and why."""
     d = config.data
     # A streamed --data is opened by its training data source (`data.source.StreamData`), never
     # read here; its evaluation sets are read whole like any other.
@@ -151,7 +152,8 @@ def prepare_datasets(
     if nonspeech and kept_train:
         # Clips where nobody speaks, --nonspeech-share of the epoch, their empty transcript
         # their label, in the speech's languages; never held out for evaluation.
-        extra = training_nonspeech(nonspeech, nonspeech_count(len(kept_train), nonspeech_share))
+        count = nonspeech_count(len(kept_train), nonspeech_share)
+        extra = training_nonspeech(nonspeech, count, max_seconds=nonspeech_seconds)
         extra = in_speech_languages(extra, kept_train)
         kept_train += extra
         train_label_tokens += label_encoder.decoder_tokens_batch(extra)

@@ -25,6 +25,8 @@ from tqdm.auto import tqdm
 from transformers import WhisperProcessor, get_scheduler
 
 from whisper_train import doctor, memory, runfolder
+from whisper_train.audio import CHUNK_LENGTH
+from whisper_train.choices import NONSPEECH_ALONGSIDE
 from whisper_train.config.record import RunRecord
 from whisper_train.config.resolve import (
     DataFacts,
@@ -41,6 +43,7 @@ from whisper_train.data.labels import (
     added_languages,
     configure_generation,
 )
+from whisper_train.data.packing import NONSPEECH_PIECE_SECONDS
 from whisper_train.data.source import (
     TrainingData,
     TrainingPlan,
@@ -114,7 +117,8 @@ def gather_facts(
     d, m, t = config.data, config.model, config.train
     sets = evaluation_sets(config)
     packing, packing_note = choose_packing(config, saved.packing if saved else None)
-    nonspeech = choose_nonspeech(config, saved)
+    nonspeech = choose_nonspeech(config, saved, packing)
+    alongside = nonspeech.placement == NONSPEECH_ALONGSIDE
     model, processor, teacher = load_student_and_teacher(m)
     multilingual = is_multilingual(model)
     if m.new_language is not None:
@@ -143,6 +147,7 @@ def gather_facts(
         label_encoder,
         nonspeech=nonspeech.source,
         nonspeech_share=nonspeech.share,
+        nonspeech_seconds=NONSPEECH_PIECE_SECONDS if alongside else CHUNK_LENGTH,
         max_label_tokens=max_label_tokens,
     )
     stream = config.stream_source()
@@ -161,6 +166,7 @@ def gather_facts(
         max_label_tokens=max_label_tokens,
         counted=t.max_steps is None,
         process=process,
+        nonspeech_alongside=alongside,
     )
     data = DataFacts(
         packing=packing,
@@ -173,6 +179,7 @@ def gather_facts(
         nonspeech_share=nonspeech.share,
         nonspeech_label=nonspeech.label,
         nonspeech_note=nonspeech.note,
+        nonspeech_placement=nonspeech.placement,
     )
     if teacher is not None:
         advise_on_data_size(process, m, teacher, datasets.train, streamed=stream is not None)

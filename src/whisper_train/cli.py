@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import sys
+import traceback
 import warnings
 from types import ModuleType
 
@@ -125,6 +126,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     _quiet_libraries(args.verbose)
     try:
+        code = _handled(args)
+    except SystemExit as stop:  # a run stopped by a signal: 130 / 143, its checkpoint saved
+        _end_process_of_run(stop.code if isinstance(stop.code, int) else 1)
+        raise
+    except BaseException:  # a traceback: printed as Python would, then the same exit code
+        if _holds_process_group():
+            traceback.print_exc()
+            _end_process_of_run(1)
+        raise
+    _end_process_of_run(code)
+    return code
+
+
+def _handled(args: argparse.Namespace) -> int:
+    """The command's exit code; a user's error printed in one line."""
+    try:
         return int(args.handler(args) or 0)
     except AlreadySaid:
         return EXIT_USER_ERROR
@@ -135,6 +152,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _holds_process_group() -> bool:
+    """True in a process that ran a multi-process run (only then is its module imported)."""
+    train_module = sys.modules.get("whisper_train.training.train")
+    return train_module is not None and train_module.holds_process_group()
+
+
+def _end_process_of_run(code: int) -> None:
+    """A process of a multi-process run exits here, without tearing its process group down
+    (`training.train.exit_keeping_process_group` says why); any other process returns."""
+    if _holds_process_group():
+        sys.modules["whisper_train.training.train"].exit_keeping_process_group(code)
 
 
 def _quiet_libraries(verbose: bool) -> None:

@@ -489,14 +489,13 @@ class FineTuneRecipe:
         refuse_nonfinite_final(self.model, accelerator, result.final_step, record, self.output_dir)
         say(accelerator, f"final/: step {result.final_step}: {choice.reason}")
         final_model = whole_model(self.model, record.model, accelerator)
-        # The last collective is done: every process leaves the group together now (a process
-        # that tore its group down while the main one still worked left the main one's gloo
-        # teardown waiting for ever: ~ProcessGroupGloo in a thread join, once in four runs of
-        # test_two_processes_share_one_pass). What follows is the main process's alone and
-        # may take long (final/ of a large model, the baseline comparison): the others must
-        # not wait for it at a barrier, which NCCL gives up on after 10 minutes.
+        # The last collective is done: every process passes this barrier together, so none
+        # leaves while another still waits in a collective. What follows is the main process's
+        # alone and may take long (final/ of a large model, the baseline comparison): the
+        # others must not wait for it at a barrier, which NCCL gives up on after 10 minutes.
+        # The process group is not destroyed here: each process keeps it until it exits
+        # (`train.exit_keeping_process_group` says why).
         accelerator.wait_for_everyone()
-        accelerator.end_training()
         if accelerator.is_main_process:
             write_run_outputs(
                 final_model,

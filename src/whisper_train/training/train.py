@@ -7,7 +7,9 @@ which runs the recipe on its share of every batch.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from pathlib import Path
 
 import torch.distributed
@@ -22,7 +24,11 @@ from whisper_train.trackers import check_installed
 from whisper_train.training import checkpoints
 from whisper_train.training.launch import claimed_by_parent, inside_launcher, launch_data_parallel
 
-__all__ = ["TrainResult", "train"]
+__all__ = ["TrainResult", "exit_keeping_process_group", "holds_process_group", "train"]
+
+# The recipes of this process's multi-process runs: kept, with the process group their DDP
+# reducer (or FSDP state) holds, until the process exits (`exit_keeping_process_group`).
+_KEPT_UNTIL_EXIT: list = []
 
 
 def train(config: RunConfig) -> TrainResult:
@@ -55,6 +61,8 @@ def _train_in(config: RunConfig, lock: runfolder.RunLock | None) -> TrainResult:
     from whisper_train.training.recipe import FineTuneRecipe
 
     recipe = FineTuneRecipe(config)
+    if inside_launcher():
+        _KEPT_UNTIL_EXIT.append(recipe)
     try:
         recipe.setup()
         recipe.train()
@@ -69,6 +77,35 @@ def _train_in(config: RunConfig, lock: runfolder.RunLock | None) -> TrainResult:
                 f"({last_line(exc)}); this one stopped too"
             ) from None
         raise
+
+
+def holds_process_group() -> bool:
+    """True when this process ran a multi-process run's recipe (it keeps its group)."""
+    return bool(_KEPT_UNTIL_EXIT)
+
+
+def exit_keeping_process_group(code: int) -> None:
+    """End this process with `code` at once when it ran a multi-process run's recipe (else
+    return): output flushed, nothing torn down (the kernel closes the group's sockets). The
+    run's files are written and closed by now: a finished run's processes all passed its last
+    barrier, a stopped one's saved their checkpoint, a failed one's others are stopped by the
+    launcher.
+
+    The process group's last owner is DDP's reducer: freed with the recipe, under the GIL, it
+    destroyed the group, whose destructor joins gloo's worker threads. A worker that had not
+    yet let go of its last collective (the final NaN check's all-reduce, whose tensor's Python
+    object the caller had dropped: freeing it takes the GIL) then waited for the GIL for ever,
+    and the process never exited (~ProcessGroupGloo joining a thread in take_gil: 2 of 31
+    runs of `--nproc 2` on a loaded 2-core machine; a race of the last collective's release
+    against the teardown, whatever the data). Not destroying the group removes the wait; a
+    timeout would only bound it.
+    """
+    if not holds_process_group():
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # What a collective raises when a process of the run is gone: gloo's socket errors; NCCL's

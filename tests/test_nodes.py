@@ -1,0 +1,103 @@
+"""Two nodes on one machine, as the test of the multi-node path: two torchrun launches that meet
+at a c10d rendezvous (the command docs/multi-gpu.md gives) train as one process does at the
+same global batch."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import (
+    SAME_RUN_LOSS_ATOL,
+    TRAIN_SUBPROCESS_TIMEOUT_S,
+    losses_and_evaluations,
+    write_tone_dataset,
+)
+
+from whisper_train.config import RunConfig
+from whisper_train.training.train import train
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def torchrun_node(node_rank: int, port: int, train_flags: list[str]) -> list[str]:
+    """One node's launch: torchrun with 1 process here, 2 nodes in all, meeting at 127.0.0.1."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        f"--node-rank={node_rank}",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "-m",
+        "whisper_train",
+        "train",
+        *train_flags,
+    ]
+
+
+def run_nodes(train_flags: list[str]) -> list[str]:
+    """Both nodes to their end (a hang fails the test, and stops them); their outputs."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    port = free_port()
+    nodes = [
+        subprocess.Popen(
+            torchrun_node(rank, port, train_flags),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = []
+    try:
+        for node in nodes:
+            outputs.append(node.communicate(timeout=TRAIN_SUBPROCESS_TIMEOUT_S)[0])
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    for node, output in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, output[-3000:]
+    return outputs
+
+
+@pytest.mark.long
+def test_two_localhost_nodes_equal_one_process(tmp_path, tiny_whisper_dir):
+    data = write_tone_dataset(tmp_path / "data", n=12)
+    common = {
+        "data": str(data),
+        "model": str(tiny_whisper_dir),
+        "learning_rate": 1e-3,
+        "seed": 0,
+        "max_steps": 3,
+        "lr_scheduler": "constant_with_warmup",
+        "nonspeech": "none",
+    }
+    flags = [f"--{key.replace('_', '-')}={value}" for key, value in common.items()]
+    # 2 nodes x 1 process x batch 2 = one process at batch 4 (the default packing).
+    outputs = run_nodes([*flags, "--only-train", "--batch-size=2", f"--output-dir={tmp_path}/two"])
+    config = RunConfig()
+    config.update(
+        {**common, "only_train": True, "batch_size": 4, "output_dir": str(tmp_path / "one")}
+    )
+    single = train(config)
+    two_losses, _ = losses_and_evaluations(tmp_path / "two")
+    one_losses, _ = losses_and_evaluations(single.output_dir)
+    assert len(two_losses) == len(one_losses) == 3
+    np.testing.assert_allclose(two_losses, one_losses, rtol=0, atol=SAME_RUN_LOSS_ATOL)
+    # Written once, by the process that owns them (global rank 0, on node 0).
+    assert (tmp_path / "two" / "final" / "model.safetensors").is_file()
+    assert "fine-tuned model:" in outputs[0] and "fine-tuned model:" not in outputs[1]

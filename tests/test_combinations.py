@@ -7,8 +7,8 @@ cache, precision, LoRA's targets (and DoRA), --resume, data-loading workers, the
 --report-to, settings given as flags or in a YAML --config, --prompt-probability, --nonspeech,
 bad clips among the training data (missing, empty, unreadable), --new-language (a language
 token added to a multilingual model), and evaluation during the run (a speech set and a
-non-speech set held to --max-nonspeech-rise) with --average-checkpoints, or --only-train, and
---group-by-length. A
+non-speech set held to --max-nonspeech-rise) with --average-checkpoints, or --only-train,
+--group-by-length, and distillation (--teacher, a student of 1 of the model's 2 decoder layers). A
 seeded greedy generator (`covering_array`) picks rows until every pair of values
 that some valid row can hold is in a row (the 3-wise array is the slow test). Pairs no row may
 hold (`REFUSED`) are each tested to be refused.
@@ -99,6 +99,9 @@ FACTORS: dict[str, tuple] = {
     # twin holds it so too; final/ is the adapters merged into the original weights). 8 bits:
     # tests/test_quantized_base.py.
     "quantize": ("none", "nf4"),
+    # --teacher (distillation): the tiny model teaches a student of 1 of its 2 decoder layers
+    # (--decoder-layers 1) on CE + KL at T=2; its twin distils too
+    "distill": (False, True),
 }
 NAMES = list(FACTORS)
 
@@ -128,6 +131,7 @@ REFUSED: dict[tuple[tuple[str, object], tuple[str, object]], tuple[str, ...]] = 
     (("mode", "freeze-encoder"), ("quantize", "nf4")): ("--quantize-base nf4", "--mode lora"),
     (("fsdp", True), ("quantize", "nf4")): ("--quantize-base nf4", "--fsdp"),
     (("cache", True), ("quantize", "nf4")): ("--quantize-base nf4", "--no-cache-encoder"),
+    (("new_language", True), ("distill", True)): ("--new-language eo", "--teacher"),
 }
 # Pairs that mean nothing (no flag to refuse): --lora-targets only matters with --mode lora.
 MEANINGLESS = {
@@ -263,6 +267,7 @@ def row_id(row: dict) -> str:
     parts += ["averaged"] * row.get("judged", False)
     parts += ["grouped"] * row.get("grouped", False)
     parts += [f"quantize-{row['quantize']}"] * (row.get("quantize", "none") != "none")
+    parts += ["distill"] * row.get("distill", False)
     return "-".join(parts)
 
 
@@ -270,6 +275,7 @@ def row_id(row: dict) -> str:
 # 2 processes (`row_cost`): 8 in 19 rows (seeds 3, 5 and 18: 8 in 20 or 21; the others 9 to 11).
 # With --quantize-base among them, 9 in 22 rows, as cheap as any of seeds 0-16 (1, 3, 4, 10 and
 # 12: 9 in 19 to 21 rows; the others 10 to 13).
+# With --teacher among them, 10 in 23 rows (seeds not compared again).
 PAIRWISE = covering_array(2, seed=16)
 
 # -- running a row ---------------------------------------------------------------------------
@@ -635,7 +641,32 @@ def row_settings(row: dict) -> dict[str, object]:
         settings["group_by_length"] = True
     if row.get("quantize", "none") != "none":
         settings["quantize_base"] = row["quantize"]
+    if row.get("distill"):
+        settings.update(teacher=str(DISTILL_TEACHER), decoder_layers=DISTILL_LAYERS)
     return settings
+
+
+# The distill rows' teacher (the tiny model, `--model`'s: a student made from it reads no
+# --model) and the depth of its student: 1 of its 2 decoder layers.
+DISTILL_TEACHER = "MODEL"
+DISTILL_LAYERS = 1
+
+
+def student_tensors(teacher: dict) -> dict:
+    """The tensors of a student of DISTILL_LAYERS made from `teacher`'s (a model file's):
+    decoder layer `kept[i]` renamed to i, the other decoder layers left out."""
+    from whisper_train.student import kept_decoder_layers
+
+    kept = kept_decoder_layers(2, DISTILL_LAYERS)
+    tensors = {}
+    for name, tensor in teacher.items():
+        if not name.startswith("model.decoder.layers."):
+            tensors[name] = tensor
+            continue
+        index, rest = name.removeprefix("model.decoder.layers.").split(".", 1)
+        if int(index) in kept:
+            tensors[f"model.decoder.layers.{kept.index(int(index))}.{rest}"] = tensor
+    return tensors
 
 
 def row_flags(row: dict, data: dict, workdir: Path) -> list[str]:
@@ -643,6 +674,8 @@ def row_flags(row: dict, data: dict, workdir: Path) -> list[str]:
     WORKDIR/out. With options "yaml", the row's settings are in WORKDIR/options.yaml, written
     as a user would (bare on, off, true, a list in brackets)."""
     settings = row_settings(row)
+    if settings.get("teacher") == DISTILL_TEACHER:  # --model's, which it replaces
+        settings["teacher"] = str(data["multilingual" if row.get("new_language") else "model"])
     if row["options"] == "yaml":
         lines = []
         for key, value in settings.items():
@@ -812,6 +845,10 @@ def check_row(row: dict, data: dict, tmp_path: Path, monkeypatch, capsys) -> Non
             assert f"skipped {len(BAD_CLIPS)} clips during training" in text, text
 
     model, _ = make_tiny_whisper()
+    if row.get("distill"):
+        from whisper_train.student import student_from_teacher
+
+        model = student_from_teacher(model, DISTILL_LAYERS)
     trainable, nonzero = observed_gradients(tmp_path / "grads")
     expected_names = expected_trainable(row, model)
     assert trainable == expected_names, trainable ^ expected_names
@@ -820,6 +857,8 @@ def check_row(row: dict, data: dict, tmp_path: Path, monkeypatch, capsys) -> Non
     initial = load_file(
         data["multilingual" if row.get("new_language") else "model"] / "model.safetensors"
     )
+    if row.get("distill"):
+        initial = student_tensors(initial)
     final = load_file(out / "final" / "model.safetensors")
     assert set(final) == set(initial)
     changed = {n for n in initial if not torch.equal(initial[n], final[n])}
@@ -934,7 +973,7 @@ def three_wise() -> list[dict]:
     return covering_array(3)
 
 
-THREE_WISE_ROWS = 81  # with --quantize-base among the factors (computed)
+THREE_WISE_ROWS = 82  # with --quantize-base and --teacher among the factors (computed)
 
 
 @pytest.mark.slow

@@ -597,8 +597,13 @@ def install(kill_at, mode, log, setattr=setattr):
 """
 
 
+# A distillation (--teacher, a student of 1 of the tiny model's 2 decoder layers) writes the same
+# files, and its resume rebuilds the student from the teacher before restoring it.
+@pytest.mark.parametrize(
+    "distill", [False, pytest.param(True, marks=pytest.mark.long)], ids=["train", "distill"]
+)
 def test_sigkill_during_checkpoint_saves_resumes_exactly_from_an_intact_checkpoint(
-    tmp_path, tiny_run_config, tone_dataset, tiny_whisper_dir, monkeypatch, capsys
+    distill, tmp_path, tiny_run_config, tone_dataset, tiny_whisper_dir, monkeypatch, capsys
 ):
     import importlib
     import random
@@ -614,6 +619,8 @@ def test_sigkill_during_checkpoint_saves_resumes_exactly_from_an_intact_checkpoi
         "os.environ['KILL_LOG'])\n"
     )
     options = {"max_steps": 3, "save_steps": 1, "save_total_limit": 1}
+    if distill:
+        options.update(teacher=str(tiny_whisper_dir), decoder_layers=1)
     # This process trains on one thread, as the subprocess does (OMP_NUM_THREADS=1): the same
     # kernels in the same order, so the losses must be equal to the last bit.
     threads = torch.get_num_threads()
@@ -638,6 +645,8 @@ def test_sigkill_during_checkpoint_saves_resumes_exactly_from_an_intact_checkpoi
         flags = ["--max-steps=3", "--save-steps=1", "--save-total-limit=1", "--batch-size=4"]
         flags += ["--learning-rate=1e-3", "--seed=0", "--eval-split=0.25", "--only-train"]
         flags += ["--nonspeech=none"]  # as tiny_run_config's resume
+        if distill:
+            flags += [f"--teacher={tiny_whisper_dir}", "--decoder-layers=1"]
         chance = random.Random(20261125)
         for attempt in range(3):
             out = tmp_path / f"killed-{attempt}"

@@ -68,6 +68,16 @@ def frozen_model_term(
     return teacher_term(record, model, teacher, autocast_dtype, accelerator=accelerator)
 
 
+def load_start_model(model_record) -> tuple[torch.nn.Module, object]:
+    """(model, processor) the run started from, before any training, read again from its record
+    (`ModelRecord`): a student made from the teacher where the run made one, else `model`."""
+    m = model_record
+    model, processor = load_model(m.model, attn_implementation=m.attn_implementation)
+    if m.teacher is not None and m.decoder_layers is not None:
+        model = student_from_teacher(model, m.decoder_layers)  # `model` is the teacher's spec
+    return model, processor
+
+
 def teacher_term(
     record: RunRecord, model, teacher, autocast_dtype: torch.dtype | None, *, accelerator
 ) -> memory.BasePreservation:

@@ -14,11 +14,11 @@ from whisper_train.config.record import ModelRecord, RunRecord
 from whisper_train.errors import UserError
 from whisper_train.evaluation.report import write_curves_png
 from whisper_train.memory.wrappers import unwrapped
-from whisper_train.models import load_model
 from whisper_train.runlog import TrainResult, say, write_result
 from whisper_train.training import model_card
 from whisper_train.training.checkpoints import TrainerState
 from whisper_train.training.datasets import Datasets
+from whisper_train.training.distillation import load_start_model
 from whisper_train.training.encoder_cache import EncoderCache
 from whisper_train.training.final import compare_with_baseline, save_final
 from whisper_train.training.new_language import add_language
@@ -99,7 +99,7 @@ def whole_model(model: torch.nn.Module, model_record: ModelRecord, accelerator):
     # A fresh model as setup made it (LoRA included), unsharded, with the trained weights
     # and the trained model's configuration (generation settings, SpecAugment's).
     m = model_record
-    fresh, processor = load_model(m.model, attn_implementation=m.attn_implementation)
+    fresh, processor = load_start_model(m)
     if m.new_language is not None:  # its shape as setup made it: the added row
         add_language(fresh, processor.tokenizer, m.new_language, init=m.new_language_init)
     fresh = memory.prepare_model(fresh, mode=m.mode, checkpointing="off", lora=m.lora)
@@ -115,7 +115,7 @@ def full_precision_base(trained: torch.nn.Module, m: ModelRecord) -> torch.nn.Mo
     into the 8- or 4-bit ones (which would round every merged weight again)."""
     if m.quantize_base == "none":
         return trained
-    base, processor = load_model(m.model, attn_implementation=m.attn_implementation)
+    base, processor = load_start_model(m)
     if m.new_language is not None:  # its shape as setup made it: the added row
         add_language(base, processor.tokenizer, m.new_language, init=m.new_language_init)
     return memory.checkpointing.adapters_on_full_precision(unwrapped(trained), base, m.lora)

@@ -42,6 +42,7 @@ from whisper_train.formats.hf import from_pretrained, read_json_object, refuse_n
 from whisper_train.formats.packaged import resolve_alias
 from whisper_train.formats.registry import EXPORT_FORMATS, format_of
 from whisper_train.runfolder import final_model_dir
+from whisper_train.transcription.assistant import Assistant, make_assistant, refuse_unassistable
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,20 @@ def load_model(
         model = model.float()
     refuse_nonfinite_weights(model, spec)
     return model, processor
+
+
+def load_assistant(spec: str | None, model, processor, beam_size: int = 1) -> Assistant | None:
+    """`--assistant` → speculative decoding's drafter for `model`, read as `--model` is (its
+    errors name --assistant) and checked against it (`transcription.assistant`); None: none.
+    Refused with `beam_size` over 1 (`refuse_unassistable`)."""
+    if spec is None:
+        return None
+    refuse_unassistable(spec, beam_size=beam_size, word_timestamps=False)
+    try:
+        pair = load_model(spec)
+    except UserError as exc:
+        raise UserError(str(exc).replace("--model ", "--assistant ", 1)) from None
+    return make_assistant(model, processor, *pair, spec)
 
 
 def folder_added_languages(spec: str) -> tuple[str, ...]:

@@ -89,6 +89,7 @@ def add_parser(subparsers) -> None:
     add_shared(parser, "beam_size")
     add_field(parser, "generation_max_length", help="Longest transcript in tokens.")
     add_decoding_arguments(parser)
+    add_shared(parser, "assistant")
     add_field(
         parser,
         "condition_on_previous_text",
@@ -174,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
             decoding=decoding_options,
             long_form=name in long_form,
             condition_on_previous_text=args.condition_on_previous_text,
+            assistant=args.assistant,
         )
         _say_written(result.paths)
     return 0
@@ -200,6 +202,7 @@ def _evaluate_nonspeech(args, data, language, output, several, decoding_options)
         max_length=args.generation_max_length,
         decoding=decoding_options,
         on_report=show,
+        assistant=args.assistant,
     )
     _say_written(paths)
 

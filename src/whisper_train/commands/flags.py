@@ -223,6 +223,18 @@ SHARED: dict[str, tuple[str, dict[str, Any]]] = {
             "help": "Print the report as JSON.",
         },
     ),
+    "assistant": (
+        "--assistant",
+        {
+            "default": None,
+            "metavar": "MODEL",
+            "help": "Speculative decoding: this smaller model (any form --model takes; same "
+            "tokenizer, e.g. a student distilled from --model) drafts tokens and --model "
+            "verifies them, one clip at a time: the text is --model's own greedy text, faster "
+            "where the two agree. transformers only (another format is read into it); not "
+            "with --beam-size or --word-timestamps; evaluate: for --model, not --baseline.",
+        },
+    ),
 }
 
 

@@ -59,6 +59,7 @@ def add_parser(subparsers) -> None:
         "words, srt/vtt underline each word while it is spoken (not for whisper.cpp models).",
     )
     add_decoding_arguments(parser)
+    add_shared(parser, "assistant")
     parser.set_defaults(handler=run)
 
 
@@ -76,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         output_dir=args.output_dir,
         decoding=decoding_from_args(args),
         word_timestamps=args.word_timestamps,
+        assistant=args.assistant,
     )
     good = [r for r in results if r.error is None]
     if args.output_dir is None:

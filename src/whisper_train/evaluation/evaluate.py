@@ -39,7 +39,7 @@ from whisper_train.evaluation.scoring import (
 )
 from whisper_train.files import check_output_path, write_atomically
 from whisper_train.memory import training_loss
-from whisper_train.models import load_model, resolve_alias
+from whisper_train.models import Assistant, load_assistant, load_model, resolve_alias
 from whisper_train.runfolder import EVALUATION_DIR, REPORT_FILES, run_folder_of
 from whisper_train.runlog import progress_bars_wanted
 from whisper_train.transcription.decoding import Decoded, DecodingOptions
@@ -74,6 +74,7 @@ class EvalReport:
     condition_on_previous_text: bool = False
     # What was written in the pauses of the recordings with cue times (None: no such pause).
     pauses: NonSpeechScores | None = None
+    assistant: str | None = None  # the model that drafted for this one (--assistant), or None
 
     @property
     def long_form_recordings(self) -> int:
@@ -293,6 +294,7 @@ def evaluate_examples(
     decoding: DecodingOptions | None = None,
     long_form: bool = False,
     condition_on_previous_text: bool = False,
+    assistant: Assistant | None = None,
 ) -> EvalReport:
     """Transcribe `examples` (whisper_train.data.examples.Example) and score them against their text.
 
@@ -308,7 +310,7 @@ def evaluate_examples(
     Clips over 30 s, and every clip when `long_form`, are decoded long-form
     (`evaluation.longform`: 30 s windows with timestamps, with the previous windows' text when
     `condition_on_previous_text`) and scored over their whole reference; their rows come after
-    the others'."""
+    the others'. `assistant`: speculative decoding (`transcription.assistant`), the same text."""
     decoding = DecodingOptions() if decoding is None else decoding
 
     started = time.perf_counter()
@@ -337,6 +339,7 @@ def evaluate_examples(
         num_beams=num_beams,
         decoding=decoding,
         details=decoded,
+        assistant=assistant,
     )
     short = len(kept)
     pause_scores = None
@@ -351,6 +354,7 @@ def evaluate_examples(
             languages=row_languages(longer, default, added),
             skipped=skipped,
             progress=progress,
+            assistant=assistant,
         )
         kept += recordings.examples
         hypotheses += recordings.texts
@@ -379,6 +383,7 @@ def evaluate_examples(
         long_form=[index >= short for index in range(len(kept))],
         condition_on_previous_text=condition_on_previous_text,
         pauses=pause_scores,
+        assistant=None if assistant is None else assistant.spec,
     )
 
 
@@ -437,6 +442,7 @@ def report_to_dict(report: EvalReport) -> dict:
         **(pause_figures(report.pauses) if report.pauses is not None else {}),
         "condition_on_previous_text": report.condition_on_previous_text,
         "decoding": report.decoding.to_dict() if report.decoding is not None else None,
+        "assistant": report.assistant,
         "seconds": round(report.seconds, 3),
         "skipped": report.skipped,
         "utterances": utterances,
@@ -514,6 +520,7 @@ def evaluate(
     decoding: DecodingOptions | None = None,
     long_form: bool = False,
     condition_on_previous_text: bool = False,
+    assistant: str | None = None,
 ) -> Evaluation:
     """Transcribe `data` with the model `model` (a spec: folder, hub id, run folder, tiny.en)
     and score it; with `baseline`, the same for that model and a comparison (report.md,
@@ -522,7 +529,7 @@ def evaluate(
     scored, before the next one starts. `decoding`: the temperature fallback, the same for
     both models (None: on, with openai-whisper's defaults). `long_form`: `data` is long
     recordings, read whole (`data.recordings`) and decoded long-form; clips over 30 s are
-    decoded long-form in any case (`evaluate_examples`)."""
+    decoded long-form in any case (`evaluate_examples`). `assistant` drafts for `model` only."""
     require_positive("--batch-size", batch_size)
     require_positive("--beam-size", beam_size)
     require_positive("--max-length", max_length)
@@ -558,6 +565,7 @@ def evaluate(
         loaded, processor = load_model(spec)
         if torch.cuda.is_available():
             loaded = loaded.to("cuda")
+        aide = load_assistant(assistant, loaded, processor, beam_size) if role == "model" else None
         report = evaluate_examples(
             loaded,
             processor,
@@ -572,6 +580,7 @@ def evaluate(
             decoding=decoding,
             long_form=long_form,
             condition_on_previous_text=condition_on_previous_text,
+            assistant=aide,
         )
         normalizer = report.normalizer
         if on_report is not None:

@@ -10,7 +10,9 @@ import torch
 from transformers.modeling_outputs import BaseModelOutput
 
 from whisper_train.data.features import LogMel, content_frames
+from whisper_train.transcription.assistant import Assistant
 from whisper_train.transcription.decoding import Decoded, DecodingOptions, generate_decoded
+from whisper_train.transcription.languages import batch_size
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,7 @@ def _generate_batch(
     max_length: int,
     num_beams: int,
     decoding: DecodingOptions | None = None,
+    assistant: Assistant | None = None,
 ) -> list[Decoded]:
     weight = _first_parameter(model)
     frames = batch.get("content_frames")  # for the no-speech test's second look
@@ -45,16 +48,36 @@ def _generate_batch(
         # A batch from the encoder cache: the encoder already ran, skip it.
         hidden = batch["encoder_hidden_states"].to(weight.device, weight.dtype)
         inputs = {"encoder_outputs": BaseModelOutput(last_hidden_state=hidden)}
-    return generate_decoded(
-        model,
-        inputs,
-        processor.tokenizer,
-        max_length=max_length,
-        num_beams=num_beams,
-        options=decoding,
-        languages=batch.get("languages"),
-        content_frames=frames,
-    )
+    languages = batch.get("languages")
+    # transformers' assisted generation takes one clip a call: an assistant decodes row by row.
+    groups = [[row] for row in range(batch_size(inputs))] if assistant else [None]
+    return [
+        item
+        for rows in groups
+        for item in generate_decoded(
+            model,
+            inputs if rows is None else _rows(inputs, rows),
+            processor.tokenizer,
+            max_length=max_length,
+            num_beams=num_beams,
+            options=decoding,
+            languages=languages if rows is None or languages is None else _pick(languages, rows),
+            content_frames=frames if rows is None or frames is None else _pick(frames, rows),
+            assistant=assistant,
+        )
+    ]
+
+
+def _pick(values, rows: list[int]) -> list:
+    return [values[row] for row in rows]
+
+
+def _rows(inputs: dict, rows: list[int]) -> dict:
+    """The generate inputs (`input_features` or `encoder_outputs`) of some rows of a batch."""
+    if "encoder_outputs" in inputs:
+        hidden = inputs["encoder_outputs"].last_hidden_state[rows]
+        return {"encoder_outputs": BaseModelOutput(last_hidden_state=hidden)}
+    return {"input_features": inputs["input_features"][rows]}
 
 
 def generate_texts(
@@ -66,6 +89,7 @@ def generate_texts(
     num_beams: int = 1,
     decoding: DecodingOptions | None = None,
     details: list[Decoded] | None = None,
+    assistant: Assistant | None = None,
 ) -> list[str]:
     """Transcribe each batch with `model.generate` and return the texts, in batch order.
 
@@ -82,6 +106,8 @@ def generate_texts(
     default one (greedy or beam search, then 0.2 ... 1.0 for outputs that loop or are
     unlikely), `NO_FALLBACK` one plain generate call. `details`, when given, receives one `Decoded` per
     text (temperature, mean log-prob, compression ratio, whether it needed the fallback).
+    `assistant` (`transcription.assistant`): speculative decoding, one clip a call, the same
+    texts as without it.
     """
     was_training = model.training
     model.eval()
@@ -97,6 +123,7 @@ def generate_texts(
                 max_length=max_length,
                 num_beams=num_beams,
                 decoding=decoding,
+                assistant=assistant,
             )
             texts.extend(item.text for item in decoded)
             if details is not None:

@@ -37,6 +37,7 @@ from whisper_train.evaluation.scoring import (
     score,
     score_nonspeech,
 )
+from whisper_train.transcription.assistant import Assistant
 from whisper_train.transcription.decoding import Decoded, DecodingOptions, compression_ratio
 from whisper_train.transcription.longform import (
     DecodedSegment,
@@ -109,6 +110,7 @@ def decode_recordings(
     languages: Sequence[str | None] | None = None,
     skipped: list[dict] | None = None,
     progress: bool = False,
+    assistant: Assistant | None = None,
 ) -> Recordings:
     """Decode each example (a recording, or a window of one) long-form. Unreadable audio is
     appended to `skipped` ({"audio", "reason"}) and left out. `languages[i]`: the language of
@@ -137,6 +139,7 @@ def decode_recordings(
                 decoding=decoding,
                 condition_on_previous_text=condition_on_previous_text,
                 language=language,
+                assistant=assistant,
             )
             segments = decoded_segments(output, processor.tokenizer)
             text = " ".join(segment.text for segment in segments)

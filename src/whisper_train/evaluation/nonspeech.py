@@ -25,7 +25,7 @@ from whisper_train.errors import AudioError, UserError
 from whisper_train.evaluation.evaluate import report_paths, write_json
 from whisper_train.evaluation.generation import generate_texts
 from whisper_train.evaluation.scoring import NonSpeechScores, score_nonspeech, words_in
-from whisper_train.models import load_model
+from whisper_train.models import Assistant, load_assistant, load_model
 from whisper_train.transcription.decoding import Decoded, DecodingOptions
 from whisper_train.transcription.longform import transcribe_long_form
 
@@ -88,8 +88,10 @@ def evaluate_nonspeech_examples(
     decoding: DecodingOptions | None = None,
     language: str | None = None,
     model_name: str = "",
+    assistant: Assistant | None = None,
 ) -> NonSpeechReport:
-    """Decode every clip of a non-speech set (a clip over 30 s long-form) and score the text."""
+    """Decode every clip of a non-speech set (a clip over 30 s long-form) and score the text;
+    `assistant`: speculative decoding (`transcription.assistant`), the same text."""
     decoding = DecodingOptions() if decoding is None else decoding
     started = time.perf_counter()
     clips = [(example.audio, _read(example)) for example in examples]
@@ -118,11 +120,18 @@ def evaluate_nonspeech_examples(
         num_beams=num_beams,
         decoding=decoding,
         details=decoded,
+        assistant=assistant,
     )
     for _, samples in longer:
         texts.append(
             transcribe_long_form(
-                model, processor, samples, beam_size=num_beams, decoding=decoding, language=language
+                model,
+                processor,
+                samples,
+                beam_size=num_beams,
+                decoding=decoding,
+                language=language,
+                assistant=assistant,
             )
         )
     ordered = short + longer
@@ -158,9 +167,11 @@ def evaluate_nonspeech(
     max_length: int = 225,
     decoding: DecodingOptions | None = None,
     on_report: Callable[[str, NonSpeechReport], None] | None = None,
+    assistant: str | None = None,
 ) -> list[Path]:
     """`evaluate` of a non-speech set: the model's report (and the baseline's), written as
-    report.json (and report.baseline.json) where `report_paths` says. Returns the files."""
+    report.json (and report.baseline.json) where `report_paths` says. Returns the files.
+    `assistant` drafts for `model` only."""
     require_positive("--batch-size", batch_size)
     require_positive("--beam-size", beam_size)
     require_positive("--max-length", max_length)
@@ -191,6 +202,9 @@ def evaluate_nonspeech(
             decoding=decoding,
             language=language,
             model_name=spec,
+            assistant=load_assistant(assistant, loaded, processor, beam_size)
+            if role == "model"
+            else None,
         )
         if on_report is not None:
             on_report(role, report)

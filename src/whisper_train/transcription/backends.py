@@ -41,6 +41,7 @@ from whisper_train.audio import N_SAMPLES, SAMPLE_RATE
 from whisper_train.data.features import content_frames
 from whisper_train.data.labels import model_generate_language
 from whisper_train.errors import UserError
+from whisper_train.transcription.assistant import Assistant
 from whisper_train.transcription.decoding import DecodingOptions, generate_decoded
 from whisper_train.transcription.longform import decoded_segments, generate_long_form
 from whisper_train.transcription.transcripts import Segment
@@ -75,7 +76,8 @@ def set_language(model, language: str | None, task: str | None = None) -> None:
 
 
 class TransformersBackend:
-    """`WhisperForConditionalGeneration.generate`, long-form on un-truncated features."""
+    """`WhisperForConditionalGeneration.generate`, long-form on un-truncated features;
+    `assistant` (`transcription.assistant`): speculative decoding, the model's greedy text."""
 
     def __init__(
         self,
@@ -87,8 +89,10 @@ class TransformersBackend:
         beam_size=1,
         decoding: DecodingOptions | None = None,
         word_timestamps: bool = False,
+        assistant: Assistant | None = None,
     ):
         self.model = model.eval()
+        self.assistant = assistant
         self.processor = processor
         self.beam_size = beam_size
         self.decoding = DecodingOptions() if decoding is None else decoding
@@ -119,6 +123,7 @@ class TransformersBackend:
                 num_beams=self.beam_size,
                 options=self.decoding,
                 content_frames=content_frames([audio[:N_SAMPLES]]),
+                assistant=self.assistant,
             )
             text = decoded[0].text
             return text, [Segment(0.0, len(audio) / SAMPLE_RATE, text)] if text else []
@@ -135,6 +140,7 @@ class TransformersBackend:
                 beam_size=self.beam_size,
                 decoding=self.decoding,
                 word_timestamps=self.word_timestamps,
+                assistant=self.assistant,
             )
         duration = len(audio) / SAMPLE_RATE
         segments = []

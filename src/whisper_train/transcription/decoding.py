@@ -53,6 +53,7 @@ from transformers.modeling_outputs import BaseModelOutput
 
 from whisper_train.data.features import runtime_padded
 from whisper_train.errors import UserError
+from whisper_train.transcription.assistant import Assistant, assisted
 from whisper_train.transcription.languages import (
     batch_size,
     chosen_languages,
@@ -415,11 +416,13 @@ def hf_decoder(
     languages: Sequence[str] | None = None,
     window: _Window | None = None,
     no_speech: Sequence[float] | None = None,
+    assistant: Assistant | None = None,
 ) -> DecodeFn:
     """A DecodeFn over one batch of generate inputs (`input_features`, or `encoder_outputs`);
     `max_length` None leaves it to the model's generation config. `languages` (multilingual
     models): the language of each row, as codes; None leaves it to the generation config.
-    `no_speech`: each row's no-speech probability, carried by its decodes."""
+    `no_speech`: each row's no-speech probability, carried by its decodes. `assistant` drafts
+    the greedy decodes (the sampled ones are the model's alone: the same draws as without it)."""
     window = window or _Window(model, inputs)
 
     def decode(rows: list[int], temperature: float) -> list[Decoded]:
@@ -436,6 +439,8 @@ def hf_decoder(
         # first pass that detection already encoded.
         encoded = temperature > 0 or all(row in window.encoded for row in rows)
         batch = window.encoder_outputs(rows) if encoded else window.rows(rows)
+        if temperature == 0 and assistant is not None:
+            kwargs.update(assisted(assistant, model, batch, window.rows(rows)))
         output = model.generate(
             **batch, return_dict_in_generate=True, output_scores=True, **ONE_WINDOW, **kwargs
         )
@@ -462,8 +467,10 @@ def generate_decoded(
     options: DecodingOptions | None = None,
     languages: Sequence[str | None] | None = None,
     content_frames: Sequence[int] | None = None,
+    assistant: Assistant | None = None,
 ) -> list[Decoded]:
-    """Decode one batch of generate inputs with `options` (default: the fallback on).
+    """Decode one batch of generate inputs with `options` (default: the fallback on);
+    `assistant` (`transcription.assistant`, one clip a call) drafts the greedy decodes.
 
     On a multilingual model every row's language is detected first (one decoder step on its
     encoder output, which the decodes then reuse) and recorded; the row is decoded in
@@ -500,6 +507,7 @@ def generate_decoded(
         if chosen is not None:
             limit["language"] = language_argument(chosen)
         batch = window.encoder_outputs(list(range(window.n))) if chosen is not None else inputs
+        limit.update(assisted(assistant, model, batch, inputs))
         ids = model.generate(**batch, num_beams=num_beams, **ONE_WINDOW, **limit)
         texts = [text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True)]
         eot = tokenizer.eos_token_id
@@ -518,6 +526,7 @@ def generate_decoded(
             languages=chosen,
             window=window,
             no_speech=no_speech,
+            assistant=assistant,
         )
         device = _first_device(inputs)
         with seeded(options.seed, device):

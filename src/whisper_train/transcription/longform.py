@@ -25,6 +25,7 @@ import torch
 
 from whisper_train.audio import CHUNK_LENGTH, N_SAMPLES, SAMPLE_RATE
 from whisper_train.data.labels import model_generate_language
+from whisper_train.transcription.assistant import Assistant, assisted
 from whisper_train.transcription.decoding import DecodingOptions, compression_ratio, seeded
 from whisper_train.transcription.transcripts import Segment
 from whisper_train.transcription.word_timestamps import Word
@@ -92,12 +93,16 @@ def generate_long_form(
     condition_on_previous_text: bool = False,
     language: str | None = None,
     word_timestamps: bool = False,
+    assistant: Assistant | None = None,
 ) -> dict:
     """(n_samples,) float32 16 kHz audio of any length → `generate`'s output with timestamps
     and `segments` (one list per recording: {"start", "end", "tokens", ...}).
 
     `language`: a code for a multilingual model (None: its generation config's, else detected);
-    ignored by English-only models, which take no language token."""
+    ignored by English-only models, which take no language token. `assistant`
+    (`transcription.assistant`) drafts every window's tokens: the greedy text is the model's
+    own; a window the fallback decodes again is sampled through transformers' speculative
+    sampling, which keeps the model's distribution but not the draws made without it."""
     decoding = DecodingOptions() if decoding is None else decoding
     weight = next(p for p in model.parameters() if p.is_floating_point())
     # Un-truncated features + attention mask switch generate into sequential long-form
@@ -117,9 +122,11 @@ def generate_long_form(
         options["return_token_timestamps"] = True
     if language is not None and getattr(model.generation_config, "is_multilingual", False):
         options["language"] = model_generate_language(language, model.generation_config)
+    features = inputs.input_features.to(weight.device, weight.dtype)
+    options.update(assisted(assistant, model, {"input_features": features}, {}))
     with seeded(decoding.seed, weight.device), _text_compression_ratio(model, processor.tokenizer):
         return model.generate(
-            input_features=inputs.input_features.to(weight.device, weight.dtype),
+            input_features=features,
             attention_mask=inputs.attention_mask.to(weight.device),
             return_timestamps=True,
             return_segments=True,

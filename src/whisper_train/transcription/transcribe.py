@@ -12,6 +12,9 @@ A recording is read and decoded a part at a time (`longform.transcribe_in_pieces
 runtime: its memory does not grow with its length (faster-whisper, handed a path or a whole
 array, would decode the whole file and compute its whole log-mel before its first window).
 On a terminal, the progress bar's line says how much of the recording is decoded.
+
+`--assistant MODEL` decodes with speculative decoding (`transcription.assistant`), which only
+transformers runs: a model of another format is then read into transformers, said in one line.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ from whisper_train.data.layouts import load_examples
 from whisper_train.errors import AudioError, UserError, last_line
 from whisper_train.files import check_output_path
 from whisper_train.formats.registry import EXPORT_FORMATS, ExportFormat, format_of
-from whisper_train.models import load_model, model_folder
+from whisper_train.models import load_assistant, load_model, model_folder
 from whisper_train.runlog import progress_bars_wanted
+from whisper_train.transcription.assistant import make_assistant, refuse_unassistable
 from whisper_train.transcription.backends import TransformersBackend, torch_device
 from whisper_train.transcription.decoding import DecodingOptions
 from whisper_train.transcription.longform import PIECE_SECONDS, transcribe_in_pieces
@@ -40,19 +44,38 @@ MANIFEST_EXTENSIONS = {".jsonl", ".json", ".csv", ".tsv"}
 
 
 def load_backend(
-    model, *, language=None, task=None, beam_size=1, decoding=None, word_timestamps=False
+    model,
+    *,
+    language=None,
+    task=None,
+    beam_size=1,
+    decoding=None,
+    word_timestamps=False,
+    assistant=None,
 ):
     """`model`: a spec string (folder, hub id, tiny.en) or a (model, processor) pair.
 
     `decoding`: the temperature fallback (`decoding.DecodingOptions`; None: on, openai-whisper's
     defaults); `word_timestamps`: segments carry their words' times (not for the formats that
-    cannot carry a model's alignment heads: whisper.cpp's)."""
+    cannot carry a model's alignment heads: whisper.cpp's). `assistant`: the drafter of
+    speculative decoding, a spec or a (model, processor) pair, loaded as `model` is."""
     options = {"language": language, "task": task, "beam_size": beam_size, "decoding": decoding}
+    shown = assistant if assistant is None or isinstance(assistant, str) else "MODEL"
+    refuse_unassistable(shown, beam_size=beam_size, word_timestamps=word_timestamps)
     if isinstance(model, tuple):
-        return TransformersBackend(*model, word_timestamps=word_timestamps, **options)
+        return _transformers_backend(*model, assistant, word_timestamps, options)
     path = model_folder(str(model))
     export_format = format_of(path)
-    if export_format is not None and export_format.backend is not TransformersBackend:
+    if assistant is not None and export_format is not None:
+        if export_format.backend is not TransformersBackend:
+            # The user asked for speculative decoding, which only transformers runs.
+            print(
+                f"--assistant: transformers runs --model {model} ({export_format.runtime} has no "
+                "speculative decoding)",
+                file=sys.stderr,
+                flush=True,
+            )
+    elif export_format is not None and export_format.backend is not TransformersBackend:
         cannot_time_words = word_timestamps and not export_format.carries_alignment_heads
         if export_format.client_installed() or cannot_time_words:
             return _runtime_backend(export_format, path, word_timestamps, options)
@@ -65,8 +88,20 @@ def load_backend(
         )
     # Everything transformers runs is read as `--model` reads it: any folder, a hub id too.
     hf_model, processor = load_model(str(model))
+    return _transformers_backend(
+        hf_model.to(torch_device()), processor, assistant, word_timestamps, options
+    )
+
+
+def _transformers_backend(model, processor, assistant, word_timestamps, options):
+    """A TransformersBackend, with its assistant (a spec or a (model, processor) pair) loaded
+    as --model is and checked against the model (`make_assistant`)."""
+    if isinstance(assistant, tuple):
+        helper = make_assistant(model, processor, *assistant, "MODEL")
+    else:
+        helper = load_assistant(assistant, model, processor)
     return TransformersBackend(
-        hf_model.to(torch_device()), processor, word_timestamps=word_timestamps, **options
+        model, processor, word_timestamps=word_timestamps, assistant=helper, **options
     )
 
 
@@ -151,6 +186,7 @@ def transcribe_paths(
     progress: bool = True,
     decoding: DecodingOptions | None = None,
     word_timestamps: bool = False,
+    assistant=None,
 ) -> list[Transcript]:
     """Transcribe every recording in `inputs`; write `<output_dir>/<name>.<format>` per file.
 
@@ -158,7 +194,9 @@ def transcribe_paths(
     `error` and are skipped; the rest are still transcribed. `decoding`: the temperature
     fallback (None: on, with openai-whisper's defaults; `NO_FALLBACK`: greedy only).
     `word_timestamps`: each segment gets its words' times (json: `words`; srt/vtt: each word
-    underlined while spoken), from the model's alignment heads.
+    underlined while spoken), from the model's alignment heads. `assistant`: a smaller model
+    (a spec or a (model, processor) pair) that drafts for `model` (speculative decoding; the
+    text is the model's own greedy text), on transformers.
     """
     if format not in TRANSCRIPT_FORMATS:
         raise UserError(f"--format {format}: expected one of {', '.join(TRANSCRIPT_FORMATS)}")
@@ -183,6 +221,7 @@ def transcribe_paths(
         beam_size=beam_size,
         decoding=decoding,
         word_timestamps=word_timestamps,
+        assistant=assistant,
     )
     if output_dir is not None:
         output_dir = Path(output_dir)

@@ -382,6 +382,10 @@ def test_a_distill_run_trains_resumes_exactly_and_refuses_another_depth(
             "--distill-temperature 0: expected a finite temperature above 0",
         ),
         (["--teacher=tiny.en", "--data=x", "--decoder-layers=0"], "--decoder-layers"),
+        (  # the cached outputs of the student's own encoder would stand for the teacher's
+            ["--teacher=tiny.en", "--data=x", "--student=base", "--cache-encoder"],
+            "add --no-cache-encoder",
+        ),
     ],
 )
 def test_what_cannot_distil_is_refused_in_one_line(argv, said, capsys, tmp_path):

@@ -80,6 +80,9 @@ def distill_config(args: argparse.Namespace) -> RunConfig:
         )
     if student is not None:
         args.model = student
+        if "cache_encoder" not in asked and "cache_encoder" not in from_file:
+            # its encoder is not the teacher's: the teacher reads the audio, never cached
+            args.cache_encoder = False
     if "mode" not in asked and "mode" not in from_file:
         args.mode = DISTILL_MODE
     return config_from_args(args)

@@ -46,6 +46,12 @@ def validate_distillation(config) -> None:
             "--distill-kl-weight 0 with --distill-ce-weight 0: nothing would train; give one "
             "of them a weight above 0"
         )
+    if m.decoder_layers is None and config.cache_encoder:
+        raise UserError(
+            f"--teacher {m.teacher} with the frozen encoder's cache: the student (--model "
+            f"{m.model}) has an encoder of its own, so the teacher needs the audio, which cached "
+            "batches no longer hold; add --no-cache-encoder (or use --decoder-layers)"
+        )
     if t.preserve_base:
         raise UserError(
             f"--preserve-base with --teacher {m.teacher}: both are a KL term against a frozen "

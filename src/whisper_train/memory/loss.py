@@ -392,6 +392,9 @@ def _base_forward(
             with peft_model.disable_adapter(), _evaluating(peft_model), projection:
                 return peft_model(**inputs).logits, whisper
         reference, whisper = preserve.reference, whisper_of(unwrapped(model))
+        if "encoder_outputs" in inputs and not preserve.shares_encoder:
+            # Cached outputs are the trained model's encoder's, not this reference's.
+            raise ValueError("a reference with an encoder of its own needs the batch's audio")
         target = whisper.proj_out.weight
         if (reference.proj_out.weight.device, reference.proj_out.weight.dtype) != (
             target.device,

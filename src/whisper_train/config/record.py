@@ -147,7 +147,10 @@ class DataRecord:
     clips_per_micro_batch: int = decided(MAY_CHANGE, "batch_size")
     # Read whole: clips, or packed windows of about --batch-size clips (at least one).
     items_per_micro_batch: int | None = decided(FOLLOWS, label="items a micro-batch")
-    processes: int = decided(MUST_EQUAL, "nproc")
+    # The processes a step's clips are dealt to (--nproc, or a launcher's). A step is planned
+    # whole, then dealt (`data.step_plan`), so another count at the same clips a step trains
+    # the same steps; refused where each process saved a state of its own (`_check_processes`).
+    processes: int = decided(MAY_CHANGE, "nproc", label="processes")
     num_workers: int = decided(MAY_CHANGE, "num_workers")
     strict: bool = decided(MAY_CHANGE, "strict")
     pin_language: bool = decided(MAY_CHANGE, "pin_language")
@@ -442,6 +445,7 @@ def resume_changes(saved: RunRecord, now: RunRecord, *, folder: Path, step: int)
     MAY_CHANGE one, a line and `replan` for a REPLANS one (refused for a stream, which has no
     plan to redo)."""
     changes = ResumeChanges()
+    _check_processes(saved, now, folder)
     for slice_name, kind in SLICES.items():
         before, after = getattr(saved, slice_name), getattr(now, slice_name)
         for f in fields(kind):
@@ -468,9 +472,12 @@ def resume_changes(saved: RunRecord, now: RunRecord, *, folder: Path, step: int)
                 )
             if resume == REPLANS:
                 changes.replan = True
+                advice = (
+                    _same_clips_advice(saved.data, now.data) if f.name == "clips_per_step" else ""
+                )
                 changes.lines.append(
                     f"--resume: {label} {_shown(old)} -> {_shown(new)}: the rest of the epoch "
-                    "is planned anew from the clips it has not trained yet"
+                    f"is planned anew from the clips it has not trained yet{advice}"
                 )
             else:
                 changes.lines.append(
@@ -485,6 +492,43 @@ def resume_changes(saved: RunRecord, now: RunRecord, *, folder: Path, step: int)
             f"at step {step}, and later steps are held against that"
         )
     return changes
+
+
+def _check_processes(saved: RunRecord, now: RunRecord, folder: Path) -> None:
+    """Another number of processes continues a run whose processes hold one state: replicas
+    with one copy of the weights and optimizer state, and steps planned whole, then dealt to
+    them (each process restores process 0's random state: `checkpoints.load_checkpoint`).
+    Refused, in one line, where each process saved a place of its own that another count has
+    no process for: a stream's shards split by process, --fsdp's shards of the weights and
+    optimizer state."""
+    old, new = saved.data.processes, now.data.processes
+    if old == new:
+        return
+    if saved.data.streamed:
+        own = "its streamed --data is split among the processes, each with its own place in it"
+    elif saved.memory.fsdp:
+        own = "--fsdp saved the weights and optimizer state as each process's shard of them"
+    else:
+        return
+    raise RunRefused(
+        f"--resume {folder}: {new} process(es), the checkpoint's {old}, and {own}; resume with "
+        f"--nproc {old} (or {old} processes in all under a launcher), or start a new run (a new "
+        "--output-dir)"
+    )
+
+
+def _same_clips_advice(saved: DataRecord, now: DataRecord) -> str:
+    """On another number of processes, the --batch-size that keeps the checkpoint's clips a
+    step (the run then continues exactly as planned), where one does."""
+    if saved.processes == now.processes:
+        return ""
+    share = now.accumulation * now.processes
+    if saved.clips_per_step % share:
+        return f" ({saved.processes} processes -> {now.processes})"
+    return (
+        f" ({saved.processes} processes -> {now.processes}; --batch-size "
+        f"{saved.clips_per_step // share} keeps {saved.clips_per_step} and continues exactly)"
+    )
 
 
 def _changed_sets(old: tuple, new: tuple, folder: Path, changes: ResumeChanges) -> None:

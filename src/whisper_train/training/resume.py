@@ -107,6 +107,9 @@ def restore_from(folder: Path, *, accelerator, model, optimizer, scheduler) -> T
     state = load_checkpoint(
         folder, accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler
     )
+    # A resume on another number of processes: this run's checkpoints hold its own processes'
+    # random states (`find_damage` expects an rng-<rank>.pt for each).
+    state.world_size = accelerator.num_processes
     _apply_new_learning_rate(optimizer, scheduler, new_base_lrs)
     for group, decay in zip(optimizer.param_groups, new_decay, strict=True):
         group["weight_decay"] = decay

@@ -40,7 +40,7 @@ class TrainerState:
     bad_steps_in_a_row: int = 0  # consecutive steps with a NaN/infinite loss or gradient
     skipped_steps: int = 0  # all bad steps of the run
     skipped_clips: int = 0  # clips that could not be decoded
-    world_size: int = 1  # processes that trained; resuming needs the same number
+    world_size: int = 1  # processes that saved it (an rng-<rank>.pt each)
     evaluations: list[dict] = field(default_factory=list)  # {"step", "eval_loss", "wer"}
 
     @classmethod

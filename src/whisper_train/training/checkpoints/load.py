@@ -72,10 +72,14 @@ def load_checkpoint(folder: Path, *, accelerator, model, optimizer, scheduler) -
     """
     with _loading(folder / STATE_FILE):
         state = TrainerState.read(folder)
-    if state.world_size != accelerator.num_processes:
+    same_processes = state.world_size == accelerator.num_processes
+    # Another number of processes is the record's to allow (`config.record.resume_changes`);
+    # a checkpoint saved before records were kept has no clips a step to continue on them.
+    if not same_processes and saved_record(folder)[0] is None:
         raise UserError(
-            f"--resume {folder}: saved by {state.world_size} process(es), this run has "
-            f"{accelerator.num_processes}; resume with --nproc {state.world_size}"
+            f"--resume {folder}: saved by {state.world_size} process(es) of an earlier "
+            f"whisper-train, this run has {accelerator.num_processes}; resume with --nproc "
+            f"{state.world_size}"
         )
     with _loading(folder / "scheduler.pt"):
         saved_schedule = _load_pt(folder / "scheduler.pt")
@@ -92,7 +96,15 @@ def load_checkpoint(folder: Path, *, accelerator, model, optimizer, scheduler) -
     if accelerator.scaler is not None and (folder / "scaler.pt").is_file():
         with _loading(folder / "scaler.pt"):
             accelerator.scaler.load_state_dict(_load_pt(folder / "scaler.pt"))
-    rng_file = folder / f"rng-{accelerator.process_index}.pt"
+    # On as many processes, each continues its own random state. On another number, each
+    # takes process 0's: the same state on every process, as `set_seed` starts a run. What a
+    # step trains does not draw from it (the data's order, augmentation and prompts are seeded
+    # by (seed, epoch, clip)), so the run continues exactly where the model draws nothing
+    # either; with dropout, layerdrop, LoRA dropout or SpecAugment on, its masks after the
+    # resume are other draws (no run on another process count draws the same ones anyway:
+    # each process draws for its own clips).
+    rank = accelerator.process_index if same_processes else 0
+    rng_file = folder / f"rng-{rank}.pt"
     with _loading(rng_file):
         _set_rng_state(_load_pt(rng_file))
     return state

@@ -118,6 +118,7 @@ def test_a_student_drafting_gives_the_models_own_tokens(tiny_en, speech_features
 
 
 @pytest.mark.speech
+@pytest.mark.long  # every draft of a random drafter is rejected: 20 tokens scored for one
 def test_an_assistant_with_its_own_encoder_gives_the_models_own_tokens(tiny_en, speech_features):
     """An assistant whose encoder is not the model's (a random tiny Whisper with tiny.en's
     tokenizer, which the model rejects almost every time) runs its own encoder on the clip's

@@ -86,6 +86,7 @@ def _decode(model, processor, features, options, assistant=None):
 
 
 @pytest.mark.speech
+@pytest.mark.long  # tiny.en decoding three sentences twice, with and without its drafter
 @pytest.mark.parametrize("options", [PLAIN, DecodingOptions()], ids=["plain", "fallback"])
 def test_a_student_drafting_gives_the_models_own_tokens(tiny_en, speech_features, options):
     """Both decoding paths (one plain generate call; the fallback and the no-speech test, on

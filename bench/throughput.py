@@ -158,8 +158,9 @@ def run_whisper_train(args) -> dict:
             "learning_rate": 1e-5,
             "seed": 0,
             "packing": args.packing,
-            # Speech alone, as the Trainer trains (--nonspeech auto would add a fifth of noise).
-            "nonspeech": "none",
+            # Speech alone by default, as the Trainer trains (--nonspeech auto, train's default,
+            # adds a fifth of noise): bench/speed_watch.py asks for both.
+            "nonspeech": args.nonspeech,
             "num_workers": None if args.num_workers < 0 else args.num_workers,
             "compile": {"on": True, "off": False, "default": None}[args.compile],
             # The bench's own cache: main() fills it in an untimed warm-up run, so every timed
@@ -167,7 +168,7 @@ def run_whisper_train(args) -> dict:
             "encoder_cache_dir": str(Path(args.workdir) / "encoder-cache"),
         }
     )
-    step_ends = record_step_ends(loop_module)
+    step_ends, step_epochs = record_step_ends(loop_module)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         result = train(config)
@@ -180,6 +181,7 @@ def run_whisper_train(args) -> dict:
     samples = result.train_examples * args.epochs
     out = {
         "loop_s": loop_seconds,
+        "epoch_ends_s": epoch_ends(step_ends, step_epochs),
         "samples": samples,
         "samples_per_s": samples / loop_seconds,
         "epoch_s_after_first": loop_seconds / args.epochs,
@@ -195,22 +197,33 @@ def run_whisper_train(args) -> dict:
 WARM_STEPS = 10
 
 
-def record_step_ends(loop_module) -> list[float]:
+def record_step_ends(loop_module) -> tuple[list[float], list[int]]:
     """The wall time at the end of each of whisper-train's optimizer steps (after its checks,
-    which wait for the device once a step, so the times are the device's too)."""
+    which wait for the device once a step, so the times are the device's too), and the epoch
+    each step was in."""
     ends: list[float] = []
+    epochs: list[int] = []
     recipe_class = getattr(loop_module, "FineTuneRecipe", None)
     if recipe_class is None:
-        return ends
+        return ends, epochs
     after_step = recipe_class._after_step
 
     def timed_after_step(self, step):
+        epochs.append(self.state.epoch)
         result = after_step(self, step)
         ends.append(CLOCK())
         return result
 
     recipe_class._after_step = timed_after_step
-    return ends
+    return ends, epochs
+
+
+def epoch_ends(step_ends: list[float], step_epochs: list[int]) -> list[float]:
+    """The time (from the loop's start) at which each epoch's last step ended."""
+    ends: dict[int, float] = {}
+    for end, epoch in zip(step_ends, step_epochs, strict=True):
+        ends[epoch] = end
+    return [ends[epoch] for epoch in sorted(ends)]
 
 
 def steady_rate(step_ends: list[float], batch_size: int) -> dict:
@@ -373,7 +386,13 @@ def worker(args) -> None:
 
 
 def launch(
-    args, system: str, scenario: str, epochs: int, packing: str = "off", compile: str = "off"
+    args,
+    system: str,
+    scenario: str,
+    epochs: int,
+    packing: str = "off",
+    compile: str = "off",
+    nonspeech: str = "none",
 ) -> dict:
     command = [
         sys.executable,
@@ -402,6 +421,8 @@ def launch(
         packing,
         "--compile",
         compile,
+        "--nonspeech",
+        nonspeech,
         "--num-workers",
         str(-1 if args.num_workers is None else args.num_workers),
     ]
@@ -461,6 +482,7 @@ def main() -> None:
     # worker-only arguments
     parser.add_argument("--compile", choices=["on", "off", "default"], default="off")
     parser.add_argument("--packing", default="off")
+    parser.add_argument("--nonspeech", default="none")
     parser.add_argument("--worker", choices=["whisper-train", "whisper-train-own-order", "trainer"])
     parser.add_argument("--scenario")
     parser.add_argument("--epochs", type=int)

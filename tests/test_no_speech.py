@@ -916,7 +916,7 @@ def test_per_clip_noise_rides_alongside_and_an_older_checkpoint_resumes_as_it_tr
     )
     assert result.train_examples == 12 + 4
     said = capsys.readouterr().out
-    assert "data: 16 clips packed into" in said
+    assert "data: 16 clips (4 of noise riding) packed into" in said
     record = yaml.safe_load((tmp_path / "out" / "whisper-train.yaml").read_text())["record"]
     assert record["data"]["nonspeech_placement"] == "alongside"
 
@@ -949,12 +949,3 @@ def test_per_clip_noise_rides_alongside_and_an_older_checkpoint_resumes_as_it_tr
     train(tiny_run_config(nonspeech="builtin", max_steps=2, resume="latest", output_dir=str(older)))
     record = yaml.safe_load((older / "whisper-train.yaml").read_text())["record"]
     assert record["data"]["nonspeech_placement"] == "as-clips"
-
-
-def test_the_default_run_says_its_noise_rides_in_the_speechs_windows(tiny_run_config, capsys):
-    from whisper_train.config.resolve import choose_nonspeech
-
-    config = tiny_run_config(nonspeech="auto")
-    note = choose_nonspeech(config, packing="per-clip").note
-    assert "20% of each epoch, riding in the speech's windows" in note
-    assert "riding" not in choose_nonspeech(config, packing="off").note

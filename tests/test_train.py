@@ -347,7 +347,9 @@ def test_a_first_run_prints_each_start_line_in_a_terminal_width(
     for said in ("packing auto ->", "nonspeech auto ->", "model:", "trainable parameters:"):
         assert any(line.startswith(said) for line in start), (said, start)
     # 12 tone clips and the built-in non-speech clips, in windows; the memory plan's budget
-    assert re.search(r"^data: \d+ clips packed into \d+ windows; ", result.stdout, re.M)
+    assert re.search(
+        r"^data: \d+ clips \(3 of noise riding\) packed into \d+ windows; ", result.stdout, re.M
+    )
     assert "budget 64.00 GiB" in result.stdout
     assert "evaluation: 8 clips in 2 sets" in out  # each set by name with -v
     too_long = [line for line in start if len(line) > START_LINE_CHARS]

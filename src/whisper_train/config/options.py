@@ -58,7 +58,8 @@ DEFAULT_MAX_REGRESSION = 2.0
 # Words per minute a chosen step may invent on a non-speech set over its start: one word a
 # minute, a default picked by judgement (the built-in set is 68 s: one word is 0.88 a minute).
 DEFAULT_MAX_NONSPEECH_RISE = 1.0
-# --nonspeech's share of an epoch's clips: 2 of a batch of 8, 25% more steps an epoch. 0.1
+# --nonspeech's share of an epoch's clips: 2 of a batch of 8 (riding in the speech's windows under
+# per-clip packing; 25% more steps an epoch under another). 0.1
 # left one "You" on hum or a tone on one seed of two; 0.2 wrote nothing on both, at the same
 # WER (BENCHMARKS.md, "Text where nobody speaks": "How much noise").
 DEFAULT_NONSPEECH_SHARE = 0.2

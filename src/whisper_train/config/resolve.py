@@ -186,9 +186,7 @@ def choose_nonspeech(
     if not any(notes) and asked == NONSPEECH_AUTO:
         notes[0] = (
             f"nonspeech auto -> {BUILTIN_SET}: noise, hum and tones with empty targets, "
-            f"{format_share(share)} of each epoch"
-            + (", riding in the speech's windows" if placement == NONSPEECH_ALONGSIDE else "")
-            + " (--nonspeech none: without)"
+            f"{format_share(share)} of each epoch (--nonspeech none: without)"
         )
     note = "; ".join(n for n in notes if n) or None
     return NonspeechChoice(source, share, label, note, placement)

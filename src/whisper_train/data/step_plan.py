@@ -288,6 +288,9 @@ class WholePlan:
         items, counts = self.items(0)
         steps = plan_steps(items, counts, self.shape)
         text = f"{self.n_clips} clips"
+        if self.packing is not None and self.packing.riders:
+            noise = sum(size.nonspeech for size in self.packing.clip_sizes)
+            text += f" ({noise} of noise riding)"
         if self.packing is not None:
             if self.packing.unreadable:
                 text += f" ({len(self.packing.unreadable)} unreadable, left out)"

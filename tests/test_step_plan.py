@@ -289,12 +289,15 @@ def test_noise_riding_alongside_leaves_every_step_of_speech_as_without_it(proces
             riders = [i for i in window if i >= 160]
             if len(riders) < len(window):
                 assert len(riders) <= 1 and (not riders or window[-1] == riders[0])
+            else:  # noise alone: no more decoder rows than a step's clips
+                assert len(window) <= alongside.shape.clips
             room = sum(packing.footprint_seconds(sizes[i], 8) for i in window)
             assert room <= 30.0 + 1e-9
-        # Riding costs few windows: those of noise alone hold what found no room.
+        # Riding costs few windows: those of noise alone hold what found no room (here half of
+        # it: these windows of 3-5 s clips leave 0-3 s), an eighth more encoder passes at most.
         alone = [w for w in windows if all(i >= 160 for i in w)]
         assert len(windows) - len(alone) == len(speech.windows(epoch))
-        assert len(alone) <= 3
+        assert len(alone) <= len(speech.windows(epoch)) / 8
 
 
 def test_a_rider_takes_about_its_own_length_of_a_window():

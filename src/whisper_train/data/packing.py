@@ -122,8 +122,9 @@ def plan_windows(
     With `riders`, the clips marked `nonspeech` are planned after the others, which get the
     windows, in the order, they would get without them; then each rides in one of those
     windows with room left (one a window, last in it, not counted towards `max_clips`), and
-    those that find none fill windows of their own (as many as fit: a rider's label is a few
-    tokens), placed in the order at seeded places (`_ride`).
+    those that find none fill windows of their own (`max_clips` at most: no window has more
+    decoder rows than a step's clips and a rider), placed in the order at seeded places
+    (`_ride`).
     """
     rng = random.Random(f"{seed}:{epoch}:packing")
     order = [i for i in range(len(clips)) if not (riders and clips[i].nonspeech)]
@@ -168,6 +169,7 @@ def plan_windows(
             gap_seconds=gap_seconds,
             padding_stride=padding_stride,
             max_seconds=max_seconds,
+            max_clips=max_clips,
         )
     return [tuple(window) for window in windows]
 
@@ -188,11 +190,13 @@ def _ride(
     gap_seconds: float,
     padding_stride: int,
     max_seconds: float,
+    max_clips: int | None,
 ) -> list[list[int]]:
     """`windows` (of speech, in their order) with the `nonspeech` clips of `clips` added: each,
     in a seeded order, rides in the next window (from where the last one rode, at most
     OPEN_WINDOWS looked at) that has none yet and room for its footprint; the rest fill
-    windows of their own, first fit, each inserted at a seeded place in the order."""
+    windows of their own, first fit (`max_clips` at most), each inserted at a seeded place in
+    the order."""
     riders = [i for i, clip in enumerate(clips) if clip.nonspeech]
     rng.shuffle(riders)
     used = [
@@ -218,7 +222,8 @@ def _ride(
     for rider in left:
         footprint = footprint_seconds(clips[rider], padding_stride)
         for window in own:
-            if window[1] + gap_seconds + footprint <= max_seconds:
+            full = max_clips is not None and len(window[0]) >= max_clips
+            if not full and window[1] + gap_seconds + footprint <= max_seconds:
                 window[0].append(rider)
                 window[1] += gap_seconds + footprint
                 break

@@ -26,6 +26,7 @@ import torch
 from transformers import WhisperForConditionalGeneration
 
 from whisper_train.errors import UserError
+from whisper_train.transcription.assistant import check_same_tokens
 
 log = logging.getLogger(__name__)
 
@@ -116,21 +117,13 @@ def _student_state(teacher_state: dict, kept: list[int]) -> dict:
 def check_student_fits(teacher, teacher_processor, student, student_processor, spec: str) -> None:
     """One line, naming `--student spec`, where the student cannot learn from the teacher's
     token distributions: another vocabulary or tokenizer, or another audio front end."""
-    teacher_vocab, student_vocab = teacher.config.vocab_size, student.config.vocab_size
-    if teacher_vocab != student_vocab:
-        raise UserError(
-            f"--student {spec}: its vocabulary has {student_vocab} tokens and the teacher's "
-            f"{teacher_vocab}; distil into a model with the teacher's tokenizer (English-only "
-            "and multilingual Whisper models differ), or use --decoder-layers"
-        )
-    if teacher_processor.tokenizer.get_vocab() != student_processor.tokenizer.get_vocab():
-        raise UserError(
-            f"--student {spec}: its tokenizer maps tokens to other ids than the teacher's; "
-            "distil into a model with the teacher's tokenizer, or use --decoder-layers"
-        )
-    teacher_mels, student_mels = teacher.config.num_mel_bins, student.config.num_mel_bins
-    if teacher_mels != student_mels:
-        raise UserError(
-            f"--student {spec}: it reads {student_mels} mel bins and the teacher {teacher_mels} "
-            "(large-v3 and turbo read 128); pick a student with the teacher's audio front end"
-        )
+    check_same_tokens(
+        teacher,
+        teacher_processor,
+        student,
+        student_processor,
+        named=f"--student {spec}",
+        against="the teacher's",
+        remedy="distil into a model with the teacher's tokenizer and audio front end, or use "
+        "--decoder-layers",
+    )

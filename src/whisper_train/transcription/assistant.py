@@ -64,35 +64,41 @@ class Assistant:
     shares_encoder: bool  # True: drafts on the main model's encoder outputs
 
 
-def check_same_tokens(model, processor, assistant, assistant_processor, spec: str) -> None:
-    """One line, naming `--assistant spec`, where the assistant's tokens are not the model's
-    (vocabulary size, special-token ids, the tokenizer's ids) or its audio front end differs."""
-    main_vocab, vocab = model.config.vocab_size, assistant.config.vocab_size
-    if main_vocab != vocab:
+def check_same_tokens(
+    model,
+    processor,
+    other,
+    other_processor,
+    *,
+    named: str,
+    against: str = "--model's",
+    remedy: str = "pick an assistant with the model's tokenizer, e.g. a student made from it",
+) -> None:
+    """One line, naming `named` (`--assistant SPEC`, `--student SPEC`), where `other` does not
+    read and write `model`'s tokens (vocabulary size, special-token ids, the tokenizer's ids) or
+    hear its audio (mel bins): an assistant's drafts, or a student's distributions, would mean
+    other words to it. `against` names `model` in the line; `remedy` ends it."""
+    vocab, other_vocab = model.config.vocab_size, other.config.vocab_size
+    if vocab != other_vocab:
         raise UserError(
-            f"--assistant {spec}: its vocabulary has {vocab} tokens and --model's {main_vocab} "
-            "(English-only and multilingual Whisper models differ); pick an assistant with the "
-            "model's tokenizer, e.g. a student made from it"
+            f"{named}: its vocabulary has {other_vocab} tokens and {against} {vocab} "
+            f"(English-only and multilingual Whisper models differ); {remedy}"
         )
     for name in SPECIAL_TOKEN_FIELDS:
         mine = getattr(model.generation_config, name, None)
-        theirs = getattr(assistant.generation_config, name, None)
+        theirs = getattr(other.generation_config, name, None)
         if mine != theirs and mine is not None and theirs is not None:
             shown = name if not isinstance(mine, dict) else f"{name} ({len(theirs)} vs {len(mine)})"
             raise UserError(
-                f"--assistant {spec}: its special tokens differ from --model's ({shown}); pick "
-                "an assistant with the model's tokenizer, e.g. a student made from it"
+                f"{named}: its special tokens differ from {against} ({shown}); {remedy}"
             )
-    if processor.tokenizer.get_vocab() != assistant_processor.tokenizer.get_vocab():
+    if processor.tokenizer.get_vocab() != other_processor.tokenizer.get_vocab():
+        raise UserError(f"{named}: its tokenizer maps tokens to other ids than {against}; {remedy}")
+    mels, other_mels = model.config.num_mel_bins, other.config.num_mel_bins
+    if mels != other_mels:
         raise UserError(
-            f"--assistant {spec}: its tokenizer maps tokens to other ids than --model's; pick "
-            "an assistant with the model's tokenizer, e.g. a student made from it"
-        )
-    mels, assistant_mels = model.config.num_mel_bins, assistant.config.num_mel_bins
-    if mels != assistant_mels:
-        raise UserError(
-            f"--assistant {spec}: it reads {assistant_mels} mel bins and --model {mels} "
-            "(large-v3 and turbo read 128); pick an assistant with the model's audio front end"
+            f"{named}: it reads {other_mels} mel bins and {against} {mels} (large-v3 and turbo "
+            f"read 128); {remedy}"
         )
 
 
@@ -127,7 +133,7 @@ def decoder_drafter(assistant) -> WhisperForCausalLM:
 def make_assistant(model, processor, assistant, assistant_processor, spec: str) -> Assistant:
     """The drafter for `model` (the one that verifies) made of `assistant` (loaded as any
     --model is); UserError where the two do not share tokens (`check_same_tokens`)."""
-    check_same_tokens(model, processor, assistant, assistant_processor, spec)
+    check_same_tokens(model, processor, assistant, assistant_processor, named=f"--assistant {spec}")
     weight = next(p for p in model.parameters() if p.is_floating_point())
     assistant = assistant.to(weight.device, weight.dtype).eval()
     shares = same_encoder(model, assistant)

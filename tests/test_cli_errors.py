@@ -15,6 +15,7 @@ import soundfile as sf
 import torch
 
 from whisper_train.cli import build_parser, main
+from whisper_train.commands.distill import distill_config
 from whisper_train.commands.evaluate import decoding_from_args
 from whisper_train.commands.flags import config_from_args
 from whisper_train.config import GROUPS
@@ -188,6 +189,7 @@ FREE_TEXT = {
     "encoder_cache_dir", "resume", "output", "baseline", "check_data", "find_alignment_heads",
     "alignment_reference", "png", "model_key", "lora_targets", "nonspeech",
     "new_language", "new_language_init",  # a code of the user's choosing, a language as --language
+    "teacher", "student", "assistant",  # models, read as --model is
 }  # fmt: skip
 DECODING = {"temperatures", "compression_ratio_threshold", "logprob_threshold"}
 
@@ -209,7 +211,12 @@ def _numeric(action) -> bool:
 
 def _bad_values():
     for words, parser in _commands():
-        required = {"evaluate": ["--model", "m", "--data", "d"], "export": ["--model", "m"]}
+        required = {
+            "evaluate": ["--model", "m", "--data", "d"],
+            "export": ["--model", "m"],
+            "distill": ["--teacher", "t", "--decoder-layers", "2", "--mode", "full"],
+            "pseudo-label": ["--model", "m", "--data", "d", "--output", "o.jsonl"],
+        }
         base = [*words, *required.get(words[0], [])]
         base += ["--output", "o"] if words[0] == "export" else []
         base += ["a.wav"] if words[0] == "transcribe" else []
@@ -230,6 +237,8 @@ def _refusal(capsys, argv, action) -> str:
         args = PARSER.parse_args(argv)
         if argv[0] in ("train", "doctor"):
             config_from_args(args)
+        elif argv[0] == "distill":
+            distill_config(args)
         elif action.dest in DECODING or action.dest == "no_speech_threshold":
             decoding_from_args(args)
     except SystemExit:

@@ -8,6 +8,7 @@ import sys
 
 from whisper_train.commands.evaluate import add_decoding_arguments, decoding_from_args
 from whisper_train.commands.flags import add_field, add_shared, add_switch
+from whisper_train.config.values import number_above
 
 
 def add_parser(subparsers) -> None:
@@ -58,7 +59,7 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument(
         "--max-wer",
-        type=float,
+        type=number_above(0, "0.1", or_equal=True),
         default=None,
         metavar="FRACTION",
         help="Leave out clips whose WER against the data's own transcript is over this "

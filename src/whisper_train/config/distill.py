@@ -18,21 +18,9 @@ _DEFAULT_MODEL = ModelConfig.__dataclass_fields__["model"].default
 def validate_distillation(config) -> None:
     """One line for each way the distillation options cannot run (`config` a `RunConfig`)."""
     m, t = config.model, config.train
-    if m.teacher is None:
-        if m.decoder_layers is not None:
-            raise UserError(
-                f"--decoder-layers {m.decoder_layers} makes a student from a teacher: add "
-                "--teacher MODEL (or use `whisper-train distill`)"
-            )
-        return
+    # A value out of range first, whatever else is given: the line names what the flag takes.
     if m.decoder_layers is not None:
         require_positive("--decoder-layers", m.decoder_layers)
-        if m.model not in (_DEFAULT_MODEL, m.teacher):
-            raise UserError(
-                f"--decoder-layers {m.decoder_layers} makes the student from --teacher "
-                f"{m.teacher}, so --model {m.model} would not be read: drop --model, or drop "
-                "--decoder-layers to distil into --model"
-            )
     for flag, value, accepted in (
         ("--distill-temperature", t.distill_temperature, "a finite temperature above 0"),
         ("--distill-kl-weight", t.distill_kl_weight, "a finite weight of 0 or more"),
@@ -41,6 +29,19 @@ def validate_distillation(config) -> None:
         low_ok = value > 0 if flag == "--distill-temperature" else value >= 0
         if not (math.isfinite(value) and low_ok):
             raise UserError(f"{flag} {value:g}: expected {accepted}")
+    if m.teacher is None:
+        if m.decoder_layers is not None:
+            raise UserError(
+                f"--decoder-layers {m.decoder_layers} makes a student from a teacher: add "
+                "--teacher MODEL (or use `whisper-train distill`)"
+            )
+        return
+    if m.decoder_layers is not None and m.model not in (_DEFAULT_MODEL, m.teacher):
+        raise UserError(
+            f"--decoder-layers {m.decoder_layers} makes the student from --teacher "
+            f"{m.teacher}, so --model {m.model} would not be read: drop --model, or drop "
+            "--decoder-layers to distil into --model"
+        )
     if t.distill_kl_weight == 0 and t.distill_ce_weight == 0:
         raise UserError(
             "--distill-kl-weight 0 with --distill-ce-weight 0: nothing would train; give one "

@@ -223,17 +223,19 @@ def whole_number(minimum: int):
     return parse
 
 
-def number_above(minimum: float, example: str):
-    """argparse's `type` for a finite number above `minimum` (`--learning-rate`, `--epochs`)."""
+def number_above(minimum: float, example: str, *, or_equal: bool = False):
+    """argparse's `type` for a finite number above `minimum` (`--learning-rate`, `--epochs`),
+    or `minimum` itself too where `or_equal` (`pseudo-label --max-wer 0`)."""
+    bound = f"of at least {minimum:g}" if or_equal else f"above {minimum:g}"
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             value = math.nan
-        if not math.isfinite(value) or value <= minimum:
+        if not math.isfinite(value) or value < minimum or (value == minimum and not or_equal):
             raise argparse.ArgumentTypeError(
-                f"expected a number above {minimum:g}, such as {example}, not {text!r}"
+                f"expected a number {bound}, such as {example}, not {text!r}"
             )
         return value
 

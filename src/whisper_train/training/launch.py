@@ -144,6 +144,12 @@ def _torchrun(argv: list[str]) -> int:
     except SignalException as exc:
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
+        # A worker killed outright (SIGKILL: the out-of-memory killer) is the cause whenever one
+        # was: the others only stopped after it, but torchrun may see them gone in the same
+        # poll, and its "first" failure is then either (on a loaded machine, the one that
+        # stopped at once was taken for the cause, and the kill was never said).
+        if any(f.exitcode == -signal.SIGKILL for f in exc.failures.values()):
+            return 128 + signal.SIGKILL
         _, first = exc.get_first_failure()  # the cause; torchrun then stopped the others
         if first.exitcode < 0:  # -N: killed by signal N
             return 128 - first.exitcode

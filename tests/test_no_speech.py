@@ -949,3 +949,13 @@ def test_per_clip_noise_rides_alongside_and_an_older_checkpoint_resumes_as_it_tr
     train(tiny_run_config(nonspeech="builtin", max_steps=2, resume="latest", output_dir=str(older)))
     record = yaml.safe_load((older / "whisper-train.yaml").read_text())["record"]
     assert record["data"]["nonspeech_placement"] == "as-clips"
+
+
+def test_the_card_says_the_noise_rode_alongside(tiny_run_config, tmp_path):
+    """The model card says where the noise trained: in the room the speech's windows left."""
+    train(
+        tiny_run_config(nonspeech="builtin", nonspeech_share=0.25, packing="per-clip", max_steps=1)
+    )
+    card = (tmp_path / "out" / "final" / "README.md").read_text()
+    assert "25% of each epoch, taught" in card
+    assert "riding in the room the speech's windows left" in card

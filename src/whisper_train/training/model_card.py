@@ -21,6 +21,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData, try_to_load_fr
 from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
 
 from whisper_train import runfolder
+from whisper_train.choices import NONSPEECH_ALONGSIDE
 from whisper_train.config.record import RunRecord
 from whisper_train.data.examples import Example
 from whisper_train.data.labels import DEFAULT_NONSPEECH_FORM, NONSPEECH_TAUGHT
@@ -380,7 +381,12 @@ def _training_section(
             f"- clips where nobody speaks: --nonspeech {d.nonspeech}, "
             f"{format_share(d.nonspeech_share)} of "
             f"each epoch, taught {NONSPEECH_TAUGHT[d.nonspeech_label or DEFAULT_NONSPEECH_FORM]} "
-            "(so that silence stays silent)"
+            + (
+                "riding in the room the speech's windows left "
+                if d.nonspeech_placement == NONSPEECH_ALONGSIDE
+                else ""
+            )
+            + "(so that silence stays silent)"
         )
     if m.new_language is not None:
         lines.append(

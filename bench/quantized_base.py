@@ -1,10 +1,12 @@
-"""LoRA on tiny.en with its base as loaded, in 8 bits and in 4 bits (--quantize-base none, int8,
-nf4), side by side on the demo's synthesised speech: held-out WER, step time and peak memory.
+"""LoRA with its base as loaded, in 8 bits and in 4 bits (--quantize-base none, int8, nf4),
+side by side on the demo's synthesised speech, for tiny.en or the multilingual base: what final/
+(the model a user deploys) scores, step time and peak memory.
 
     PYTHONPATH=src .venv/bin/python bench/quantized_base.py --dir /tmp/quantized-base \
-        [--kinds none int8 nf4] [--seeds 0 1] [--train 192] [--steps 24] [--eval 40]
+        [--model tiny.en|base] [--kinds none int8 nf4] [--seeds 0 1] [--train 192] \
+        [--steps 24] [--batch-size 8] [--eval 40] [--real 40]
     PYTHONPATH=src .venv/bin/python bench/quantized_base.py --dir /tmp/quantized-base \
-        --merge-error run-nf4-0 run-int8-0
+        --merge-error run-tiny.en-nf4-0 run-tiny.en-int8-0
 
     PYTHONPATH=src .venv/bin/python bench/quantized_base.py --plan small large-v3
 
@@ -17,11 +19,14 @@ adapters into the original weights: merged into the dequantized ones instead, ea
 weight moves by its quantization error, which the table sets beside the adapters' own largest
 change, and the logits move (teacher-forced on the held-out clips' transcripts).
 
-Each run is LoRA at the default settings (every linear layer, r 32), batch 8, --max-steps
---steps on --train synthesised sentences, the held-out set (--eval sentences of other voices)
-scored greedily before step 1 and at the end, in a process of its own so that its peak
-resident memory (ru_maxrss) is its own; s/step is the run's own "trained N steps in S s" over
-N. A row is printed as its run ends.
+Each run is LoRA at the default settings (every linear layer, r 32), full checkpointing,
+--steps steps of --batch-size on --train synthesised sentences, in a process of its own so that
+its peak resident memory (ru_maxrss, taken when final/ is written) is its own; s/step is the
+run's own "trained N steps in S s" over N. Then its final/ is scored as its user would run it:
+WER on --eval held-out sentences (voices training never heard), on the guard (the default voice,
+words of the whole vocabulary), on --real real recordings (../shared/realspeech), and words a
+minute on the built-in non-speech set; the first row is the model as shipped. With two seeds or
+more, a mean row per base follows. A row is printed as its run ends.
 """
 
 from __future__ import annotations
@@ -38,28 +43,60 @@ from pathlib import Path
 TRAINED = re.compile(r"trained (\d+) steps in ([0-9.]+) s")
 
 
+def scores(model_spec: str, args) -> dict:
+    """`model_spec` (a folder, tiny.en or base) as its user would run it: WER on the held-out
+    voices, the guard (the default voice, words of the whole vocabulary), --real clips of real
+    speech, and words a minute on the built-in non-speech set."""
+    from common import REALSPEECH
+
+    from whisper_train.data.examples import Example
+    from whisper_train.data.layouts import load_examples
+    from whisper_train.data.nonspeech import load_nonspeech
+    from whisper_train.evaluation.evaluate import evaluate_examples
+    from whisper_train.evaluation.nonspeech import evaluate_nonspeech_examples
+    from whisper_train.models import load_model
+
+    model, processor = load_model(model_spec)
+    figures = {}
+    for name in ("held-out", "guard"):
+        examples = load_examples(args.data / name)[: args.eval]
+        figures[name] = evaluate_examples(model, processor, examples, language="en").wer
+    manifest = REALSPEECH / "manifest.jsonl"
+    if manifest.exists() and args.real:
+        rows = [json.loads(line) for line in manifest.read_text().splitlines()[: args.real]]
+        real = [Example(audio=str(REALSPEECH / r["audio"]), text=r["text"]) for r in rows]
+        figures["real"] = evaluate_examples(model, processor, real, language="en").wer
+    report = evaluate_nonspeech_examples(model, processor, load_nonspeech("builtin"), language="en")
+    figures["nonspeech_wpm"] = report.scores.words_per_minute
+    return figures
+
+
 def one_run(args) -> None:
-    """A child: one run; prints one JSON line of its figures last."""
+    """A child: one run (or, --kind base, the model as shipped); prints one JSON line of its
+    figures last. The peak is taken when train returns (final/ written), before scoring."""
     import contextlib
     import io
 
     from whisper_train.config import RunConfig
-    from whisper_train.demo import MAX_TOKENS
     from whisper_train.training.train import train
 
+    figures = {"kind": args.kind, "seed": args.seed}
+    if args.kind == "base":
+        figures.update(scores(args.model, args))
+        print("FIGURES " + json.dumps(figures), flush=True)
+        return
     config = RunConfig()
     config.update(
         {
             "data": str(args.data / "train"),
-            "eval_data": [f"held-out={args.data / 'held-out'}"],
-            "eval_at_start": True,
-            "model": "tiny.en",
+            "model": args.model,
+            "language": "en",
             "mode": "lora",
             "quantize_base": args.kind,
             "max_steps": args.steps,
-            "batch_size": 8,
-            "generation_max_length": MAX_TOKENS,
-            "temperatures": "0",
+            "batch_size": args.batch_size,
+            "gradient_checkpointing": "full",
+            "only_train": True,
             "output_dir": str(args.out),
             "overwrite": True,
             "seed": args.seed,
@@ -69,18 +106,11 @@ def one_run(args) -> None:
     )
     said = io.StringIO()
     with contextlib.redirect_stdout(said):
-        result = train(config)
+        train(config)
     steps, seconds = TRAINED.search(said.getvalue()).groups()
-    wer = {r["step"]: r["wer"] for r in result.evaluations if r.get("set") == "held-out"}
-    figures = {
-        "kind": args.kind,
-        "seed": args.seed,
-        "steps": int(steps),
-        "step_seconds": float(seconds) / int(steps),
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "start": wer.get(0),
-        "end": wer.get(int(steps)),
-    }
+    figures["step_seconds"] = float(seconds) / int(steps)
+    figures["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    figures.update(scores(str(args.out / "final"), args))
     print("FIGURES " + json.dumps(figures), flush=True)
 
 
@@ -171,7 +201,8 @@ def plan_rows(sizes: list[str], kinds: list[str]) -> None:
 
 def child(args, **extra) -> dict:
     argv = [sys.executable, __file__, "--one", "--data", str(args.dir / "data")]
-    argv += ["--steps", str(args.steps)]
+    for option in ("model", "steps", "batch_size", "eval", "real"):
+        argv += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
     for key, value in extra.items():
         argv += [f"--{key}", str(value)]
     done = subprocess.run(argv, capture_output=True, text=True)
@@ -182,17 +213,40 @@ def child(args, **extra) -> dict:
 
 
 def pct(value) -> str:
-    return "–" if value is None else f"{100 * value:.2f}"
+    return "–" if value is None else f"{100 * value:.1f}"
+
+
+def row(f: dict) -> str:
+    trained = "–" if "step_seconds" not in f else f"{f['step_seconds']:.2f}"
+    peak = "–" if "peak_rss_mib" not in f else f"{f['peak_rss_mib']:.0f}"
+    return (
+        f"| {f['kind']} | {f['seed'] if f['kind'] != 'base' else '–'} | {pct(f['held-out'])} | "
+        f"{pct(f['guard'])} | {pct(f.get('real'))} | {f['nonspeech_wpm']:.1f} | {trained} | "
+        f"{peak} |"
+    )
+
+
+def mean_row(runs: list[dict]) -> str:
+    keys = ("held-out", "guard", "real", "nonspeech_wpm", "step_seconds", "peak_rss_mib")
+    mean = {"kind": f"{runs[0]['kind']} (mean)", "seed": "–"}
+    for key in keys:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        if values:
+            mean[key] = sum(values) / len(values)
+    return row(mean)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=Path("/tmp/quantized-base"))
+    parser.add_argument("--model", default="tiny.en", help="tiny.en or base (multilingual)")
     parser.add_argument("--kinds", nargs="*", default=["none", "int8", "nf4"])
-    parser.add_argument("--seeds", type=int, nargs="*", default=[0])
+    parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1])
     parser.add_argument("--train", type=int, default=192, help="training sentences")
-    parser.add_argument("--eval", type=int, default=40, help="held-out sentences")
-    parser.add_argument("--steps", type=int, default=24, help="optimizer steps of batch 8")
+    parser.add_argument("--eval", type=int, default=40, help="held-out and guard sentences")
+    parser.add_argument("--real", type=int, default=40, help="real recordings scored")
+    parser.add_argument("--steps", type=int, default=24, help="optimizer steps")
+    parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--plan", nargs="*", metavar="SIZE", help="planned peaks, e.g. large-v3")
     parser.add_argument(
         "--merge-error", nargs="*", metavar="RUN", help="runs (under --dir) to measure merging on"
@@ -229,16 +283,22 @@ def main() -> None:
         guard_utterances=args.eval,
         seed=0,
     )
-    print(f"tiny.en, LoRA defaults, batch 8, {args.steps} steps, {args.train} training sentences")
-    print("| base | seed | held-out WER (start → end) | s/step | peak RSS (MiB) |")
-    print("|---|---:|---:|---:|---:|", flush=True)
+    print(
+        f"{args.model}, LoRA defaults, batch {args.batch_size}, {args.steps} steps, full "
+        f"checkpointing, {args.train} training sentences; final/ scored (WER %, non-speech "
+        "words a minute)"
+    )
+    print("| base | seed | held-out | guard | real speech | non-speech | s/step | peak RSS (MiB) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    print(row(child(args, kind="base")), flush=True)
+    runs: dict[str, list[dict]] = {kind: [] for kind in args.kinds}
     for seed, kind in ((seed, kind) for seed in args.seeds for kind in args.kinds):
-        f = child(args, kind=kind, seed=seed, out=args.dir / f"run-{kind}-{seed}")
-        print(
-            f"| {kind} | {seed} | {pct(f['start'])} → {pct(f['end'])} | "
-            f"{f['step_seconds']:.2f} | {f['peak_rss_mib']:.0f} |",
-            flush=True,
-        )
+        f = child(args, kind=kind, seed=seed, out=args.dir / f"run-{args.model}-{kind}-{seed}")
+        runs[kind].append(f)
+        print(row(f), flush=True)
+    if len(args.seeds) > 1:
+        for kind in args.kinds:
+            print(mean_row(runs[kind]), flush=True)
     print(f"\n{time.perf_counter() - started:.0f} s in all")
 
 

@@ -428,3 +428,60 @@ def test_an_evaluation_between_steps_leaves_training_as_it_was(kind):
     run, ref = backward_once(evaluated, tiny_batch()), backward_once(fresh, tiny_batch())
     assert torch.equal(run["loss"], ref["loss"])
     assert all(torch.equal(g, ref["grads"][n]) for n, g in run["grads"].items())
+
+
+# -- the merged export in every runtime -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_en_nf4_final(tmp_path_factory):
+    """final/ of the real tiny.en after LoRA on its base held in NF4: 3 steps (batch 2, the
+    adapters at 1e-3, so that merging them moves the weights) on 8 synthesised sentences."""
+    from whisper_train.data import synth
+    from whisper_train.training.train import train
+
+    folder = tmp_path_factory.mktemp("nf4-final")
+    config = RunConfig()
+    config.update(
+        {
+            "data": str(synth.make_speech_dataset(folder / "clips", n_utterances=8, seed=0)),
+            "model": "tiny.en",
+            "mode": "lora",
+            "quantize_base": "nf4",
+            "output_dir": str(folder / "run"),
+            "max_steps": 3,
+            "batch_size": 2,
+            "learning_rate": 1e-3,
+            "seed": 0,
+            "only_train": True,
+            "nonspeech": "none",
+        }
+    )
+    return train(config).final_dir
+
+
+@pytest.mark.speech
+@pytest.mark.long
+@pytest.mark.parametrize(
+    ("format", "quantization"),
+    [("hf", "float32"), ("ct2", "float32"), ("ggml", "float16"), ("openai", "float16")],
+)
+def test_a_quantized_runs_final_passes_the_export_check_in_every_runtime(
+    tiny_en_nf4_final, format, quantization, tmp_path
+):
+    """What a user deploys after --quantize-base: final/ (the adapters merged into the original
+    weights) exported to each runtime, and the runtime's transcripts held to the export
+    check's threshold against final/ itself."""
+    from whisper_train.deploy.export import save_export
+    from whisper_train.deploy.parity import check_clips, check_export, score_source
+    from whisper_train.models import load_model
+
+    model, processor = load_model(str(tiny_en_nf4_final))
+    shipped, _ = load_model("tiny.en")
+    name = "model.decoder.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(model.state_dict()[name], shipped.state_dict()[name])  # trained
+    source = score_source(model, processor, check_clips(None, n_clips=4), None)
+    save_export(model, processor, tmp_path, format=format, quantization=quantization)
+    check = check_export(source, format, tmp_path, quantization)
+    assert check.tokens > 30  # over real transcripts, not empty strings
+    assert check.passed, check.summary()

@@ -17,9 +17,11 @@
     probe          saved activations measured on the real model, calibrating the estimate
     plan           `--gradient-checkpointing auto`: the cheapest policy whose estimate fits
                    (`plan_checkpointing`, `prepare_model_within_budget`) and its table
+    host           after the last step: the optimizer's state dropped and the steps' freed
+                   memory handed back before final/ (`release_training_state`)
 
 The submodules import downwards only: wrappers <- quantize <- checkpointing, sharding <- loss <- estimate
-<- probe <- plan; cross_attention <- loss; precision and optim stand alone. The names below are
+<- probe <- plan; cross_attention <- loss; precision, optim and host stand alone. The names below are
 re-exported so `from whisper_train.memory import X` works for the public API.
 `LOSS_CHUNK_TOKENS` is deliberately not: `training_loss` reads it from
 `whisper_train.memory.loss`, so that is the module to patch.
@@ -43,6 +45,7 @@ from whisper_train.memory.checkpointing import (
     resolve_checkpointing,
     trainable_parameter_summary,
 )
+from whisper_train.memory.host import release_training_state, return_freed_memory
 from whisper_train.memory.loss import BasePreservation, LossTerms, loss_terms, training_loss
 from whisper_train.memory.optim import OPTIMIZERS, build_optimizer
 from whisper_train.memory.plan import (
@@ -85,8 +88,10 @@ __all__ = [
     "prepare_model",
     "prepare_model_within_budget",
     "quantize",
+    "release_training_state",
     "resolve_checkpointing",
     "resolve_precision",
+    "return_freed_memory",
     "shard_model",
     "trainable_parameter_summary",
     "training_loss",

@@ -488,6 +488,9 @@ class FineTuneRecipe:
             load_weights(best_folder, accelerator=accelerator, model=self.model)
         refuse_nonfinite_final(self.model, accelerator, result.final_step, record, self.output_dir)
         say(accelerator, f"final/: step {result.final_step}: {choice.reason}")
+        # No step follows: what final/ loads (a quantized base's full-precision weights) and
+        # copies must not stack on the optimizer's state and the steps' freed memory.
+        memory.release_training_state(self.optimizer)
         final_model = whole_model(self.model, record.model, accelerator)
         # The last collective is done: every process passes this barrier together, so none
         # leaves while another still waits in a collective. What follows is the main process's

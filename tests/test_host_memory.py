@@ -10,7 +10,7 @@ import textwrap
 
 import torch
 
-from whisper_train.memory import release_training_state, return_freed_memory
+from whisper_train.memory import release_training_state
 
 
 def test_release_drops_gradients_and_optimizer_state_and_keeps_the_weights():

@@ -28,12 +28,16 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def torchrun_node(node_rank: int, port: int, train_flags: list[str]) -> list[str]:
-    """One node's launch: torchrun with 1 process here, 2 nodes in all, meeting at 127.0.0.1."""
+def torchrun_node(
+    node_rank: int, port: int, train_flags: list[str], launcher: str = "torch.distributed.run"
+) -> list[str]:
+    """One node's launch: torchrun with 1 process here, 2 nodes in all, meeting at 127.0.0.1.
+    `launcher`: torchrun's module, or whisper-train's (`whisper_train.training.launch`: the same
+    options, without torchrun's own report of a failed process)."""
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        launcher,
         "--nnodes=2",
         f"--node-rank={node_rank}",
         "--nproc-per-node=1",

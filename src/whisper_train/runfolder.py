@@ -43,6 +43,10 @@ ABANDONED_PREFIX = "abandoned-after-step-"
 # Held by the run training in the folder (`RunLock`). Not a run entry: it marks no earlier run
 # and stays in place when --overwrite moves one aside (the new run holds it then).
 LOCK_FILE = ".whisper-train.lock"
+# Written by process 0 of a run of several processes, read by all of them, removed before step 1:
+# every process must see the folder process 0 writes in (`launch.check_shared_run_folder`).
+# Not a run entry either: it marks no run.
+SHARED_MARK_FILE = ".whisper-train.shared"
 # Set to 1: train in a folder whose file system cannot lock (`RunLock`), unprotected.
 NO_LOCK_VARIABLE = "WHISPER_TRAIN_NO_LOCK"
 RUN_ENTRIES = frozenset(

@@ -17,17 +17,26 @@ from tqdm.auto import tqdm
 
 from whisper_train import runfolder
 from whisper_train.config.run import RunConfig
-from whisper_train.errors import UserError, last_line
+from whisper_train.errors import AlreadySaid, UserError, last_line
 from whisper_train.formats.packaged import resolve_alias
 from whisper_train.runlog import TrainResult
 from whisper_train.trackers import check_installed
 from whisper_train.training import checkpoints
-from whisper_train.training.launch import claimed_by_parent, inside_launcher, launch_data_parallel
+from whisper_train.training.launch import (
+    Place,
+    StepShape,
+    answering,
+    check_shared_run_folder,
+    claimed_by_parent,
+    inside_launcher,
+    launch_data_parallel,
+    lost_process_report,
+)
 
 __all__ = ["TrainResult", "exit_keeping_process_group", "holds_process_group", "train"]
 
-# The recipes of this process's multi-process runs: kept, with the process group their DDP
-# reducer (or FSDP state) holds, until the process exits (`exit_keeping_process_group`).
+# What holds this process's group in a multi-process run (its state, then the recipe whose DDP
+# reducer or FSDP state holds it too): kept until the process exits (`exit_keeping_process_group`).
 _KEPT_UNTIL_EXIT: list = []
 
 
@@ -60,6 +69,7 @@ def _train_in(config: RunConfig, lock: runfolder.RunLock | None) -> TrainResult:
     # (measured: `python -X importtime`), before each of its workers pays them again.
     from whisper_train.training.recipe import FineTuneRecipe
 
+    hosts = meet_in_run_folder(output_dir) if inside_launcher() else None
     recipe = FineTuneRecipe(config)
     if inside_launcher():
         _KEPT_UNTIL_EXIT.append(recipe)
@@ -68,15 +78,58 @@ def _train_in(config: RunConfig, lock: runfolder.RunLock | None) -> TrainResult:
         recipe.train()
         return recipe.finish()
     except RuntimeError as exc:
-        if inside_launcher() and lost_another_process(exc):
-            # A traceback here says nothing about the cause, which is in the other process's
-            # error (or in its death: the launcher names the signal that killed it).
+        if not (inside_launcher() and lost_another_process(exc)):
+            raise
+        # A traceback here says nothing about the cause, which is in the other process's
+        # error (or in its death: the launcher names the signal that killed it).
+        if claimed_by_parent(output_dir):  # --nproc: the launching process names the cause
             rank = os.environ.get("RANK", "?")
             raise UserError(
                 f"process {rank}: another process of this run stopped or was killed "
                 f"({last_line(exc)}); this one stopped too"
             ) from None
-        raise
+        say_what_was_lost(config, getattr(recipe, "record", None), hosts)
+        raise AlreadySaid("a process of this run was lost") from None
+
+
+def meet_in_run_folder(output_dir: Path) -> list[str] | None:
+    """Join the run's processes (the process group: `setup_phases.join_processes`) and check,
+    before step 1, that they all see one run folder (`launch.check_shared_run_folder`): each
+    process's host name, in rank order (None for a run of one process)."""
+    from whisper_train.training.setup_phases import join_processes
+
+    process = join_processes()
+    _KEPT_UNTIL_EXIT.append(process)
+    if process.num_processes == 1:
+        return None
+    return check_shared_run_folder(output_dir, Place.here())
+
+
+def say_what_was_lost(config: RunConfig, record, hosts: list[str] | None) -> None:
+    """A process of a run on several nodes lost a peer mid-run: the first process left on each
+    node says which was lost, the checkpoint kept and the command that continues on the nodes
+    left (`launch.lost_process_report`); the others say nothing."""
+    place = Place.here()
+    if record is not None:
+        data = record.data
+        shape = StepShape(data.clips_per_step, data.clips_per_micro_batch, data.accumulation)
+    else:  # lost before the record was made: what was asked
+        t = config.train
+        shape = StepShape(
+            t.batch_size * t.gradient_accumulation * place.world,
+            t.batch_size,
+            t.gradient_accumulation,
+        )
+    lines = lost_process_report(
+        place,
+        answering(place),
+        hosts=hosts,
+        shape=shape,
+        checkpoints_kept=checkpoints.list_checkpoints(Path(config.train.output_dir)),
+        argv=sys.argv[1:],
+    )
+    for line in lines:
+        print(line, file=sys.stderr, flush=True)
 
 
 def holds_process_group() -> bool:

@@ -27,6 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
@@ -213,8 +214,6 @@ class Place:
 
 def gather_from_processes(value: object) -> list:
     """`value` of every process of the run, in rank order (a collective: all must call it)."""
-    import torch.distributed as dist
-
     values: list = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
     return values
@@ -274,8 +273,6 @@ def answering(place: Place, wait_s: float = ROLL_CALL_S) -> set[int] | None:
     found: list[set[int]] = []
 
     def call() -> None:
-        import torch.distributed as dist
-
         try:
             store = dist.TCPStore(
                 os.environ["MASTER_ADDR"],

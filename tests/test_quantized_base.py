@@ -111,10 +111,12 @@ def test_the_base_linear_layers_are_bitsandbytes_and_only_adapters_train(kind):
         for name in ("q_proj", "v_proj"):  # LoRA's targets: peft's bnb LoRA layer around bnb's
             wrapped = getattr(layer.self_attn, name)
             assert type(wrapped).__module__ == "peft.tuners.lora.bnb", type(wrapped)
-            assert type(wrapped.base_layer).__name__ == BNB_LAYER[kind]
+            assert isinstance(wrapped.base_layer, getattr(bnb.nn, BNB_LAYER[kind]))
         for name in ("k_proj", "out_proj"):  # frozen, not targeted: quantized too
-            assert type(getattr(layer.self_attn, name)).__name__ == BNB_LAYER[kind]
-        assert type(layer.fc1).__name__ == type(layer.fc2).__name__ == BNB_LAYER[kind]
+            assert isinstance(getattr(layer.self_attn, name), getattr(bnb.nn, BNB_LAYER[kind]))
+        assert all(
+            isinstance(fc, getattr(bnb.nn, BNB_LAYER[kind])) for fc in (layer.fc1, layer.fc2)
+        )
     # As loaded: the conv front end, embeddings, layer norms and the tied output head.
     original = pristine()
     for name in (
@@ -205,6 +207,71 @@ def test_the_base_gets_no_gradient_and_the_model_learns(kind):
     assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
     after = dict(model.named_parameters())
     assert all(torch.equal(after[n], before) for n, before in frozen.items())
+
+
+def inputs_held_after_forward(kind: str, policy: str) -> tuple[int, int]:
+    """Of the base linear layers' inputs in one forward, how many are still alive when the
+    forward is done (held for backward), and how many there were."""
+    import gc
+    import weakref
+
+    model = build(kind, policy)
+    seen: list[weakref.ref] = []
+    hooks = [
+        layer.register_forward_pre_hook(lambda _, args: seen.append(weakref.ref(args[0])))
+        for layer in quantize.base_linears(whisper_of(model))
+    ]
+    torch.manual_seed(0)
+    loss = loss_terms(model, tiny_batch()).loss
+    for hook in hooks:
+        hook.remove()
+    gc.collect()
+    held = sum(ref() is not None for ref in seen)
+    loss.backward()
+    return held, len(seen)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_under_checkpointing_a_quantized_layer_keeps_no_more_of_its_input_than_a_full_one(kind):
+    """Checkpointing frees a layer's activations and recomputes them in backward. bitsandbytes'
+    own int8 autograd keeps each layer's input on its context, out of checkpointing's reach,
+    so every 8-bit layer's input stayed held to backward; a base in 8 or 4 bits holds what the
+    full-precision base holds (the cross-attention's keys and values read the encoder's
+    output, which checkpointing keeps as the decoder layers' input)."""
+    held, total = inputs_held_after_forward(kind, "full")
+    full_precision, _ = inputs_held_after_forward("none", "full")
+    without_checkpointing, _ = inputs_held_after_forward(kind, "off")
+    assert held == full_precision < without_checkpointing <= total
+
+
+def test_the_8bit_product_and_its_gradients_are_the_dequantized_weights_own():
+    """`Int8WeightsLinear`: the output and the input's and bias's gradients are those of a plain
+    linear layer holding the dequantized weight."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(32, 24)
+    layer = quantize.int8_weights_linear_class()(
+        32, 24, has_fp16_weights=False, threshold=quantize.INT8_THRESHOLD, device="meta"
+    )
+    layer.weight = bnb.nn.Int8Params(
+        linear.weight.detach().clone(), requires_grad=False, has_fp16_weights=False
+    )
+    layer.bias = torch.nn.Parameter(linear.bias.detach().clone())
+    layer = layer.to("cpu")
+    dequantized = layer.weight.data.float() * layer.weight.SCB.float()[:, None] / 127.0
+    x = torch.randn(3, 5, 32, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    bias_ref = linear.bias.detach().clone().requires_grad_()
+    out = layer(x)
+    ref = torch.nn.functional.linear(x_ref, dequantized, bias_ref)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad)
+    # float32 products of the same operands, summed in possibly another order: a few ulps of
+    # outputs of magnitude ~1
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(layer.bias.grad, bias_ref.grad, rtol=1e-6, atol=1e-6)
+    assert (dequantized - linear.weight).abs().max() <= linear.weight.abs().max() / 127
 
 
 def test_dora_on_a_4bit_base_trains_every_magnitude():

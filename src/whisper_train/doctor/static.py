@@ -154,8 +154,8 @@ def _check_peft_order(model, state) -> Check | None:
     )
 
 
-# bitsandbytes' quantized linear layers, by class name (bitsandbytes itself is optional; peft's
-# LoRA layers around them share the names, not the module).
+# bitsandbytes' quantized linear layers, by class name, theirs or a base class's (bitsandbytes
+# itself is optional; peft's LoRA layers around them share the names, not the module).
 QUANTIZED_LAYERS = ("Linear8bitLt", "Linear4bit")
 
 
@@ -166,7 +166,10 @@ def _check_quantized_base(model, state) -> Check | None:
     quantized = [
         m
         for m in model.modules()
-        if type(m).__name__ in QUANTIZED_LAYERS and type(m).__module__.startswith("bitsandbytes")
+        if any(
+            c.__name__ in QUANTIZED_LAYERS and c.__module__.startswith("bitsandbytes")
+            for c in type(m).__mro__
+        )
     ]
     if not quantized:
         return None

@@ -14,6 +14,13 @@ peft's `prepare_model_for_kbit_training` is never called: it casts every 16-bit 
 default returns (docs/checkpointing.md, T2 and T9). Checkpointing stays `prepare_model`'s,
 non-reentrant.
 
+The 8-bit layers compute with their weights dequantized to the input's precision (8-bit
+weights, as the 4-bit layers hold 4-bit ones), by `Int8WeightsLinear`, not by bitsandbytes'
+own int8 autograd: that one keeps every layer's input on its autograd context (`ctx.A`,
+`ctx.tensors`), outside the saved-tensor hooks through which checkpointing frees activations,
+so under checkpointing each 8-bit layer's input would stay held from forward to backward.
+The base is frozen: backward needs only the weights, never the input.
+
 final/ does not merge into the quantized layers: `training.finish.whole_model` reloads the
 base in full precision and merges the trained adapters there (merging into 4-bit weights
 would add the update to the rounding error of every weight, and round it again).
@@ -22,6 +29,7 @@ would add the update to the rounding error of every weight, and round it again).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 from collections.abc import Iterator
 
@@ -108,7 +116,7 @@ def quantize_base(whisper: nn.Module, kind: str, *, compute_dtype: torch.dtype) 
         weight = linear.weight.detach().to("cpu", torch.float32)
         has_bias = linear.bias is not None
         if kind == "int8":
-            layer = bnb.nn.Linear8bitLt(
+            layer = int8_weights_linear_class()(
                 linear.in_features,
                 linear.out_features,
                 bias=has_bias,
@@ -147,6 +155,48 @@ def quantize_base(whisper: nn.Module, kind: str, *, compute_dtype: torch.dtype) 
         replaced += 1
     whisper._whisper_train_quantized = kind
     return replaced
+
+
+def _dequantized(int8_rows: torch.Tensor, row_scales: torch.Tensor, dtype) -> torch.Tensor:
+    """bitsandbytes' int8 weight (one absmax-scaled row of int8 per output) as `dtype`."""
+    return int8_rows.to(dtype).mul_(row_scales.unsqueeze(1).mul(1.0 / 127.0))
+
+
+class _Int8WeightsProduct(torch.autograd.Function):
+    """x @ W.T + b, W held as int8 rows and their scales and dequantized for the product,
+    forward and backward alike. Nothing of x is kept: W is frozen, so x's gradient needs only
+    W (the rows and scales are the layer's own, resident anyway); the bias's, where it
+    trains, only the output's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, int8_rows, row_scales, bias):
+        ctx.int8_rows, ctx.row_scales = int8_rows, row_scales
+        return nn.functional.linear(x, _dequantized(int8_rows, row_scales, x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            weight = _dequantized(ctx.int8_rows, ctx.row_scales, grad_output.dtype)
+            grad_x = grad_output @ weight
+        if ctx.needs_input_grad[3]:
+            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
+        return grad_x, None, None, grad_bias
+
+
+@functools.cache
+def int8_weights_linear_class() -> type:
+    """bitsandbytes' `Linear8bitLt` (its int8 parameters, its state, everything peft and
+    bitsandbytes recognise it by) computing through `_Int8WeightsProduct`."""
+    bnb = require_bitsandbytes("int8")
+
+    class Int8WeightsLinear(bnb.nn.Linear8bitLt):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.weight.CB is not None:  # the first call: bitsandbytes' own bookkeeping
+                self.init_8bit_state()
+            return _Int8WeightsProduct.apply(x, self.state.CB, self.state.SCB, self.bias)
+
+    return Int8WeightsLinear
 
 
 def quantized_as(whisper: nn.Module) -> str:

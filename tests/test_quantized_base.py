@@ -249,9 +249,7 @@ def test_the_8bit_product_and_its_gradients_are_the_dequantized_weights_own():
     linear layer holding the dequantized weight."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(32, 24)
-    layer = quantize.int8_weights_linear_class()(
-        32, 24, has_fp16_weights=False, threshold=quantize.INT8_THRESHOLD, device="meta"
-    )
+    layer = quantize.int8_weights_linear_class()(32, 24, has_fp16_weights=False, device="meta")
     layer.weight = bnb.nn.Int8Params(
         linear.weight.detach().clone(), requires_grad=False, has_fp16_weights=False
     )

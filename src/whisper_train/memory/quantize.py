@@ -39,9 +39,6 @@ from torch import nn
 from whisper_train.choices import QUANTIZE_BASE
 from whisper_train.errors import UserError
 
-# LLM.int8()'s outlier threshold, as peft's int8 Whisper example loads its base
-# (BitsAndBytesConfig's default llm_int8_threshold): inputs above it run in 16/32 bits.
-INT8_THRESHOLD = 6.0
 # NF4's block: one absmax per 64 weights (bitsandbytes' default), the absmaxes themselves
 # quantized to 8 bits in blocks of 256 (double quantization).
 NF4_BLOCK = 64
@@ -121,7 +118,6 @@ def quantize_base(whisper: nn.Module, kind: str, *, compute_dtype: torch.dtype) 
                 linear.out_features,
                 bias=has_bias,
                 has_fp16_weights=False,
-                threshold=INT8_THRESHOLD,
                 device="meta",
             )
             layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)

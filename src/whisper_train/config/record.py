@@ -149,7 +149,8 @@ class DataRecord:
     items_per_micro_batch: int | None = decided(FOLLOWS, label="items a micro-batch")
     # The processes a step's clips are dealt to (--nproc, or a launcher's). A step is planned
     # whole, then dealt (`data.step_plan`), so another count at the same clips a step trains
-    # the same steps; refused where each process saved a state of its own (`_check_processes`).
+    # the same steps; a stream finishes its interrupted pass with the rows left, dealt to the
+    # new count (`data.streaming`); refused for --fsdp's shards (`_check_processes`).
     processes: int = decided(MAY_CHANGE, "nproc", label="processes")
     num_workers: int = decided(MAY_CHANGE, "num_workers")
     strict: bool = decided(MAY_CHANGE, "strict")
@@ -498,18 +499,16 @@ def _check_processes(saved: RunRecord, now: RunRecord, folder: Path) -> None:
     """Another number of processes continues a run whose processes hold one state: replicas
     with one copy of the weights and optimizer state, and steps planned whole, then dealt to
     them (each process restores process 0's random state: `checkpoints.load_checkpoint`).
-    Refused, in one line, where each process saved a place of its own that another count has
-    no process for: a stream's shards split by process, --fsdp's shards of the weights and
-    optimizer state."""
+    A streamed --data, whose processes each saved a place in their share of the pass, finishes
+    that pass with the rows they had not read, dealt to the new count (at the same workers and
+    clips a step, which must equal), then splits the next passes by it (`data.streaming`);
+    one saved while finishing such a pass is refused there. Refused, in one line, where each
+    process saved a state that another count has no process for: --fsdp's shards of the
+    weights and optimizer state."""
     old, new = saved.data.processes, now.data.processes
-    if old == new:
+    if old == new or not saved.memory.fsdp:
         return
-    if saved.data.streamed:
-        own = "its streamed --data is split among the processes, each with its own place in it"
-    elif saved.memory.fsdp:
-        own = "--fsdp saved the weights and optimizer state as each process's shard of them"
-    else:
-        return
+    own = "--fsdp saved the weights and optimizer state as each process's shard of them"
     raise RunRefused(
         f"--resume {folder}: {new} process(es), the checkpoint's {old}, and {own}; resume with "
         f"--nproc {old} (or {old} processes in all under a launcher), or start a new run (a new "

@@ -3,6 +3,10 @@ the rows and micro-batches each DataLoader worker handed out in it), and the one
 of the clips a pass skipped. How a resumed stream replays up to that position is
 `streaming`'s; what decides which rows those are (seed, shuffle buffer, workers, packing, the
 clips a step) is in the run's record, which a resume compares (`config.record`).
+
+A resume on another number of processes finishes the interrupted pass first (`PassRest`): the
+rows the checkpoint's processes had not read, dealt to this run's; the position then counts
+rows of that rest, and names the checkpoint's processes and places it was made from.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ class StreamPosition:
     epoch_rows: dict[int, int] = field(default_factory=dict)  # finished epoch → rows read
     # worker → micro-batches it handed out in `epoch`
     batches: dict[int, int] = field(default_factory=dict)
+    # While finishing a pass begun on another number of processes: what is left of it (`rows`
+    # and `batches` count rows and micro-batches of that rest); None in a pass of its own.
+    rest: PassRest | None = None
 
     def advance(self, stream_rows: dict[int, int], stream_batches: dict[int, int]) -> None:
         for worker, n in stream_rows.items():
@@ -42,6 +49,7 @@ class StreamPosition:
         rows = sum(self.rows.values())
         self.epoch_rows[self.epoch] = rows
         self.epoch, self.rows, self.skipped, self.batches = self.epoch + 1, {}, {}, {}
+        self.rest = None
         return rows
 
     def to_dict(self) -> dict:
@@ -64,7 +72,39 @@ class StreamPosition:
             skipped=dict(values.get("skipped", {})),
             epoch_rows={int(k): int(v) for k, v in values.get("epoch_rows", {}).items()},
             batches={int(k): int(v) for k, v in values["batches"].items()},
+            rest=PassRest.from_dict(values["rest"]) if values.get("rest") else None,
         )
+
+
+@dataclass
+class PassRest:
+    """What the processes of a checkpoint saved on another count had not read of their passes:
+    `processes` of them, each at `places[p]` = (its pass, {worker: rows read in it}). The rest
+    runs to the end of pass `last_epoch` (the furthest of them): a process still in an earlier
+    pass has its whole share of each later one left."""
+
+    processes: int
+    places: list[tuple[int, dict[int, int]]]
+
+    @property
+    def last_epoch(self) -> int:
+        return max(epoch for epoch, _ in self.places)
+
+    @classmethod
+    def of(cls, positions: list[StreamPosition]) -> PassRest | None:
+        """The rest left by the checkpoint's processes' `positions`; None where none is left
+        (every process at the start of one pass: the new count splits that pass anew)."""
+        if len({p.epoch for p in positions}) == 1 and not any(p.rows for p in positions):
+            return None
+        return cls(len(positions), [(p.epoch, dict(p.rows)) for p in positions])
+
+    @classmethod
+    def from_dict(cls, values: dict) -> PassRest:
+        places = [
+            (int(epoch), {int(k): int(v) for k, v in rows.items()})
+            for epoch, rows in values["places"]
+        ]
+        return cls(int(values["processes"]), places)
 
 
 def skip_summary(skipped: dict[str, int]) -> str:

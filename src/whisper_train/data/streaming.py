@@ -25,6 +25,15 @@ would have. (With --packing on an item is a window of several rows: counting row
 worker would replay more batches than it had handed out, mix replayed rows into its first new
 batch, and take its turns out of step with the other workers.) The re-read costs reading those
 bytes again, not decoding them.
+
+A resume on another number of processes (same workers, same clips a step) cannot replay: each
+process's share of a pass depends on the count (`split_dataset_by_node`: whole shards, or every
+N-th row). It finishes the interrupted pass instead (`RestOfPass`): each worker of each new
+process reads again, without decoding, the shares of the checkpoint's processes that its own
+worker number read, passes over the rows they had read, and takes every M-th of the rest (M the
+new count), so each row left in the pass is trained once; the next pass is split by the new
+count. Which rows a step holds then differs from an uninterrupted run's (as it does on another
+count from the start); none is trained twice or left out.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ from whisper_train.data.loader_skips import LoaderSkips
 from whisper_train.data.loaders import pins_memory
 from whisper_train.data.packing import PackedWindow
 from whisper_train.data.step_plan import group_steps
-from whisper_train.data.stream_position import StreamPosition, skip_summary
+from whisper_train.data.stream_position import PassRest, StreamPosition, skip_summary
 from whisper_train.data.stream_sources import (
     RAW_AUDIO,
     SHARD_SUFFIXES,
@@ -62,7 +71,7 @@ from whisper_train.data.stream_sources import (
     stream_source,
     timed_count,
 )
-from whisper_train.errors import AudioError, UserError
+from whisper_train.errors import AudioError, RunRefused, UserError
 from whisper_train.runlog import say
 
 # -- the training stream --------------------------------------------------------------------
@@ -105,6 +114,8 @@ class SpeechStream(torch.utils.data.IterableDataset):
         self.epoch = 0
         self.replay_rows: dict[int, int] = {}
         self.replay_batches: dict[int, int] = {}
+        # Set while finishing a pass begun on another number of processes: read in its place.
+        self.rest: RestOfPass | None = None
         self.batch_size = batch_size
         self.packing = packing
         self.gap_seconds = gap_seconds
@@ -151,7 +162,7 @@ class SpeechStream(torch.utils.data.IterableDataset):
             yield batch
 
     def _rows(self, worker: int, replay: int):
-        for index, row in enumerate(self.dataset):
+        for index, row in enumerate(self.dataset if self.rest is None else self.rest):
             if index < replay:
                 yield worker, index, REPLAYED
             else:
@@ -260,6 +271,18 @@ class SpeechStream(torch.utils.data.IterableDataset):
         }
 
 
+def _saved_positions(folder, read_stream_position) -> list[StreamPosition]:
+    """The stream positions of every process that saved checkpoint `folder`: stream-0's, then
+    each next one's until one is missing (a checkpoint holds one a process)."""
+    positions = [StreamPosition.from_dict(read_stream_position(folder, 0), folder=folder)]
+    while True:
+        try:
+            saved = read_stream_position(folder, len(positions))
+        except UserError:  # no position of that process: it had none
+            return positions
+        positions.append(StreamPosition.from_dict(saved, folder=folder))
+
+
 def _clips_of(item) -> int:
     """Clips a packed stream's item holds (a window's count; none for REPLAYED or a skip)."""
     return item.get("clip_count", 1) if isinstance(item, dict) else 0
@@ -300,6 +323,59 @@ def in_one_line(batches: Iterable) -> Iterator:
         raise UserError(text.rsplit(marker, 1)[1].strip()) from None
 
 
+def process_share(
+    source: StreamSource, *, rank: int, world_size: int, seed: int, shuffle_buffer: int
+) -> tuple:
+    """(Process `rank`'s share of the source, shuffled by a seeded buffer of `shuffle_buffer`
+    rows and the shard order anew every epoch, the source's columns). Iterated inside a
+    DataLoader worker, `datasets` gives that worker its own part of the share."""
+    from datasets.distributed import split_dataset_by_node
+
+    dataset, columns = open_stream(source)
+    dataset = dataset.shuffle(seed=seed, buffer_size=shuffle_buffer)
+    if world_size > 1:
+        dataset = split_dataset_by_node(dataset, rank=rank, world_size=world_size)
+    return dataset, columns
+
+
+class RestOfPass:
+    """The rows of a stream's pass that a checkpoint saved on another number of processes had
+    not read (`rest`), as process `rank` of `world_size` now reads them: each loader worker
+    reads the checkpoint's processes' shares, as the worker of its number read them, in process
+    order, passes over the rows they had read (`rest.places`), and takes every `world_size`-th
+    of the rows left, from the `rank`-th. The checkpoint had as many workers (the record's
+    stream_workers), so every row left goes to one worker of one process."""
+
+    def __init__(
+        self, source: StreamSource, rest: PassRest, *, rank, world_size, seed, shuffle_buffer
+    ):
+        self.source, self.rest = source, rest
+        self.rank, self.world_size = rank, world_size
+        self.seed, self.shuffle_buffer = seed, shuffle_buffer
+
+    def __iter__(self) -> Iterator[dict]:
+        info = torch.utils.data.get_worker_info()
+        worker = info.id if info is not None else 0
+        left = 0  # rows left so far, over the checkpoint's processes
+        for process, (epoch, read) in enumerate(self.rest.places):
+            share, _ = process_share(
+                self.source,
+                rank=process,
+                world_size=self.rest.processes,
+                seed=self.seed,
+                shuffle_buffer=self.shuffle_buffer,
+            )
+            for pass_ in range(epoch, self.rest.last_epoch + 1):
+                share.set_epoch(pass_)
+                skip = read.get(worker, 0) if pass_ == epoch else 0
+                for index, row in enumerate(share):
+                    if index < skip:
+                        continue
+                    if left % self.world_size == self.rank:
+                        yield row
+                    left += 1
+
+
 def training_stream(
     source: StreamSource,
     label_encoder,
@@ -314,14 +390,11 @@ def training_stream(
     packing: bool = False,
     packing_timestamps: bool = False,
 ) -> SpeechStream:
-    """Process `rank`'s share of the source, shuffled by a seeded buffer of `shuffle_buffer`
-    rows (and the shard order, anew every epoch); the DataLoader's workers split it further."""
-    from datasets.distributed import split_dataset_by_node
-
-    dataset, columns = open_stream(source)
-    dataset = dataset.shuffle(seed=seed, buffer_size=shuffle_buffer)
-    if world_size > 1:
-        dataset = split_dataset_by_node(dataset, rank=rank, world_size=world_size)
+    """Process `rank`'s share of the source (`process_share`) as micro-batches; the
+    DataLoader's workers split it further."""
+    dataset, columns = process_share(
+        source, rank=rank, world_size=world_size, seed=seed, shuffle_buffer=shuffle_buffer
+    )
     return SpeechStream(
         dataset,
         columns,
@@ -466,6 +539,16 @@ class StreamData:
         micro-batches not yet trained on, in host memory (see `WholeData.steps`)."""
         position, accelerator = self.position, self.accelerator
         self.dataset.set_epoch(position.epoch)
+        rest = position.rest
+        if rest is not None:  # the pass a checkpoint on another count had begun
+            self.dataset.rest = RestOfPass(
+                self.source,
+                rest,
+                rank=accelerator.process_index,
+                world_size=accelerator.num_processes,
+                seed=self.plan.seed,
+                shuffle_buffer=self.plan.shuffle_buffer,
+            )
         self.dataset.replay_rows = dict(position.rows)
         # Each worker hands out as many REPLAYED micro-batches as it had handed out.
         self.dataset.replay_batches = dict(position.batches)
@@ -483,6 +566,14 @@ class StreamData:
         skipped = position.skipped
         rows = position.finish_epoch()
         self.dataset.replay_rows, self.dataset.replay_batches = {}, {}
+        self.dataset.rest = None
+        if rest is not None:  # a process may be dealt few rows of a rest, or none
+            say(
+                accelerator,
+                f"stream pass {position.epoch - 1} ended on process 0: {rows} samples of what "
+                f"{rest.processes} process(es) had left of it, {skip_summary(skipped)}",
+            )
+            return
         where = f"--data {self.source.spec}"
         if rows == 0:
             raise UserError(
@@ -515,12 +606,39 @@ class StreamData:
         """Continue at this process's saved place in the stream, read from checkpoint `folder`
         by `read_stream_position` (`training.checkpoints` owns what a checkpoint holds). What
         decides which rows those are was compared with the checkpoint's record: a stream has
-        no plan to redo (`replan` is refused there)."""
-        saved = read_stream_position(folder, self.accelerator.process_index)
-        self.position = StreamPosition.from_dict(saved, folder=folder)
+        no plan to redo (`replan` is refused there). Saved on another number of processes
+        (the record lets it change), the pass they had begun is finished first: the rows
+        they had not read, dealt to this run's processes (`RestOfPass`)."""
+        accelerator = self.accelerator
+        saved = _saved_positions(folder, read_stream_position)
+        if len(saved) == accelerator.num_processes:
+            self.position = saved[accelerator.process_index]
+            rest = "" if self.position.rest is None else " of the rest of a pass"
+            return (
+                f"stream pass {self.position.epoch}, {sum(self.position.rows.values())} samples "
+                f"into it{rest} on this process: read again, not decoded"
+            )
+        begun = next((p.rest.processes for p in saved if p.rest is not None), None)
+        if begun is not None:
+            raise RunRefused(
+                f"--resume {folder}: it was saved on {len(saved)} process(es) while they "
+                f"finished a stream pass begun on {begun}, which another "
+                f"count cannot continue exactly; resume with --nproc {len(saved)} (or "
+                f"{len(saved)} processes in all under a launcher), or start a new run"
+            )
+        own = saved[accelerator.process_index] if accelerator.process_index < len(saved) else None
+        rest = PassRest.of(saved)
+        epoch = max(p.epoch for p in saved)
+        self.position = StreamPosition(
+            epoch=epoch, epoch_rows=dict(own.epoch_rows) if own else {}, rest=rest
+        )
+        if rest is None:
+            return f"stream pass {epoch} from its start, split among {accelerator.num_processes}"
+        read = sum(sum(rows.values()) for e, rows in rest.places if e == epoch)
         return (
-            f"stream pass {self.position.epoch}, {sum(self.position.rows.values())} samples "
-            "into it on this process: read again, not decoded"
+            f"stream pass {epoch}: the rows {len(saved)} process(es) had not read of it "
+            f"(they had read {read}), dealt to {accelerator.num_processes}; read again, not "
+            "decoded"
         )
 
     def summary(self) -> str:

@@ -24,6 +24,7 @@ from test_streaming import write_shards
 
 from whisper_train.data import streaming
 from whisper_train.data.stream_position import PassRest, StreamPosition
+from whisper_train.errors import UserError
 
 SEED, BUFFER = 0, 3
 
@@ -149,6 +150,32 @@ def test_a_checkpoint_at_a_pass_start_needs_no_rest():
     assert PassRest.of([StreamPosition(epoch=2), StreamPosition(epoch=1, rows={0: 3})]) == PassRest(
         2, [(2, {}), (1, {0: 3})]
     )
+
+
+@pytest.mark.parametrize("says_count", [True, False])
+def test_a_checkpoint_s_positions_are_read_for_every_process_that_saved_one(tmp_path, says_count):
+    """Process 0's position says how many processes saved one (a position saved before it did:
+    each next one's until one is missing); a missing one of those it counts is an error."""
+    saved = {
+        rank: {**StreamPosition(epoch=1, rows={0: rank + 1}).to_dict(), "processes": 3}
+        for rank in range(3)
+    }
+    if not says_count:
+        saved = {
+            rank: {k: v for k, v in p.items() if k != "processes"} for rank, p in saved.items()
+        }
+
+    def read(folder, rank):
+        if rank not in saved:
+            raise UserError(f"no stream-{rank}.json")
+        return saved[rank]
+
+    positions = streaming._saved_positions(tmp_path, read)
+    assert [p.rows for p in positions] == [{0: 1}, {0: 2}, {0: 3}]
+    del saved[2]
+    if says_count:
+        with pytest.raises(UserError, match="no stream-2.json"):
+            streaming._saved_positions(tmp_path, read)
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess:

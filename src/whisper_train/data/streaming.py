@@ -272,9 +272,17 @@ class SpeechStream(torch.utils.data.IterableDataset):
 
 
 def _saved_positions(folder, read_stream_position) -> list[StreamPosition]:
-    """The stream positions of every process that saved checkpoint `folder`: stream-0's, then
-    each next one's until one is missing (a checkpoint holds one a process)."""
-    positions = [StreamPosition.from_dict(read_stream_position(folder, 0), folder=folder)]
+    """The stream positions of every process that saved checkpoint `folder`: as many as
+    process 0's says there were (`StreamData.saved_position`); in a checkpoint saved before
+    positions said so, each next one's until one is missing (a checkpoint holds one a
+    process)."""
+    first = read_stream_position(folder, 0)
+    positions = [StreamPosition.from_dict(first, folder=folder)]
+    if "processes" in first:
+        return positions + [
+            StreamPosition.from_dict(read_stream_position(folder, rank), folder=folder)
+            for rank in range(1, int(first["processes"]))
+        ]
     while True:
         try:
             saved = read_stream_position(folder, len(positions))
@@ -600,7 +608,8 @@ class StreamData:
         self.skips.say(self.accelerator, when, self.skips.gather(self.accelerator), state)
 
     def saved_position(self) -> dict | None:
-        return self.position.to_dict()
+        # With the count of processes that save one: a resume on another count reads them all.
+        return {**self.position.to_dict(), "processes": self.accelerator.num_processes}
 
     def restore(self, state, *, folder, read_stream_position, replan: bool = False, **_) -> str:
         """Continue at this process's saved place in the stream, read from checkpoint `folder`

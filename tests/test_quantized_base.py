@@ -249,13 +249,9 @@ def test_the_8bit_product_and_its_gradients_are_the_dequantized_weights_own():
     linear layer holding the dequantized weight."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(32, 24)
-    layer = quantize.int8_weights_linear_class()(32, 24, has_fp16_weights=False, device="meta")
-    layer.weight = bnb.nn.Int8Params(
-        linear.weight.detach().clone(), requires_grad=False, has_fp16_weights=False
-    )
-    layer.bias = torch.nn.Parameter(linear.bias.detach().clone())
-    layer = layer.to("cpu")
-    dequantized = layer.weight.data.float() * layer.weight.SCB.float()[:, None] / 127.0
+    layer = quantize.quantized_linear(linear, "int8", compute_dtype=torch.float32)
+    layer.bias.requires_grad_()  # a trained bias (peft's bias="all")
+    dequantized = layer.weight.data.float() * layer.state.SCB.float()[:, None] / 127.0
     x = torch.randn(3, 5, 32, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
     bias_ref = linear.bias.detach().clone().requires_grad_()
@@ -272,16 +268,27 @@ def test_the_8bit_product_and_its_gradients_are_the_dequantized_weights_own():
     assert (dequantized - linear.weight).abs().max() <= linear.weight.abs().max() / 127
 
 
-def test_dora_on_a_4bit_base_trains_every_magnitude():
-    model = fresh_short_whisper()
-    torch.manual_seed(1)
-    model = prepare_model(
-        model, mode="lora", checkpointing="full", lora=lora_on("nf4", variant="dora")
-    )
-    nonzero_lora_b(model).train()
-    run = backward_once(model, tiny_batch())
+@pytest.mark.parametrize("kind", KINDS)
+def test_dora_on_a_quantized_base_trains_every_magnitude_and_checkpointing_keeps_its_gradients(
+    kind,
+):
+    """DoRA reads the base weight's norm through bitsandbytes' state (peft dequantizes it):
+    every magnitude gets a gradient, and checkpointing's recompute finds the state as the
+    first forward left it (on 8 bits, an emptied state once failed the recompute)."""
+
+    def dora(policy: str) -> dict:
+        model = fresh_short_whisper()
+        torch.manual_seed(1)
+        model = prepare_model(
+            model, mode="lora", checkpointing=policy, lora=lora_on(kind, variant="dora")
+        )
+        return backward_once(nonzero_lora_b(model).train(), tiny_batch())
+
+    run, reference_run = dora("full"), dora("off")
     magnitudes = [g for n, g in run["grads"].items() if "magnitude" in n]
     assert magnitudes and all(g is not None and g.abs().sum() > 0 for g in magnitudes)
+    assert torch.equal(run["loss"], reference_run["loss"])
+    assert all(torch.equal(g, reference_run["grads"][n]) for n, g in run["grads"].items())
 
 
 # -- the memory plan --------------------------------------------------------------------------
@@ -331,10 +338,6 @@ def test_the_plan_counts_the_quantized_weights_as_held(kind):
         ({"mode": "lora", "fsdp": True, "nproc": 2}, "--fsdp"),
         ({"mode": "lora", "cache_encoder": True}, "add --no-cache-encoder"),
         ({"mode": "lora", "compile": True}, "drop --compile"),
-        (
-            {"mode": "lora", "quantize_base": "int8", "lora_variant": "dora"},
-            "use --quantize-base nf4 or --lora-variant lora",
-        ),
     ],
 )
 def test_what_cannot_meet_a_quantized_base_is_refused_in_one_line(flags, said):

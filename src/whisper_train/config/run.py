@@ -347,11 +347,6 @@ class RunConfig:
                 m.mode == "freeze-encoder",
                 "--mode freeze-encoder: its decoder trains in full precision; use --mode lora",
             ),
-            (
-                m.quantize_base == "int8" and m.lora_variant == "dora",
-                "--lora-variant dora: peft's DoRA fails in backward on bitsandbytes' 8-bit layers; "
-                "use --quantize-base nf4 or --lora-variant lora",
-            ),
             (self.train.fsdp, "--fsdp: bitsandbytes' layers are not sharded; drop --fsdp"),
             (
                 self.cache_encoder,

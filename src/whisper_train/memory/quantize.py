@@ -107,50 +107,59 @@ def quantize_base(whisper: nn.Module, kind: str, *, compute_dtype: torch.dtype) 
         raise UserError(f"--quantize-base {kind}: expected one of {', '.join(QUANTIZE_BASE)}")
     if kind == "none":
         return 0
-    bnb = require_bitsandbytes(kind)
     replaced = 0
     for parent, name, linear in quantizable_linears(whisper):
-        weight = linear.weight.detach().to("cpu", torch.float32)
-        has_bias = linear.bias is not None
-        if kind == "int8":
-            layer = int8_weights_linear_class()(
-                linear.in_features,
-                linear.out_features,
-                bias=has_bias,
-                has_fp16_weights=False,
-                device="meta",
-            )
-            layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
-        else:
-            layer = bnb.nn.Linear4bit(
-                linear.in_features,
-                linear.out_features,
-                bias=has_bias,
-                compute_dtype=compute_dtype,
-                compress_statistics=True,
-                quant_type="nf4",
-                device="meta",
-            )
-            layer.weight = bnb.nn.Params4bit(
-                weight,
-                requires_grad=False,
-                blocksize=NF4_BLOCK,
-                compress_statistics=True,
-                quant_type="nf4",
-            )
-            # On a CPU with AVX512-BF16, bitsandbytes repacks a 4-bit weight in place for its
-            # inference kernel the first time the layer runs in eval mode, and never back: the
-            # next training step then fails ("a view of a leaf Variable ... in-place"). Off, an
-            # evaluation during training runs the same kernels as training does.
-            layer.support_avx512bf16_for_cpu = False
-        if has_bias:
-            layer.bias = nn.Parameter(linear.bias.detach().to("cpu"), requires_grad=False)
-        layer = layer.to("cpu")  # bitsandbytes quantizes as the weight moves to a device
-        layer.train(linear.training)
-        setattr(parent, name, layer)
+        setattr(parent, name, quantized_linear(linear, kind, compute_dtype=compute_dtype))
         replaced += 1
     whisper._whisper_train_quantized = kind
     return replaced
+
+
+def quantized_linear(linear: nn.Linear, kind: str, *, compute_dtype: torch.dtype) -> nn.Module:
+    """`linear` as bitsandbytes holds it in `kind` (int8 or nf4), on the CPU, frozen."""
+    bnb = require_bitsandbytes(kind)
+    weight = linear.weight.detach().to("cpu", torch.float32)
+    has_bias = linear.bias is not None
+    if kind == "int8":
+        layer = int8_weights_linear_class()(
+            linear.in_features,
+            linear.out_features,
+            bias=has_bias,
+            has_fp16_weights=False,
+            device="meta",
+        )
+        layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+    else:
+        layer = bnb.nn.Linear4bit(
+            linear.in_features,
+            linear.out_features,
+            bias=has_bias,
+            compute_dtype=compute_dtype,
+            compress_statistics=True,
+            quant_type="nf4",
+            device="meta",
+        )
+        layer.weight = bnb.nn.Params4bit(
+            weight,
+            requires_grad=False,
+            blocksize=NF4_BLOCK,
+            compress_statistics=True,
+            quant_type="nf4",
+        )
+        # On a CPU with AVX512-BF16, bitsandbytes repacks a 4-bit weight in place for its
+        # inference kernel the first time the layer runs in eval mode, and never back: the
+        # next training step then fails ("a view of a leaf Variable ... in-place"). Off, an
+        # evaluation during training runs the same kernels as training does.
+        layer.support_avx512bf16_for_cpu = False
+    if has_bias:
+        layer.bias = nn.Parameter(linear.bias.detach().to("cpu"), requires_grad=False)
+    layer = layer.to("cpu")  # bitsandbytes quantizes as the weight moves to a device
+    if kind == "int8":
+        # The int8 rows and scales moved to the layer's state now, as bitsandbytes' first
+        # forward would: whoever reads the state first (peft's DoRA dequantizes the weight
+        # through it; `bnb.matmul` re-quantizes a state it finds empty) finds them there.
+        layer.init_8bit_state()
+    return layer.train(linear.training)
 
 
 def _dequantized(int8_rows: torch.Tensor, row_scales: torch.Tensor, dtype) -> torch.Tensor:
@@ -188,8 +197,6 @@ def int8_weights_linear_class() -> type:
 
     class Int8WeightsLinear(bnb.nn.Linear8bitLt):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if self.weight.CB is not None:  # the first call: bitsandbytes' own bookkeeping
-                self.init_8bit_state()
             return _Int8WeightsProduct.apply(x, self.state.CB, self.state.SCB, self.bias)
 
     return Int8WeightsLinear
@@ -253,8 +260,10 @@ def quantized_module_bytes(module: nn.Module) -> int:
             if nested is not None:
                 total += _tensor_bytes(nested.absmax) + _tensor_bytes(nested.code)
                 total += _tensor_bytes(state.offset)
-        elif getattr(weight, "SCB", None) is not None:  # Int8Params
-            total += weight.data.numel() * weight.data.element_size() + _tensor_bytes(weight.SCB)
+        elif type(weight).__name__ == "Int8Params":  # its scales on the weight or the layer's state
+            owner = getattr(layer, "base_layer", layer)  # peft's adapter layer, or the bnb one
+            scales = weight.SCB if weight.SCB is not None else owner.state.SCB
+            total += weight.data.numel() * weight.data.element_size() + _tensor_bytes(scales)
     return total
 
 
@@ -275,6 +284,7 @@ __all__ = [
     "peft_sees_quantized",
     "quantizable_linears",
     "quantize_base",
+    "quantized_linear",
     "quantized_as",
     "quantized_bytes",
     "quantized_module_bytes",

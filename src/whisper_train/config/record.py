@@ -464,6 +464,8 @@ def resume_changes(saved: RunRecord, now: RunRecord, *, folder: Path, step: int)
                 why = "an exact resume depends on it"
                 if resume == REPLANS:
                     why = "a stream's place cannot be re-planned"
+                    if f.name == "clips_per_step":
+                        why += _same_clips_advice(saved.data, now.data)
                 # The line that says why this run decided otherwise (`--packing auto`'s).
                 how = [note for note in now.notes if note.startswith(f"{f.name} auto ->")]
                 raise RunRefused(

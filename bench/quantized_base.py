@@ -199,6 +199,30 @@ def plan_rows(sizes: list[str], kinds: list[str]) -> None:
             )
 
 
+def planned_mib(model: str, kinds: list[str], batch_size: int) -> dict[str, float]:
+    """The planner's peak for this bench's runs (the default LoRA, full checkpointing, fp32,
+    AdamW, `batch_size` clips of up to 448 label tokens), per base, in MiB: what it counts
+    for the step (weights, gradients, optimizer, activations, working buffers), not the
+    process's own (the Python and torch runtime, the data), which RSS adds."""
+    import torch
+    from activation_memory import whisper_config
+    from transformers import WhisperForConditionalGeneration
+
+    from whisper_train.memory import LoraSettings, estimate_memory, prepare_model
+
+    with torch.device("meta"):
+        whisper = WhisperForConditionalGeneration(whisper_config(model.removesuffix(".en")))
+    whisper.config._attn_implementation = "sdpa"
+    whisper = prepare_model(whisper, mode="lora", checkpointing="full", lora=LoraSettings())
+    return {
+        kind: estimate_memory(
+            whisper, policy="full", batch_size=batch_size, quantize_base=kind
+        ).total
+        / 2**20
+        for kind in kinds
+    }
+
+
 def child(args, **extra) -> dict:
     argv = [sys.executable, __file__, "--one", "--data", str(args.dir / "data")]
     for option in ("model", "steps", "batch_size", "eval", "real"):
@@ -303,6 +327,16 @@ def main() -> None:
     if len(args.seeds) > 1:
         for kind in args.kinds:
             print(mean_row(runs[kind]), flush=True)
+    planned = planned_mib(args.model, args.kinds, args.batch_size)
+    print("\n| base | planned step peak (MiB) | vs none | measured peak RSS vs none (mean) |")
+    print("|---|---:|---:|---:|")
+    measured = {k: sum(r["peak_rss_mib"] for r in v) / len(v) for k, v in runs.items() if v}
+    for kind in args.kinds:
+        saved = measured.get(kind, 0) - measured.get("none", 0) if "none" in measured else None
+        print(
+            f"| {kind} | {planned[kind]:.0f} | {planned[kind] - planned.get('none', 0):+.0f} | "
+            f"{'–' if saved is None else f'{saved:+.0f}'} |"
+        )
     print(f"\n{time.perf_counter() - started:.0f} s in all")
 
 

@@ -16,9 +16,10 @@ import subprocess
 import sys
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
-from conftest import TRAIN_SUBPROCESS_TIMEOUT_S, train_argv
+from conftest import SAME_RUN_LOSS_ATOL, TRAIN_SUBPROCESS_TIMEOUT_S, metric_rows, train_argv
 from test_nodes import run_nodes
 from test_streaming import write_shards
 
@@ -242,7 +243,8 @@ def test_a_streamed_run_resumed_on_another_count_trains_each_row_of_the_pass_onc
     Saved after step 2 (4 rows read), resumed on the other count: steps 3-6 train the 8 rows
     left of pass 0, each once, and step 7 the first rows of pass 1 as the new count splits it.
     The checkpoint of step 4, saved while that rest was trained, is refused on the first count
-    again in one line (its rows are a rest of another count's shares: no exact way on)."""
+    again in one line (its rows are a rest of another count's shares: no exact way on), and
+    resumed on its own count trains steps 5-7 as the run that saved it did."""
     written = write_shards(tmp_path / "wds", "webdataset", [3, 3, 3, 3])
     source = streaming.stream_source(tmp_path / "wds")
     out = tmp_path / "out"
@@ -285,3 +287,11 @@ def test_a_streamed_run_resumed_on_another_count_trains_each_row_of_the_pass_onc
     assert f"a stream pass begun on {before[0]}" in errors[0]
     assert "Traceback" not in refused.stderr
     assert (out / "checkpoint-7").is_dir()  # nothing set aside
+
+    losses = [row["loss"] for row in metric_rows(out) if "loss" in row]
+    again = _run(argv(*after, "--max-steps=7", f"--resume={out / 'checkpoint-4'}"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert {rank: batches[2:] for rank, batches in trained_after.items()} == trained_log()
+    resumed_losses = [row["loss"] for row in metric_rows(out) if "loss" in row]
+    assert len(losses) == len(resumed_losses) == 7
+    np.testing.assert_allclose(resumed_losses, losses, rtol=0, atol=SAME_RUN_LOSS_ATOL)

@@ -12,8 +12,11 @@ assert the exact rows each process trains in each pass instead.
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import subprocess
 import sys
+import time
 from collections import Counter
 
 import numpy as np
@@ -26,6 +29,7 @@ from test_streaming import write_shards
 from whisper_train.data import streaming
 from whisper_train.data.stream_position import PassRest, StreamPosition
 from whisper_train.errors import UserError
+from whisper_train.training.checkpoints import checkpoint_step, list_checkpoints
 
 SEED, BUFFER = 0, 3
 
@@ -295,3 +299,46 @@ def test_a_streamed_run_resumed_on_another_count_trains_each_row_of_the_pass_onc
     resumed_losses = [row["loss"] for row in metric_rows(out) if "loss" in row]
     assert len(losses) == len(resumed_losses) == 7
     np.testing.assert_allclose(resumed_losses, losses, rtol=0, atol=SAME_RUN_LOSS_ATOL)
+
+
+@pytest.mark.long
+def test_a_lost_node_s_command_finishes_the_streamed_pass_on_the_node_left(
+    tmp_path, tiny_whisper_dir, trained_log
+):
+    """Two nodes stream 40 rows (4 shards) at 4 clips a step: 10 steps are one pass. Node 1 is
+    killed once a checkpoint is kept; the command the node left prints, run as printed, trains
+    the rows the two nodes had not, on one process: over the run every row once."""
+    from test_node_faults import kill_node, start_nodes, stop_all
+
+    written = write_shards(tmp_path / "wds", "webdataset", [10, 10, 10, 10])
+    run = tmp_path / "run"
+    flags = train_argv(
+        tmp_path / "wds", tiny_whisper_dir, run, *FLAGS, "--batch-size=2", "--max-steps=10",
+        "--save-steps=2",
+    )[1:]  # fmt: skip
+    nodes = start_nodes([flags, flags])
+    try:
+        deadline = time.monotonic() + TRAIN_SUBPROCESS_TIMEOUT_S
+        while not list_checkpoints(run):
+            assert time.monotonic() < deadline and nodes[0].poll() is None, "no checkpoint"
+            time.sleep(0.05)
+        kill_node(nodes[1])
+        output = nodes[0].communicate(timeout=TRAIN_SUBPROCESS_TIMEOUT_S)[0]
+    finally:
+        stop_all(nodes)
+    kept = checkpoint_step(list_checkpoints(run)[-1])
+    assert 0 < kept < 10, output[-3000:]
+    advice = re.search(r"continue on the node left at 4 clips a step: (whisper-train .*)", output)
+    assert advice, output[-3000:]
+    before = trained_log()
+    # The steps the checkpoint kept, on each node (one micro-batch a step); later ones are lost.
+    kept_rows = [t for batches in before.values() for b in batches[:kept] for t in b]
+    assert len(kept_rows) == 4 * kept
+
+    resumed = _run(shlex.split(advice.group(1))[1:])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "--resume: processes 2 -> 1" in resumed.stdout
+    after = trained_log()
+    assert [len(b) for b in after[0]] == [4] * (10 - kept)
+    rest_rows = [t for b in after[0] for t in b]
+    assert Counter(kept_rows + rest_rows) == Counter(list(written))  # none twice, none left out

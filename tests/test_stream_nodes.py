@@ -175,12 +175,12 @@ def test_a_checkpoint_s_positions_are_read_for_every_process_that_saved_one(tmp_
             raise UserError(f"no stream-{rank}.json")
         return saved[rank]
 
-    positions = streaming._saved_positions(tmp_path, read)
+    positions = streaming.saved_positions(tmp_path, read)
     assert [p.rows for p in positions] == [{0: 1}, {0: 2}, {0: 3}]
     del saved[2]
     if says_count:
         with pytest.raises(UserError, match="no stream-2.json"):
-            streaming._saved_positions(tmp_path, read)
+            streaming.saved_positions(tmp_path, read)
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess:

@@ -1,15 +1,18 @@
 """How data reaches the processes and the device, for training and evaluation alike: each
 process's share of the batches (`shard_batches`: every N-th, the shorter shares padded with
 empty batches, so every process runs the same collectives), an evaluation set's loader
-(`evaluation_loader`), and whether loaders pin their batches (`pins_memory`). How many loader
+(`evaluation_loader`), whether loaders pin their batches (`pins_memory`), and a loader
+worker's refusal said in its own one line (`in_one_line`). How many loader
 workers a run takes is decided with the run's other decisions (`config.resolve`)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from torch.utils.data import DataLoader
+
+from whisper_train.errors import UserError
 
 
 def shard_batches(batches: Sequence[list], rank: int, world: int) -> list[list]:
@@ -45,3 +48,16 @@ def evaluation_loader(
         persistent_workers=num_workers > 0,
         prefetch_factor=4 if num_workers > 0 else None,
     )
+
+
+def in_one_line(batches: Iterable) -> Iterator:
+    """A DataLoader's `batches`, with a UserError raised in a loader worker (a stream's file
+    damaged past the rows read before step 1) re-raised as its own one line: the DataLoader
+    re-raises it with the worker's traceback as its message."""
+    try:
+        yield from batches
+    except UserError as exc:
+        text, marker = str(exc), f"{UserError.__module__}.{UserError.__qualname__}: "
+        if "\n" not in text or marker not in text:
+            raise
+        raise UserError(text.rsplit(marker, 1)[1].strip()) from None

@@ -26,21 +26,15 @@ worker would replay more batches than it had handed out, mix replayed rows into 
 batch, and take its turns out of step with the other workers.) The re-read costs reading those
 bytes again, not decoding them.
 
-A resume on another number of processes (same workers, same clips a step) cannot replay: each
-process's share of a pass depends on the count (`split_dataset_by_node`: whole shards, or every
-N-th row). It finishes the interrupted pass instead (`RestOfPass`): each worker of each new
-process reads again, without decoding, the shares of the checkpoint's processes that its own
-worker number read, passes over the rows they had read, and takes every M-th of the rest (M the
-new count), so each row left in the pass is trained once; the next pass is split by the new
-count. Which rows a step holds then differs from an uninterrupted run's (as it does on another
-count from the start); none is trained twice or left out.
+A resume on another number of processes finishes the interrupted pass first
+(`stream_shares.RestOfPass`, which says how).
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from accelerate.utils import reduce
@@ -50,10 +44,11 @@ from whisper_train.audio import CHUNK_LENGTH, SAMPLE_RATE
 from whisper_train.data.examples import Example, Skip, decode_skip
 from whisper_train.data.labels import body_length, decoder_positions, label_positions
 from whisper_train.data.loader_skips import LoaderSkips
-from whisper_train.data.loaders import pins_memory
+from whisper_train.data.loaders import in_one_line, pins_memory
 from whisper_train.data.packing import PackedWindow
 from whisper_train.data.step_plan import group_steps
 from whisper_train.data.stream_position import PassRest, StreamPosition, skip_summary
+from whisper_train.data.stream_shares import RestOfPass, process_share, saved_positions
 from whisper_train.data.stream_sources import (
     RAW_AUDIO,
     SHARD_SUFFIXES,
@@ -271,26 +266,6 @@ class SpeechStream(torch.utils.data.IterableDataset):
         }
 
 
-def _saved_positions(folder, read_stream_position) -> list[StreamPosition]:
-    """The stream positions of every process that saved checkpoint `folder`: as many as
-    process 0's says there were (`StreamData.saved_position`); in a checkpoint saved before
-    positions said so, each next one's until one is missing (a checkpoint holds one a
-    process)."""
-    first = read_stream_position(folder, 0)
-    positions = [StreamPosition.from_dict(first, folder=folder)]
-    if "processes" in first:
-        return positions + [
-            StreamPosition.from_dict(read_stream_position(folder, rank), folder=folder)
-            for rank in range(1, int(first["processes"]))
-        ]
-    while True:
-        try:
-            saved = read_stream_position(folder, len(positions))
-        except UserError:  # no position of that process: it had none
-            return positions
-        positions.append(StreamPosition.from_dict(saved, folder=folder))
-
-
 def _clips_of(item) -> int:
     """Clips a packed stream's item holds (a window's count; none for REPLAYED or a skip)."""
     return item.get("clip_count", 1) if isinstance(item, dict) else 0
@@ -316,72 +291,6 @@ class StreamCollator:
         batch["stream_rows"] = rows
         batch["stream_batches"] = {triples[0][0]: 1}
         return batch
-
-
-def in_one_line(batches: Iterable) -> Iterator:
-    """A DataLoader's `batches`, with a UserError raised in a loader worker (a stream's file
-    damaged past the rows read before step 1) re-raised as its own one line: the DataLoader
-    re-raises it with the worker's traceback as its message."""
-    try:
-        yield from batches
-    except UserError as exc:
-        text, marker = str(exc), f"{UserError.__module__}.{UserError.__qualname__}: "
-        if "\n" not in text or marker not in text:
-            raise
-        raise UserError(text.rsplit(marker, 1)[1].strip()) from None
-
-
-def process_share(
-    source: StreamSource, *, rank: int, world_size: int, seed: int, shuffle_buffer: int
-) -> tuple:
-    """(Process `rank`'s share of the source, shuffled by a seeded buffer of `shuffle_buffer`
-    rows and the shard order anew every epoch, the source's columns). Iterated inside a
-    DataLoader worker, `datasets` gives that worker its own part of the share."""
-    from datasets.distributed import split_dataset_by_node
-
-    dataset, columns = open_stream(source)
-    dataset = dataset.shuffle(seed=seed, buffer_size=shuffle_buffer)
-    if world_size > 1:
-        dataset = split_dataset_by_node(dataset, rank=rank, world_size=world_size)
-    return dataset, columns
-
-
-class RestOfPass:
-    """The rows of a stream's pass that a checkpoint saved on another number of processes had
-    not read (`rest`), as process `rank` of `world_size` now reads them: each loader worker
-    reads the checkpoint's processes' shares, as the worker of its number read them, in process
-    order, passes over the rows they had read (`rest.places`), and takes every `world_size`-th
-    of the rows left, from the `rank`-th. The checkpoint had as many workers (the record's
-    stream_workers), so every row left goes to one worker of one process."""
-
-    def __init__(
-        self, source: StreamSource, rest: PassRest, *, rank, world_size, seed, shuffle_buffer
-    ):
-        self.source, self.rest = source, rest
-        self.rank, self.world_size = rank, world_size
-        self.seed, self.shuffle_buffer = seed, shuffle_buffer
-
-    def __iter__(self) -> Iterator[dict]:
-        info = torch.utils.data.get_worker_info()
-        worker = info.id if info is not None else 0
-        left = 0  # rows left so far, over the checkpoint's processes
-        for process, (epoch, read) in enumerate(self.rest.places):
-            share, _ = process_share(
-                self.source,
-                rank=process,
-                world_size=self.rest.processes,
-                seed=self.seed,
-                shuffle_buffer=self.shuffle_buffer,
-            )
-            for pass_ in range(epoch, self.rest.last_epoch + 1):
-                share.set_epoch(pass_)
-                skip = read.get(worker, 0) if pass_ == epoch else 0
-                for index, row in enumerate(share):
-                    if index < skip:
-                        continue
-                    if left % self.world_size == self.rank:
-                        yield row
-                    left += 1
 
 
 def training_stream(
@@ -619,7 +528,7 @@ class StreamData:
         (the record lets it change), the pass they had begun is finished first: the rows
         they had not read, dealt to this run's processes (`RestOfPass`)."""
         accelerator = self.accelerator
-        saved = _saved_positions(folder, read_stream_position)
+        saved = saved_positions(folder, read_stream_position)
         if len(saved) == accelerator.num_processes:
             self.position = saved[accelerator.process_index]
             rest = "" if self.position.rest is None else " of the rest of a pass"
@@ -669,6 +578,7 @@ __all__ = [
     "SpeechStream",
     "StreamCollator",
     "StreamPosition",
+    "RestOfPass",
     "StreamSource",
     "audio_header",
     "count_rows",
@@ -676,7 +586,9 @@ __all__ = [
     "expand_braces",
     "in_one_line",
     "open_stream",
+    "process_share",
     "read_row",
+    "saved_positions",
     "skip_summary",
     "stream_source",
     "timed_count",

@@ -4,7 +4,7 @@ side by side on the demo's synthesised speech, for tiny.en or the multilingual b
 
     PYTHONPATH=src .venv/bin/python bench/quantized_base.py --dir /tmp/quantized-base \
         [--model tiny.en|base] [--kinds none int8 nf4] [--seeds 0 1] [--train 192] \
-        [--steps 24] [--batch-size 8] [--eval 40] [--real 40]
+        [--steps 24] [--batch-size 8] [--eval 40] [--real 40] [--nonspeech none|builtin]
     PYTHONPATH=src .venv/bin/python bench/quantized_base.py --dir /tmp/quantized-base \
         --merge-error run-tiny.en-nf4-0 run-tiny.en-int8-0
 
@@ -19,7 +19,8 @@ adapters into the original weights: merged into the dequantized ones instead, ea
 weight moves by its quantization error, which the table sets beside the adapters' own largest
 change, and the logits move (teacher-forced on the held-out clips' transcripts).
 
-Each run is LoRA at the default settings (every linear layer, r 32), full checkpointing,
+Each run is LoRA at the default settings (every linear layer, r 32), full checkpointing, on
+speech alone unless --nonspeech builtin (the default run's noise training beside it),
 --steps steps of --batch-size on --train synthesised sentences, in a process of its own so that
 its peak resident memory (ru_maxrss, taken when final/ is written) is its own; s/step is the
 run's own "trained N steps in S s" over N. Then its final/ is scored as its user would run it:
@@ -101,7 +102,7 @@ def one_run(args) -> None:
             "overwrite": True,
             "seed": args.seed,
             "report_to": ["none"],
-            "nonspeech": "none",
+            "nonspeech": args.nonspeech,
         }
     )
     said = io.StringIO()
@@ -225,7 +226,7 @@ def planned_mib(model: str, kinds: list[str], batch_size: int) -> dict[str, floa
 
 def child(args, **extra) -> dict:
     argv = [sys.executable, __file__, "--one", "--data", str(args.dir / "data")]
-    for option in ("model", "steps", "batch_size", "eval", "real"):
+    for option in ("model", "steps", "batch_size", "eval", "real", "nonspeech"):
         argv += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
     for key, value in extra.items():
         argv += [f"--{key}", str(value)]
@@ -272,6 +273,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument(
+        "--nonspeech",
+        default="none",
+        help="none (speech only), or builtin: the default run's noise training beside it",
+    )
+    parser.add_argument(
         "--no-shipped", action="store_true", help="leave out the row of the model as shipped"
     )
     parser.add_argument("--plan", nargs="*", metavar="SIZE", help="planned peaks, e.g. large-v3")
@@ -312,8 +318,8 @@ def main() -> None:
     )
     print(
         f"{args.model}, LoRA defaults, batch {args.batch_size}, {args.steps} steps, full "
-        f"checkpointing, {args.train} training sentences; final/ scored (WER %, non-speech "
-        "words a minute)"
+        f"checkpointing, {args.train} training sentences, --nonspeech {args.nonspeech}; final/ "
+        "scored (WER %, non-speech words a minute)"
     )
     print("| base | seed | held-out | guard | real speech | non-speech | s/step | peak RSS (MiB) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)

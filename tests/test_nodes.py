@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -78,30 +79,45 @@ def run_nodes(train_flags: list[str]) -> list[str]:
     return outputs
 
 
-@pytest.mark.long
-def test_two_localhost_nodes_equal_one_process(tmp_path, tiny_whisper_dir):
-    data = write_tone_dataset(tmp_path / "data", n=12)
-    common = {
-        "data": str(data),
-        "model": str(tiny_whisper_dir),
+def tiny_run_settings(tmp_path: Path, model_dir: Path) -> dict[str, object]:
+    """The run that nodes train and one process trains again: 12 tone clips, 3 steps, seeded
+    (RunConfig's names; `as_flags` gives them as `train`'s options)."""
+    return {
+        "data": str(write_tone_dataset(tmp_path / "data", n=12)),
+        "model": str(model_dir),
         "learning_rate": 1e-3,
         "seed": 0,
         "max_steps": 3,
         "lr_scheduler": "constant_with_warmup",
         "nonspeech": "none",
     }
-    flags = [f"--{key.replace('_', '-')}={value}" for key, value in common.items()]
-    # 2 nodes x 1 process x batch 2 = one process at batch 4 (the default packing).
-    outputs = run_nodes([*flags, "--only-train", "--batch-size=2", f"--output-dir={tmp_path}/two"])
+
+
+def as_flags(settings: dict[str, object]) -> list[str]:
+    return [f"--{key.replace('_', '-')}={value}" for key, value in settings.items()]
+
+
+def assert_trains_as_one_process(settings: dict[str, object], nodes_dir: Path, one_dir: Path):
+    """The run in `nodes_dir` (2 processes at batch 2, `settings` and --only-train) has every
+    step's loss of one process at batch 4, trained here into `one_dir`."""
     config = RunConfig()
-    config.update(
-        {**common, "only_train": True, "batch_size": 4, "output_dir": str(tmp_path / "one")}
-    )
+    config.update({**settings, "only_train": True, "batch_size": 4, "output_dir": str(one_dir)})
     single = train(config)
-    two_losses, _ = losses_and_evaluations(tmp_path / "two")
+    nodes_losses, _ = losses_and_evaluations(nodes_dir)
     one_losses, _ = losses_and_evaluations(single.output_dir)
-    assert len(two_losses) == len(one_losses) == 3
-    np.testing.assert_allclose(two_losses, one_losses, rtol=0, atol=SAME_RUN_LOSS_ATOL)
+    assert len(nodes_losses) == len(one_losses) == settings["max_steps"]
+    np.testing.assert_allclose(nodes_losses, one_losses, rtol=0, atol=SAME_RUN_LOSS_ATOL)
+
+
+@pytest.mark.long
+def test_two_localhost_nodes_equal_one_process(tmp_path, tiny_whisper_dir):
+    settings = tiny_run_settings(tmp_path, tiny_whisper_dir)
+    # 2 nodes x 1 process x batch 2 = one process at batch 4 (the default packing).
+    two = tmp_path / "two"
+    outputs = run_nodes(
+        [*as_flags(settings), "--only-train", "--batch-size=2", f"--output-dir={two}"]
+    )
+    assert_trains_as_one_process(settings, two, tmp_path / "one")
     # Written once, by the process that owns them (global rank 0, on node 0).
-    assert (tmp_path / "two" / "final" / "model.safetensors").is_file()
+    assert (two / "final" / "model.safetensors").is_file()
     assert "fine-tuned model:" in outputs[0] and "fine-tuned model:" not in outputs[1]

@@ -118,6 +118,7 @@ def test_two_localhost_nodes_equal_one_process(tmp_path, tiny_whisper_dir):
         [*as_flags(settings), "--only-train", "--batch-size=2", f"--output-dir={two}"]
     )
     assert_trains_as_one_process(settings, two, tmp_path / "one")
-    # Written once, by the process that owns them (global rank 0, on node 0).
+    # Written once, by the process that owns them (global rank 0: c10d numbers the nodes
+    # itself, so that may be either launcher's).
     assert (two / "final" / "model.safetensors").is_file()
-    assert "fine-tuned model:" in outputs[0] and "fine-tuned model:" not in outputs[1]
+    assert sum("fine-tuned model:" in output for output in outputs) == 1

@@ -124,14 +124,9 @@ def losses(folder) -> list[float]:
     return [row["loss"] for row in metric_rows(folder) if "loss" in row]
 
 
-@pytest.mark.long
-def test_a_node_killed_mid_run_is_named_and_its_command_continues_exactly(
-    tmp_path, tiny_whisper_dir, capsys
-):
-    data = write_tone_dataset(tmp_path / "data", n=16)
-    run = tmp_path / "run"
-    flags = train_argv(data, tiny_whisper_dir, run, *FLAGS, "--batch-size=2")[1:]
-    nodes = start_nodes([flags, flags])
+def kill_node_1_after_a_checkpoint(nodes, run) -> tuple[str, float]:
+    """Once `run` holds a complete checkpoint, node 1 killed whole: (node 0's output, seconds
+    from the kill until node 0 exited). Every node is stopped on the way out."""
     try:
         deadline = time.monotonic() + TRAIN_SUBPROCESS_TIMEOUT_S
         while not list_checkpoints(run):
@@ -140,9 +135,20 @@ def test_a_node_killed_mid_run_is_named_and_its_command_continues_exactly(
         kill_node(nodes[1])
         killed = time.monotonic()
         output = nodes[0].communicate(timeout=TRAIN_SUBPROCESS_TIMEOUT_S)[0]
-        stopped_after = time.monotonic() - killed
+        return output, time.monotonic() - killed
     finally:
         stop_all(nodes)
+
+
+@pytest.mark.long
+def test_a_node_killed_mid_run_is_named_and_its_command_continues_exactly(
+    tmp_path, tiny_whisper_dir, capsys
+):
+    data = write_tone_dataset(tmp_path / "data", n=16)
+    run = tmp_path / "run"
+    flags = train_argv(data, tiny_whisper_dir, run, *FLAGS, "--batch-size=2")[1:]
+    nodes = start_nodes([flags, flags])
+    output, stopped_after = kill_node_1_after_a_checkpoint(nodes, run)
     assert nodes[0].returncode != 0, output[-3000:]
     assert stopped_after < LOST_NODE_EXIT_S, stopped_after
     kept = list_checkpoints(run)[-1]

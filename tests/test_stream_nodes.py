@@ -16,7 +16,6 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 from collections import Counter
 
 import numpy as np
@@ -308,7 +307,7 @@ def test_a_lost_node_s_command_finishes_the_streamed_pass_on_the_node_left(
     """Two nodes stream 40 rows (4 shards) at 4 clips a step: 10 steps are one pass. Node 1 is
     killed once a checkpoint is kept; the command the node left prints, run as printed, trains
     the rows the two nodes had not, on one process: over the run every row once."""
-    from test_node_faults import kill_node, start_nodes, stop_all
+    from test_node_faults import kill_node_1_after_a_checkpoint, start_nodes
 
     written = write_shards(tmp_path / "wds", "webdataset", [10, 10, 10, 10])
     run = tmp_path / "run"
@@ -316,16 +315,7 @@ def test_a_lost_node_s_command_finishes_the_streamed_pass_on_the_node_left(
         tmp_path / "wds", tiny_whisper_dir, run, *FLAGS, "--batch-size=2", "--max-steps=10",
         "--save-steps=2",
     )[1:]  # fmt: skip
-    nodes = start_nodes([flags, flags])
-    try:
-        deadline = time.monotonic() + TRAIN_SUBPROCESS_TIMEOUT_S
-        while not list_checkpoints(run):
-            assert time.monotonic() < deadline and nodes[0].poll() is None, "no checkpoint"
-            time.sleep(0.05)
-        kill_node(nodes[1])
-        output = nodes[0].communicate(timeout=TRAIN_SUBPROCESS_TIMEOUT_S)[0]
-    finally:
-        stop_all(nodes)
+    output, _ = kill_node_1_after_a_checkpoint(start_nodes([flags, flags]), run)
     kept = checkpoint_step(list_checkpoints(run)[-1])
     assert 0 < kept < 10, output[-3000:]
     advice = re.search(r"continue on the node left at 4 clips a step: (whisper-train .*)", output)

@@ -21,7 +21,8 @@
                    memory handed back before final/ (`release_training_state`)
 
 The submodules import downwards only: wrappers <- quantize <- checkpointing, sharding <- loss <- estimate
-<- probe <- plan; cross_attention <- loss; precision, optim and host stand alone. The names below are
+<- probe <- plan; cross_attention <- loss; precision, optim and host stand alone (quantize hands
+back through host what it frees). The names below are
 re-exported so `from whisper_train.memory import X` works for the public API.
 `LOSS_CHUNK_TOKENS` is deliberately not: `training_loss` reads it from
 `whisper_train.memory.loss`, so that is the module to patch.

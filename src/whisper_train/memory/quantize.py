@@ -38,6 +38,7 @@ from torch import nn
 
 from whisper_train.choices import QUANTIZE_BASE
 from whisper_train.errors import UserError
+from whisper_train.memory.host import return_freed_memory
 
 # NF4's block: one absmax per 64 weights (bitsandbytes' default), the absmaxes themselves
 # quantized to 8 bits in blocks of 256 (double quantization).
@@ -111,6 +112,9 @@ def quantize_base(whisper: nn.Module, kind: str, *, compute_dtype: torch.dtype) 
     for parent, name, linear in quantizable_linears(whisper):
         setattr(parent, name, quantized_linear(linear, kind, compute_dtype=compute_dtype))
         replaced += 1
+    # The full-precision weights just freed go back to the system, not into the allocator's
+    # free heap (the multilingual base: resident 141 MB lower before step 1 in nf4).
+    return_freed_memory()
     whisper._whisper_train_quantized = kind
     return replaced
 

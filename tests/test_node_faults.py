@@ -33,6 +33,7 @@ from conftest import (
     write_tone_dataset,
 )
 from test_nodes import free_port, torchrun_node
+from test_resume_processes import FLAGS as EXACT_RUN_FLAGS
 
 from whisper_train import runfolder
 from whisper_train.cli import main
@@ -45,17 +46,7 @@ from whisper_train.training.launch import Place, StepShape
 # node is killed once checkpoint-2 is complete, and the run has steps enough left (about half
 # a second each here) that the kill lands before it ends; the resumed part crosses an epoch.
 STEPS = 8
-FLAGS = [
-    "--only-train",
-    "--packing=off",
-    "--nonspeech=none",
-    "--eval-split=0",
-    "--seed=0",
-    "--learning-rate=1e-3",
-    "--lr-scheduler=constant_with_warmup",
-    f"--max-steps={STEPS}",
-    "--save-steps=2",
-]
+FLAGS = [*EXACT_RUN_FLAGS, f"--max-steps={STEPS}", "--save-steps=2"]
 # Each node is started through whisper-train's launcher (torchrun's options, without torchrun's
 # own traceback when its process fails: docs/multi-gpu.md), so what the node left prints is
 # whisper-train's alone.

@@ -76,3 +76,30 @@ def test_a_terminal_gets_the_bar_instead_of_step_lines(
     captured = capsys.readouterr()
     assert "training:" in captured.err and "\r" in captured.err  # tqdm's bar
     assert not any(STEP_LINE.match(line) for line in captured.out.splitlines())
+
+
+@pytest.mark.parametrize(("rank", "shown"), [("0", True), ("1", False)])
+def test_only_the_main_process_of_a_launched_run_prints_info_lines(
+    rank, shown, monkeypatch, caplog
+):
+    # Under torchrun or accelerate launch every process runs `main`: an info line such as
+    # "screening: N clips, as screened before (cached)" came once per process.
+    import logging
+
+    import whisper_train.cli as cli
+
+    package = logging.getLogger("whisper_train")
+    monkeypatch.setattr(package, "level", package.level)  # restored after the test
+    monkeypatch.setenv("RANK", rank)
+
+    def handled(_args):
+        logging.getLogger("whisper_train.data.screening").info("screening: 4 clips (cached)")
+        logging.getLogger("whisper_train.data.screening").warning("a clip was left out")
+        return 0
+
+    monkeypatch.setattr(cli, "_handled", handled)
+    caplog.set_level(logging.INFO)
+    assert cli.main(["doctor"]) == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert ("screening: 4 clips (cached)" in messages) is shown
+    assert "a clip was left out" in messages

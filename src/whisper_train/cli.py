@@ -125,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s" if args.verbose else "%(message)s",
     )
     _quiet_libraries(args.verbose)
+    if not args.verbose and os.environ.get("RANK", "0") != "0":
+        # The other processes of a run started by torchrun or accelerate launch: their info
+        # lines are the main process's again (each would print "screening: ... (cached)");
+        # their warnings and errors still show.
+        logging.getLogger("whisper_train").setLevel(logging.WARNING)
     try:
         code = _handled(args)
     except SystemExit as stop:  # a run stopped by a signal: 130 / 143, its checkpoint saved

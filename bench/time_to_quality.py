@@ -299,7 +299,8 @@ def whisper_train_worker(spec: dict) -> dict:
     def timed_after_step(recipe, step):
         after_step(recipe, step)  # its logging and checks are the loop's (--only-train: no eval)
         marks.reached(
-            recipe.state.step, lambda: whole_model(recipe.model, recipe.config, recipe.accelerator)
+            recipe.state.step,
+            lambda: whole_model(recipe.model, recipe.record.model, recipe.accelerator),
         )
 
     FineTuneRecipe.train, FineTuneRecipe._after_step = timed_train, timed_after_step

@@ -4,7 +4,7 @@ Seq2SeqTrainer recipe, on the same data, model, batch memory and learning rate.
     .venv/bin/python bench/time_to_quality.py [--target synth|real] [--mode full|lora]
         [--model tiny.en] [--learning-rate LR] [--trainer-learning-rates LR ...]
         [--trainer-every-linear] [--seeds 0 1] [--batch-size 8] [--budget-factor 1.5] [--points 5]
-        [--own-length] [--train-sentences 128] [--held-out-sentences 32]
+        [--own-length] [--train-sentences 128] [--held-out-sentences 32] [--cpu-seconds]
         [--variant "packed=--packing on --batch-size 1" ...] [--work-dir DIR] [--smoke]
 
 Systems, each its own process, each starting from the same model folder (--model saved once):
@@ -80,15 +80,22 @@ from whisper_train.config import DEFAULT_LEARNING_RATES as DEFAULT_LR  # noqa: E
 from whisper_train.config.options import LORA_TARGETS  # noqa: E402
 
 # whisper-train's LoRA defaults (--lora-r, --lora-alpha, --lora-dropout, --lora-targets)
+# Set by --cpu-seconds for the workers it starts (`clock`).
+CPU_SECONDS = "TIME_TO_QUALITY_CPU_SECONDS"
+
 LORA = {"r": 32, "lora_alpha": 64, "lora_dropout": 0.05, "target_modules": ["q_proj", "v_proj"]}
 
 
 def clock() -> float:
-    """Wall seconds, after the GPU's queued work is done (on CUDA)."""
+    """Wall seconds, after the GPU's queued work is done (on CUDA); with --cpu-seconds on a CPU,
+    the worker's own CPU seconds (one thread, no loader workers on a CPU: robust to other jobs
+    on the machine, and a quiet machine's wall seconds)."""
     import torch
 
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    elif os.environ.get(CPU_SECONDS) == "1":
+        return time.process_time()
     return time.perf_counter()
 
 
@@ -696,6 +703,9 @@ def parse_args() -> argparse.Namespace:
         "first 8-20 steps carry one-off costs)")  # fmt: skip
     add("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "wt-time-to-quality")
     add("--keep-models", action="store_true", help="keep every point's model folder")
+    add("--cpu-seconds", action="store_true",
+        help="on a CPU, time training in each worker's CPU seconds, not wall seconds (run with "
+        "OMP_NUM_THREADS=1): figures that hold while other jobs share the machine")  # fmt: skip
     add("--smoke", action="store_true", help="tiny budgets: checks the script")
     add("--combine", type=Path, nargs="+", metavar="JSON",
         help="trains nothing: the runs of these earlier outputs (the same sets and model, "
@@ -703,6 +713,8 @@ def parse_args() -> argparse.Namespace:
     add("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.learning_rate = args.learning_rate or DEFAULT_LR[args.mode]
+    if args.cpu_seconds:
+        os.environ[CPU_SECONDS] = "1"  # inherited by the workers
     args.train_clips = args.eval_clips = None
     if args.calibration_steps is None:
         import torch
@@ -743,6 +755,8 @@ def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()} ({device}), torch "
           f"{torch.__version__}; model {args.model}, {args.mode}, lr {args.learning_rate:g}, "
           f"batch {args.batch_size}", flush=True)  # fmt: skip
+    if args.cpu_seconds and not on_cuda:
+        print("training seconds are each worker's CPU seconds (--cpu-seconds)", flush=True)
     started = time.perf_counter()
     try:
         runs = run_trainer(args, sets, model_dir)

@@ -908,9 +908,9 @@ def test_per_clip_noise_rides_alongside_and_an_older_checkpoint_resumes_as_it_tr
 ):
     """--packing per-clip: the noise clips ride in the speech's windows (no step counts them),
     in pieces of at most 2 s; the record says "alongside" and the start says so. Another packing
-    places them as clips of the epoch, as before. A checkpoint whose record does not say (written
-    before the placement was kept) resumes as it trained, as clips, its steps replayed as
-    planned then."""
+    places them as clips of the epoch dealt evenly through its steps ("spread"). A checkpoint
+    whose record does not say (written before the placement was kept) resumes as it trained, as
+    clips, its steps replayed as planned then."""
     result = train(
         tiny_run_config(nonspeech="builtin", nonspeech_share=0.25, packing="per-clip", max_steps=4)
     )
@@ -926,7 +926,7 @@ def test_per_clip_noise_rides_alongside_and_an_older_checkpoint_resumes_as_it_tr
         )
     )
     record = yaml.safe_load((tmp_path / "off" / "whisper-train.yaml").read_text())["record"]
-    assert record["data"]["nonspeech_placement"] == "as-clips"
+    assert record["data"]["nonspeech_placement"] == "spread"
 
     older = tmp_path / "older"
     train(
@@ -938,7 +938,15 @@ def test_per_clip_noise_rides_alongside_and_an_older_checkpoint_resumes_as_it_tr
             output_dir=str(older),
         )
     )
-    checkpoint = older / "checkpoint-1" / "whisper-train.yaml"
+    _forget_the_placement(older / "checkpoint-1")
+    train(tiny_run_config(nonspeech="builtin", max_steps=2, resume="latest", output_dir=str(older)))
+    record = yaml.safe_load((older / "whisper-train.yaml").read_text())["record"]
+    assert record["data"]["nonspeech_placement"] == "as-clips"
+
+
+def _forget_the_placement(checkpoint_dir) -> None:
+    """Make `checkpoint_dir`'s record one written before the noise's placement was kept."""
+    checkpoint = checkpoint_dir / "whisper-train.yaml"
     saved = yaml.safe_load(checkpoint.read_text())
     del saved["record"]["data"]["nonspeech_placement"]
     checkpoint.write_text(yaml.safe_dump(saved, sort_keys=False))
@@ -946,8 +954,30 @@ def test_per_clip_noise_rides_alongside_and_an_older_checkpoint_resumes_as_it_tr
     sizes = json.loads(manifest.read_text())
     sizes["files"][checkpoint.name] = checkpoint.stat().st_size
     manifest.write_text(json.dumps(sizes))
-    train(tiny_run_config(nonspeech="builtin", max_steps=2, resume="latest", output_dir=str(older)))
-    record = yaml.safe_load((older / "whisper-train.yaml").read_text())["record"]
+
+
+@pytest.mark.parametrize("packing", ["off", "on"])
+def test_unpacked_and_joined_noise_is_dealt_evenly_and_an_older_checkpoint_resumes_shuffled(
+    packing, tiny_run_config, capsys, tmp_path
+):
+    """--packing off or on: the noise clips are dealt evenly through the steps; the record says
+    "spread", the start line and the model card say so. A checkpoint written before (no
+    placement in its record) resumes with its noise shuffled in as it trained: "as-clips",
+    and its start line does not say the noise is dealt evenly."""
+    common = {"nonspeech": "builtin", "nonspeech_share": 0.25, "packing": packing}
+    train(tiny_run_config(**common, max_steps=1, save_steps=1))
+    said = capsys.readouterr().out
+    assert "data: 16 clips (4 of noise dealt evenly)" in said, said
+    record = yaml.safe_load((tmp_path / "out" / "whisper-train.yaml").read_text())["record"]
+    assert record["data"]["nonspeech_placement"] == "spread"
+    card = (tmp_path / "out" / "final" / "README.md").read_text()
+    assert "25% of each epoch, taught" in card and "dealt evenly through the steps" in card
+
+    _forget_the_placement(tmp_path / "out" / "checkpoint-1")
+    train(tiny_run_config(**common, max_steps=2, resume="latest"))
+    said = capsys.readouterr().out
+    assert "data: 16 clips" in said and "dealt evenly" not in said, said
+    record = yaml.safe_load((tmp_path / "out" / "whisper-train.yaml").read_text())["record"]
     assert record["data"]["nonspeech_placement"] == "as-clips"
 
 

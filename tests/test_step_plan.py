@@ -9,11 +9,13 @@ padding after each: ~4.4 clips a window), then a run of each kind on tone clips 
 
 from __future__ import annotations
 
+import math
 import random
 import re
 
 import numpy as np
 import pytest
+import torch
 from conftest import SAME_RUN_LOSS_ATOL, metric_rows, train_in_subprocess, write_tone_dataset
 
 from whisper_train.data import packing
@@ -123,7 +125,7 @@ def test_length_grouping_spreads_the_noise_clips_through_the_steps():
         return steps
 
     assert max(len(items_of(step) & noise) for step in steps()) == 8  # before: steps of noise
-    spread_steps = steps(ungrouped=noise)
+    spread_steps = steps(nonspeech=noise)
     spread = [len(items_of(step) & noise) for step in spread_steps]
     assert min(spread) >= 1 and max(spread) <= 3, spread
     # Speech is still grouped: a step's labels span far less than the data's 12-60 tokens.
@@ -307,3 +309,118 @@ def test_a_rider_takes_about_its_own_length_of_a_window():
     assert packing.footprint_seconds(noise, 8) == pytest.approx(2.06)
     assert packing.footprint_seconds(speech, 8) == pytest.approx(2.0 + 0.02 * 175)
     assert packing.footprint_seconds(noise, 0) == 2.0  # no sampled padding: none of its own
+
+
+# -- --nonspeech's clips dealt evenly through the steps ("spread") ----------------------------
+
+
+def _noise_plan(sizes, kind: str, *, spread: bool, batch: int = 8, processes: int = 1):
+    """The plan of `sizes` (speech, then --nonspeech's clips): unpacked ("off") or packed
+    joined ("on"), the noise spread (the record's placement "spread") or shuffled in (a record
+    written before it: "as-clips")."""
+    return WholePlan(
+        len(sizes),
+        batch_size=batch // processes,
+        accumulation=1,
+        processes=processes,
+        seed=0,
+        packing=Packing(sizes, prefix_tokens=3) if kind == "on" else None,
+        nonspeech=[i for i, size in enumerate(sizes) if size.nonspeech],
+        spread_nonspeech=spread,
+    )
+
+
+def _clips_of(step, packed: bool) -> list[int]:
+    return [clip for item in items_of(step) for clip in (item if packed else (item,))]
+
+
+def _assert_noise_follows_its_share(steps, noise: set[int], packed: bool) -> None:
+    """Unpacked, each step of k clips holds the floor or the ceiling of its share of noise (k x
+    the epoch's noise over its clips). Packed, in whole windows: every run of steps holds its
+    share to within the most noise a window holds (and one), and no two steps in a row none."""
+    held = [len(set(_clips_of(step, packed)) & noise) for step in steps]
+    clips = [len(_clips_of(step, packed)) for step in steps]
+    share = sum(held) / sum(clips)
+    if not packed:
+        full = max(clips)
+        bounds = (math.floor(full * share), math.ceil(full * share))
+        assert all(h in bounds for h, c in zip(held, clips, strict=True) if c == full), held
+        return
+    most = max(len(set(w) & noise) for step in steps for w in items_of(step))
+    for start in range(len(steps)):
+        for end in range(start + 1, len(steps) + 1):
+            off = sum(held[start:end]) - share * sum(clips[start:end])
+            assert abs(off) <= most + 1, (start, end, held)
+    assert all(held[k] or held[k + 1] for k in range(len(held) - 1)), held
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+@pytest.mark.parametrize("kind", ["off", "on"])
+def test_noise_is_dealt_evenly_through_every_step_of_the_shuffle_and_of_joined_packing(
+    kind, processes
+):
+    """The plain shuffle and --packing on shuffled the noise in with the speech: a step of 8
+    clips held 0 to 4 noise clips where a fifth was asked (1.6), runs of steps none. Spread,
+    every clip is still trained once an epoch, in as many steps and (packed) windows, and the
+    noise follows its share through the epoch: unpacked, each step of 8 holds 1 or 2 (the floor
+    or the ceiling of 1.6), the speech in the order it had; packed (whole windows of up to 8
+    clips), any run of steps holds its share to within a window's noise."""
+    sizes = _speech_and_noise(160, 40)
+    noise, packed = set(range(160, 200)), kind == "on"
+    spread = _noise_plan(sizes, kind, spread=True, processes=processes)
+    before = _noise_plan(sizes, kind, spread=False, processes=processes)
+    for epoch in range(3):
+        steps = spread.steps(epoch)
+        assert len(steps) == len(before.steps(epoch))
+        trained = [clip for step in steps for clip in _clips_of(step, packed)]
+        assert sorted(trained) == list(range(200))  # every clip once an epoch
+        _assert_noise_follows_its_share(steps, noise, packed)
+        if packed:
+            assert len(spread.windows(epoch)) == len(before.windows(epoch))  # as many passes
+        else:  # only the noise moves
+            order, old_order = spread.items(epoch)[0], before.items(epoch)[0]
+            assert [i for i in order if i not in noise] == [i for i in old_order if i not in noise]
+
+
+@pytest.mark.parametrize("kind", ["off", "on"])
+def test_a_plan_without_spread_is_the_order_older_checkpoints_trained(kind):
+    """A checkpoint whose record does not say "spread" resumes with the noise shuffled in as it
+    trained: unpacked, the order of a shuffling DataLoader seeded (seed + epoch); packed, the
+    windows `packing.plan_windows` planned with the noise among the speech."""
+    sizes = _speech_and_noise(160, 40)
+    plan = _noise_plan(sizes, kind, spread=False)
+    for epoch in range(3):
+        items, _ = plan.items(epoch)
+        if kind == "off":
+            loader = torch.utils.data.DataLoader(
+                range(200), shuffle=True, generator=torch.Generator().manual_seed(epoch)
+            )
+            assert items == [int(batch) for batch in loader]
+        else:
+            assert items == packing.plan_windows(
+                sizes, seed=0, epoch=epoch, prefix_tokens=3, max_tokens=448, max_clips=8
+            )
+        assert items != _noise_plan(sizes, kind, spread=True).items(epoch)[0]
+
+
+@pytest.mark.parametrize("kind", ["off", "on"])
+def test_a_spread_plan_is_replayed_exactly_and_replanned_spread_once_a_clip(kind):
+    """The plan is a pure function of the clips, seed and epoch: a resumed run (a new plan of
+    the same clips), and two processes at the same global batch, train every step as the run
+    did; a resume at other clips a step plans the rest of the epoch from the clips the first
+    steps have not trained, each clip once, its noise still dealt evenly."""
+    sizes = _speech_and_noise(160, 40)
+    noise, packed = set(range(160, 200)), kind == "on"
+    plan = _noise_plan(sizes, kind, spread=True)
+    for epoch in range(3):
+        steps = [items_of(step) for step in plan.steps(epoch)]
+        resumed = _noise_plan(sizes, kind, spread=True).steps(epoch)
+        assert [items_of(step) for step in resumed] == steps
+        _assert_noise_follows_its_share(resumed, noise, packed)
+        two = _noise_plan(sizes, kind, spread=True, processes=2).steps(epoch)
+        assert [items_of(step) for step in two] == steps
+    trained = plan.consumed(1, 5, clips_per_step=8, group_by_length=False)
+    rest = _noise_plan(sizes, kind, spread=True, batch=16).steps(1, exclude=trained)
+    replanned = [clip for step in rest for clip in _clips_of(step, packed)]
+    assert sorted([*trained, *replanned]) == list(range(200))
+    _assert_noise_follows_its_share(rest, noise, packed)

@@ -36,6 +36,9 @@ BUILTIN_SET = (
 NONSPEECH_OFF = ("none", "off", "false", "no", "0")
 # Where a run's clips of --nonspeech go (the record's nonspeech placement, resumed as trained):
 # alongside the speech with --packing per-clip (riding in the room its windows leave, none of a
-# step's clips: `packing.plan_windows`), else as clips of the epoch like the speech's.
+# step's clips: `packing.plan_windows`), else spread: as clips of the epoch, dealt evenly
+# through its steps (`step_plan.WholePlan`). As-clips, a record written before spreading: as
+# clips shuffled in with the speech (dealt evenly under --group-by-length alone).
 NONSPEECH_ALONGSIDE = "alongside"
+NONSPEECH_SPREAD = "spread"
 NONSPEECH_AS_CLIPS = "as-clips"

@@ -165,8 +165,9 @@ class DataRecord:
         unrecorded_before=True,
         default=None,
     )
-    # Where --nonspeech's clips go (`choices.NONSPEECH_ALONGSIDE`, `NONSPEECH_AS_CLIPS`; None:
-    # no clips, or a record written before it was kept: placed as clips, as they were then).
+    # Where --nonspeech's clips go (`choices.NONSPEECH_ALONGSIDE`, `NONSPEECH_SPREAD`,
+    # `NONSPEECH_AS_CLIPS`; None: no clips, or a record written before it was kept: placed as
+    # clips, as they were then).
     nonspeech_placement: str | None = decided(
         MUST_EQUAL,
         label="the non-speech clips' placement",

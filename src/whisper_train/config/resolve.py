@@ -22,6 +22,7 @@ from whisper_train.choices import (
     NONSPEECH_ALONGSIDE,
     NONSPEECH_AS_CLIPS,
     NONSPEECH_AUTO,
+    NONSPEECH_SPREAD,
     PER_CLIP,
 )
 from whisper_train.config.options import (
@@ -78,7 +79,7 @@ class DataFacts:
     nonspeech_share: float = 0.0  # its share of each epoch's clips (0: none)
     nonspeech_label: str | None = None  # how its clips are labelled (`labels.NONSPEECH_FORMS`)
     nonspeech_note: str | None = None  # why, when --nonspeech auto or a resume chose
-    nonspeech_placement: str | None = None  # choices.NONSPEECH_ALONGSIDE or _AS_CLIPS
+    nonspeech_placement: str | None = None  # choices.NONSPEECH_ALONGSIDE, _SPREAD or _AS_CLIPS
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ class NonspeechChoice:
     share: float = 0.0
     label: str | None = None
     note: str | None = None
-    placement: str | None = None  # choices.NONSPEECH_ALONGSIDE or _AS_CLIPS (None: no clips)
+    placement: str | None = None  # choices.NONSPEECH_ALONGSIDE, _SPREAD, _AS_CLIPS (None: none)
 
 
 # -- decisions the data phase needs before the record ----------------------------------------
@@ -145,8 +146,8 @@ def choose_nonspeech(
     config: RunConfig, saved: SavedChoices | None = None, packing: str | None = None
 ) -> NonspeechChoice:
     """--nonspeech's source, share, label and placement (alongside the speech with `packing`
-    per-clip, else as clips). Auto mixes the built-in clips into data read
-    whole (the default fine-tune otherwise learns to hear speech in hum and noise:
+    per-clip, else as clips dealt evenly through the steps). Auto mixes the built-in clips into
+    data read whole (the default fine-tune otherwise learns to hear speech in hum and noise:
     BENCHMARKS.md "Text where nobody speaks"); a stream, whose clips cannot be mixed with
     others, trains on its own. A --resume continues as its checkpoint trained where nothing
     else is asked (auto, the share when not given, the label), so that its plan and record
@@ -182,7 +183,7 @@ def choose_nonspeech(
     if saved is not None and saved.nonspeech:  # as its checkpoint placed them: the same plan
         placement = saved.nonspeech_placement or NONSPEECH_AS_CLIPS  # unrecorded: as clips
     else:
-        placement = NONSPEECH_ALONGSIDE if packing == PER_CLIP else NONSPEECH_AS_CLIPS
+        placement = NONSPEECH_ALONGSIDE if packing == PER_CLIP else NONSPEECH_SPREAD
     if not any(notes) and asked == NONSPEECH_AUTO:
         notes[0] = (
             f"nonspeech auto -> {BUILTIN_SET}: noise, hum and tones with empty targets, "

@@ -106,6 +106,7 @@ def plan_windows(
     padding_stride: int = 0,
     max_clips: int | None = None,
     riders: bool = False,
+    spread_nonspeech: bool = False,
 ) -> list[tuple[int, ...]]:
     """The windows of one epoch: tuples of clip indices (in their order in the window).
 
@@ -124,11 +125,17 @@ def plan_windows(
     windows with room left (one a window, last in it, not counted towards `max_clips`), and
     those that find none fill windows of their own (`max_clips` at most: no window has more
     decoder rows than a step's clips and a rider), placed in the order at seeded places
-    (`_ride`).
+    (`_ride`). With `spread_nonspeech` (and no riders), the clips marked `nonspeech` are dealt
+    evenly through the shuffled order of the others before the windows are filled, so that
+    the windows share them about evenly (`step_plan.WholePlan` then orders the windows).
     """
     rng = random.Random(f"{seed}:{epoch}:packing")
     order = [i for i in range(len(clips)) if not (riders and clips[i].nonspeech)]
     rng.shuffle(order)
+    if spread_nonspeech:  # the speech in its order, the noise dealt evenly through it
+        order = dealt_evenly(
+            [i for i in order if clips[i].nonspeech], [i for i in order if not clips[i].nonspeech]
+        )
     windows: list[list[int]] = []
     # per language: open windows as [clip indices, seconds, tokens of their label's body]
     open_windows: dict[str | None, list[list]] = {}
@@ -172,6 +179,22 @@ def plan_windows(
             max_clips=max_clips,
         )
     return [tuple(window) for window in windows]
+
+
+def dealt_evenly(extra: Sequence, order: list) -> list:
+    """`order` with the items of `extra` placed at even intervals through it."""
+    if not extra:
+        return order
+    merged, total = [], len(order) + len(extra)
+    at = iter(math.floor((k + 0.5) * total / len(extra)) for k in range(len(extra)))
+    next_at, rest, placed = next(at), iter(order), iter(extra)
+    for position in range(total):
+        if position == next_at:
+            merged.append(next(placed))
+            next_at = next(at, None)
+        else:
+            merged.append(next(rest))
+    return merged
 
 
 def footprint_seconds(clip: ClipSize, padding_stride: int) -> float:

@@ -323,6 +323,7 @@ def plan_training_data(
     counted: bool,
     process,
     nonspeech_alongside: bool = False,
+    nonspeech_spread: bool = False,
 ) -> TrainingPlan:
     """What every epoch of the training data trains (`step_plan`): a stream's share (counted
     unless not `counted`), else the examples `datasets.train` read whole, shuffled, grouped by
@@ -384,7 +385,8 @@ def plan_training_data(
         packing=packed,
         group_by_length=group_by_length,
         label_lengths=datasets.label_lengths(label_encoder) if group_by_length else None,
-        ungrouped=[i for i, e in enumerate(examples) if is_nonspeech(e)] if group_by_length else (),
+        nonspeech=[i for i, e in enumerate(examples) if is_nonspeech(e)],
+        spread_nonspeech=nonspeech_spread,
     )
     plan.augmenter = augmenter
     return plan

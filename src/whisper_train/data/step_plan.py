@@ -123,20 +123,36 @@ class Packing:
     unreadable: Mapping[int, Skip] = field(default_factory=dict)
 
 
-def _dealt_evenly(extra: Sequence[int], order: list[int]) -> list[int]:
-    """`order` with the items of `extra` placed at even intervals through it."""
-    if not extra:
-        return order
-    merged, total = [], len(order) + len(extra)
-    at = iter(math.floor((k + 0.5) * total / len(extra)) for k in range(len(extra)))
-    next_at, rest, placed = next(at), iter(order), iter(extra)
-    for position in range(total):
-        if position == next_at:
-            merged.append(next(placed))
-            next_at = next(at, None)
-        else:
-            merged.append(next(rest))
-    return merged
+def _noise_dealt_evenly(windows: list[tuple[int, ...]], noise: Sequence[bool]) -> list:
+    """`windows` (clip indices; `noise[i]`: clip i is --nonspeech's) reordered so that the
+    noise they hold is dealt evenly through them: those holding noise, in their order, each
+    placed where the clips so far reach the place its noise has in an even spread (the noise
+    before it and half its own, over the share), and those of speech alone, in their order,
+    between them. The same windows, so the same work: only their order moves."""
+    held = [sum(noise[i] for i in window) for window in windows]
+    clips = sum(len(window) for window in windows)
+    if not any(held):
+        return windows
+    share = sum(held) / clips
+    noisy = [index for index, count in enumerate(held) if count]
+    quiet = [index for index, count in enumerate(held) if not count]
+    order: list[tuple[int, ...]] = []
+    next_noisy = next_quiet = noise_so_far = clips_so_far = 0
+    while len(order) < len(windows):
+        if next_noisy < len(noisy):
+            window = noisy[next_noisy]
+            due = (noise_so_far + held[window] / 2) / share
+            if next_quiet == len(quiet) or clips_so_far + len(windows[window]) / 2 >= due:
+                order.append(windows[window])
+                next_noisy += 1
+                noise_so_far += held[window]
+                clips_so_far += len(windows[window])
+                continue
+        window = quiet[next_quiet]
+        order.append(windows[window])
+        next_quiet += 1
+        clips_so_far += len(windows[window])
+    return order
 
 
 class WholePlan:
@@ -145,9 +161,17 @@ class WholePlan:
     in a resumed run.
 
     `packing`: pack clips into windows (each of at most a step's clips); `group_by_length`:
-    group clips of similar `label_lengths`, but for those in `ungrouped` (--nonspeech's), spread
+    group clips of similar `label_lengths`, but for those in `nonspeech` (--nonspeech's), dealt
     evenly through the steps; neither: a seeded shuffle, the order of a shuffling
     DataLoader seeded with (seed + epoch), as whisper-train's orders always were.
+
+    `spread_nonspeech` (the record's nonspeech placement "spread"): --nonspeech's clips are
+    dealt evenly through the steps whatever the order, so that each step trains about the
+    share asked: unpacked, through the shuffle's order of the speech (`items`); packed
+    without riders, through the order the windows are filled in (`packing.plan_windows`),
+    and the windows then ordered so that the noise they hold follows its share
+    (`_noise_dealt_evenly`). Without it (a record written before), they are shuffled in with
+    the speech, as they were then.
     """
 
     def __init__(
@@ -161,7 +185,8 @@ class WholePlan:
         packing: Packing | None = None,
         group_by_length: bool = False,
         label_lengths: Sequence[int] | None = None,
-        ungrouped: Collection[int] = (),
+        nonspeech: Collection[int] = (),
+        spread_nonspeech: bool = False,
     ):
         self.n_clips = n_clips
         self.batch_size = batch_size
@@ -169,7 +194,8 @@ class WholePlan:
         self.packing = packing
         self.group_by_length = group_by_length
         self.label_lengths = label_lengths
-        self.ungrouped = frozenset(ungrouped)
+        self.nonspeech = frozenset(nonspeech)
+        self.spread_nonspeech = spread_nonspeech
         clips = batch_size * accumulation * processes
         per_micro_batch = batch_size
         if packing is not None:
@@ -202,8 +228,13 @@ class WholePlan:
             padding_stride=packing.padding_stride,
             max_clips=clips_per_step or self.shape.clips,
             riders=packing.riders,
+            spread_nonspeech=self.spread_nonspeech,
         )
-        return windows if kept is None else [tuple(kept[i] for i in w) for w in windows]
+        if kept is not None:
+            windows = [tuple(kept[i] for i in w) for w in windows]
+        if self.spread_nonspeech and not packing.riders:
+            windows = _noise_dealt_evenly(windows, [size.nonspeech for size in sizes])
+        return windows
 
     def items(
         self,
@@ -227,10 +258,10 @@ class WholePlan:
             # Grouped a step at a time: a step's clips are of similar length, so are the
             # micro-batches cut from it, and the order depends on the clips a step asks for
             # alone, not on how they are split (batch x accumulation x processes).
-            # The clips of --nonspeech (`ungrouped`) are left out of the grouping, which would
-            # sort their short labels into steps of noise alone, and dealt evenly through the
-            # grouped order instead: each step trains about the share asked.
-            speech = [i for i in kept if i not in self.ungrouped]
+            # The clips of --nonspeech are left out of the grouping, which would sort their
+            # short labels into steps of noise alone, and dealt evenly through the grouped
+            # order instead (whatever the placement): each step trains about the share asked.
+            speech = [i for i in kept if i not in self.nonspeech]
             grouped = LengthGroupedBatchSampler(
                 [self.label_lengths[i] for i in speech],
                 clips_per_step or self.shape.clips,
@@ -238,7 +269,7 @@ class WholePlan:
             )
             grouped.set_epoch(epoch)
             order = [speech[i] for batch in grouped for i in batch]
-            order = _dealt_evenly([i for i in kept if i in self.ungrouped], order)
+            order = packing_module.dealt_evenly([i for i in kept if i in self.nonspeech], order)
         else:
             # The order of any epoch is known without replaying the ones before it: that of a
             # shuffling DataLoader whose generator is seeded (seed + epoch), which draws its
@@ -246,6 +277,13 @@ class WholePlan:
             generator = torch.Generator().manual_seed(self.seed + epoch)
             torch.empty((), dtype=torch.int64).random_(generator=generator)
             order = [kept[i] for i in torch.randperm(len(kept), generator=generator).tolist()]
+            if self.spread_nonspeech and self.nonspeech:
+                # The speech in the shuffle's order, the noise in its own, dealt evenly through
+                # it: only the noise moves. Shuffled in, a step held as many as it happened to.
+                order = packing_module.dealt_evenly(
+                    [i for i in order if i in self.nonspeech],
+                    [i for i in order if i not in self.nonspeech],
+                )
         return order, [1] * len(order)
 
     def steps(self, epoch: int, *, exclude: Collection[int] = ()) -> list[Step]:
@@ -288,9 +326,15 @@ class WholePlan:
         items, counts = self.items(0)
         steps = plan_steps(items, counts, self.shape)
         text = f"{self.n_clips} clips"
+        noise = (
+            len(self.nonspeech)
+            if self.packing is None
+            else sum(size.nonspeech for size in self.packing.clip_sizes)
+        )
         if self.packing is not None and self.packing.riders:
-            noise = sum(size.nonspeech for size in self.packing.clip_sizes)
             text += f" ({noise} of noise riding)"
+        elif self.spread_nonspeech and noise:
+            text += f" ({noise} of noise dealt evenly)"
         if self.packing is not None:
             if self.packing.unreadable:
                 text += f" ({len(self.packing.unreadable)} unreadable, left out)"

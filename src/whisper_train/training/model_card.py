@@ -21,7 +21,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData, try_to_load_fr
 from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
 
 from whisper_train import runfolder
-from whisper_train.choices import NONSPEECH_ALONGSIDE
+from whisper_train.choices import NONSPEECH_ALONGSIDE, NONSPEECH_SPREAD
 from whisper_train.config.record import RunRecord
 from whisper_train.data.examples import Example
 from whisper_train.data.labels import DEFAULT_NONSPEECH_FORM, NONSPEECH_TAUGHT
@@ -384,6 +384,8 @@ def _training_section(
             + (
                 "riding in the room the speech's windows left "
                 if d.nonspeech_placement == NONSPEECH_ALONGSIDE
+                else "dealt evenly through the steps "
+                if d.nonspeech_placement == NONSPEECH_SPREAD
                 else ""
             )
             + "(so that silence stays silent)"

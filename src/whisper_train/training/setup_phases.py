@@ -26,7 +26,7 @@ from transformers import WhisperProcessor, get_scheduler
 
 from whisper_train import doctor, memory, runfolder
 from whisper_train.audio import CHUNK_LENGTH
-from whisper_train.choices import NONSPEECH_ALONGSIDE
+from whisper_train.choices import NONSPEECH_ALONGSIDE, NONSPEECH_SPREAD
 from whisper_train.config.record import RunRecord
 from whisper_train.config.resolve import (
     DataFacts,
@@ -167,6 +167,7 @@ def gather_facts(
         counted=t.max_steps is None,
         process=process,
         nonspeech_alongside=alongside,
+        nonspeech_spread=nonspeech.placement == NONSPEECH_SPREAD,
     )
     data = DataFacts(
         packing=packing,

@@ -246,6 +246,21 @@ def test_loader_workers_do_not_change_what_a_step_trains(tmp_path, tiny_run_conf
     np.testing.assert_allclose(losses[1], losses[0], rtol=0, atol=SAME_RUN_LOSS_ATOL)
 
 
+def test_a_grouped_checkpoint_resumes_ungrouped_from_the_clips_its_steps_left(
+    tmp_path, tiny_run_config, capsys
+):
+    """--group-by-length dropped on a --resume re-plans the rest of the epoch from the clips
+    the checkpoint's grouped steps did not train; it stopped with a TypeError (the clips'
+    label lengths were counted for a grouped run alone)."""
+    data = write_tone_dataset(tmp_path / "data", n=16)
+    common = {"data": str(data), "eval_split": 0.0, "batch_size": 4, "packing": "off"}
+    train(tiny_run_config(group_by_length=True, max_steps=1, save_steps=1, **common))
+    capsys.readouterr()
+    result = train(tiny_run_config(max_steps=3, resume="latest", **common))
+    assert "epoch 0: its other 12 clips planned anew, 3 steps of 4 clips" in capsys.readouterr().out
+    assert result.final_step == 3
+
+
 def _speech_and_noise(n_speech: int, n_noise: int, seed: int = 0) -> list[ClipSize]:
     """Speech clips of 3-5 s (the default path's usual) and --nonspeech pieces of 0.5-2 s."""
     rng = random.Random(seed)

@@ -384,7 +384,9 @@ def plan_training_data(
         seed=seed,
         packing=packed,
         group_by_length=group_by_length,
-        label_lengths=datasets.label_lengths(label_encoder) if group_by_length else None,
+        # Counted by screening, and needed without --group-by-length too: a resume re-plans
+        # from what a grouped checkpoint's steps trained (`WholePlan.consumed`).
+        label_lengths=datasets.label_lengths(label_encoder),
         nonspeech=[i for i, e in enumerate(examples) if is_nonspeech(e)],
         spread_nonspeech=nonspeech_spread,
     )

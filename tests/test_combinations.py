@@ -95,10 +95,10 @@ FACTORS: dict[str, tuple] = {
     # --group-by-length: a step's clips drawn by label length (the noise of --nonspeech dealt
     # evenly through the steps, `step_plan.WholePlan`); a step here holds all the data either way
     "grouped": (False, True),
-    # --quantize-base: LoRA's frozen base as loaded, or in bitsandbytes' 4-bit NF4 layers (its
-    # twin holds it so too; final/ is the adapters merged into the original weights). 8 bits:
-    # tests/test_quantized_base.py.
-    "quantize": ("none", "nf4"),
+    # --quantize-base: LoRA's frozen base as loaded, or in bitsandbytes' 8-bit (int8) or 4-bit
+    # NF4 layers (its twin holds it so too; final/ is the adapters merged into the original
+    # weights)
+    "quantize": ("none", "int8", "nf4"),
     # --teacher (distillation): the tiny model teaches a student of 1 of its 2 decoder layers
     # (--decoder-layers 1) on CE + KL at T=2; its twin distils too
     "distill": (False, True),
@@ -131,6 +131,10 @@ REFUSED: dict[tuple[tuple[str, object], tuple[str, object]], tuple[str, ...]] = 
     (("mode", "freeze-encoder"), ("quantize", "nf4")): ("--quantize-base nf4", "--mode lora"),
     (("fsdp", True), ("quantize", "nf4")): ("--quantize-base nf4", "--fsdp"),
     (("cache", True), ("quantize", "nf4")): ("--quantize-base nf4", "--no-cache-encoder"),
+    (("mode", "full"), ("quantize", "int8")): ("--quantize-base int8", "--mode full"),
+    (("mode", "freeze-encoder"), ("quantize", "int8")): ("--quantize-base int8", "--mode lora"),
+    (("fsdp", True), ("quantize", "int8")): ("--quantize-base int8", "--fsdp"),
+    (("cache", True), ("quantize", "int8")): ("--quantize-base int8", "--no-cache-encoder"),
     (("new_language", True), ("distill", True)): ("--new-language eo", "--teacher"),
 }
 # Pairs that mean nothing (no flag to refuse): --lora-targets only matters with --mode lora.
@@ -275,7 +279,8 @@ def row_id(row: dict) -> str:
 # 2 processes (`row_cost`): 8 in 19 rows (seeds 3, 5 and 18: 8 in 20 or 21; the others 9 to 11).
 # With --quantize-base among them, 9 in 22 rows, as cheap as any of seeds 0-16 (1, 3, 4, 10 and
 # 12: 9 in 19 to 21 rows; the others 10 to 13).
-# With --teacher among them, 10 in 23 rows (seeds not compared again).
+# With --teacher among them, 10 in 23 rows (seeds not compared again). With int8 a level of
+# --quantize-base, 10 in 24 rows (5 of them int8; seeds not compared again).
 PAIRWISE = covering_array(2, seed=16)
 
 # -- running a row ---------------------------------------------------------------------------
@@ -973,7 +978,7 @@ def three_wise() -> list[dict]:
     return covering_array(3)
 
 
-THREE_WISE_ROWS = 82  # with --quantize-base and --teacher among the factors (computed)
+THREE_WISE_ROWS = 92  # with --quantize-base none/int8/nf4 and --teacher (computed)
 
 
 @pytest.mark.slow

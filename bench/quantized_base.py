@@ -9,6 +9,18 @@ side by side on the demo's synthesised speech, for tiny.en or the multilingual b
         --merge-error run-tiny.en-nf4-0 run-tiny.en-int8-0
 
     PYTHONPATH=src .venv/bin/python bench/quantized_base.py --plan small large-v3
+    OMP_NUM_THREADS=1 PYTHONPATH=src .venv/bin/python bench/quantized_base.py --peak-only \
+        --dir /tmp/quantized-base [--model tiny.en|base] [--kinds none nf4] [--repeats 3] \
+        [--steps 3] [--malloc glibc steptrim mmap=65536 mmap=65536,hugetlb trim=131072]
+
+The fourth trains only (whisper-train's CPU defaults: no checkpointing; nothing scored), each
+run in a fresh process, --repeats times per base and C allocator setting, and prints peak
+resident memory (during the steps, and for the whole run with final/) and CPU seconds a step
+(user + system of every thread; the first step apart, as it warms up), mean and spread. The
+allocator settings: glibc (its defaults, as whisper-train runs), steptrim (glibc's defaults,
+its free pages handed back after each step by `memory.return_freed_memory`), mmap=N (the
+environment's MALLOC_MMAP_THRESHOLD_=N), trim=N (MALLOC_TRIM_THRESHOLD_=N) and hugetlb
+(GLIBC_TUNABLES=glibc.malloc.hugetlb=1: transparent huge pages), joined by commas.
 
 The third prints the planner's peak for each size's default LoRA (batch 1, full
 checkpointing, bf16, AdamW, 448 label tokens) with the base as loaded, in int8 and in nf4,
@@ -34,8 +46,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -113,6 +127,141 @@ def one_run(args) -> None:
     figures["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     figures.update(scores(str(args.out / "final"), args))
     print("FIGURES " + json.dumps(figures), flush=True)
+
+
+def peak_run(args) -> None:
+    """A child of --peak-only: train only; one JSON line of its peaks and CPU seconds a step."""
+    import contextlib
+    import io
+
+    from whisper_train.config import RunConfig
+    from whisper_train.memory import host
+    from whisper_train.training.recipe import FineTuneRecipe
+    from whisper_train.training.train import train
+
+    step_cpu: list[float] = []
+    step_peaks: list[float] = []
+    train_peak: list[float] = []
+    timed_step, timed_loop = FineTuneRecipe._train_step, FineTuneRecipe.train
+
+    def cpu_seconds() -> float:
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        return own.ru_utime + own.ru_stime
+
+    def step(recipe, micro_batches):
+        before = cpu_seconds()
+        try:
+            return timed_step(recipe, micro_batches)
+        finally:
+            if args.malloc == "steptrim":
+                host.return_freed_memory()
+            step_cpu.append(cpu_seconds() - before)
+            step_peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+    def loop(recipe):
+        try:
+            return timed_loop(recipe)
+        finally:
+            train_peak.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+    FineTuneRecipe._train_step, FineTuneRecipe.train = step, loop
+    config = RunConfig()
+    config.update(
+        {
+            "data": str(args.data / "train"),
+            "model": args.model,
+            "language": "en",
+            "mode": "lora",
+            "quantize_base": args.kind,
+            "max_steps": args.steps,
+            "batch_size": args.batch_size,
+            "only_train": True,
+            "output_dir": str(args.out),
+            "overwrite": True,
+            "seed": args.seed,
+            "report_to": ["none"],
+            "nonspeech": args.nonspeech,
+        }
+    )
+    with contextlib.redirect_stdout(io.StringIO()):
+        train(config)
+    figures = {
+        "kind": args.kind,
+        "malloc": args.malloc,
+        "train_peak_mib": train_peak[0],
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "first_step_cpu": step_cpu[0],
+        "step_cpu": sum(step_cpu[1:]) / max(1, len(step_cpu) - 1),
+        "step_peaks_mib": step_peaks,
+    }
+    print("FIGURES " + json.dumps(figures), flush=True)
+
+
+def malloc_environment(setting: str) -> dict[str, str]:
+    """The child's environment for an allocator setting (`--malloc`'s)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+    }
+    for part in setting.split(","):
+        if part == "hugetlb":  # transparent huge pages for what malloc takes from the system
+            env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
+        elif "=" in part:
+            name, value = part.split("=")
+            env[{"mmap": "MALLOC_MMAP_THRESHOLD_", "trim": "MALLOC_TRIM_THRESHOLD_"}[name]] = value
+    return env
+
+
+def spread(values: list[float], digits: int) -> str:
+    mean = sum(values) / len(values)
+    return f"{mean:.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+
+
+def peak_table(args) -> None:
+    """--peak-only: every (base, allocator setting) --repeats times, round-robin so that a
+    busy spell of the machine falls on all of them alike."""
+    print(
+        f"{args.model}, LoRA defaults on the CPU (no checkpointing), batch {args.batch_size}, "
+        f"{args.steps} steps, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}; "
+        f"{args.repeats} fresh processes each; mean (min–max)"
+    )
+    print(
+        "| base | allocator | peak RSS, steps (MiB) | peak RSS, run (MiB) | CPU s, step 1 | "
+        "CPU s/step after |"
+    )
+    print("|---|---|---:|---:|---:|---:|", flush=True)
+    runs: dict[tuple[str, str], list[dict]] = {}
+    variants = [(kind, setting) for kind in args.kinds for setting in args.malloc_settings]
+    data, out = args.dir / "data", args.dir / "peak-run"
+    for repeat in range(args.repeats):
+        for kind, setting in variants:
+            argv = [sys.executable, __file__, "--one", "--peak-only", "--data", str(data)]
+            argv += ["--model", args.model, "--steps", str(args.steps), "--kind", kind]
+            argv += ["--batch-size", str(args.batch_size), "--malloc", setting]
+            argv += ["--nonspeech", args.nonspeech, "--out", str(out)]
+            shutil.rmtree(out, ignore_errors=True)  # a run's final/ each, none kept
+            done = subprocess.run(
+                argv, capture_output=True, text=True, env=malloc_environment(setting)
+            )
+            if done.returncode != 0:
+                raise SystemExit(f"{argv}: exit {done.returncode}\n{done.stderr[-3000:]}")
+            line = next(x for x in done.stdout.splitlines()[::-1] if x.startswith("FIGURES "))
+            f = json.loads(line.removeprefix("FIGURES "))
+            runs.setdefault((kind, setting), []).append(f)
+            print(
+                f"<!-- {repeat} {kind} {setting}: {f['train_peak_mib']:.0f} "
+                f"{f['peak_rss_mib']:.0f} {f['first_step_cpu']:.2f} {f['step_cpu']:.2f}; "
+                f"peak after each step {' '.join(f'{x:.0f}' for x in f['step_peaks_mib'])} -->",
+                flush=True,
+            )
+    for (kind, setting), done in runs.items():
+        print(
+            f"| {kind} | {setting} | {spread([f['train_peak_mib'] for f in done], 0)} | "
+            f"{spread([f['peak_rss_mib'] for f in done], 0)} | "
+            f"{spread([f['first_step_cpu'] for f in done], 2)} | "
+            f"{spread([f['step_cpu'] for f in done], 2)} |"
+        )
 
 
 def dequantized(weight, kind: str):
@@ -282,6 +431,17 @@ def main() -> None:
     )
     parser.add_argument("--plan", nargs="*", metavar="SIZE", help="planned peaks, e.g. large-v3")
     parser.add_argument(
+        "--peak-only", action="store_true", help="train only: peak memory and CPU s a step"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="--peak-only: runs per variant")
+    parser.add_argument(
+        "--malloc",
+        dest="malloc_settings",
+        nargs="*",
+        default=["glibc", "mmap=65536"],
+        help="--peak-only: C allocator settings (glibc, steptrim, mmap=N, trim=N, hugetlb; a,b)",
+    )
+    parser.add_argument(
         "--merge-error", nargs="*", metavar="RUN", help="runs (under --dir) to measure merging on"
     )
     # a child's own options
@@ -291,6 +451,10 @@ def main() -> None:
     parser.add_argument("--kind", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.one and args.peak_only:
+        args.malloc = args.malloc_settings[0]
+        peak_run(args)
+        return
     if args.one:
         one_run(args)
         return
@@ -309,6 +473,17 @@ def main() -> None:
     from whisper_train.demo import prepare_demo_data
 
     started = time.perf_counter()
+    if args.peak_only:
+        prepare_demo_data(
+            args.dir / "data",
+            train_utterances=args.batch_size * args.steps,
+            eval_utterances=8,
+            guard_utterances=8,
+            seed=0,
+        )
+        peak_table(args)
+        print(f"\n{time.perf_counter() - started:.0f} s in all")
+        return
     prepare_demo_data(
         args.dir / "data",
         train_utterances=args.train,

@@ -92,7 +92,6 @@ def one_run(args) -> None:
     import contextlib
     import io
 
-    from whisper_train.config import RunConfig
     from whisper_train.training.train import train
 
     figures = {"kind": args.kind, "seed": args.seed}
@@ -100,25 +99,7 @@ def one_run(args) -> None:
         figures.update(scores(args.model, args))
         print("FIGURES " + json.dumps(figures), flush=True)
         return
-    config = RunConfig()
-    config.update(
-        {
-            "data": str(args.data / "train"),
-            "model": args.model,
-            "language": "en",
-            "mode": "lora",
-            "quantize_base": args.kind,
-            "max_steps": args.steps,
-            "batch_size": args.batch_size,
-            "gradient_checkpointing": "full",
-            "only_train": True,
-            "output_dir": str(args.out),
-            "overwrite": True,
-            "seed": args.seed,
-            "report_to": ["none"],
-            "nonspeech": args.nonspeech,
-        }
-    )
+    config = lora_run_config(args, gradient_checkpointing="full")
     said = io.StringIO()
     with contextlib.redirect_stdout(said):
         train(config)
@@ -129,12 +110,38 @@ def one_run(args) -> None:
     print("FIGURES " + json.dumps(figures), flush=True)
 
 
+def lora_run_config(args, **settings):
+    """The run both children train: the default LoRA on a base held as args.kind, speech and
+    args.nonspeech, nothing scored while it trains; `settings` on top."""
+    from whisper_train.config import RunConfig
+
+    config = RunConfig()
+    config.update(
+        {
+            "data": str(args.data / "train"),
+            "model": args.model,
+            "language": "en",
+            "mode": "lora",
+            "quantize_base": args.kind,
+            "max_steps": args.steps,
+            "batch_size": args.batch_size,
+            "only_train": True,
+            "output_dir": str(args.out),
+            "overwrite": True,
+            "seed": args.seed,
+            "report_to": ["none"],
+            "nonspeech": args.nonspeech,
+            **settings,
+        }
+    )
+    return config
+
+
 def peak_run(args) -> None:
     """A child of --peak-only: train only; one JSON line of its peaks and CPU seconds a step."""
     import contextlib
     import io
 
-    from whisper_train.config import RunConfig
     from whisper_train.memory import host
     from whisper_train.training.recipe import FineTuneRecipe
     from whisper_train.training.train import train
@@ -165,24 +172,7 @@ def peak_run(args) -> None:
             train_peak.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
     FineTuneRecipe._train_step, FineTuneRecipe.train = step, loop
-    config = RunConfig()
-    config.update(
-        {
-            "data": str(args.data / "train"),
-            "model": args.model,
-            "language": "en",
-            "mode": "lora",
-            "quantize_base": args.kind,
-            "max_steps": args.steps,
-            "batch_size": args.batch_size,
-            "only_train": True,
-            "output_dir": str(args.out),
-            "overwrite": True,
-            "seed": args.seed,
-            "report_to": ["none"],
-            "nonspeech": args.nonspeech,
-        }
-    )
+    config = lora_run_config(args)  # train's CPU default: no checkpointing
     with contextlib.redirect_stdout(io.StringIO()):
         train(config)
     figures = {
